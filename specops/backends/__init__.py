@@ -1,0 +1,1 @@
+"""Built-in backends. Each module is a specops plugin registered through the ``specops`` entry points."""

@@ -1,0 +1,169 @@
+"""What every backend provides, and the plan it renders.
+
+A backend is an object registered through the ``specops_backends`` hook. It knows its name, the methods
+it can run, how to find and probe its engine, how to render a :class:`LaunchPlan` for a profile, where
+health and metrics live, and how to read acceptance from its metrics. Rendering is pure: the same profile
+and :class:`EngineInfo` always give the byte-identical plan.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from ..methods import Method
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The engine a plan is rendered for: its version, how to invoke it, and which flags it knows."""
+
+    backend: str
+    version: str
+    source: str                                  # where the version came from, for messages
+    invocation: tuple[str, ...] = ()             # program prefix, e.g. ("vllm", "serve") or (python, "-m", ...)
+    flags: frozenset[str] | None = None          # flags the binary's --help lists (None: not probed)
+    executable: str | None = None                # resolved program path when probed
+    flag_values: dict = field(default_factory=dict, compare=False, hash=False)  # flag -> values its help lists
+
+    def knows(self, flag: str) -> bool | None:
+        """Whether the probed binary lists ``flag``; None when the flag set is unknown."""
+        return None if self.flags is None else flag in self.flags
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Exactly what will be executed: argv, extra environment, and where the engine will answer."""
+
+    backend: str
+    engine_version: str
+    method: Method
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    host: str
+    port: int
+    health_path: str = "/health"
+    metrics_path: str = "/metrics"
+    model_name: str = ""                         # the name the engine reports in metrics and /v1/models
+    secrets: tuple[str, ...] = field(default=(), repr=False)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def base_url(self) -> str:
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        return self.base_url + self.health_path
+
+    @property
+    def metrics_url(self) -> str:
+        return self.base_url + self.metrics_path
+
+    def redact(self, text: str) -> str:
+        """``text`` with every secret of this plan replaced by ``***``."""
+        for secret in sorted(self.secrets, key=len, reverse=True):
+            if secret:
+                text = text.replace(secret, "***")
+        return text
+
+    def shell(self) -> str:
+        """A POSIX shell line (environment assignments, then the command); secrets redacted."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
+        return self.redact((env + " " if env else "") + shlex.join(self.argv))
+
+    def to_dict(self) -> dict:
+        """A JSON-ready description; secrets redacted."""
+        return {
+            "backend": self.backend,
+            "engine_version": self.engine_version,
+            "method": self.method.value,
+            "argv": [self.redact(a) for a in self.argv],
+            "env": {k: self.redact(v) for k, v in self.env},
+            "url": self.base_url,
+            "health_url": self.health_url,
+            "metrics_url": self.metrics_url,
+            "model_name": self.model_name,
+            "notes": list(self.notes),
+        }
+
+
+class RenderError(ValueError):
+    """The profile cannot be rendered for this engine version; the message says why and what to do."""
+
+    def __init__(self, path: tuple, message: str):
+        self.path = path
+        super().__init__(message)
+
+
+class Backend:
+    """Base class for backends. Subclasses set the class attributes and override the methods."""
+
+    name: str = ""
+    methods: frozenset[Method] = frozenset()
+    health_path = "/health"
+    metrics_path = "/metrics"
+    #: One line that tells an operator how to get the engine when it is missing.
+    install_hint: str = ""
+
+    def check_profile(self, profile) -> Iterable[tuple[tuple, str]]:
+        """Backend-specific rules: yield ``(field_path, message)`` for each problem."""
+        return ()
+
+    def engine_info(self, profile, version: str | None = None, *, probe: bool = True) -> EngineInfo:
+        """Which engine to render for: ``version`` if given, else ``engine.version``, else probe it."""
+        raise NotImplementedError
+
+    def render(self, profile, engine: EngineInfo, *, host: str | None = None, port: int | None = None) -> LaunchPlan:
+        """The plan for ``profile`` on ``engine``; binds ``host:port`` (default: the profile's server)."""
+        raise NotImplementedError
+
+    def acceptance_counters(self, families) -> dict | None:
+        """Spec-decode counters from parsed /metrics (``drafts``, ``draft_tokens``, ``accepted``, per position).
+
+        ``None`` means the engine exposes no speculative counters (speculation off or stats disabled).
+        """
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+def flag_of(arg: str) -> str | None:
+    """``--port=8000`` → ``--port``; a value (not a flag) → None. Negative numbers are values."""
+    if not arg.startswith("-") or arg == "-" or arg[1:2].isdigit():
+        return None
+    return arg.split("=", 1)[0]
+
+
+def check_extra_args(extra: list[str], rendered: tuple[str, ...], aliases: list[frozenset[str]],
+                     forbidden: dict[str, str] | None = None, known: frozenset[str] | None = None) -> None:
+    """Refuse extra args that contradict the rendered flags, are forbidden, or the engine does not know.
+
+    ``aliases`` lists groups of spellings of the same flag (``-tp``/``--tensor-parallel-size``).
+    """
+    def group(flag: str) -> frozenset[str]:
+        for g in aliases:
+            if flag in g:
+                return g
+        return frozenset({flag})
+
+    taken = {f for f in map(flag_of, rendered) if f}
+    for i, arg in enumerate(extra):
+        flag = flag_of(arg)
+        if flag is None:
+            continue
+        path = ("server", "extra_args", i)
+        if forbidden and flag in forbidden:
+            raise RenderError(path, f"{flag}: {forbidden[flag]}")
+        clash = sorted(group(flag) & taken)
+        if clash:
+            raise RenderError(path, f"{flag} contradicts {clash[0]}, which specops renders from the profile; "
+                                    f"set the profile field instead")
+        if known is not None and not (group(flag) & known):
+            raise RenderError(path, f"{flag} is not an option of this engine build (not in its --help)")

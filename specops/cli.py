@@ -1,0 +1,106 @@
+"""The ``specops`` command line: a thin click layer over the library.
+
+Commands live in ``specops/commands/<name>.py`` and are imported only when invoked, so ``specops
+validate`` and ``specops render`` stay fast on a CI runner (no HTTP client, no Prometheus client, no
+engine is imported for them). Every foreseeable failure is a :class:`SpecopsError`: printed as clear
+lines on stderr with exit code 1 (2 for usage errors), never as a traceback.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import click
+
+from . import __version__
+from .errors import ProfileError, SpecopsError
+
+#: command name -> "module:function" (the module under specops.commands); ordered as shown in --help.
+COMMANDS = {
+    "validate": "validate:validate",
+    "render": "render:render",
+    "resolve": "resolve:resolve",
+    "lock": "resolve:lock",
+    "up": "up:up",
+    "status": "status:status",
+    "down": "status:down",
+    "watch": "watch:watch",
+    "advise": "advise:advise",
+    "bench": "bench:bench",
+    "tune": "tune:tune",
+    "engines": "engines:engines",
+    "schema": "schema:schema",
+    "plugins": "plugins:plugins",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx):
+        return [name for name in COMMANDS if self._spec(name)]
+
+    def get_command(self, ctx, name):
+        spec = self._spec(name)
+        if spec is None:
+            return None
+        module, _, attr = spec.partition(":")
+        return getattr(importlib.import_module(f"specops.commands.{module}"), attr)
+
+    @staticmethod
+    def _spec(name):
+        spec = COMMANDS.get(name)
+        if spec is None:
+            return None
+        module = spec.partition(":")[0]
+        return spec if importlib.util.find_spec(f"specops.commands.{module}") is not None else None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, "--version", prog_name="specops")
+def cli():
+    """Run speculative decoding safely in production on vLLM and llama.cpp.
+
+    \b
+    A profile (YAML, kept in git) names the target model, the draft method and the GPU layout.
+    specops validates it, renders the exact engine command for the installed engine version,
+    launches and supervises the engine, watches the draft acceptance rate and falls back
+    (EAGLE -> n-gram -> no speculation) when it drops, without losing client requests.
+
+    \b
+    Examples:
+      specops validate profiles/                 # check every profile (CI)
+      specops render profiles/llama31-8b-eagle3.yaml --backend-version 0.32.0
+      specops up examples/vllm-cpu-ngram.yaml    # launch, supervise, fall back
+    """
+
+
+def main(argv=None) -> None:
+    """Console entry point: runs the CLI and turns SpecopsError into clean output and exit codes."""
+    try:
+        cli.main(args=argv, prog_name="specops", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except ProfileError as exc:
+        for problem in exc.problems:
+            click.echo(f"error: {problem}", err=True)
+        sys.exit(exc.exit_code)
+    except SpecopsError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

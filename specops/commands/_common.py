@@ -1,0 +1,21 @@
+"""Options and helpers shared by several commands."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..plugins import get_registry
+from ..profile import LoadedProfile, load_profile
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+profile_argument = click.argument("profile", type=click.Path(dir_okay=False, path_type=str))
+
+
+def load(path: str) -> LoadedProfile:
+    """Load and validate a profile with the installed plugins (raises a located ProfileError)."""
+    return load_profile(path, registry=get_registry())
+
+
+def echo_json(data) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))

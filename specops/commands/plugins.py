@@ -1,0 +1,31 @@
+"""``specops plugins``: which backends are installed, what they support, and where they come from."""
+from __future__ import annotations
+
+import click
+
+from ..plugins import get_registry
+from ._common import echo_json, json_option
+
+
+@click.command()
+@json_option
+def plugins(as_json):
+    """List the backends the installed plugins provide, with their methods and origin.
+
+    Built-in backends (vllm, llamacpp) register through the same `specops` entry-point group as
+    third-party plugins.
+
+    \b
+    Example:
+      specops plugins --json
+    """
+    reg = get_registry()
+    rows = [{"backend": name, "methods": sorted(m.value for m in b.methods), "origin": reg.origins[name],
+             "health_path": b.health_path, "metrics_path": b.metrics_path}
+            for name, b in sorted(reg.backends.items())]
+    if as_json:
+        echo_json(rows)
+        return
+    for r in rows:
+        click.echo(f"{r['backend']:<10} {r['origin']}")
+        click.echo(f"{'':<10} methods: {', '.join(r['methods'])}")

@@ -1,0 +1,129 @@
+"""``specops validate``: check profiles (files and directories) the way CI should."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import Location, Problem, ProfileError, SpecopsError
+from ..plugins import get_registry
+from ..profile import load_profile
+from ..yamlsource import parse
+from ._common import echo_json
+
+PROFILE_SUFFIXES = (".yaml", ".yml")
+
+
+def collect(paths: list[str]) -> tuple[list[Path], list[Path]]:
+    """Profiles to validate, and base files skipped because other files extend them.
+
+    A directory is searched recursively for ``*.yaml``/``*.yml``; a file that another file in the same
+    search names in ``extends:`` is a partial base, checked through the profiles that extend it.
+    """
+    files: list[Path] = []
+    explicit: set[Path] = set()
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.suffix in PROFILE_SUFFIXES and f.is_file())
+        else:
+            files.append(p)
+            explicit.add(p)
+    bases: set[Path] = set()
+    for f in files:
+        for parent in _extends_of(f):
+            bases.add((f.parent / parent).resolve())
+    profiles = [f for f in files if f in explicit or f.resolve() not in bases]
+    skipped = [f for f in files if f not in profiles]
+    return profiles, skipped
+
+
+def _extends_of(path: Path) -> list[str]:
+    try:
+        doc = parse(path.read_text(encoding="utf-8"), str(path), env={})
+    except (SpecopsError, OSError, UnicodeDecodeError):
+        return []
+    ext = doc.data.get("extends")
+    return [ext] if isinstance(ext, str) else [e for e in ext if isinstance(e, str)] if isinstance(ext, list) else []
+
+
+@click.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "github"]), default="text", show_default=True,
+              help="text for people; json for scripts; github for GitHub Actions annotations.")
+@click.option("--resolve", "do_resolve", is_flag=True,
+              help="Also resolve drafts and run the compatibility checks (uses the Hub unless offline).")
+@click.option("--offline", is_flag=True, help="With --resolve: use only the lock file, the HF cache and the catalog.")
+def validate(paths, fmt, do_resolve, offline):
+    """Validate profiles: schema, cross-field rules and backend support, with file:line:column errors.
+
+    PATHS may be files or directories (searched recursively for *.yaml / *.yml; files that other
+    profiles `extends` are checked through them). Exit code 1 when any profile has an error.
+
+    \b
+    Examples:
+      specops validate profiles/
+      specops validate --format github deploy/*.yaml      # annotations in GitHub Actions
+    """
+    registry = get_registry()
+    profiles, skipped = collect(list(paths))
+    results = []
+    for path in profiles:
+        problems: list[Problem] = []
+        warnings: list[Problem] = []
+        summary = {}
+        try:
+            loaded = load_profile(path, registry=registry)
+            p = loaded.profile
+            summary = {"name": p.name, "backend": p.backend, "method": p.speculative.method.value}
+            if do_resolve:
+                from ..resolve.check import check_loaded  # the resolver pulls in the Hub client: only when asked
+                for finding in check_loaded(loaded, offline=offline):
+                    target = problems if finding.severity == "error" else warnings
+                    target.append(loaded.problem(finding.path, finding.message))
+        except ProfileError as exc:
+            problems = exc.problems
+        except SpecopsError as exc:
+            problems = [Problem(Location(str(path), 1, 1), "", str(exc))]
+        results.append({"file": str(path), "ok": not problems, **summary,
+                        "errors": [p.to_dict() for p in problems], "warnings": [w.to_dict() for w in warnings]})
+
+    if not profiles:
+        raise SpecopsError(f"no profiles found in {', '.join(paths)} (looked for *.yaml, *.yml)")
+    if fmt == "json":
+        echo_json({"ok": all(r["ok"] for r in results), "profiles": results,
+                   "skipped_bases": [str(s) for s in skipped]})
+    elif fmt == "github":
+        for r in results:
+            for kind, items in (("error", r["errors"]), ("warning", r["warnings"])):
+                for e in items:
+                    where = f"file={e['file'] or r['file']},line={e['line'] or 1},col={e['column'] or 1}"
+                    msg = (f"{e['field']}: " if e["field"] else "") + e["message"]
+                    click.echo(f"::{kind} {where},title=specops::{_gh_escape(msg)}")
+        bad = sum(not r["ok"] for r in results)
+        click.echo(f"specops: {len(results) - bad} valid, {bad} invalid", err=True)
+    else:
+        for r in results:
+            if r["ok"]:
+                click.echo(f"ok      {r['file']}  ({r['backend']}, {r['method']})")
+            for e in r["errors"]:
+                click.echo(f"error   {_line(e)}")
+            for w in r["warnings"]:
+                click.echo(f"warning {_line(w)}")
+        for s in skipped:
+            click.echo(f"base    {s}  (checked through the profiles that extend it)")
+        bad = sum(not r["ok"] for r in results)
+        click.echo(f"{len(results) - bad} valid, {bad} invalid", err=True)
+    if not all(r["ok"] for r in results):
+        raise SystemExit(1)
+
+
+def _line(e: dict) -> str:
+    where = f"{e['file']}:{e['line']}:{e['column']}: " if e["file"] else ""
+    return where + (f"{e['field']}: " if e["field"] else "") + e["message"]
+
+
+def _gh_escape(text: str) -> str:
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+

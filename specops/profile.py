@@ -1,0 +1,431 @@
+"""The profile: one deployment described in YAML, validated by pydantic models.
+
+These classes are the single source of truth for the profile: validation, defaults, the JSON Schema
+(`specops schema`) and the field reference in the README all come from them. Cross-field rules that
+need to point at a precise field live in :func:`semantic_problems` so every error carries a field path
+that :mod:`specops.yamlsource` maps back to file:line:column.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, get_args
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
+
+from .durations import parse_duration
+from .errors import Problem, ProfileError
+from .methods import DEFAULT_K, NEEDS_DRAFT, Method, default_chain
+from .yamlsource import Document, format_path
+from . import yamlsource
+
+Duration = Annotated[
+    float,
+    BeforeValidator(parse_duration),
+    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0},
+                              {"type": "string", "pattern": r"^\s*(\d+(\.\d+)?(ms|s|m|h|d)?)+\s*$"}],
+                    "description": "seconds, or a duration such as 500ms, 30s, 10m, 1h30m"}),
+]
+
+
+class Section(BaseModel):
+    """Base for every profile section: unknown keys are errors (a typo must never be ignored)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class EngineSpec(Section):
+    """Where the engine comes from and which version to render for."""
+
+    version: str | None = Field(None, description="Engine version to render for (e.g. `0.32.0` for vLLM, "
+                                "a build number such as `b6500` for llama-server). Unset: probe the installed engine.")
+    executable: str | None = Field(None, description="Path to the engine program (`vllm` or `llama-server`). "
+                                   "Unset: search PATH and the specops engine cache.")
+    python: str | None = Field(None, description="vLLM only: a Python interpreter or virtualenv directory "
+                               "that has vLLM installed; specops runs `python -m vllm.entrypoints.openai.api_server`.")
+    ready_timeout: Duration = Field(600.0, description="How long the engine may take to answer `/health` "
+                                    "with 200 before the launch counts as failed.")
+
+
+class ModelSpec(Section):
+    """The target model that serves the requests."""
+
+    id: str = Field(..., min_length=1, description="Hugging Face repo id (`org/name`), a local directory, "
+                    "or for llama.cpp a local `.gguf` file or a GGUF repo id with `file`/`quantization`.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the target.")
+    file: str | None = Field(None, description="llama.cpp: the `.gguf` file inside a Hub repo.")
+    quantization: str | None = Field(None, description="vLLM `--quantization`; llama.cpp: which GGUF quant to pick "
+                                     "from a Hub repo (e.g. `Q4_K_M`).")
+    max_model_len: int | None = Field(None, gt=0, description="Context length to serve (vLLM `--max-model-len`, "
+                                      "llama.cpp `-c`). Also checked against the draft's trained context.")
+    dtype: str = Field("auto", description="vLLM `--dtype` (auto, float16, bfloat16, float32).")
+    served_name: str | None = Field(None, description="Name clients use in requests (`--served-model-name` / "
+                                    "`--alias`). Unset: the engine's default.")
+    trust_remote_code: bool = Field(False, description="vLLM `--trust-remote-code`.")
+
+
+class NgramSpec(Section):
+    """Prompt-lookup (n-gram) drafting: propose the tokens that followed the last n-gram in the context."""
+
+    min: int = Field(2, ge=1, description="Shortest n-gram to match (vLLM `prompt_lookup_min`).")
+    max: int = Field(5, ge=1, description="Longest n-gram to match (vLLM `prompt_lookup_max`).")
+    type: str | None = Field(None, description="llama.cpp n-gram implementation: `ngram-mod` (default), "
+                             "`ngram-simple`, `ngram-map-k`, `ngram-map-k4v` or `ngram-cache`.")
+
+
+class ChainStep(Section):
+    """One step of the fallback chain. A bare method name is shorthand for `{method: NAME}`."""
+
+    method: Method = Field(..., description="Method of this step (`auto` is not allowed here).")
+    draft: str | None = Field(None, description="Draft for this step when it needs one (`draft_model`, `eagle`, ...).")
+    num_speculative_tokens: int | None = Field(None, ge=1, description="k for this step; unset: the method default.")
+
+
+def _method_name(v: Any) -> Any:
+    return {"method": v} if isinstance(v, (str, Method)) else v
+
+
+ChainItem = Annotated[ChainStep, BeforeValidator(_method_name),
+                      WithJsonSchema({"anyOf": [{"type": "string"}, {"$ref": "#/$defs/ChainStep"}]})]
+
+
+class Speculative(Section):
+    """The speculative decoding method and its draft."""
+
+    method: Method = Field(Method.NONE, description="eagle | eagle3 | medusa | mlp_speculator | draft_model | "
+                           "mtp | ngram | suffix | none | auto (pick the best that fits, see `specops resolve`).")
+    draft: str | None = Field(None, description="`auto` (resolved from the catalog and the Hub), a Hub repo id, "
+                              "a local directory, or a local `.gguf` file. Not used by mtp/ngram/suffix/none.")
+    draft_revision: str | None = Field(None, description="Hub revision of the draft.")
+    draft_file: str | None = Field(None, description="llama.cpp: the `.gguf` file inside the draft's Hub repo.")
+    num_speculative_tokens: int | None = Field(None, ge=1, description="Draft tokens per step (k). Unset: 4 for "
+                                               "EAGLE-family and draft models, 1 for MTP, 4 for n-gram.")
+    num_speculative_tokens_min: int | None = Field(None, ge=0, description="llama.cpp `--spec-draft-n-min`.")
+    draft_p_min: float | None = Field(None, ge=0, le=1, description="llama.cpp `--spec-draft-p-min`: stop drafting "
+                                      "below this draft probability.")
+    ngram: NgramSpec = Field(default_factory=NgramSpec)
+    draft_tensor_parallel_size: int | None = Field(None, ge=1, description="vLLM: TP of the draft; 1 or the "
+                                                   "target's tensor_parallel_size.")
+    draft_max_model_len: int | None = Field(None, gt=0, description="vLLM `max_model_len` of the draft.")
+    draft_quantization: str | None = Field(None, description="vLLM `quantization` of the draft; llama.cpp: "
+                                           "GGUF quant to pick from the draft repo (default Q4_K_M).")
+    per_batch_size: list[tuple[int, int, int]] | None = Field(
+        None, description="vLLM `num_speculative_tokens_per_batch_size`: `[[start_bs, end_bs, k], ...]` "
+        "to draft less under high concurrency (k may be 0).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Extra `--speculative-config` fields for "
+                                    "vLLM, passed through after a check against the target version.")
+
+    @property
+    def k(self) -> int:
+        """The number of speculative tokens in effect (explicit, else the method's published default)."""
+        return self.num_speculative_tokens or DEFAULT_K.get(self.method, 0)
+
+
+class Gpus(Section):
+    """GPU layout. `devices: []` means CPU only."""
+
+    devices: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="GPU indices to use "
+                                                              "(`CUDA_VISIBLE_DEVICES` / `--device`). Unset: engine default; [] = CPU.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM `--tensor-parallel-size`.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM `--pipeline-parallel-size`.")
+    memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM `--gpu-memory-utilization` "
+                                             "(engine default 0.9).")
+    memory_gb: float | None = Field(None, gt=0, description="Memory budget per GPU in GiB, for the fit check.")
+    gpu_layers: int | Literal["all", "auto"] | None = Field(None, description="llama.cpp `-ngl`: layers on GPU.")
+    draft_gpu_layers: int | Literal["all", "auto"] | None = Field(None, description="llama.cpp `-ngld`.")
+    draft_devices: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="llama.cpp `-devd`: GPUs for the draft.")
+    split_mode: Literal["none", "layer", "row", "tensor"] | None = Field(None, description="llama.cpp `-sm`.")
+    tensor_split: list[Annotated[float, Field(ge=0)]] | None = Field(None, description="llama.cpp `-ts`: share per GPU.")
+    main_gpu: int | None = Field(None, ge=0, description="llama.cpp `-mg`.")
+
+
+class Server(Section):
+    """Where clients reach the deployment."""
+
+    host: str = Field("127.0.0.1", description="Address to bind. Loopback unless you mean to expose it.")
+    port: int = Field(8000, ge=1, le=65535, description="Public port (served by the specops proxy, or the engine "
+                      "itself when the proxy is off).")
+    api_key: str | None = Field(None, description="API key clients must send (`--api-key`). Use `${ENV_VAR}`; "
+                                "it is redacted in every printed form.")
+    parallel: int | None = Field(None, ge=1, description="Concurrent sequences: llama.cpp `-np`, vLLM `--max-num-seqs`.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra engine arguments, appended after a check "
+                                  "that they do not contradict rendered flags.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process.")
+
+
+class Retry(Section):
+    """Trying the better method again after a fallback."""
+
+    enabled: bool = Field(False, description="Try the original method again after `after`.")
+    after: Duration = Field(1800.0, description="First wait before retrying; doubles each time the retry fails.")
+    max_after: Duration = Field(8 * 3600.0, description="Upper bound of the doubling wait.")
+
+
+class Fallback(Section):
+    """When and how to leave a method whose acceptance is too low."""
+
+    enabled: bool = Field(True, description="Switch methods automatically (false: watch and report only).")
+    mode: Literal["threshold", "model"] = Field("threshold", description="`threshold`: switch when acceptance < "
+                                                "min_acceptance; `model`: switch when predicted speedup < 1.")
+    min_acceptance: float = Field(0.6, ge=0, le=1, description="Acceptance rate below which speculation costs more "
+                                  "than it gains (published rule of thumb: 0.6).")
+    window: Duration = Field(60.0, gt=0, description="Acceptance is measured over this sliding window.")
+    min_draft_tokens: int = Field(200, ge=1, description="Decide only once the window holds this many drafted tokens.")
+    consecutive_windows: int = Field(2, ge=1, description="Hysteresis: this many consecutive low windows before a switch.")
+    chain: list[ChainItem] | None = Field(None, description="Methods to fall back to, in order. Unset: "
+                                          "model-based → [ngram, none]; ngram/suffix → [none].")
+    cooldown: Duration = Field(600.0, description="No further switch for this long after one.")
+    max_switches_per_hour: int = Field(4, ge=1, description="Flap guard: past this, hold the method and warn.")
+    draft_cost_ratio: float | None = Field(None, ge=0, le=1, description="Model mode: cost of one draft step "
+                                           "relative to a target step (c). Unset: measured or 0.05.")
+    retry: Retry = Field(default_factory=Retry)
+
+
+class Monitor(Section):
+    """Where acceptance is read from."""
+
+    source: Literal["scrape", "promql"] = Field("scrape", description="`scrape`: the engine's /metrics; "
+                                                "`promql`: a Prometheus server.")
+    interval: Duration = Field(5.0, gt=0, description="How often to read.")
+    timeout: Duration = Field(3.0, gt=0, description="Timeout of each read.")
+    prometheus_url: str | None = Field(None, description="Prometheus base URL for `promql`.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Label matchers for PromQL "
+                                   "(e.g. job, instance; model_name defaults to the served model).")
+
+
+class Supervisor(Section):
+    """Process supervision: restarts, crash loops, stopping."""
+
+    restart_backoff: Duration = Field(1.0, description="First wait before restarting a crashed engine (doubles).")
+    restart_backoff_max: Duration = Field(60.0, description="Upper bound of the restart wait.")
+    crash_loop_exits: int = Field(5, ge=1, description="This many exits within `crash_loop_window` is a crash loop: "
+                                  "move to the next method of the chain.")
+    crash_loop_window: Duration = Field(600.0, description="See `crash_loop_exits`.")
+    stop_timeout: Duration = Field(30.0, description="After SIGTERM, wait this long before SIGKILL.")
+    state_dir: str | None = Field(None, description="Where state and logs live. Unset: ~/.local/state/specops.")
+
+
+class Proxy(Section):
+    """The front proxy that keeps the public address stable across restarts and switches."""
+
+    enabled: bool = Field(True, description="Serve `server.port` through specops (false: the engine binds it).")
+    engine_port: int | None = Field(None, ge=1, le=65535, description="Internal loopback port of the engine. "
+                                    "Unset: a free port.")
+    queue_size: int = Field(256, ge=0, description="Requests that may wait while the engine is switching.")
+    queue_timeout: Duration = Field(120.0, description="Longest wait in the queue before a 503 with Retry-After.")
+    drain_timeout: Duration = Field(60.0, description="How long in-flight requests may finish before a switch stops the engine.")
+
+
+class Profile(Section):
+    """One deployment: a target model, a speculative method, a GPU layout and the safety net around it."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="Deployment name (letters, "
+                      "digits, `.`, `_`, `-`); names state files and logs.")
+    description: str = Field("", description="Free text for humans.")
+    backend: str = Field(..., min_length=1, description="`vllm`, `llamacpp`, or a backend a plugin registers.")
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    model: ModelSpec
+    speculative: Speculative = Field(default_factory=Speculative)
+    gpus: Gpus = Field(default_factory=Gpus)
+    server: Server = Field(default_factory=Server)
+    fallback: Fallback = Field(default_factory=Fallback)
+    monitor: Monitor = Field(default_factory=Monitor)
+    supervisor: Supervisor = Field(default_factory=Supervisor)
+    proxy: Proxy = Field(default_factory=Proxy)
+
+    @property
+    def chain(self) -> list[ChainStep]:
+        """The fallback chain in effect (explicit, or the default for the method)."""
+        if self.fallback.chain is not None:
+            return list(self.fallback.chain)
+        return [ChainStep(method=m) for m in default_chain(self.speculative.method)]
+
+    def with_step(self, step: ChainStep) -> "Profile":
+        """This profile switched to a chain step: the method changes, the rest of the deployment stays."""
+        spec = self.speculative.model_copy(update={
+            "method": step.method,
+            "draft": step.draft if step.method in NEEDS_DRAFT else None,
+            "num_speculative_tokens": step.num_speculative_tokens,
+        })
+        return self.model_copy(update={"speculative": spec})
+
+
+@dataclass(frozen=True)
+class LoadedProfile:
+    """A validated profile plus the document it came from (for locating later findings)."""
+
+    profile: Profile
+    document: Document
+    path: str
+
+    def problem(self, path: tuple, message: str) -> Problem:
+        """A problem located at field ``path`` of this profile's source."""
+        return Problem(self.document.locate(path), format_path(path), message)
+
+
+# ---------------------------------------------------------------------------------------------------
+# loading
+
+def load_profile(path: str | Path, env: Mapping[str, str] | None = None, *, registry=None) -> LoadedProfile:
+    """Read, merge, interpolate and validate a profile; raise ProfileError listing every located problem."""
+    doc = yamlsource.load(path, env)
+    profile = validate_document(doc)
+    loaded = LoadedProfile(profile, doc, str(path))
+    if registry is None:
+        from .plugins import get_registry
+        registry = get_registry()
+    problems = semantic_problems(loaded, registry)
+    if problems:
+        raise ProfileError(problems)
+    return loaded
+
+
+def validate_document(doc: Document) -> Profile:
+    """Pydantic validation with every error mapped back to the YAML node that caused it."""
+    try:
+        return Profile.model_validate(doc.data)
+    except ValidationError as exc:
+        raise ProfileError([_problem_from_pydantic(doc, err) for err in exc.errors()]) from None
+
+
+def _problem_from_pydantic(doc: Document, err: dict) -> Problem:
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tuple["))))
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = _fields_at(loc[:-1])
+        hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1, cutoff=0.6)
+        msg = f"unknown field {loc[-1]!r}"
+        msg += f"; did you mean {hint[0]!r}?" if hint else (f" (allowed: {', '.join(allowed)})" if allowed else "")
+        return Problem(doc.locate(loc, key=True), format_path(loc), msg)
+    if kind == "missing":
+        return Problem(doc.locate(loc), format_path(loc), "required field is missing")
+    msg = err["msg"]
+    if kind.startswith("enum") or kind == "literal_error":
+        got = err.get("input")
+        options = re.findall(r"'([^']+)'", msg)
+        hint = difflib.get_close_matches(str(got), options, n=1, cutoff=0.6) if options else []
+        msg = f"invalid value {got!r}: {msg[0].lower() + msg[1:]}"
+        if hint:
+            msg += f"; did you mean {hint[0]!r}?"
+    elif msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return Problem(doc.locate(loc), format_path(loc), msg)
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """Names of the fields allowed at ``loc`` (for "did you mean"), following nested models and lists."""
+    model: Any = Profile
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _inner_model(field.annotation)
+    return sorted(getattr(model, "model_fields", {}).keys())
+
+
+def _inner_model(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# cross-field rules
+
+def semantic_problems(loaded: LoadedProfile, registry) -> list[Problem]:
+    """Rules that span fields or need the backend: each problem points at the field to fix."""
+    p = loaded.profile
+    out: list[Problem] = []
+    add = lambda path, msg: out.append(loaded.problem(path, msg))  # noqa: E731
+
+    backend = registry.backends.get(p.backend)
+    if backend is None:
+        names = sorted(registry.backends)
+        hint = difflib.get_close_matches(p.backend, names, n=1, cutoff=0.5)
+        add(("backend",), f"unknown backend {p.backend!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + f" (installed: {', '.join(names) or 'none'})")
+    spec = p.speculative
+    method = spec.method
+
+    # the draft must match what the method needs
+    if method in NEEDS_DRAFT and not spec.draft:
+        add(("speculative", "draft"), f"method {method} needs a draft: a Hub id, a local path, or `auto`")
+    if method in (Method.NGRAM, Method.SUFFIX, Method.NONE, Method.MTP) and spec.draft:
+        extra = " (MTP uses the target's own MTP layers)" if method is Method.MTP else ""
+        add(("speculative", "draft"), f"method {method} takes no draft{extra}; remove `draft`")
+    if method is Method.NONE and spec.num_speculative_tokens is not None:
+        add(("speculative", "num_speculative_tokens"), "method none drafts nothing; remove num_speculative_tokens")
+    if spec.ngram.min > spec.ngram.max:
+        add(("speculative", "ngram", "min"), f"ngram.min ({spec.ngram.min}) must be <= ngram.max ({spec.ngram.max})")
+
+    # layout
+    g = p.gpus
+    tp = g.tensor_parallel_size
+    if spec.draft_tensor_parallel_size not in (None, 1, tp):
+        add(("speculative", "draft_tensor_parallel_size"),
+            f"draft TP must be 1 or the target's tensor_parallel_size ({tp}), not {spec.draft_tensor_parallel_size}")
+    if g.devices:
+        if len(set(g.devices)) != len(g.devices):
+            add(("gpus", "devices"), "a GPU is listed twice")
+        elif len(g.devices) != tp * g.pipeline_parallel_size:
+            add(("gpus", "devices"), f"{len(g.devices)} devices listed but tensor_parallel_size × "
+                f"pipeline_parallel_size = {tp} × {g.pipeline_parallel_size} = {tp * g.pipeline_parallel_size}")
+    if g.devices == [] and (tp > 1 or g.pipeline_parallel_size > 1):
+        add(("gpus", "tensor_parallel_size"), "devices: [] means CPU only; tensor/pipeline parallelism needs GPUs")
+    if g.tensor_split and g.devices and len(g.tensor_split) != len(g.devices):
+        add(("gpus", "tensor_split"), f"{len(g.tensor_split)} shares for {len(g.devices)} devices")
+    if spec.draft_max_model_len and p.model.max_model_len and spec.draft_max_model_len > p.model.max_model_len:
+        add(("speculative", "draft_max_model_len"), "draft_max_model_len cannot exceed model.max_model_len")
+    for i, (start, end, k) in enumerate(spec.per_batch_size or []):
+        if not 1 <= start <= end or k < 0:
+            add(("speculative", "per_batch_size", i), f"[{start}, {end}, {k}]: need 1 <= start_bs <= end_bs and k >= 0")
+
+    # the fallback chain: no duplicates, no way back to the primary method, every step runnable
+    seen = {method}
+    for i, step in enumerate(p.chain):
+        path = ("fallback", "chain", i)
+        if step.method is Method.AUTO:
+            add(path, "`auto` cannot be a fallback step; name a method")
+        elif step.method in seen:
+            what = "the primary method" if step.method is method else "already in the chain"
+            add(path, f"{step.method} is {what}: a chain must not repeat a method (cycle)")
+        elif step.method in NEEDS_DRAFT and not step.draft:
+            add(path, f"fallback step {step.method} needs a draft: write {{method: {step.method}, draft: ...}}")
+        elif step.method not in NEEDS_DRAFT and step.draft:
+            add(path, f"fallback step {step.method} takes no draft")
+        elif backend is not None and step.method not in backend.methods:
+            add(path, f"backend {p.backend} does not support {step.method} "
+                f"(supported: {', '.join(sorted(m.value for m in backend.methods))})")
+        seen.add(step.method)
+    # monitoring and ports
+    if p.monitor.source == "promql" and not p.monitor.prometheus_url:
+        add(("monitor", "prometheus_url"), "monitor.source is promql: set prometheus_url")
+    if p.proxy.enabled and p.proxy.engine_port == p.server.port:
+        add(("proxy", "engine_port"), f"the engine port must differ from the public port {p.server.port}")
+
+    if backend is not None:
+        if method is not Method.AUTO and method not in backend.methods:
+            add(("speculative", "method"), f"backend {p.backend} does not support method {method} "
+                f"(supported: {', '.join(sorted(m.value for m in backend.methods))})")
+        for path, msg in backend.check_profile(p):
+            add(path, msg)
+    return out
+
+
+def schema() -> dict:
+    """JSON Schema of the profile (for editors and CI). ``extends`` is handled before validation."""
+    s = Profile.model_json_schema()
+    s["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    s["title"] = "specops profile"
+    s["properties"] = {"extends": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+                                   "description": "Base profile(s) to deep-merge under this one (paths relative to this file)."},
+                       **s["properties"]}
+    return s
