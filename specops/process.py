@@ -1,0 +1,214 @@
+"""One engine process: launched in its own process group, its output streamed, stopped without orphans.
+
+The engine (vLLM, llama-server) forks workers of its own; signalling only the direct child leaves them
+behind. So the child starts a new session (its own process group), receives SIGTERM on the group, then
+SIGKILL on the group after a timeout, and stopping waits until no process of the group is left. The
+child also gets SIGTERM if specops itself dies (PR_SET_PDEATHSIG), so even a SIGKILLed specops leaves
+no engine behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import aiohttp
+
+from .backends.base import LaunchPlan
+from .errors import SpecopsError
+
+PR_SET_PDEATHSIG = 1
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec: keep it minimal
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs whose process group is ``pgid`` (read from /proc; zombies count until reaped)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        # fields after the command name (which may contain spaces) start after the last ')'
+        rest = stat[stat.rfind(")") + 2:].split()
+        if len(rest) > 2 and int(rest[2]) == pgid and rest[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+@dataclass
+class ExitInfo:
+    code: int | None
+    signal: int | None
+    at: float
+
+    def describe(self) -> str:
+        if self.signal:
+            try:
+                name = signal.Signals(self.signal).name
+            except ValueError:
+                name = str(self.signal)
+            return f"killed by {name}"
+        return f"exited with code {self.code}"
+
+
+class EngineProcess:
+    """A launched engine. ``on_line`` receives every output line (already decoded, without newline)."""
+
+    def __init__(self, plan: LaunchPlan, *, on_line: Callable[[str], None], log_path: Path | None = None,
+                 keep_lines: int = 40):
+        self.plan = plan
+        self.on_line = on_line
+        self.log_path = log_path
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.started_at: float | None = None
+        self.ready_at: float | None = None
+        self.exit: ExitInfo | None = None
+        self._reader: asyncio.Task | None = None
+        self._waiter: asyncio.Task | None = None
+        self._log = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.exit is None
+
+    async def start(self) -> None:
+        env = {**os.environ, **dict(self.plan.env)}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "a", encoding="utf-8", errors="replace")
+            self._log.write(f"\n===== {time.strftime('%Y-%m-%dT%H:%M:%S')} start: {self.plan.shell()}\n")
+            self._log.flush()
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.plan.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_child_setup,
+                limit=1 << 20)
+        except FileNotFoundError:
+            self._close_log()
+            raise SpecopsError(f"cannot start {self.plan.argv[0]}: no such file") from None
+        except PermissionError:
+            self._close_log()
+            raise SpecopsError(f"cannot start {self.plan.argv[0]}: permission denied") from None
+        self.started_at = time.monotonic()
+        self._reader = asyncio.create_task(self._read_output())
+        self._waiter = asyncio.create_task(self._wait_exit())
+
+    async def _read_output(self) -> None:
+        assert self.proc and self.proc.stdout
+        while True:
+            try:
+                raw = await self.proc.stdout.readline()
+            except (ValueError, asyncio.LimitOverrunError):  # an absurdly long line: skip it
+                continue
+            if not raw:
+                break
+            line = self.plan.redact(raw.decode("utf-8", "replace").rstrip("\r\n"))
+            self.last_lines.append(line)
+            if self._log:
+                self._log.write(line + "\n")
+                self._log.flush()
+            try:
+                self.on_line(line)
+            except Exception:  # a consumer bug must not stop the engine's output from draining
+                pass
+
+    async def _wait_exit(self) -> ExitInfo:
+        assert self.proc
+        rc = await self.proc.wait()
+        if self._reader:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reader), timeout=2)
+            except asyncio.TimeoutError:
+                pass
+        self.exit = ExitInfo(code=rc if rc >= 0 else None, signal=-rc if rc < 0 else None, at=time.monotonic())
+        if self._log:
+            self._log.write(f"===== {time.strftime('%Y-%m-%dT%H:%M:%S')} {self.exit.describe()}\n")
+        self._close_log()
+        return self.exit
+
+    def _close_log(self) -> None:
+        if self._log:
+            self._log.close()
+            self._log = None
+
+    async def wait_exit(self) -> ExitInfo:
+        assert self._waiter
+        return await asyncio.shield(self._waiter)
+
+    async def wait_ready(self, timeout: float, interval: float = 0.25,
+                         progress: Callable[[float], None] | None = None) -> bool:
+        """Poll the health URL until 200; False when the process exits first or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        client_timeout = aiohttp.ClientTimeout(total=max(1.0, interval * 4))
+        async with aiohttp.ClientSession(timeout=client_timeout) as session:
+            while time.monotonic() < deadline:
+                if not self.running:
+                    return False
+                try:
+                    async with session.get(self.plan.health_url) as resp:
+                        if resp.status == 200:
+                            self.ready_at = time.monotonic()
+                            return True
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    pass
+                if progress:
+                    progress(time.monotonic() - (self.started_at or time.monotonic()))
+                done, _ = await asyncio.wait({self._waiter}, timeout=interval)
+                if done:
+                    return False
+        return False
+
+    async def stop(self, timeout: float) -> ExitInfo | None:
+        """SIGTERM the group, SIGKILL it after ``timeout``, and wait until no member is left."""
+        if self.proc is None:
+            return None
+        pgid = self.proc.pid  # start_new_session: the child leads its own group
+        self._signal_group(pgid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.wait_exit(), timeout=timeout)
+        except asyncio.TimeoutError:
+            self._signal_group(pgid, signal.SIGKILL)
+            await self.wait_exit()
+        # workers of the engine may outlive its main process: give them the same treatment
+        deadline = time.monotonic() + timeout
+        while group_members(pgid):
+            if time.monotonic() > deadline:
+                self._signal_group(pgid, signal.SIGKILL)
+                deadline = time.monotonic() + 5
+            await asyncio.sleep(0.1)
+        return self.exit
+
+    def kill_now(self) -> None:
+        """Last-resort synchronous SIGKILL of the whole group (used at interpreter exit)."""
+        if self.proc is not None:
+            self._signal_group(self.proc.pid, signal.SIGKILL)
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,175 @@
+"""``specops up``: resolve, render, launch, supervise, watch, and serve through the proxy until stopped.
+
+This module wires the parts together; each part lives in its own module (render, process, supervise,
+watch, proxy) and knows nothing of the others beyond the small interfaces used here.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .instance import EventLog, InstancePaths, acquire, release, write_state
+from .profile import LoadedProfile
+from .render import plan as render_plan
+from .supervise import Supervisor
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class UpOptions:
+    backend_version: str | None = None
+    show_engine_output: bool = True
+    offline: bool = False
+    health_interval: float = 0.25
+
+
+class Console:
+    """specops' own lines and the engine's prefixed lines, on stdout, flushed at once."""
+
+    def __init__(self, prefix: str, show_engine: bool, stream=None):
+        self.prefix = prefix
+        self.show_engine = show_engine
+        self.stream = stream or sys.stdout
+
+    def say(self, msg: str) -> None:
+        self._write(f"specops: {msg}")
+
+    def engine(self, line: str) -> None:
+        if self.show_engine:
+            self._write(f"[{self.prefix}] {line}")
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+
+def resolve_for_launch(loaded: LoadedProfile, offline: bool, say: Callable[[str], None]) -> LoadedProfile:
+    """Apply the resolver (draft/method `auto`, the lock file) when it has something to do."""
+    try:
+        from .resolve import resolve_profile
+    except ImportError:  # resolver not installed in this build: only explicit profiles can launch
+        return loaded
+    resolution = resolve_profile(loaded, offline=offline)
+    for note in getattr(resolution, "notes", []) or []:
+        say(note)
+    for finding in getattr(resolution, "findings", []) or []:
+        if getattr(finding, "severity", "") == "warning":
+            say(f"warning: {finding.message}")
+    if resolution.profile is loaded.profile:
+        return loaded
+    return LoadedProfile(resolution.profile, loaded.document, loaded.path)
+
+
+async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Console | None = None) -> int:
+    """Run one deployment until SIGINT/SIGTERM (exit 0) or until no method of the chain can run (1)."""
+    profile = loaded.profile
+    console = console or Console(profile.backend, opts.show_engine_output)
+    loaded = resolve_for_launch(loaded, opts.offline, console.say)
+    profile = loaded.profile
+    backend = registry.backend(profile.backend)
+    engine = backend.engine_info(profile, opts.backend_version, probe=True)
+    console.prefix = f"{backend.name}"
+
+    proxy_cls = _proxy_class() if profile.proxy.enabled else None
+    if proxy_cls is not None:
+        engine_host, engine_port = "127.0.0.1", profile.proxy.engine_port or free_port()
+    else:
+        engine_host, engine_port = profile.server.host, profile.server.port
+
+    paths = InstancePaths.for_profile(profile.name, profile.supervisor.state_dir)
+    acquire(paths)
+    events = EventLog(paths.events)
+    public_url = _url(profile.server.host, profile.server.port)
+
+    def render_step(index: int):
+        step = sup.steps[index]
+        prof = profile if index == 0 else profile.with_step(step)
+        return render_plan(LoadedProfile(prof, loaded.document, loaded.path), registry, engine=engine,
+                           host=engine_host, port=engine_port)
+
+    state_extra: dict = {}
+
+    def write(s: Supervisor) -> None:
+        write_state(paths, {
+            "name": profile.name, "profile": os.path.abspath(loaded.path), "pid": os.getpid(),
+            "backend": profile.backend, "url": public_url, "proxy": proxy_cls is not None,
+            "engine_log": str(paths.engine_log), "events": str(paths.events), "updated_at": time.time(),
+            **s.snapshot(), **state_extra,
+        })
+
+    proxy = None
+    if proxy_cls is not None:
+        p = profile.proxy
+        proxy = proxy_cls(profile.server.host, profile.server.port, queue_size=p.queue_size,
+                          queue_timeout=p.queue_timeout, drain_timeout=p.drain_timeout,
+                          status_provider=lambda: sup.snapshot())
+    sup = Supervisor(profile, render_step, events=events, say=console.say, on_engine_line=console.engine,
+                     log_path=paths.engine_log, proxy=proxy, health_interval=opts.health_interval,
+                     on_change=write)
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, sup.request_stop, f"received {signal.Signals(sig).name}")
+    events.emit("up", profile=os.path.abspath(loaded.path), backend=profile.backend,
+                engine_version=engine.version, engine=engine.source, url=public_url)
+    console.say(f"{profile.name}: {backend.name} {engine.version} ({engine.source}); "
+                f"chain {' → '.join(s.method.value for s in sup.steps)}; state in {paths.root}")
+    watcher = None
+    try:
+        if proxy is not None:
+            await proxy.start()
+            console.say(f"serving {public_url} (engine on {engine_host}:{engine_port})")
+        watcher = _start_watcher(profile, sup, events, console, proxy, state_extra, write)
+        rc = await sup.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if watcher is not None:
+            await watcher.stop()
+        if proxy is not None:
+            await proxy.stop()
+        write(sup)
+        events.emit("down", exit_code=sup.state.value)
+        release(paths)
+    console.say("stopped" if rc == 0 else "gave up: no method of the chain could run")
+    return rc
+
+
+def _url(host: str, port: int) -> str:
+    h = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
+
+
+def _proxy_class():
+    try:
+        from .proxy import Proxy
+    except ImportError:
+        return None
+    return Proxy
+
+
+def _start_watcher(profile, sup, events, console, proxy, state_extra, write):
+    try:
+        from .watch import Watcher
+    except ImportError:
+        return None
+    return Watcher.attach(profile, sup, events=events, say=console.say, proxy=proxy,
+                          status=state_extra, publish=lambda: write(sup))
+
+
+def up_blocking(loaded: LoadedProfile, registry, opts: UpOptions) -> int:
+    return asyncio.run(run_up(loaded, registry, opts))
