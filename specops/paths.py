@@ -32,3 +32,16 @@ def engines_dir() -> Path:
 
 def models_dir() -> Path:
     return cache_dir() / "models"
+
+
+#: Version of the generated tiny models; bump when the generators' output changes.
+TINY_MODELS_VERSION = "v1"
+
+
+def tiny_models_dir() -> Path:
+    return models_dir() / TINY_MODELS_VERSION
+
+
+def builtin_env() -> dict[str, str]:
+    """Variables every profile may use without setting them (the environment overrides them)."""
+    return {"SPECOPS_CACHE": str(cache_dir()), "SPECOPS_MODELS": str(tiny_models_dir())}

@@ -14,37 +14,43 @@ from ._common import echo_json
 PROFILE_SUFFIXES = (".yaml", ".yml")
 
 
-def collect(paths: list[str]) -> tuple[list[Path], list[Path]]:
-    """Profiles to validate, and base files skipped because other files extend them.
+def collect(paths: list[str]) -> tuple[list[Path], set[Path]]:
+    """Profiles to validate, and which of them other profiles ``extends`` (bases).
 
-    A directory is searched recursively for ``*.yaml``/``*.yml``; a file that another file in the same
-    search names in ``extends:`` is a partial base, checked through the profiles that extend it.
+    A directory is searched recursively for ``*.yaml``/``*.yml``. A base that is not a complete profile
+    on its own (a partial overlay base) is not an error: it is checked through the profiles that extend it.
     """
     files: list[Path] = []
-    explicit: set[Path] = set()
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
             files += sorted(f for f in p.rglob("*") if f.suffix in PROFILE_SUFFIXES and f.is_file())
         else:
             files.append(p)
-            explicit.add(p)
     bases: set[Path] = set()
     for f in files:
         for parent in _extends_of(f):
             bases.add((f.parent / parent).resolve())
-    profiles = [f for f in files if f in explicit or f.resolve() not in bases]
-    skipped = [f for f in files if f not in profiles]
-    return profiles, skipped
+    return files, {f for f in files if f.resolve() in bases}
 
 
 def _extends_of(path: Path) -> list[str]:
     try:
-        doc = parse(path.read_text(encoding="utf-8"), str(path), env={})
+        doc = parse(path.read_text(encoding="utf-8"), str(path), env=_AnyEnv())
     except (SpecopsError, OSError, UnicodeDecodeError):
         return []
     ext = doc.data.get("extends")
     return [ext] if isinstance(ext, str) else [e for e in ext if isinstance(e, str)] if isinstance(ext, list) else []
+
+
+class _AnyEnv(dict):
+    """An environment in which every variable is set: finding `extends` must not depend on it."""
+
+    def __contains__(self, key):
+        return True
+
+    def __getitem__(self, key):
+        return ""
 
 
 @click.command()
@@ -66,7 +72,8 @@ def validate(paths, fmt, do_resolve, offline):
       specops validate --format github deploy/*.yaml      # annotations in GitHub Actions
     """
     registry = get_registry()
-    profiles, skipped = collect(list(paths))
+    profiles, bases = collect(list(paths))
+    skipped: list[Path] = []
     results = []
     for path in profiles:
         problems: list[Problem] = []
@@ -82,6 +89,9 @@ def validate(paths, fmt, do_resolve, offline):
                     target = problems if finding.severity == "error" else warnings
                     target.append(loaded.problem(finding.path, finding.message))
         except ProfileError as exc:
+            if path in bases and _only_incomplete(exc):
+                skipped.append(path)
+                continue
             problems = exc.problems
         except SpecopsError as exc:
             problems = [Problem(Location(str(path), 1, 1), "", str(exc))]
@@ -116,6 +126,11 @@ def validate(paths, fmt, do_resolve, offline):
         click.echo(f"{len(results) - bad} valid, {bad} invalid", err=True)
     if not all(r["ok"] for r in results):
         raise SystemExit(1)
+
+
+def _only_incomplete(exc: ProfileError) -> bool:
+    """True when a base fails only for being partial (required fields missing), not for a real error."""
+    return all(p.message == "required field is missing" for p in exc.problems)
 
 
 def _line(e: dict) -> str:
