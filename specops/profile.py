@@ -8,6 +8,7 @@ that :mod:`specops.yamlsource` maps back to file:line:column.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from .durations import parse_duration
 from .errors import Problem, ProfileError
+from .paths import builtin_env
 from .methods import DEFAULT_K, NEEDS_DRAFT, Method, default_chain
 from .yamlsource import Document, format_path
 from . import yamlsource
@@ -270,7 +272,7 @@ class LoadedProfile:
 
 def load_profile(path: str | Path, env: Mapping[str, str] | None = None, *, registry=None) -> LoadedProfile:
     """Read, merge, interpolate and validate a profile; raise ProfileError listing every located problem."""
-    doc = yamlsource.load(path, env)
+    doc = yamlsource.load(path, {**builtin_env(), **(os.environ if env is None else env)})
     profile = validate_document(doc)
     loaded = LoadedProfile(profile, doc, str(path))
     if registry is None:
