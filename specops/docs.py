@@ -1,0 +1,123 @@
+"""The README's profile reference, generated from the pydantic models (a test keeps the README in sync).
+
+Run ``python -m specops.docs`` to print it, or ``python -m specops.docs --write README.md`` to replace the
+section between the ``<!-- profile-reference:start -->`` and ``<!-- profile-reference:end -->`` markers.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, get_args, get_origin
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from .durations import format_duration
+from .profile import Profile
+
+START = "<!-- profile-reference:start -->"
+END = "<!-- profile-reference:end -->"
+
+
+def _type_name(annotation: Any, metadata: list) -> str:
+    if any(getattr(m, "func", None).__name__ == "parse_duration" for m in metadata if hasattr(m, "func")):
+        return "duration"
+    origin = get_origin(annotation)
+    args = get_args(annotation)
+    if origin is None:
+        if isinstance(annotation, type):
+            if issubclass(annotation, BaseModel):
+                return "mapping"
+            return {"str": "string", "int": "integer", "float": "number", "bool": "boolean",
+                    "Method": "method"}.get(annotation.__name__, annotation.__name__)
+        return str(annotation)
+    name = getattr(origin, "__name__", str(origin))
+    if name in ("Union", "UnionType") or str(origin) == "typing.Union":
+        parts = [_type_name(a, []) for a in args if a is not type(None)]
+        return " \\| ".join(dict.fromkeys(parts)) + (" \\| null" if type(None) in args else "")
+    if name == "Literal":
+        return " \\| ".join(f"`{a}`" for a in args)
+    if name == "list":
+        return f"list of {_type_name(args[0], getattr(args[0], '__metadata__', []))}" if args else "list"
+    if name == "tuple":
+        return "[" + ", ".join(_type_name(a, []) for a in args) + "]"
+    if name == "dict":
+        return "mapping"
+    if name == "Annotated":
+        return _type_name(args[0], list(annotation.__metadata__))
+    return name
+
+
+def _default(field) -> str:
+    if field.is_required():
+        return "**required**"
+    if field.default_factory is not None:
+        value = field.default_factory()
+        if isinstance(value, BaseModel):
+            return "(section)"
+        return f"`{value!r}`" if value not in ({}, []) else f"`{'{}' if value == {} else '[]'}`"
+    value = field.default
+    if value is None or value is PydanticUndefined:
+        return "unset"
+    if any(hasattr(m, "func") and m.func.__name__ == "parse_duration" for m in field.metadata):
+        return f"`{format_duration(value)}`"
+    if hasattr(value, "value"):
+        value = value.value
+    return '`""`' if value == "" else f"`{value}`"
+
+
+def _rows(model: type[BaseModel], prefix: str, out: list[str], sections: list[tuple[str, type[BaseModel]]]):
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        annotation = field.annotation
+        sub = _submodel(annotation)
+        if sub is not None and get_origin(annotation) is None:
+            sections.append((path, sub))
+            continue
+        desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
+        out.append(f"| `{path}` | {_type_name(annotation, list(field.metadata))} | {_default(field)} | {desc} |")
+
+
+def _submodel(annotation):
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def profile_reference() -> str:
+    """Markdown tables, one per profile section, from the models' fields and descriptions."""
+    lines = ["Every field of a profile, generated from the same pydantic models that validate it "
+             "(`specops schema` prints the JSON Schema). Durations accept seconds or `500ms`, `30s`, `10m`, `1h30m`.",
+             "", "| field | type | default | meaning |", "|---|---|---|---|",
+             "| `extends` | string \\| list of string | unset | Base profile(s) deep-merged under this one "
+             "(paths relative to this file; mappings merge, lists and scalars are replaced). |"]
+    sections: list[tuple[str, type[BaseModel]]] = []
+    _rows(Profile, "", lines, sections)
+    while sections:
+        path, model = sections.pop(0)
+        doc = (model.__doc__ or "").strip().splitlines()[0]
+        lines += ["", f"**`{path}`** — {doc}", "", "| field | type | default | meaning |", "|---|---|---|---|"]
+        nested: list[tuple[str, type[BaseModel]]] = []
+        _rows(model, f"{path}.", lines, nested)
+        sections = nested + sections
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(text: str, body: str) -> str:
+    start, end = text.index(START) + len(START), text.index(END)
+    return text[:start] + "\n" + body + text[end:]
+
+
+def main(argv: list[str]) -> int:
+    body = profile_reference()
+    if len(argv) == 2 and argv[0] == "--write":
+        with open(argv[1], encoding="utf-8") as f:
+            text = f.read()
+        with open(argv[1], "w", encoding="utf-8") as f:
+            f.write(replace_section(text, body))
+        return 0
+    sys.stdout.write(body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

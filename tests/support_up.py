@@ -1,0 +1,148 @@
+"""Run `specops up` for real, as a subprocess, and look at it from outside like an operator would."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from specops.process import group_members
+
+SPECOPS = [sys.executable, "-m", "specops.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_profile(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict | str]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read().decode()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read().decode(), exc.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw
+
+
+def http_text(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+class UpRun:
+    """`specops up PROFILE` in the background; always stopped (and checked for orphans) on exit."""
+
+    def __init__(self, profile: Path, state_dir: Path, name: str, env: dict | None = None):
+        self.profile = profile
+        self.state_dir = state_dir
+        self.name = name
+        self.env = {**os.environ, "SPECOPS_STATE": str(state_dir), **(env or {})}
+        self.log_path = state_dir / f"{name}.up.log"
+        self.proc: subprocess.Popen | None = None
+        self.engine_groups: set[int] = set()
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> "UpRun":
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(SPECOPS + ["up", str(self.profile)], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        return self
+
+    def __enter__(self) -> "UpRun":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.stop(check=False)
+        for pgid in self.engine_groups:  # never leave an engine behind, even when a test failed
+            for pid in group_members(pgid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self._log.close()
+
+    def stop(self, timeout: float = 90.0, check: bool = True) -> int:
+        """SIGTERM specops (as `specops down` does) and wait; returns its exit code."""
+        assert self.proc
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            rc = self.proc.wait(timeout=10)
+            if check:
+                raise AssertionError(f"specops up did not stop within {timeout}s\n{self.output()}")
+        return rc
+
+    # -------------------------------------------------------------- observation
+    @property
+    def root(self) -> Path:
+        return self.state_dir / self.name
+
+    def state(self) -> dict:
+        try:
+            st = json.loads((self.root / "state.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+        if st.get("engine_pid"):
+            self.engine_groups.add(st["engine_pid"])
+        return st
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        try:
+            lines = (self.root / "events.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        evs = [json.loads(line) for line in lines if line.strip()]
+        return [e for e in evs if kind is None or e["event"] == kind]
+
+    def output(self) -> str:
+        try:
+            return self.log_path.read_text()[-6000:]
+        except FileNotFoundError:
+            return ""
+
+    def wait_for(self, predicate, timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.state()
+            if predicate(st):
+                return st
+            if self.proc and self.proc.poll() is not None:
+                raise AssertionError(f"specops up exited ({self.proc.returncode}) while waiting for {what}\n"
+                                     f"{self.output()}")
+            time.sleep(0.2)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; state={self.state()}\n{self.output()}")
+
+    def wait_ready(self, timeout: float = 240.0, method: str | None = None) -> dict:
+        return self.wait_for(lambda st: st.get("state") == "ready" and (method is None or st.get("method") == method),
+                             timeout, f"ready{' with ' + method if method else ''}")
+
+    def status_json(self) -> dict:
+        out = subprocess.run(SPECOPS + ["status", self.name, "--json"], capture_output=True, text=True,
+                             env=self.env, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)

@@ -1,0 +1,144 @@
+"""`specops up` with a real llama-server (built from source) on tiny GGUF models: launch, serve, stop,
+restart after a crash, and fall down the chain when a launch fails."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from specops.paths import tiny_models_dir
+from specops.process import group_members
+from support_up import UpRun, free_port, http_json, http_text, write_profile
+
+pytestmark = pytest.mark.engines
+
+
+@pytest.fixture(scope="module")
+def models():
+    from specops.fixtures import ensure_tiny_models
+    ensure_tiny_models()
+    return tiny_models_dir()
+
+
+def llama_profile(tmp_path, models, name, *, method="draft_model", draft="gguf-draft-same.gguf", target="gguf-target.gguf",
+                  chain=None, **extra):
+    spec = {"method": method}
+    if method == "draft_model":
+        spec["draft"] = draft if os.path.isabs(draft) else str(models / draft)
+        spec["num_speculative_tokens"] = 4
+    data = {
+        "name": name, "backend": "llamacpp",
+        "model": {"id": str(models / target), "max_model_len": 512},
+        "speculative": spec,
+        "gpus": {"devices": []},
+        "server": {"port": free_port(), "parallel": 2},
+        "supervisor": {"restart_backoff": 0.2, "stop_timeout": 10},
+        "engine": {"ready_timeout": 60},
+        **extra,
+    }
+    if chain is not None:
+        data["fallback"] = {"chain": chain}
+    return write_profile(tmp_path / f"{name}.yaml", data)
+
+
+def complete(url: str, prompt: str = "the quick brown fox", n: int = 24) -> dict:
+    status, body = http_json(url + "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["finish_reason"] in ("length", "stop")
+    return body
+
+
+def spec_counter(metrics_text: str, name: str) -> float:
+    for line in metrics_text.splitlines():
+        if line.startswith(f"llamacpp:{name} "):
+            return float(line.split()[-1])
+    raise AssertionError(f"llamacpp:{name} not in /metrics")
+
+
+def assert_group_gone(pgid: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert group_members(pgid) == [], f"processes of engine group {pgid} remain"
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_up_serves_with_speculation_and_stops_cleanly(tmp_path, models, method):
+    profile = llama_profile(tmp_path, models, f"llama-{method.replace('_', '-')}", method=method,
+                            target="gguf-cycle.gguf" if method == "ngram" else "gguf-target.gguf")
+    with UpRun(profile, tmp_path / "state", profile.stem) as run:
+        st = run.wait_ready(timeout=120)
+        assert st["method"] == method and st["backend"] == "llamacpp"
+        body = complete(st["url"], "the quick brown fox jumps over the lazy dog the quick brown fox", 48)
+        assert body["usage"]["completion_tokens"] > 0
+        metrics = http_text(st["engine_url"] + "/metrics")
+        assert spec_counter(metrics, "spec_decode_num_draft_tokens_total") > 0, "speculation did not draft"
+        argv = run.events("start")[-1]["argv"]
+        assert "--spec-type" in argv and ("draft-simple" if method == "draft_model" else "ngram-mod") in argv
+        pgid = st["engine_pid"]
+        assert group_members(pgid), "engine group should be alive while up"
+        assert run.stop() == 0
+        assert_group_gone(pgid)
+        assert run.state()["state"] == "stopped"
+
+
+def test_engine_killed_is_restarted_and_counted(tmp_path, models):
+    profile = llama_profile(tmp_path, models, "llama-restart")
+    with UpRun(profile, tmp_path / "state", "llama-restart") as run:
+        st = run.wait_ready(timeout=120)
+        first_pid = st["engine_pid"]
+        os.killpg(first_pid, signal.SIGKILL)
+        st = run.wait_for(lambda s: s.get("state") == "ready" and s.get("engine_pid") not in (None, first_pid),
+                          60, "restart after SIGKILL")
+        assert st["restarts"] == 1 and st["method"] == "draft_model"
+        complete(st["url"])
+        status = run.status_json()
+        assert status["restarts"] == 1 and status["running"] is True
+        exits = run.events("exit")
+        assert exits and "SIGKILL" in exits[-1]["how"]
+        assert run.stop() == 0
+        assert_group_gone(st["engine_pid"])
+        assert_group_gone(first_pid)
+
+
+def test_missing_draft_falls_back_down_the_chain(tmp_path, models):
+    profile = llama_profile(tmp_path, models, "llama-missing-draft", draft=str(tmp_path / "no-such-draft.gguf"),
+                            chain=["ngram", "none"])
+    with UpRun(profile, tmp_path / "state", "llama-missing-draft") as run:
+        st = run.wait_ready(timeout=120, method="ngram")
+        decisions = run.events("decision")
+        assert decisions and decisions[0]["from"] == "draft_model" and decisions[0]["to"] == "ngram"
+        assert "before it was ready" in decisions[0]["reason"]
+        failed = run.events("launch-failed")[0]
+        assert any("no-such-draft" in line or "failed" in line.lower() for line in failed["last_lines"]), failed
+        assert st["last_decision"]["to"] == "ngram"
+        complete(st["url"])
+        assert run.stop() == 0
+
+
+def test_draft_with_incompatible_vocab_is_refused_by_the_engine_and_specops_falls_back(tmp_path, models):
+    profile = llama_profile(tmp_path, models, "llama-badvocab", draft="gguf-draft-badvocab.gguf",
+                            chain=["ngram", "none"])
+    with UpRun(profile, tmp_path / "state", "llama-badvocab") as run:
+        st = run.wait_ready(timeout=120, method="ngram")
+        failed = run.events("launch-failed")
+        assert failed and failed[0]["method"] == "draft_model"
+        assert st["switches"] >= 1
+        complete(st["url"])
+        assert run.stop() == 0
+
+
+def test_chain_exhausted_exits_with_code_1(tmp_path, models):
+    profile = llama_profile(tmp_path, models, "llama-hopeless", draft=str(tmp_path / "missing.gguf"),
+                            target="missing-target.gguf", chain=["none"])
+    # the target itself is missing: every method fails, so specops must give up rather than loop
+    profile.write_text(profile.read_text().replace(str(models / "missing-target.gguf"),
+                                                   str(tmp_path / "missing-target.gguf")))
+    with UpRun(profile, tmp_path / "state", "llama-hopeless") as run:
+        rc = run.proc.wait(timeout=120)
+        assert rc == 1
+        assert run.state()["state"] == "fatal"
+        assert run.events("decision")[-1]["action"] == "fatal"
+        assert "no method left" in run.output()
