@@ -21,6 +21,10 @@ Path_ = tuple  # a field path: ("speculative", "ngram", "min") or ("fallback", "
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$\$")
 MAX_EXTENDS_DEPTH = 16
+#: A profile is a few dozen values; these bounds stop hostile YAML (deep nesting, "billion laughs" alias
+#: bombs, self-referencing aliases) from exhausting the stack or the CPU of a CI runner.
+MAX_DEPTH = 32
+MAX_VALUES = 10_000
 
 
 @dataclass
@@ -74,9 +78,30 @@ class _Builder:
         self.keys: dict[Path_, Location] = {}
         self.problems: list[Problem] = []
         self._constructor = yaml.SafeLoader("")  # only used to construct scalars (ints, bools, …)
+        self._open: set[int] = set()  # collections being built (to refuse recursive aliases)
+        self._count = 0
 
     def build(self, node: yaml.Node, path: Path_) -> Any:
         self.values[path] = _loc(self.file, node.start_mark)
+        self._count += 1
+        if self._count > MAX_VALUES:
+            raise ProfileError([Problem(_loc(self.file, node.start_mark), format_path(path),
+                                        f"more than {MAX_VALUES} values: is an alias expanded many times?")])
+        if len(path) > MAX_DEPTH:
+            self._problem(path, node, f"nested more than {MAX_DEPTH} levels deep")
+            return None
+        if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+            if id(node) in self._open:
+                self._problem(path, node, "an alias refers to a value that contains it (recursive alias)")
+                return None
+            self._open.add(id(node))
+            try:
+                return self._collection(node, path)
+            finally:
+                self._open.discard(id(node))
+        return self._scalar(node, path)
+
+    def _collection(self, node: yaml.Node, path: Path_) -> Any:
         if isinstance(node, yaml.MappingNode):
             out: dict[Any, Any] = {}
             for key_node, value_node in node.value:
@@ -95,12 +120,18 @@ class _Builder:
                 self.keys[path + (key,)] = _loc(self.file, key_node.start_mark)
                 out[key] = self.build(value_node, path + (key,))
             return out
-        if isinstance(node, yaml.SequenceNode):
-            return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
-        return self._scalar(node, path)
+        return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
 
     def _scalar(self, node: yaml.ScalarNode, path: Path_) -> Any:
-        value = self._constructor.construct_object(node, deep=True)
+        try:
+            value = self._constructor.construct_object(node, deep=True)
+        except yaml.constructor.ConstructorError:
+            self._problem(path, node, f"unsupported YAML tag {node.tag!r}; remove the tag (quote the value "
+                                      f"to keep it as text)")
+            return None
+        except (ValueError, TypeError, OverflowError):
+            self._problem(path, node, f"{node.value!r} is not a valid {node.tag.rsplit(':', 1)[-1]}")
+            return None
         if isinstance(value, str) and "$" in value:
             return self._interpolate(value, node, path)
         if not isinstance(value, (str, int, float, bool, type(None))):
@@ -131,7 +162,7 @@ class _Builder:
             # a value that is only `${VAR}` takes the type YAML would give the text (port: ${PORT} → int)
             try:
                 typed = yaml.safe_load(result) if result.strip() else result
-            except yaml.YAMLError:
+            except (yaml.YAMLError, ValueError, TypeError, OverflowError):
                 return result
             return typed if isinstance(typed, (str, int, float, bool)) else result
         return result
@@ -152,6 +183,8 @@ def parse(text: str, file: str, env: Mapping[str, str] | None = None) -> Documen
         raise ProfileError([Problem(Location(file, 1, 1), "", f"YAML error: {exc}")]) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProfileError([Problem(Location(file, 1, 1), "", f"cannot read YAML: {exc}")]) from None
+    except RecursionError:
+        raise ProfileError([Problem(Location(file, 1, 1), "", "YAML nested too deeply")]) from None
     if node is None:
         raise ProfileError([Problem(Location(file, 1, 1), "", "the file is empty")])
     builder = _Builder(file, os.environ if env is None else env)
@@ -202,10 +235,15 @@ def _load(path: Path, display: str, env, stack: tuple[Path, ...]) -> Document:
     for i, parent in enumerate(parents):
         parent_path = (path.parent / parent)
         where = doc.values.get(("extends", i) if (("extends", i) in doc.values) else ("extends",), ext_loc)
-        if parent_path.resolve() in stack + (resolved,):
+        try:
+            parent_resolved, parent_is_file = parent_path.resolve(), parent_path.is_file()
+        except (OSError, ValueError) as exc:  # a NUL byte, a name too long for the file system, …
+            raise ProfileError([Problem(where, "extends", f"cannot use {parent!r} as a file path: "
+                                                          f"{getattr(exc, 'strerror', None) or exc}")]) from None
+        if parent_resolved in stack + (resolved,):
             chain = " -> ".join([p.name for p in stack + (resolved,)] + [parent_path.name])
             raise ProfileError([Problem(where, "extends", f"extends cycle: {chain}")])
-        if not parent_path.is_file():
+        if not parent_is_file:
             raise ProfileError([Problem(where, "extends", f"file not found: {parent} "
                                                           f"(relative to {path.parent or '.'})")])
         base = _load(parent_path, os.path.relpath(parent_path), env, stack + (resolved,))
