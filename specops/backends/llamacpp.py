@@ -75,6 +75,17 @@ class LlamaCppBackend(Backend):
                                                     f"(one of {', '.join(NGRAM_TYPES)})")
         if g.tensor_split and not g.devices:
             yield ("gpus", "tensor_split"), "tensor_split needs gpus.devices"
+        # llama-server's n-gram drafters have their own knobs; specops renders none of these for them,
+        # so accepting them would silently ignore what the profile asks for.
+        for key in ("min", "max"):
+            if key in spec.ngram.model_fields_set:
+                yield ("speculative", "ngram", key), (
+                    f"ngram.{key} is vLLM's prompt_lookup_{key}; llama-server's n-gram drafters take their own "
+                    f"flags (e.g. --spec-ngram-mod-n-match, --spec-ngram-simple-size-n): put them in server.extra_args")
+        if spec.method is Method.NGRAM and spec.num_speculative_tokens is not None:
+            yield ("speculative", "num_speculative_tokens"), (
+                "llama-server's n-gram drafters size their drafts with their own flags (e.g. "
+                "--spec-ngram-mod-n-max, --spec-ngram-simple-size-m): put them in server.extra_args")
 
     # ------------------------------------------------------------------ engine discovery
     def find_executable(self, profile) -> str | None:

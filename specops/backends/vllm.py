@@ -7,6 +7,7 @@ marker, and vLLM otherwise guesses from the repo name); 0.8.2 parses the same op
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -168,6 +169,10 @@ class VllmBackend(Backend):
             env["VLLM_USE_V1"] = "0"
             notes.append(f"draft_model runs on vLLM's V0 engine before {VLLM_DRAFT_MODEL_V1}: VLLM_USE_V1=0")
         if version < VLLM_SPEC_CONFIG:
+            if method is not Method.NGRAM:
+                notes.append(f"vLLM {version} has no `method` setting: it infers the method from the draft "
+                             f"(EAGLE from 'eagle-' in the repo name, Medusa and MLP speculator from `model_type` in "
+                             f"the draft's config.json) and otherwise runs it as a plain draft model")
             return self._legacy_flags(p, version), env, notes
         since, until = VLLM_METHOD_SINCE[method.value], VLLM_METHOD_UNTIL.get(method.value)
         if version < since:
@@ -205,10 +210,11 @@ class VllmBackend(Backend):
             if problem:
                 where = ("speculative", "options", key) if key in spec.options else ("speculative",)
                 raise RenderError(where, problem)
-        if version < VLLM_SPEC_CONFIG_ONLY:
-            text = repr(cfg)  # 0.8.2 reads the value with ast.literal_eval: a Python literal, not JSON
-        else:
-            text = json.dumps(cfg, separators=(",", ":"))
+        text = json.dumps(cfg, separators=(",", ":"))
+        if version < VLLM_SPEC_CONFIG_ONLY and _literal(text) != cfg:
+            # 0.8.2 reads the value with ast.literal_eval: JSON without true/false/null is also a Python
+            # literal (and reads the same), anything else must be written as one
+            text = repr(cfg)
         return ["--speculative-config", text], env, notes
 
     def _legacy_flags(self, p, version: Version) -> list[str]:
@@ -234,6 +240,14 @@ class VllmBackend(Backend):
                 raise RenderError(path, f"{'.'.join(path)} cannot be expressed with vLLM {version}'s flags "
                                         f"(needs >= {VLLM_SPEC_CONFIG})")
         return out
+
+
+def _literal(text: str):
+    """``text`` read as a Python literal, or None when it is not one."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return None
 
 
 def _shebang_python(script: str) -> str | None:
