@@ -377,7 +377,7 @@ def semantic_problems(loaded: LoadedProfile, registry) -> list[Problem]:
     if g.devices:
         if len(set(g.devices)) != len(g.devices):
             add(("gpus", "devices"), "a GPU is listed twice")
-        elif len(g.devices) != tp * g.pipeline_parallel_size:
+        elif len(g.devices) != tp * g.pipeline_parallel_size and getattr(backend, "parallel_layout", True):
             add(("gpus", "devices"), f"{len(g.devices)} devices listed but tensor_parallel_size × "
                 f"pipeline_parallel_size = {tp} × {g.pipeline_parallel_size} = {tp * g.pipeline_parallel_size}")
     if g.devices == [] and (tp > 1 or g.pipeline_parallel_size > 1):

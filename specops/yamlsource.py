@@ -25,6 +25,7 @@ MAX_EXTENDS_DEPTH = 16
 #: bombs, self-referencing aliases) from exhausting the stack or the CPU of a CI runner.
 MAX_DEPTH = 32
 MAX_VALUES = 10_000
+_PLAIN_COLLECTION_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
 
 @dataclass
@@ -91,6 +92,9 @@ class _Builder:
             self._problem(path, node, f"nested more than {MAX_DEPTH} levels deep")
             return None
         if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+            if node.tag not in _PLAIN_COLLECTION_TAGS:  # !!set, !!omap, !!python/..., !custom
+                self._problem(path, node, f"unsupported YAML tag {node.tag!r}; remove the tag")
+                return None
             if id(node) in self._open:
                 self._problem(path, node, "an alias refers to a value that contains it (recursive alias)")
                 return None

@@ -108,6 +108,9 @@ class Backend:
     methods: frozenset[Method] = frozenset()
     health_path = "/health"
     metrics_path = "/metrics"
+    #: True when one replica uses exactly tensor_parallel_size × pipeline_parallel_size GPUs (vLLM); False
+    #: when the engine splits layers over however many ``gpus.devices`` it is given (llama.cpp).
+    parallel_layout: bool = True
     #: One line that tells an operator how to get the engine when it is missing.
     install_hint: str = ""
 

@@ -47,6 +47,7 @@ FORBIDDEN = {"--no-metrics": "specops reads acceptance from /metrics; it must st
 class LlamaCppBackend(Backend):
     name = "llamacpp"
     methods = frozenset({Method.DRAFT_MODEL, Method.EAGLE3, Method.MTP, Method.NGRAM, Method.NONE})
+    parallel_layout = False  # -dev takes any number of GPUs; -sm/-ts decide how layers are split
     install_hint = ("llama-server not found: put it on PATH, set engine.executable, "
                     "or run `specops engines setup llamacpp` to build it from source")
 
