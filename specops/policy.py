@@ -1,0 +1,440 @@
+"""The fallback policy: window statistics and a clock in, decisions out. Deterministic, no I/O, no wall clock.
+
+The policy walks the *steps* of a deployment — the primary method (index 0) followed by the fallback chain,
+exactly as :func:`specops.supervise.steps_of` lists them — and says, for each observed window, whether to
+keep the method, switch to the next step, retry the primary, or hold. Rules, in the order they apply:
+
+1. ``switch-pending`` — a switch or retry was decided and not yet confirmed (``on_switched``/``on_failed_start``).
+2. ``source-unavailable`` — the metric source could not be read: keep, warn once per outage; the next
+   readable window notes the recovery.
+3. ``retry`` — retry enabled, the primary is not running, its back-off has elapsed, the cooldown is over
+   and the flap guard allows: go back to the primary (the back-off doubles each time a retry fails, up to
+   ``max_after``; a retry fails when it falls back again or does not start).
+4. ``no-speculation`` — the current method is ``none``: nothing to measure.
+5. ``spec-off`` / ``no-data`` — no speculative series / nothing drafted or too few samples: no decision
+   (an idle engine is never "acceptance 0"; an absent series is never a failure).
+6. ``window-filling`` — the samples do not yet span a whole window.
+7. ``not-fresh`` — the window overlaps the last one that counted (or the last switch): hysteresis counts
+   disjoint windows, so N windows below the threshold means N × ``window`` seconds of evidence.
+8. ``coarse`` — only a lifetime ratio is available (vLLM V0) and ``act_on_coarse`` is off: report only.
+9. ``min-draft-tokens`` — fewer drafted tokens than ``min_draft_tokens`` in the window: no verdict.
+10. The verdict: ``threshold`` mode — low when acceptance < ``min_acceptance``; ``model`` mode — low when
+    the predicted speedup τ / (1 + k·c) < 1 (DESIGN.md §8). A good window resets the streak (and marks a
+    retry as successful, resetting its back-off); a low one extends it (``hysteresis`` until it reaches
+    ``consecutive_windows``).
+11. With the streak complete: ``fallback-disabled`` (hold: watch-only), ``chain-end`` (hold: nothing left
+    to fall back to), ``cooldown`` (keep: a switch happened less than ``cooldown`` ago), ``flap-guard``
+    (hold: ``max_switches_per_hour`` switches in the last hour), else ``switch`` to the next step — or, when
+    the method was a retry, back to the step the retry came from (``retry-failed``).
+
+Every :class:`Decision` carries the rule that produced it, a sentence, and the numbers behind it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+from .methods import DEFAULT_K, Method
+from .profile import ChainStep
+from .speedup import (DEFAULT_DRAFT_COST, alpha_from_acceptance_rate, expected_speedup,
+                      expected_tokens_per_step, speedup_from_length)
+from .window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
+
+KEEP = "keep"
+SWITCH = "switch"
+RETRY = "retry"
+HOLD = "hold"
+
+FLAP_PERIOD_S = 3600.0
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The knobs of the policy (from the profile's ``fallback`` section), in seconds."""
+
+    enabled: bool = True
+    mode: str = "threshold"                    # "threshold" | "model"
+    min_acceptance: float = 0.6
+    window_s: float = 60.0
+    min_draft_tokens: int = 200
+    consecutive_windows: int = 2
+    cooldown_s: float = 600.0
+    max_switches_per_hour: int = 4
+    draft_cost_ratio: float | None = None      # model mode; None: DEFAULT_DRAFT_COST
+    retry_enabled: bool = False
+    retry_after_s: float = 1800.0
+    retry_max_after_s: float = 8 * 3600.0
+    act_on_coarse: bool = False                # decide on vLLM V0's lifetime ratio too
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("threshold", "model"):
+            raise ValueError(f"mode must be 'threshold' or 'model', not {self.mode!r}")
+        if self.consecutive_windows < 1 or self.max_switches_per_hour < 1 or self.min_draft_tokens < 0:
+            raise ValueError("consecutive_windows and max_switches_per_hour must be >= 1, min_draft_tokens >= 0")
+        if not self.window_s > 0:
+            raise ValueError("window_s must be > 0")
+
+    @property
+    def cost(self) -> float:
+        return DEFAULT_DRAFT_COST if self.draft_cost_ratio is None else self.draft_cost_ratio
+
+    @classmethod
+    def from_fallback(cls, fb: Any) -> "PolicyConfig":
+        """From a :class:`specops.profile.Fallback` section."""
+        return cls(enabled=fb.enabled, mode=fb.mode, min_acceptance=fb.min_acceptance, window_s=fb.window,
+                   min_draft_tokens=fb.min_draft_tokens, consecutive_windows=fb.consecutive_windows,
+                   cooldown_s=fb.cooldown, max_switches_per_hour=fb.max_switches_per_hour,
+                   draft_cost_ratio=fb.draft_cost_ratio, retry_enabled=fb.retry.enabled,
+                   retry_after_s=fb.retry.after, retry_max_after_s=max(fb.retry.max_after, fb.retry.after))
+
+    @classmethod
+    def from_profile(cls, profile: Any) -> "PolicyConfig":
+        return cls.from_fallback(profile.fallback)
+
+
+def profile_steps(profile: Any) -> list[ChainStep]:
+    """The primary method followed by the fallback chain (the same list the supervisor walks)."""
+    spec = profile.speculative
+    primary = ChainStep(method=spec.method, draft=spec.draft, num_speculative_tokens=spec.num_speculative_tokens)
+    return [primary] + list(profile.chain)
+
+
+def step_k(step: ChainStep) -> int:
+    """Draft tokens per step configured for ``step`` (explicit, else the method's default; 0 for none)."""
+    return step.num_speculative_tokens or DEFAULT_K.get(step.method, 0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One verdict of the policy: what to do, the rule that says so, why in words, and the numbers."""
+
+    action: str                         # keep | switch | retry | hold
+    rule: str
+    reason: str
+    at: float
+    from_index: int
+    from_step: ChainStep
+    to_index: int | None = None
+    to_step: ChainStep | None = None
+    numbers: Mapping[str, Any] = field(default_factory=dict)
+    warning: str | None = None
+
+    @property
+    def from_method(self) -> Method:
+        return self.from_step.method
+
+    @property
+    def to_method(self) -> Method | None:
+        return self.to_step.method if self.to_step is not None else None
+
+    @property
+    def acts(self) -> bool:
+        """True when the supervisor must change the method (switch or retry)."""
+        return self.action in (SWITCH, RETRY)
+
+    @property
+    def notable(self) -> bool:
+        """Worth an event-log line: anything but a plain keep, or a keep that carries a warning."""
+        return self.action != KEEP or self.warning is not None
+
+    def to_dict(self) -> dict:
+        return {"action": self.action, "rule": self.rule, "reason": self.reason, "at": self.at,
+                "from": self.from_method.value, "from_index": self.from_index,
+                "to": self.to_method.value if self.to_method is not None else None, "to_index": self.to_index,
+                "numbers": dict(self.numbers), "warning": self.warning}
+
+
+class Policy:
+    """The decision engine for one deployment. Feed it windows (:meth:`observe`) and what the supervisor
+    did (:meth:`on_switched`, :meth:`on_failed_start`); it never reads a clock — ``now`` is always given."""
+
+    def __init__(self, config: PolicyConfig, steps: Sequence[ChainStep], current: int | ChainStep | Method = 0):
+        if not steps:
+            raise ValueError("a policy needs at least one step (the primary method)")
+        self.config = config
+        self.steps: tuple[ChainStep, ...] = tuple(steps)
+        self.index = self._index_of(current)
+        self.streak = 0                            # consecutive low windows of the current method
+        self.last_verdict_end: float | None = None  # end of the last window that counted (or last switch)
+        self.switch_times: list[float] = []        # confirmed switches, for cooldown and the flap guard
+        self.pending: Decision | None = None
+        self.retry_due: float | None = None
+        self.retry_backoff = config.retry_after_s
+        self.retry_origin: int | None = None       # the step a running retry came from
+        self.down_since: float | None = None       # the source has been unreadable since
+        self._warned: set[str] = set()             # one-time warnings for the current method
+
+    @classmethod
+    def from_profile(cls, profile: Any, current: int | ChainStep | Method = 0) -> "Policy":
+        return cls(PolicyConfig.from_profile(profile), profile_steps(profile), current)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def current(self) -> ChainStep:
+        return self.steps[self.index]
+
+    def _index_of(self, which: int | ChainStep | Method) -> int:
+        if isinstance(which, bool):
+            raise TypeError("a step is an index, a ChainStep or a Method")
+        if isinstance(which, int):
+            if not 0 <= which < len(self.steps):
+                raise ValueError(f"step index {which} outside the chain (0..{len(self.steps) - 1})")
+            return which
+        for i, step in enumerate(self.steps):
+            if step == which or (isinstance(which, Method) and step.method is which):
+                return i
+            if isinstance(which, ChainStep) and step.method is which.method:
+                return i
+        raise ValueError(f"{which} is not a step of this chain")
+
+    def switches_in_last_hour(self, now: float) -> int:
+        return sum(1 for t in self.switch_times if now - FLAP_PERIOD_S < t <= now)
+
+    def cooldown_until(self) -> float | None:
+        return self.switch_times[-1] + self.config.cooldown_s if self.switch_times else None
+
+    def _decision(self, action: str, rule: str, reason: str, now: float, numbers: Mapping | None = None,
+                  to: int | None = None, warning: str | None = None) -> Decision:
+        return Decision(action=action, rule=rule, reason=reason, at=now, from_index=self.index,
+                        from_step=self.current, to_index=to, to_step=self.steps[to] if to is not None else None,
+                        numbers=dict(numbers or {}), warning=warning)
+
+    def _warn_once(self, key: str, text: str) -> str | None:
+        if key in self._warned:
+            return None
+        self._warned.add(key)
+        return text
+
+    # ------------------------------------------------------------------ the verdict
+    def _basic(self, stats: WindowStats) -> dict:
+        """The measured numbers of an ``ok`` window."""
+        return {
+            "acceptance": stats.acceptance, "min_acceptance": self.config.min_acceptance,
+            "draft_tokens": stats.draft_tokens, "accepted": stats.accepted, "drafts": stats.drafts,
+            "mean_acceptance_length": stats.mean_acceptance_length, "window_start": stats.start,
+            "window_end": stats.end, "window_s": stats.window_s, "resets": stats.resets, "coarse": stats.coarse,
+        }
+
+    def _measure(self, stats: WindowStats) -> dict:
+        """The numbers of a window that gets a verdict, with the model's predicted speedup."""
+        c = self.config.cost
+        k_conf = step_k(self.current)
+        k_meas = stats.mean_draft_length
+        k = k_meas if k_meas is not None else float(k_conf)
+        k_int = max(1, round(k))
+        a = stats.acceptance
+        alpha = alpha_from_acceptance_rate(min(max(a, 0.0), 1.0), k_int)
+        if stats.mean_acceptance_length is not None:
+            tau, how = stats.mean_acceptance_length, "measured mean acceptance length"
+            speedup = speedup_from_length(tau, k, c)
+        else:
+            tau, how = expected_tokens_per_step(alpha, k_int), "α from the acceptance rate"
+            speedup = expected_speedup(alpha, k_int, c)
+        return {
+            **self._basic(stats),
+            "alpha": alpha, "k": k, "k_measured": k_meas is not None, "draft_cost_ratio": c,
+            "tokens_per_step": tau, "predicted_speedup": speedup, "speedup_basis": how,
+        }
+
+    def observe(self, stats: WindowStats, now: float) -> Decision:
+        """The decision for the window ``stats`` observed at ``now`` (call once per monitor tick)."""
+        if self.pending is not None:
+            p = self.pending
+            return self._decision(KEEP, "switch-pending", f"waiting for the {p.action} to "
+                                  f"{p.to_method} decided at {p.at:g} to complete", now, to=None)
+
+        if stats.status == UNAVAILABLE:
+            if self.down_since is None:
+                self.down_since = now
+                return self._decision(KEEP, "source-unavailable", f"metrics unavailable: {stats.reason}; "
+                                      "no decision until they return", now,
+                                      warning=f"acceptance source unavailable: {stats.reason}")
+            return self._decision(KEEP, "source-unavailable", f"metrics unavailable for {now - self.down_since:g}s: "
+                                  f"{stats.reason}", now, {"down_s": now - self.down_since})
+        notes: list[str] = []
+        if self.down_since is not None:
+            notes.append(f"source recovered after {now - self.down_since:g}s")
+            self.down_since = None
+
+        retry = self._maybe_retry(now)
+        if retry is not None:
+            return self._with_notes(retry, notes)
+        return self._with_notes(self._evaluate(stats, now), notes)
+
+    @staticmethod
+    def _with_notes(d: Decision, notes: list[str]) -> Decision:
+        if not notes:
+            return d
+        return replace(d, reason=d.reason + " (" + "; ".join(notes) + ")",
+                       numbers={**d.numbers, "recovered": True})
+
+    def _maybe_retry(self, now: float) -> Decision | None:
+        cfg = self.config
+        if not cfg.retry_enabled or not cfg.enabled or self.retry_due is None or self.index == 0 or now < self.retry_due:
+            return None
+        numbers = {"retry_due": self.retry_due, "retry_backoff_s": self.retry_backoff}
+        until = self.cooldown_until()
+        if until is not None and now < until:
+            return None  # the retry waits for the cooldown; the window is judged as usual meanwhile
+        if self.switches_in_last_hour(now) >= cfg.max_switches_per_hour:
+            return None
+        d = self._decision(RETRY, "retry", f"retrying {self.steps[0].method} after a back-off of "
+                           f"{self.retry_backoff:g}s (current: {self.current.method})", now, numbers, to=0)
+        self.pending = d
+        return d
+
+    def _evaluate(self, stats: WindowStats, now: float) -> Decision:
+        cfg = self.config
+        method = self.current.method
+        if method is Method.NONE:
+            return self._decision(KEEP, "no-speculation", "method none: speculation is off, nothing to measure", now)
+        if stats.status == SPEC_OFF:
+            warning = self._warn_once("spec-off", f"{method} is configured but the engine exposes no "
+                                      "speculative-decoding series (speculation off or stats disabled)")
+            return self._decision(KEEP, "spec-off", stats.reason, now, warning=warning)
+        if stats.status == NO_DATA:
+            return self._decision(KEEP, "no-data", stats.reason or "no data in the window", now,
+                                  {"window_start": stats.start, "window_end": stats.end})
+        if stats.status != OK or stats.acceptance is None:
+            return self._decision(KEEP, "no-data", f"window status {stats.status}: {stats.reason}", now)
+        numbers = self._basic(stats)
+        if not stats.full:
+            return self._decision(KEEP, "window-filling", f"the samples span {stats.span:g}s of a "
+                                  f"{stats.window_s:g}s window", now, numbers)
+        if self.last_verdict_end is not None and stats.start is not None and stats.start < self.last_verdict_end:
+            return self._decision(KEEP, "not-fresh", f"the window overlaps the last counted one (ended at "
+                                  f"{self.last_verdict_end:g}); hysteresis counts disjoint windows", now, numbers)
+        if stats.coarse and not cfg.act_on_coarse:
+            warning = self._warn_once("coarse", "only a lifetime acceptance ratio is available (vLLM V0): "
+                                      "reported, never acted on")
+            return self._decision(KEEP, "coarse", f"lifetime acceptance {stats.acceptance:.3f} (coarse, "
+                                  "not windowed): report only", now, numbers, warning=warning)
+        if not stats.coarse and (stats.draft_tokens or 0.0) < cfg.min_draft_tokens:
+            return self._decision(KEEP, "min-draft-tokens", f"{stats.draft_tokens:g} drafted tokens in the "
+                                  f"window, fewer than min_draft_tokens={cfg.min_draft_tokens}", now, numbers)
+
+        # a verdict: this window counts
+        self.last_verdict_end = stats.end
+        numbers = self._measure(stats)
+        if cfg.mode == "model":
+            low = numbers["predicted_speedup"] < 1.0
+            measure = (f"predicted speedup {numbers['predicted_speedup']:.3f} "
+                       f"(α={numbers['alpha']:.3f}, k={numbers['k']:g}, c={numbers['draft_cost_ratio']:g}, "
+                       f"acceptance {stats.acceptance:.3f})")
+            bound = "1"
+        else:
+            low = stats.acceptance < cfg.min_acceptance
+            measure = f"acceptance {stats.acceptance:.3f}"
+            bound = f"min_acceptance {cfg.min_acceptance:g}"
+        measure += f" over {stats.span:g}s ({stats.reason})"
+        numbers["low"] = low
+        if not low:
+            self.streak = 0
+            numbers["streak"] = 0
+            if self.retry_origin is not None:
+                self.retry_origin = None
+                self.retry_backoff = cfg.retry_after_s
+                self.retry_due = None
+                return self._decision(KEEP, "retry-succeeded", f"{measure} is not below {bound}: the retry of "
+                                      f"{method} holds; retry back-off reset", now, numbers)
+            return self._decision(KEEP, "above-threshold" if cfg.mode == "threshold" else "speedup-above-1",
+                                  f"{measure} is not below {bound}", now, numbers)
+
+        self.streak += 1
+        numbers.update(streak=self.streak, consecutive_windows=cfg.consecutive_windows)
+        if self.streak < cfg.consecutive_windows:
+            return self._decision(KEEP, "hysteresis", f"{measure} is below {bound}: low window {self.streak} "
+                                  f"of {cfg.consecutive_windows}", now, numbers)
+        why = f"{measure} is below {bound} for {self.streak} consecutive windows"
+        retry_failed = self.retry_origin is not None
+        target = self.retry_origin if retry_failed else self.index + 1
+        if not cfg.enabled:
+            nxt = self.steps[target].method if target < len(self.steps) else None
+            return self._decision(HOLD, "fallback-disabled", f"{why}; fallback is disabled (watch only)"
+                                  + (f", would switch to {nxt}" if nxt else ""), now, numbers,
+                                  warning=f"acceptance too low on {method} and fallback is disabled")
+        if target >= len(self.steps):
+            return self._decision(HOLD, "chain-end", f"{why}; {method} is the last step of the chain", now, numbers,
+                                  warning=f"acceptance too low on {method}, and no fallback step is left")
+        until = self.cooldown_until()
+        if until is not None and now < until:
+            numbers["cooldown_until"] = until
+            return self._decision(KEEP, "cooldown", f"{why}; in cooldown until {until:g} after the last switch",
+                                  now, numbers)
+        recent = self.switches_in_last_hour(now)
+        if recent >= cfg.max_switches_per_hour:
+            numbers["switches_last_hour"] = recent
+            return self._decision(HOLD, "flap-guard", f"{why}; {recent} switches in the last hour reached "
+                                  f"max_switches_per_hour={cfg.max_switches_per_hour}: holding {method}", now,
+                                  numbers, warning=f"flap guard: holding {method} after {recent} switches in an hour")
+        if retry_failed:
+            numbers["retry_backoff_next_s"] = min(self.retry_backoff * 2, cfg.retry_max_after_s)
+        rule = "retry-failed" if retry_failed else cfg.mode
+        d = self._decision(SWITCH, rule, f"{why}: switching to {self.steps[target].method}", now, numbers, to=target)
+        self.pending = d
+        return d
+
+    # ------------------------------------------------------------------ what the supervisor did
+    def on_switched(self, step: int | ChainStep | Method, now: float) -> None:
+        """The engine now runs ``step`` (after a switch, a retry, or a fallback the supervisor made itself)."""
+        new = self._index_of(step)
+        old = self.index
+        self.pending = None
+        if new == old:
+            return
+        self.index = new
+        self.switch_times.append(now)
+        self.switch_times = [t for t in self.switch_times if now - t < FLAP_PERIOD_S]
+        self.streak = 0
+        self.last_verdict_end = now         # only windows that start after the switch count
+        self._warned.clear()
+        cfg = self.config
+        if new < old:                       # moved up: a retry is running
+            self.retry_origin = old
+            self.retry_due = None
+            return
+        if self.retry_origin is not None:   # fell back from a retry: it failed
+            self._retry_failed(now)
+        elif cfg.retry_enabled and new != 0 and self.retry_due is None:
+            self.retry_due = now + self.retry_backoff
+
+    def cancel_pending(self) -> None:
+        """The supervisor refused the decided switch (not ready, stopping): the streak stands, so the next
+        fresh low window decides again."""
+        self.pending = None
+
+    def _retry_failed(self, now: float) -> None:
+        self.retry_origin = None
+        self.retry_backoff = min(self.retry_backoff * 2, self.config.retry_max_after_s)
+        self.retry_due = now + self.retry_backoff if self.config.retry_enabled else None
+
+    def on_failed_start(self, step: int | ChainStep | Method, now: float) -> Decision:
+        """``step`` never became ready (or crash-looped): where to go instead.
+
+        A failed retry goes back to the step it came from and doubles the retry back-off; any other failure
+        moves to the step after it; with none left, ``hold`` on rule ``chain-end``.
+        """
+        failed = self._index_of(step)
+        pending, self.pending = self.pending, None
+        prev_index = self.index
+        if pending is not None and pending.action == RETRY and pending.to_index == failed:
+            self._retry_failed(now)
+            numbers = {"retry_backoff_s": self.retry_backoff, "retry_due": self.retry_due}
+            return Decision(SWITCH, "retry-failed-start", f"the retry of {self.steps[failed].method} did not "
+                            f"start; back to {self.steps[prev_index].method}, next retry in {self.retry_backoff:g}s",
+                            now, failed, self.steps[failed], prev_index, self.steps[prev_index], numbers)
+        target = failed + 1
+        if target >= len(self.steps):
+            return Decision(HOLD, "chain-end", f"{self.steps[failed].method} did not start and it is the last "
+                            "step of the chain", now, failed, self.steps[failed],
+                            warning=f"no method left to fall back to after {self.steps[failed].method}")
+        return Decision(SWITCH, "failed-start", f"{self.steps[failed].method} did not start: falling back to "
+                        f"{self.steps[target].method}", now, failed, self.steps[failed], target, self.steps[target])
+
+    def snapshot(self, now: float) -> dict:
+        """The policy's state, for ``specops status`` and the watcher's own metrics."""
+        return {"method": self.current.method.value, "index": self.index, "streak": self.streak,
+                "cooldown_until": self.cooldown_until(), "switches_last_hour": self.switches_in_last_hour(now),
+                "retry_due": self.retry_due, "retry_backoff_s": self.retry_backoff,
+                "retrying_from": self.retry_origin, "pending": self.pending.to_dict() if self.pending else None,
+                "source_down_since": self.down_since}

@@ -1,0 +1,202 @@
+"""Acceptance over a sliding window, from timestamped counter samples. Pure: no clock, no I/O.
+
+A window ending at ``now`` reaches back ``window_s``: its baseline is the newest sample taken at or before
+``now - window_s`` (so the window covers all of it — ``full``), or the oldest sample when the history is
+shorter. Between the baseline and the newest sample the counters are differenced pair by pair:
+
+- a counter that falls means the engine restarted: like Prometheus' ``increase()``, the new value counts
+  as the increase since the restart (the tokens between the last scrape and the crash are lost);
+- a sample without speculative series (``counters=None``) counts as all-zero counters;
+- acceptance = Δaccepted / Δdraft_tokens; mean acceptance length = 1 + Δaccepted / Δdrafts;
+  per-position acceptance = Δaccepted_at_position / Δdrafts.
+
+Statuses: ``ok``; ``no-data`` (fewer than two samples, or nothing drafted in the window — an idle engine
+is never "acceptance 0"); ``spec-off`` (the newest sample has no speculative series: speculation is off
+or stats are disabled, not a failure); ``unavailable`` (the source could not be read; built by the
+watcher with :meth:`WindowStats.unavailable`). Coarse counters (vLLM V0) give ``coarse=True`` stats whose
+acceptance is the engine's lifetime ratio and whose token counts are unknown (None).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from .metrics import SpecCounters
+
+OK = "ok"
+NO_DATA = "no-data"
+SPEC_OFF = "spec-off"
+UNAVAILABLE = "unavailable"
+
+_ZERO = SpecCounters(draft_tokens=0.0, accepted=0.0)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The counters read at time ``t`` (seconds on any monotonic clock); None = no speculative series."""
+
+    t: float
+    counters: SpecCounters | None
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """What one window says about acceptance, with every number the policy needs to explain itself."""
+
+    status: str
+    window_s: float
+    start: float | None = None                 # time of the baseline sample
+    end: float | None = None                   # time of the newest sample
+    acceptance: float | None = None            # Δaccepted / Δdraft_tokens (coarse: lifetime ratio)
+    mean_acceptance_length: float | None = None  # 1 + Δaccepted / Δdrafts (None without drafts)
+    draft_tokens: float | None = None          # None when unknown (coarse)
+    accepted: float | None = None
+    drafts: float | None = None
+    per_position: tuple[float, ...] = ()       # acceptance at each draft position (needs drafts)
+    resets: int = 0                            # counter resets (engine restarts) inside the window
+    full: bool = False                         # the samples span the whole window
+    coarse: bool = False
+    source: str = ""
+    samples: int = 0
+    reason: str = ""
+
+    @classmethod
+    def unavailable(cls, now: float, reason: str, window_s: float = 0.0) -> "WindowStats":
+        """Stats for a tick whose source could not be read (endpoint down, Prometheus unreachable)."""
+        return cls(status=UNAVAILABLE, window_s=window_s, end=now, reason=reason)
+
+    @property
+    def span(self) -> float:
+        return (self.end - self.start) if self.start is not None and self.end is not None else 0.0
+
+    @property
+    def mean_draft_length(self) -> float | None:
+        """Draft tokens per draft (the k in effect, measured); None without drafts."""
+        if self.drafts and self.draft_tokens is not None:
+            return self.draft_tokens / self.drafts
+        return None
+
+    def to_dict(self) -> dict:
+        return {
+            "status": self.status, "window_s": self.window_s, "start": self.start, "end": self.end,
+            "acceptance": self.acceptance, "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_tokens": self.draft_tokens, "accepted": self.accepted, "drafts": self.drafts,
+            "per_position": list(self.per_position), "resets": self.resets, "full": self.full,
+            "coarse": self.coarse, "source": self.source, "samples": self.samples, "reason": self.reason,
+        }
+
+
+def _fields(c: SpecCounters) -> list[float]:
+    return [c.draft_tokens, c.accepted, c.drafts or 0.0, *c.per_position]
+
+
+def window_stats(samples: Iterable[Sample], now: float, window_s: float) -> WindowStats:
+    """Acceptance over ``(now - window_s, now]`` from ``samples`` (any order; samples after ``now`` ignored)."""
+    if not window_s > 0:
+        raise ValueError(f"window_s must be > 0, got {window_s!r}")
+    ordered = sorted((s for s in samples if s.t <= now), key=lambda s: s.t)
+    if not ordered:
+        return WindowStats(NO_DATA, window_s, reason="no samples yet")
+    newest = ordered[-1]
+    if newest.counters is None:
+        return WindowStats(SPEC_OFF, window_s, start=newest.t, end=newest.t, samples=1,
+                           reason="no speculative series: speculation is off or stats are disabled")
+    cut = now - window_s
+    base = 0
+    for i, s in enumerate(ordered):
+        if s.t <= cut:
+            base = i
+    full = ordered[base].t <= cut
+    used = ordered[base:]
+    kind = newest.counters
+    common = dict(window_s=window_s, start=used[0].t, end=newest.t, full=full, coarse=kind.coarse,
+                  source=kind.source, samples=len(used))
+    if len(used) < 2:
+        return WindowStats(NO_DATA, reason="one sample: a window needs two", **common)
+
+    # pairwise differences, a fall in any counter being a restart
+    width = max(len(_fields(s.counters or _ZERO)) for s in used)
+    delta = [0.0] * width
+    resets = 0
+    prev = _fields(used[0].counters or _ZERO)
+    for s in used[1:]:
+        cur = _fields(s.counters or _ZERO)
+        cur += [0.0] * (width - len(cur))
+        prev += [0.0] * (width - len(prev))
+        if any(c < p for c, p in zip(cur, prev)):
+            resets += 1
+            step = cur
+        else:
+            step = [c - p for c, p in zip(cur, prev)]
+        delta = [d + x for d, x in zip(delta, step)]
+        prev = cur
+    d_tokens, d_accepted, d_drafts = delta[0], delta[1], delta[2]
+    per_pos_delta = delta[3:]
+    common["resets"] = resets
+    restarted = f" ({resets} counter reset{'s' if resets != 1 else ''}: engine restarted)" if resets else ""
+
+    if kind.coarse:
+        # vLLM V0: the counters over-count, only "did anything get drafted" can be read from them
+        if d_tokens <= 0:
+            return WindowStats(NO_DATA, reason="nothing drafted in the window (idle)" + restarted, **common)
+        if kind.lifetime_acceptance is None:
+            return WindowStats(NO_DATA, reason="no lifetime acceptance ratio yet" + restarted, **common)
+        return WindowStats(OK, acceptance=kind.lifetime_acceptance, reason="coarse: the engine's lifetime "
+                           "acceptance ratio (vLLM V0 counters over-count and cannot be windowed)" + restarted,
+                           **common)
+
+    has_drafts = all(s.counters is None or s.counters.drafts is not None for s in used)
+    drafts = d_drafts if has_drafts else None
+    counts = dict(draft_tokens=d_tokens, accepted=d_accepted, drafts=drafts)
+    if d_tokens <= 0:
+        return WindowStats(NO_DATA, reason="nothing drafted in the window (idle)" + restarted, **counts, **common)
+    acceptance = d_accepted / d_tokens
+    note = ""
+    if acceptance > 1.0:
+        acceptance, note = 1.0, f"; accepted ({d_accepted:g}) exceeds drafted ({d_tokens:g}), clamped to 1"
+    mal = 1.0 + d_accepted / drafts if drafts else None
+    per_position = tuple(x / drafts for x in per_pos_delta) if drafts else ()
+    return WindowStats(OK, acceptance=acceptance, mean_acceptance_length=mal, per_position=per_position,
+                       reason=f"{d_accepted:g} accepted of {d_tokens:g} drafted" + restarted + note,
+                       **counts, **common)
+
+
+@dataclass
+class SampleBuffer:
+    """Samples for one window: keeps what the window needs (one sample at or before its start, and after).
+
+    Clear it when the engine changes method: a window must never mix two methods.
+    """
+
+    window_s: float
+    _samples: list[Sample] = field(default_factory=list)
+
+    def add(self, sample: Sample) -> None:
+        if self._samples and sample.t < self._samples[-1].t:
+            raise ValueError(f"samples must arrive in time order ({sample.t} < {self._samples[-1].t})")
+        self._samples.append(sample)
+        self.trim(sample.t)
+
+    def trim(self, now: float) -> None:
+        """Drop samples older than the newest one at or before ``now - window_s``."""
+        times = [s.t for s in self._samples]
+        keep_from = bisect.bisect_right(times, now - self.window_s) - 1
+        if keep_from > 0:
+            del self._samples[:keep_from]
+
+    def stats(self, now: float) -> WindowStats:
+        return window_stats(self._samples, now, self.window_s)
+
+    def clear(self) -> None:
+        self._samples.clear()
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __iter__(self):
+        return iter(list(self._samples))
+
+    @property
+    def samples(self) -> Sequence[Sample]:
+        return tuple(self._samples)
