@@ -89,8 +89,27 @@ def _method_name(v: Any) -> Any:
     return {"method": v} if isinstance(v, (str, Method)) else v
 
 
+def _inlined_schema(model: type[BaseModel]) -> dict:
+    """``model``'s JSON Schema with its local ``$defs`` written in place (so it can be embedded anywhere)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.rsplit("/", 1)[-1]])
+            return {k: walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
+# A step's schema is written inline: WithJsonSchema replaces ChainStep's own schema, so a `$ref` to it
+# would point at a definition pydantic never emits (`specops schema` failed with KeyError on it).
 ChainItem = Annotated[ChainStep, BeforeValidator(_method_name),
-                      WithJsonSchema({"anyOf": [{"type": "string"}, {"$ref": "#/$defs/ChainStep"}]})]
+                      WithJsonSchema({"anyOf": [{"type": "string", "enum": [m.value for m in Method]},
+                                                _inlined_schema(ChainStep)]})]
 
 
 class Speculative(Section):
@@ -293,7 +312,7 @@ def validate_document(doc: Document) -> Profile:
 
 
 def _problem_from_pydantic(doc: Document, err: dict) -> Problem:
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tuple["))))
+    loc = _field_loc(doc.data, err["loc"])
     kind = err["type"]
     if kind == "extra_forbidden":
         allowed = _fields_at(loc[:-1])
@@ -314,6 +333,26 @@ def _problem_from_pydantic(doc: Document, err: dict) -> Problem:
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     return Problem(doc.locate(loc), format_path(loc), msg)
+
+
+def _field_loc(data: Any, loc: tuple) -> tuple:
+    """Pydantic's error location without its own steps (``function-before[...]``, ``tuple[int, ...]``).
+
+    A step is dropped only where the data has no such key, so a user's key spelled like one still counts.
+    """
+    out: list = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(part, str) and part.startswith(("function-", "tuple[")):
+            continue
+        else:
+            node = None
+        out.append(part)
+    return tuple(out)
 
 
 def _fields_at(loc: tuple) -> list[str]:

@@ -133,7 +133,7 @@ class _Builder:
             self._problem(path, node, f"unsupported YAML tag {node.tag!r}; remove the tag (quote the value "
                                       f"to keep it as text)")
             return None
-        except (ValueError, TypeError, OverflowError):
+        except Exception:  # PyYAML's scalar constructors fail in many ways (`!!int ''` raises IndexError)
             self._problem(path, node, f"{node.value!r} is not a valid {node.tag.rsplit(':', 1)[-1]}")
             return None
         if isinstance(value, str) and "$" in value:
@@ -166,7 +166,7 @@ class _Builder:
             # a value that is only `${VAR}` takes the type YAML would give the text (port: ${PORT} → int)
             try:
                 typed = yaml.safe_load(result) if result.strip() else result
-            except (yaml.YAMLError, ValueError, TypeError, OverflowError):
+            except Exception:  # not valid YAML on its own: keep the text
                 return result
             return typed if isinstance(typed, (str, int, float, bool)) else result
         return result
@@ -255,7 +255,7 @@ def _load(path: Path, display: str, env, stack: tuple[Path, ...]) -> Document:
     for p in [k for k in doc.values if k and k[0] == "extends"]:
         doc.values.pop(p)
     doc.keys.pop(("extends",), None)
-    return merge(merged, doc)
+    return doc if merged is None else merge(merged, doc)  # `extends: []` extends nothing
 
 
 def merge(base: Document, overlay: Document) -> Document:

@@ -107,7 +107,8 @@ def validate(paths, fmt, do_resolve, offline):
         for r in results:
             for kind, items in (("error", r["errors"]), ("warning", r["warnings"])):
                 for e in items:
-                    where = f"file={e['file'] or r['file']},line={e['line'] or 1},col={e['column'] or 1}"
+                    file = _gh_property(e["file"] or r["file"])
+                    where = f"file={file},line={e['line'] or 1},col={e['column'] or 1}"
                     msg = (f"{e['field']}: " if e["field"] else "") + e["message"]
                     click.echo(f"::{kind} {where},title=specops::{_gh_escape(msg)}")
         bad = sum(not r["ok"] for r in results)
@@ -142,3 +143,6 @@ def _gh_escape(text: str) -> str:
     return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
 
 
+def _gh_property(text: str) -> str:
+    """A workflow-command property value (``file=...``): ``,`` and ``:`` would end it early."""
+    return _gh_escape(text).replace(":", "%3A").replace(",", "%2C")
