@@ -1,0 +1,255 @@
+"""Proxy overhead: specops' front proxy vs direct to the same engine, alternating in one run.
+
+Latency: non-streamed ``/v1/completions`` (engine with zero per-token delay by default), per-request wall
+time from the client, at each concurrency; reports p50/p99 direct and via the proxy and the added ms.
+Throughput: streamed completions (a token stream), tokens received per second across all clients, at each
+concurrency; reports the ratio proxy/direct. Direct and proxy runs alternate round by round so drift on a
+shared machine hits both alike; the numbers are pooled over rounds.
+
+The proxy runs in its own process (as it does inside ``specops up``), the client in this one, the engine
+in a third: by default ``tests/support_upstream.py`` (an OpenAI-compatible stand-in). Give ``--engine-url``
+to measure against a real engine instead (vLLM / llama-server), with ``--model`` for its served name.
+
+    .venv/bin/python benchmarks/bench_proxy.py                       # stand-in engine, defaults
+    .venv/bin/python benchmarks/bench_proxy.py --engine-url http://127.0.0.1:8001 --model tiny \\
+        --max-tokens 16 --stream-tokens 64 --token-delay 0
+    .venv/bin/python benchmarks/bench_proxy.py --json out.json      # also write the results as JSON
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+# ------------------------------------------------------------------------------------------ proxy process
+
+async def _serve_proxy(upstream: str) -> None:
+    import signal
+
+    from specops.proxy import Proxy
+
+    proxy = Proxy("127.0.0.1", 0, queue_size=256, queue_timeout=30, drain_timeout=10)
+    await proxy.start()
+    proxy.set_upstream(upstream)
+    print(f"LISTENING {proxy.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    await stop.wait()
+    await proxy.stop()
+
+
+def _spawn(argv: list[str], timeout: float = 20.0) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("LISTENING"):
+            return proc, int(line.split()[1])
+    proc.kill()
+    raise RuntimeError(f"{argv[:3]} did not start")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+# ------------------------------------------------------------------------------------------ client side
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))
+    return s[k]
+
+
+async def _latency_round(session, url: str, body: bytes, concurrency: int, per_client: int,
+                         extra_headers: dict | None = None) -> list[float]:
+    out: list[float] = []
+    headers = {"Content-Type": "application/json", **(extra_headers or {})}
+
+    async def client():
+        for _ in range(per_client):
+            t0 = time.perf_counter()
+            async with session.post(url, data=body, headers=headers) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"status {r.status}")
+            out.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return out
+
+
+async def _stream_round(session, url: str, body: bytes, concurrency: int, per_client: int) -> tuple[int, float]:
+    """Returns (token chunks received, wall seconds) for ``concurrency`` clients streaming."""
+    headers = {"Content-Type": "application/json"}
+    tokens = 0
+
+    async def client():
+        nonlocal tokens
+        for _ in range(per_client):
+            async with session.post(url, data=body, headers=headers) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"status {r.status}")
+                done = False
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        if line.startswith(b"data: [DONE]"):
+                            done = True
+                        elif b'"finish_reason":null' in line or b'"finish_reason": null' in line:
+                            tokens += 1
+                if not done:
+                    raise RuntimeError("stream ended without [DONE]")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return tokens, time.perf_counter() - t0
+
+
+async def _bench(args, engine_url: str, proxy_url: str, stream_extra: dict) -> dict:
+    import aiohttp
+
+    targets = {"direct": engine_url, "proxy": proxy_url}
+    lat_body = json.dumps({"model": args.model, "prompt": "hello world", "max_tokens": args.max_tokens,
+                           "temperature": 0}).encode()
+    stream_body = json.dumps({"model": args.model, "prompt": "hello world", "max_tokens": args.stream_tokens,
+                              "temperature": 0, "stream": True, **stream_extra}).encode()
+    results: dict = {"latency": {}, "throughput": {}}
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for name, base in targets.items():          # warm both paths (connections, caches)
+            await _latency_round(session, base + "/v1/completions", lat_body, 4, 10)
+        for service_ms, c in itertools.product(args.service_ms, args.concurrency):
+            # the stand-in's fixed service time per request (X-Test-First-Delay); a real engine has its own
+            extra = {"X-Test-First-Delay": str(service_ms / 1e3)} if service_ms and not args.engine_url else None
+            lat = {"direct": [], "proxy": []}
+            n_req = args.requests if not service_ms else max(c, args.requests // 4)
+            per_client = max(1, n_req // c)
+            for rnd in range(args.rounds):
+                order = ("direct", "proxy") if rnd % 2 == 0 else ("proxy", "direct")
+                for name in order:
+                    lat[name] += await _latency_round(session, targets[name] + "/v1/completions", lat_body,
+                                                      c, per_client, extra)
+            d50, d99 = _pct(lat["direct"], 0.5), _pct(lat["direct"], 0.99)
+            p50, p99 = _pct(lat["proxy"], 0.5), _pct(lat["proxy"], 0.99)
+            results["latency"][f"{c}@{service_ms}ms"] = {
+                "clients": c, "service_ms": service_ms,
+                "n": len(lat["proxy"]), "direct_p50_ms": d50 * 1e3, "direct_p99_ms": d99 * 1e3,
+                "proxy_p50_ms": p50 * 1e3, "proxy_p99_ms": p99 * 1e3,
+                "added_p50_ms": (p50 - d50) * 1e3, "added_p99_ms": (p99 - d99) * 1e3}
+        for c in args.concurrency:
+            tok = {"direct": [0, 0.0], "proxy": [0, 0.0]}
+            per_client = max(2, args.stream_requests // c)
+            for rnd in range(args.rounds):
+                order = ("direct", "proxy") if rnd % 2 == 0 else ("proxy", "direct")
+                for name in order:
+                    n, secs = await _stream_round(session, targets[name] + "/v1/completions", stream_body,
+                                                  c, per_client)
+                    tok[name][0] += n
+                    tok[name][1] += secs
+            dt = tok["direct"][0] / tok["direct"][1]
+            pt = tok["proxy"][0] / tok["proxy"][1]
+            results["throughput"][c] = {"direct_tok_s": dt, "proxy_tok_s": pt, "ratio": pt / dt,
+                                        "tokens": tok["proxy"][0]}
+    return results
+
+
+def _report(args, res: dict, engine: str) -> str:
+    lines = [f"engine: {engine}", f"latency: non-streamed, max_tokens={args.max_tokens}, "
+             f"rounds={args.rounds}, ~{args.requests} requests per round per mode (1/4 of that with a service time)",
+             f"{'clients':>7} {'service':>7} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} "
+             f"{'direct p99':>10} {'proxy p99':>10} {'added p99':>10}   (ms)"]
+    for r in res["latency"].values():
+        lines.append(f"{r['clients']:>7} {r['service_ms']:>7g} {r['direct_p50_ms']:10.3f} {r['proxy_p50_ms']:10.3f} {r['added_p50_ms']:10.3f} "
+                     f"{r['direct_p99_ms']:10.3f} {r['proxy_p99_ms']:10.3f} {r['added_p99_ms']:10.3f}")
+    lines += [f"throughput: streamed, {args.stream_tokens} tokens per request, token delay "
+              f"{args.token_delay * 1e3:g} ms (stand-in engine only)",
+              f"{'clients':>7} {'direct tok/s':>13} {'proxy tok/s':>12} {'ratio':>7}"]
+    for c, r in res["throughput"].items():
+        lines.append(f"{c:>7} {r['direct_tok_s']:13.1f} {r['proxy_tok_s']:12.1f} {r['ratio']:7.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="specops proxy overhead: proxy vs direct, alternating.")
+    p.add_argument("--engine-url", help="measure against this running engine (default: start the stand-in)")
+    p.add_argument("--model", default="tiny-test-model", help="model name sent in requests")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--rounds", type=int, default=6, help="alternating direct/proxy rounds")
+    p.add_argument("--requests", type=int, default=400, help="latency requests per round per mode")
+    p.add_argument("--service-ms", type=float, nargs="+", default=[0.0],
+                   help="stand-in engine: fixed time per latency request, one run each (0: answer at once)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per latency request")
+    p.add_argument("--stream-requests", type=int, default=4,
+                   help="streamed requests per round per mode (at least 2 per client)")
+    p.add_argument("--stream-tokens", type=int, default=128, help="tokens per streamed request")
+    p.add_argument("--token-delay", type=float, default=0.005,
+                   help="stand-in engine: seconds per streamed token (latency runs use 0)")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--serve-proxy", help=argparse.SUPPRESS)  # internal: run the proxy process
+    args = p.parse_args(argv)
+    if args.serve_proxy:
+        asyncio.run(_serve_proxy(args.serve_proxy))
+        return 0
+
+    procs = []
+    try:
+        if args.engine_url:
+            engine_url = args.engine_url.rstrip("/")
+            engine_desc = engine_url
+        else:
+            # the stand-in takes a per-request token delay, so one process serves both runs:
+            # zero for latency, --token-delay for streams (sent in the body, ignored by real engines)
+            proc, port = _spawn([sys.executable, str(ROOT / "tests" / "support_upstream.py"), "--port", "0",
+                                 "--name", "bench", "--token-delay", "0"])
+            procs.append(proc)
+            engine_url = f"http://127.0.0.1:{port}"
+            engine_desc = "tests/support_upstream.py (stand-in, separate process)"
+        proc, pport = _spawn([sys.executable, str(Path(__file__).resolve()), "--serve-proxy", engine_url])
+        procs.append(proc)
+        proxy_url = f"http://127.0.0.1:{pport}"
+        # the stand-in reads a per-request token delay from the body (a real engine ignores no such field,
+        # so it is only sent to the stand-in)
+        stream_extra = {} if args.engine_url else {"x_token_delay": args.token_delay}
+        t0 = time.monotonic()
+        res = asyncio.run(_bench(args, engine_url, proxy_url, stream_extra))
+        text = _report(args, res, engine_desc)
+        print(text)
+        print(f"total {time.monotonic() - t0:.1f}s, cpus={os.cpu_count()}, python {sys.version.split()[0]}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
+                                                            if k != "serve_proxy"}, "results": res}, indent=1))
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

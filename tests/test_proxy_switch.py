@@ -1,0 +1,167 @@
+"""No request lost during a switch: the proxy under load while the supervisor's hold → drain → release runs
+(driven here exactly as the supervisor does), and an engine SIGKILLed mid-stream. Engines are stand-in
+processes (tests/support_upstream.py); the lead adds the same scenarios against real engines."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+
+import aiohttp
+import pytest
+
+from support_upstream import Upstream, check_completion, check_stream, parse_sse, running_proxy, stream_error
+
+pytestmark = pytest.mark.timeout(90)
+
+CLIENTS = 32            # half of them streaming
+LOAD_SECONDS = 3.5      # each client sends requests back to back for this long
+SWITCH_AT = 1.0         # seconds into the load
+NEW_ENGINE_START = 0.5  # seconds the "new engine" takes to come up after the old one stopped
+
+
+def run(coro, timeout: float = 60.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def test_no_request_lost_during_a_forced_switch_under_load(record_property):
+    old = Upstream.start("OLD", token_delay=0.002, acceptance=0.9)
+    new = Upstream.start("NEW", token_delay=0.002, acceptance=0.3)
+    timings = []
+    try:
+        async def body():
+            loop = asyncio.get_running_loop()
+            failures: list[str] = []
+            served = collections.Counter()
+            latencies: list[float] = []
+            async with running_proxy(old.url, queue_size=256, queue_timeout=20, drain_timeout=10,
+                                     on_timings=lambda n, a: timings.append((n, a))) as proxy, \
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                          timeout=aiohttp.ClientTimeout(total=30)) as s:
+                stop_at = loop.time() + LOAD_SECONDS
+
+                async def client(i: int):
+                    stream, chat, n = i % 2 == 0, i % 4 in (0, 1), 4 + i % 13
+                    path = "/v1/chat/completions" if chat else "/v1/completions"
+                    payload = {"max_tokens": n, "stream": stream, "timings_per_token": i % 3 == 0}
+                    payload.update({"messages": [{"role": "user", "content": f"c{i}"}]} if chat
+                                   else {"prompt": f"client {i}"})
+                    while loop.time() < stop_at:
+                        t0 = loop.time()
+                        try:
+                            async with s.post(proxy.url + path, json=payload) as r:
+                                status, text = r.status, await r.text()
+                            if status != 200:
+                                failures.append(f"client {i}: HTTP {status} {text[:200]}")
+                                continue
+                            if stream:
+                                name = check_stream(parse_sse(text), n, chat=chat)
+                            else:
+                                name = check_completion(json.loads(text), n, chat=chat)
+                            served[name] += 1
+                            latencies.append(loop.time() - t0)
+                        except Exception as exc:          # noqa: BLE001 - every failure is collected
+                            failures.append(f"client {i}: {type(exc).__name__}: {exc}")
+
+                async def supervisor():
+                    await asyncio.sleep(SWITCH_AT)
+                    proxy.hold()
+                    drained = await proxy.drain()
+                    old_stats = await old.astats(s)
+                    await asyncio.to_thread(old.stop)
+                    await asyncio.sleep(NEW_ENGINE_START)      # the new engine is "starting"
+                    depth = proxy.stats()["queue_depth"]
+                    proxy.release(new.url)
+                    return drained, old_stats, depth
+
+                results = await asyncio.gather(supervisor(), *(client(i) for i in range(CLIENTS)))
+                drained, old_stats, depth_at_release = results[0]
+                return failures, served, latencies, drained, old_stats, depth_at_release, proxy.stats()
+
+        failures, served, latencies, drained, old_stats, depth, st = run(body())
+    finally:
+        old.stop()
+        new.stop()
+
+    total = sum(served.values())
+    report = (f"{total} requests ({CLIENTS} clients, half streaming): OLD={served['OLD']} NEW={served['NEW']}, "
+              f"failed={len(failures)}; drain: {drained.finished} finished / {drained.cut} cut in "
+              f"{drained.waited_s:.3f}s; waited={st['waited']} (queue depth at release {depth}), "
+              f"longest wait={st['longest_wait_s']:.3f}s, retried={st['retried']}, "
+              f"max latency={max(latencies):.3f}s")
+    print("\n" + report)
+    record_property("switch_report", report)
+    assert failures == [], failures[:5]
+    assert served["OLD"] > 0 and served["NEW"] > 0
+    assert drained.cut == 0 and drained.finished == drained.in_flight > 0
+    assert old_stats["cancelled"] == 0 and old_stats["active"] == 0   # nothing was cut on the old engine
+    assert st["waited"] >= CLIENTS and depth == CLIENTS                  # every client waited once
+    assert NEW_ENGINE_START <= st["longest_wait_s"] < NEW_ENGINE_START + 5
+    assert st["upstream_errors"] == 0 and st["broken_streams"] == 0 and st["cut_streams"] == 0
+    assert st["in_flight"] == 0 and st["queue_depth"] == 0
+    assert sum(n for n, _ in timings) > 0                                 # live acceptance flowed throughout
+
+
+@pytest.mark.parametrize("supervisor_notices", [False, True], ids=["proxy-detects", "supervisor-reports"])
+def test_engine_sigkilled_mid_stream(supervisor_notices):
+    doomed = Upstream.start("DOOMED", token_delay=0.05)
+    rescue = None
+    try:
+        async def body():
+            nonlocal rescue
+            async with running_proxy(doomed.url, queue_timeout=20, recover_interval=30) as proxy, \
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                          timeout=aiohttp.ClientTimeout(total=30)) as s:
+                got_token = [asyncio.Event() for _ in range(4)]
+
+                async def streaming(i):
+                    text = b""
+                    async with s.post(proxy.url + "/v1/completions",
+                                      json={"prompt": "p", "max_tokens": 60, "stream": True}) as r:
+                        async for piece in r.content.iter_any():
+                            text += piece
+                            if b'"text"' in text:
+                                got_token[i].set()
+                        return r.status, text.decode()
+
+                async def plain(n):
+                    async with s.post(proxy.url + "/v1/completions", json={"prompt": "p", "max_tokens": n}) as r:
+                        return r.status, await r.json()
+
+                streams = [asyncio.ensure_future(streaming(i)) for i in range(4)]
+                in_flight_plain = [asyncio.ensure_future(plain(30)) for _ in range(4)]   # 1.5 s, no byte yet
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in got_token)), 10)
+                assert proxy.stats()["in_flight"] == 8
+                doomed.kill()                                  # SIGKILL, mid-stream
+                if supervisor_notices:
+                    proxy.upstream_failed("engine exited with signal 9")
+                late_plain = [asyncio.ensure_future(plain(5)) for _ in range(4)]         # arrive after the death
+                t0 = time.monotonic()
+                while proxy.state == "serving" and time.monotonic() - t0 < 5:
+                    await asyncio.sleep(0.01)
+                assert proxy.state == "down"
+                rescue = await asyncio.to_thread(Upstream.start, "RESCUE")   # the supervisor restarts it
+                proxy.release(rescue.url)
+                return (await asyncio.gather(*streams), await asyncio.gather(*in_flight_plain),
+                        await asyncio.gather(*late_plain), proxy.stats())
+
+        streamed, in_flight, late, st = run(body())
+    finally:
+        doomed.stop()
+        if rescue is not None:
+            rescue.stop()
+
+    for status, text in streamed:
+        events = parse_sse(text)
+        err = stream_error(events)
+        assert status == 200 and err is not None, events[-2:]          # explicit, never a silent truncation
+        assert err["type"] == "specops_stream_broken"
+        assert "[DONE]" not in events and any("choices" in e for e in events)
+    for status, doc in in_flight + late:
+        assert status == 200 and check_completion(doc, doc["usage"]["completion_tokens"]) == "RESCUE"
+    # the 4 in-flight ones were retried; the late ones were retried too if they reached the dead engine
+    # before the proxy knew, else they simply waited in the queue
+    assert 4 <= st["retried"] <= 8 and st["retried_ok"] == st["retried"] and st["upstream_errors"] == 0
+    assert st["waited"] >= 4
+    assert st["broken_streams"] + st["cut_streams"] == 4
