@@ -1,0 +1,230 @@
+"""Everything the checks need to know about one model (target or draft), from wherever it can be had.
+
+Sources, in order: a local path (directory with config.json, or a .gguf file); the Hub (model_info with
+``expand``, then config.json — a few KB — and paths-info for tokenizer hashes and weight sizes); the local
+HF cache (offline, or when the Hub is down); the catalog's published facts. What came from where is kept,
+so every check can say what it compared.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..methods import Method
+from .catalog import Catalog
+from .detect import ConfigFacts, Declared, declared_targets, detect_method, facts_from_config
+from .ggufinfo import GGUFVocab, pick_file, read_gguf
+from .hub import TOKENIZER_FILES, FileMeta, Hub, HubError, RepoMeta, file_digest, read_json
+from .memory import WEIGHT_SUFFIXES, Weights, from_files, from_params, from_safetensors
+
+
+@dataclass
+class ModelView:
+    ref: str
+    kind: str                                  # hub | local-dir | local-gguf
+    revision: str | None = None                # commit sha when known
+    meta: RepoMeta | None = None
+    config: dict | None = None
+    facts: ConfigFacts = field(default_factory=ConfigFacts)
+    facts_source: str = "none"
+    tokenizer: str | None = None               # digest of tokenizer.json (or tokenizer.model)
+    tokenizer_family: str | None = None        # from the catalog
+    weights: Weights | None = None
+    gguf_file: str | None = None
+    gguf_why: str | None = None
+    gguf_vocab: GGUFVocab | None = None
+    declared: list[Declared] = field(default_factory=list)
+    method: Method | None = None
+    method_why: str = ""
+    errors: list[HubError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind != "hub"
+
+    @property
+    def fatal(self) -> HubError | None:
+        """A failure that makes the repo unusable (not found, gated, bad revision), if any."""
+        for e in self.errors:
+            if e.kind in ("not_found", "gated", "revision", "unauthorized"):
+                return e
+        return None
+
+    def summary(self) -> dict:
+        f = self.facts
+        return {"id": self.ref, "revision": self.revision, "file": self.gguf_file, "facts_from": self.facts_source,
+                "vocab_size": f.vocab, "hidden_size": f.hidden, "layers": f.layers, "context": f.context,
+                "mtp_layers": f.mtp_layers}
+
+
+def is_local_ref(ref: str) -> bool:
+    return ref.startswith(("/", "./", "../", "~")) or ref.endswith(".gguf") or os.path.exists(os.path.expanduser(ref))
+
+
+def load_model(ref: str, *, hub: Hub, catalog: Catalog, revision: str | None = None, gguf: bool = False,
+               quant: str | None = None, file: str | None = None, tokenizer: bool = True) -> ModelView:
+    """A :class:`ModelView` of ``ref``. ``gguf``: llama.cpp wants a .gguf file (``file``, else one picked
+    for ``quant``). Hub failures are recorded in ``errors``, never raised."""
+    if is_local_ref(ref):
+        return _load_local(ref, catalog)
+    view = ModelView(ref, "hub")
+    try:
+        view.meta = hub.model_info(ref, revision)
+        view.revision = view.meta.sha
+    except HubError as exc:
+        view.errors.append(exc)
+        view.revision = hub.cached_sha(ref, revision)
+        if view.revision:
+            view.notes.append(f"{ref}: using the HF cache at {view.revision[:10]}")
+    if view.fatal and view.fatal.kind in ("not_found", "revision"):
+        return view
+    files = view.meta.files if view.meta and view.meta.siblings is not None else hub.cached_files(ref, view.revision)
+    entry_files = {}
+    for e in catalog.for_draft(ref):
+        entry_files.update(e.files)
+    wants_gguf = gguf or file is not None or any(f.endswith(".gguf") for f in files)
+
+    if wants_gguf:
+        _load_gguf_repo(view, hub, catalog, files, entry_files, quant, file)
+    else:
+        _load_hf_repo(view, hub, files, tokenizer, revision)
+    _fill_from_catalog(view, catalog)
+    view.declared = declared_targets(view.config, view.meta.card_data if view.meta else None)
+    view.method, view.method_why = detect_method(view.config or (view.meta.config if view.meta else None), ref)
+    return view
+
+
+def _fill_from_catalog(view: ModelView, catalog: Catalog) -> None:
+    facts = catalog.facts(view.ref)
+    if facts is None:
+        return
+    before = view.facts
+    view.facts = view.facts.merged(facts.config_facts())
+    if view.facts != before:
+        view.facts_source = "catalog" if view.facts_source == "none" else view.facts_source + " + catalog"
+    view.tokenizer_family = view.tokenizer_family or facts.tokenizer
+    if view.weights is None:
+        view.weights = from_params(facts.params)
+
+
+def _load_hf_repo(view: ModelView, hub: Hub, files: list[str], tokenizer: bool, revision: str | None) -> None:
+    # downloads ask for the revision the profile names (a branch keeps refs/<branch> in the HF cache, so the
+    # cache serves it offline later); metadata calls use the commit model_info resolved it to
+    ref, sha = view.ref, view.revision
+    if not files or "config.json" in files:
+        try:
+            view.config = read_json(hub.download(ref, "config.json", revision))
+        except HubError as exc:
+            if exc.kind != "entry" and not (exc.hub_is_down and view.errors):
+                view.errors.append(exc)
+    if view.config is not None:
+        view.facts = facts_from_config(view.config)
+        view.facts_source = "config.json"
+    st = from_safetensors(view.meta.safetensors if view.meta else None)
+    want = [f for f in TOKENIZER_FILES if f in files][:1] if tokenizer else []
+    weight_files = [] if st else [f for f in files if f.endswith(WEIGHT_SUFFIXES)]
+    info: dict[str, FileMeta] = {}
+    if want or weight_files:
+        try:
+            info = hub.paths_info(ref, want + weight_files, sha)
+        except HubError as exc:
+            if not exc.hub_is_down or not view.errors:
+                view.errors.append(exc)
+            for name in want:  # offline / Hub down: hash the cached file instead
+                cached = hub.cached(ref, name, revision)
+                if cached is not None:
+                    view.tokenizer = file_digest(cached)
+    for name in want:
+        if name in info and info[name].digest:
+            view.tokenizer = info[name].digest
+    view.weights = st or from_files({k: v.size for k, v in info.items()})
+
+
+def _load_gguf_repo(view: ModelView, hub: Hub, catalog: Catalog, files: list[str], entry_files: dict,
+                    quant: str | None, file: str | None) -> None:
+    ref, sha = view.ref, view.revision
+    if file:
+        view.gguf_file, view.gguf_why = file, "named in the profile"
+    elif files:
+        view.gguf_file, view.gguf_why = pick_file(files, quant)
+    else:
+        view.gguf_file, view.gguf_why = pick_file(list(entry_files.values()), quant)
+        if view.gguf_file:
+            view.gguf_why += " (file list from the catalog)"
+    if view.meta and view.meta.gguf:
+        g = view.meta.gguf
+        view.facts = ConfigFacts(context=g.get("context_length") if isinstance(g.get("context_length"), int) else None)
+        view.facts_source = "Hub gguf metadata"
+    if view.gguf_file:
+        cached = hub.cached(ref, view.gguf_file, sha)
+        if cached is not None:
+            _apply_gguf(view, cached)
+        else:
+            view.notes.append(f"{ref}/{view.gguf_file} is not local: vocab facts from "
+                              f"{'the catalog or ' if catalog.facts(ref) else ''}the base model's config.json")
+        if view.weights is None:
+            try:
+                info = hub.paths_info(ref, [view.gguf_file], sha)
+                view.weights = from_files({k: v.size for k, v in info.items()}, view.gguf_file)
+            except HubError as exc:
+                if not exc.hub_is_down or not view.errors:
+                    view.errors.append(exc)
+    if view.gguf_vocab is None and catalog.facts(ref) is None and view.meta and view.meta.card_data:
+        base = view.meta.card_data.get("base_model")
+        base = base[0] if isinstance(base, list) and base else base
+        if isinstance(base, str) and base:
+            try:
+                cfg = read_json(hub.download(base, "config.json"))
+            except HubError as exc:
+                view.notes.append(f"base model {base}: {exc}")
+                cfg = None
+            if cfg:
+                view.facts = view.facts.merged(facts_from_config(cfg))
+                view.facts_source = f"config.json of the base model {base}"
+
+
+def _apply_gguf(view: ModelView, path: Path) -> None:
+    try:
+        v = read_gguf(path)
+    except Exception as exc:  # noqa: BLE001 - a corrupt file is reported, not raised
+        view.notes.append(f"{path}: cannot read GGUF metadata ({type(exc).__name__}: {exc})")
+        return
+    view.gguf_vocab = v
+    view.facts = ConfigFacts(vocab=v.size, hidden=v.hidden, layers=v.layers, context=v.context,
+                             model_type=v.arch).merged(view.facts)
+    view.facts_source = "GGUF metadata"
+    try:
+        view.weights = Weights(Path(path).stat().st_size, "file size")
+    except OSError:
+        pass
+
+
+def _load_local(ref: str, catalog: Catalog) -> ModelView:
+    path = Path(os.path.expanduser(ref))
+    if path.suffix == ".gguf" or path.is_file():
+        view = ModelView(ref, "local-gguf", gguf_file=path.name, gguf_why="local file")
+        if not path.is_file():
+            view.errors.append(HubError("not_found", f"{ref}: no such file", ref))
+            return view
+        _apply_gguf(view, path)
+        view.method_why = "local GGUF file"
+        return view
+    view = ModelView(ref, "local-dir")
+    if not path.is_dir():
+        view.errors.append(HubError("not_found", f"{ref}: no such directory", ref))
+        return view
+    view.config = read_json(path / "config.json")
+    if view.config is not None:
+        view.facts = facts_from_config(view.config)
+        view.facts_source = "config.json"
+    for name in TOKENIZER_FILES:
+        if (path / name).is_file():
+            view.tokenizer = file_digest(path / name)
+            break
+    sizes = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)}
+    view.weights = from_files(sizes)
+    view.declared = declared_targets(view.config, None)
+    view.method, view.method_why = detect_method(view.config, ref)
+    return view

@@ -1,0 +1,314 @@
+"""Resolve a profile's draft: lock → catalog + Hub discovery → checks → choice → a profile with no ``auto``.
+
+The pipeline: load the target (Hub metadata, config.json, or the cache / catalog when offline); list the
+candidates (discover.py) and rank them (auto.py); check the best ones (check.py) and pick the first that
+passes. A fresh lock file short-cuts all of it (no Hub call); a stale one is reported and resolution runs
+afresh. The result explains itself: every candidate with its verdict and reason, every note about the
+Hub, the cache or the lock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ProfileError, SpecopsError
+from ..methods import NEEDS_DRAFT, Method
+from .auto import choose, methods_for, sort_key
+from .catalog import Catalog, load_catalog
+from .check import Finding, backend_findings, compat_findings
+from .discover import Candidate, discover
+from .hub import Hub
+from .lock import apply_lock, lock_path, read_lock, stale_reason
+from .memory import MemoryEstimate, estimate
+from .models import ModelView, load_model
+
+#: How many candidates are checked against the Hub (each costs ~3 small requests).
+MAX_CHECKED = 6
+
+
+@dataclass
+class Resolution:
+    """What resolution decided, and why."""
+
+    profile: object                                   # the Profile with method/draft filled in
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    candidates: list[Candidate] = field(default_factory=list)
+    choice: Candidate | None = None
+    target: ModelView | None = None
+    memory: MemoryEstimate | None = None
+    from_lock: bool = False
+    lock_file: str | None = None
+    catalog_version: str = ""
+    requested: Method = Method.AUTO
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    def to_dict(self) -> dict:
+        spec = self.profile.speculative
+        return {
+            "target": self.target.summary() if self.target else None,
+            "backend": self.profile.backend,
+            "requested_method": self.requested.value,
+            "resolved": {"method": spec.method.value, "draft": spec.draft, "draft_revision": spec.draft_revision,
+                         "draft_file": spec.draft_file, "model_revision": self.profile.model.revision},
+            "choice": self.choice.to_dict() if self.choice else None,
+            "candidates": [dict(rank=i + 1, **c.to_dict()) for i, c in enumerate(self.candidates)],
+            "findings": [f.to_dict() for f in self.findings],
+            "notes": list(self.notes),
+            "memory": self.memory.to_dict() if self.memory else None,
+            "from_lock": self.from_lock,
+            "lock_file": self.lock_file,
+        }
+
+
+def _backend(profile):
+    from ..plugins import get_registry
+    return get_registry().backends.get(profile.backend)
+
+
+def resolve_profile(loaded, *, offline: bool = False, use_lock: bool = True, verify: bool = False,
+                    raise_errors: bool = True, hub: Hub | None = None,
+                    progress: Callable[[str], None] | None = None) -> Resolution:
+    """Resolve ``loaded`` (a LoadedProfile). With a fresh lock (and ``verify`` false) no Hub call is made.
+
+    Raises :class:`ProfileError` (located at the offending field) when the result has errors, unless
+    ``raise_errors`` is false. ``offline`` (or ``HF_HUB_OFFLINE=1``) uses only the lock, the HF cache and the
+    catalog.
+    """
+    profile = loaded.profile
+    notes: list[str] = []
+    lock_file = lock_path(loaded.path)
+    lock = None
+    if use_lock and lock_file.is_file():
+        lock = read_lock(lock_file)
+        stale = stale_reason(lock, profile)
+        if stale is None:
+            pinned = apply_lock(profile, lock)
+            note = f"using {lock_file.name}: {_lock_line(lock)}"
+            if not verify:
+                res = _from_lock(pinned, lock, note, str(lock_file))
+                return _finish(res, loaded, raise_errors)
+            res = resolve(pinned, offline=offline, hub=hub, progress=progress, explicit_revisions=True)
+            res.notes.insert(0, note)
+            res.from_lock, res.lock_file = True, str(lock_file)
+            return _finish(res, loaded, raise_errors)
+        notes.append(f"lock is stale: {stale}; resolving afresh (run `specops lock {loaded.path}` to update "
+                     f"{lock_file.name})")
+    res = resolve(profile, offline=offline, hub=hub, progress=progress)
+    res.notes = notes + res.notes
+    return _finish(res, loaded, raise_errors)
+
+
+def _lock_line(lock: dict) -> str:
+    s = lock["speculative"]
+    rev = (s.get("draft_revision") or "")[:10]
+    what = s["method"] + (f" {s['draft']}" if s.get("draft") else "") + (f"@{rev}" if rev else "")
+    return what + (f" ({s['draft_file']})" if s.get("draft_file") else "")
+
+
+def _from_lock(profile, lock: dict, note: str, lock_file: str) -> Resolution:
+    locked_spec = (lock.get("inputs") or {}).get("speculative") or {}
+    try:
+        requested = Method(locked_spec.get("method", Method.NONE.value))
+    except ValueError:
+        requested = Method.NONE
+    res = Resolution(profile=profile, notes=[note], from_lock=True, lock_file=lock_file,
+                     catalog_version=str(lock.get("catalog_version", "")), requested=requested)
+    res.findings = [Finding.from_dict(f) for f in lock.get("findings") or []]
+    for alt in lock.get("alternatives") or []:
+        try:
+            c = Candidate(Method(alt["method"]), alt.get("draft"), signals=[s.strip() for s in
+                                                                           str(alt.get("why", "")).split(",") if s.strip()])
+        except (KeyError, ValueError):
+            continue
+        c.verdict, c.note = alt.get("verdict", "unchecked"), alt.get("reason", "")
+        res.candidates.append(c)
+        s = lock["speculative"]
+        if res.choice is None and c.method.value == s["method"] and c.draft == s.get("draft"):
+            res.choice = c
+    return res
+
+
+def _finish(res: Resolution, loaded, raise_errors: bool) -> Resolution:
+    if raise_errors and res.errors:
+        raise ProfileError([loaded.problem(f.path, f.message) for f in res.errors])
+    return res
+
+
+def resolve(profile, *, offline: bool = False, hub: Hub | None = None, catalog: Catalog | None = None,
+            progress: Callable[[str], None] | None = None, explicit_revisions: bool = False,
+            max_checked: int = MAX_CHECKED) -> Resolution:
+    """Resolve a :class:`~specops.profile.Profile` (no lock handling, never raises for failed checks)."""
+    hub = hub or Hub(offline=offline or None, progress=progress)
+    if offline:
+        hub.offline = True
+    catalog = catalog or load_catalog()
+    backend_obj = _backend(profile)
+    spec = profile.speculative
+    requested = spec.method
+    res = Resolution(profile=profile, catalog_version=catalog.version, requested=requested)
+    if hub.offline:
+        res.notes.append("offline: using only the lock, the HF cache and the catalog")
+
+    if requested in (Method.NONE, Method.NGRAM, Method.SUFFIX) and spec.draft in (None, "auto"):
+        res.findings = backend_findings(requested, profile, backend_obj)
+        return res
+
+    llamacpp = profile.backend == "llamacpp"
+    target = load_model(profile.model.id, hub=hub, catalog=catalog, revision=profile.model.revision,
+                        gguf=llamacpp, quant=profile.model.quantization, file=profile.model.file)
+    res.target = target
+    _target_notes(res, target, hub)
+    if target.fatal is not None:
+        res.findings.append(Finding("error", "hub", f"target: {target.fatal}", ("model", "id")))
+        return res
+
+    if requested is Method.MTP or (requested in NEEDS_DRAFT and spec.draft not in (None, "auto")):
+        cand = _explicit(profile, target, catalog, hub, backend_obj, explicit_revisions)
+        res.candidates = [cand]
+        res.findings = list(cand.findings)
+        if cand.verdict in ("ok", "warning"):
+            res.choice = cand
+            res.profile = _with_choice(profile, cand, keep_revision=True)
+            res.memory = _memory_of(profile, target, cand)
+        return res
+
+    methods = methods_for(requested, backend_obj.methods if backend_obj else None)
+    candidates = discover(target, profile, methods, hub=hub, catalog=catalog, notes=res.notes)
+    candidates.sort(key=lambda c: sort_key(c, requested))
+    checked = 0
+    for c in candidates:
+        if checked >= max_checked and choose(candidates, requested) is not None:
+            c.note = "not checked: a better-ranked candidate passed"
+            continue
+        if checked >= 2 * max_checked:
+            c.note = f"not checked (only the {2 * max_checked} best are checked)"
+            continue
+        _evaluate(c, profile, target, catalog, hub, backend_obj, explicit=False)
+        checked += 1
+    candidates.sort(key=lambda c: sort_key(c, requested))
+    res.candidates = candidates
+    res.choice = choose(candidates, requested)
+    if res.choice is None:
+        tried = "; ".join(f"{c.method} {c.draft or ''}".strip() + f" {c.verdict}: {c.reason}"
+                          for c in candidates[:3]) or "none found"
+        what = "any method" if requested is Method.AUTO else f"method {requested}"
+        res.findings.append(Finding("error", "resolve", f"no draft for {target.ref} passes the checks for {what} on "
+                                    f"{profile.backend} (candidates: {tried})",
+                                    ("speculative", "draft" if requested in NEEDS_DRAFT else "method")))
+        return res
+    res.findings = list(res.choice.findings)
+    res.profile = _with_choice(profile, res.choice, keep_revision=False)
+    res.memory = _memory_of(profile, target, res.choice)
+    return res
+
+
+def _target_notes(res: Resolution, target: ModelView, hub: Hub) -> None:
+    for err in target.errors:
+        if err.hub_is_down and not hub.offline:
+            res.notes.append(f"{err}; falling back to the HF cache and the catalog")
+        elif err.kind not in ("offline",) and err is not target.fatal:
+            res.notes.append(f"target: {err}")
+    res.notes.extend(target.notes)
+    if target.facts_source == "none" and target.fatal is None:
+        res.notes.append(f"target {target.ref}: no config facts (not on the Hub, in the cache or in the catalog): "
+                         f"vocab/hidden/MTP checks cannot run")
+
+
+def _explicit(profile, target, catalog, hub, backend_obj, explicit_revisions) -> Candidate:
+    spec = profile.speculative
+    method = spec.method
+    draft = None if method is Method.MTP else spec.draft
+    c = Candidate(method, draft, signals=["profile"])
+    entry = catalog.pair(target.ref, draft, method)
+    if entry is not None:
+        c.entry = entry
+        c.add_signal("catalog")
+    _evaluate(c, profile, target, catalog, hub, backend_obj, explicit=True)
+    return c
+
+
+def _evaluate(c: Candidate, profile, target, catalog, hub, backend_obj, *, explicit: bool) -> None:
+    spec = profile.speculative
+    view = None
+    if c.method in NEEDS_DRAFT and c.draft:
+        llamacpp = profile.backend == "llamacpp"
+        view = load_model(c.draft, hub=hub, catalog=catalog,
+                          revision=spec.draft_revision if explicit else None, gguf=llamacpp,
+                          quant=spec.draft_quantization, file=spec.draft_file if explicit else None,
+                          tokenizer=c.method is Method.DRAFT_MODEL)
+        c.view, c.revision, c.file = view, view.revision, view.gguf_file
+        if c.entry is None:
+            c.entry = catalog.pair(target.ref, c.draft, c.method)
+        for d in view.declared:
+            if d.source != "card base_model" and _same_target(d.target, target, catalog):
+                c.add_signal(d.source)
+        if view.meta is not None:
+            c.downloads, c.likes = max(c.downloads, view.meta.downloads), max(c.likes, view.meta.likes)
+    c.findings = compat_findings(c.method, view, target, profile, catalog=catalog, backend_obj=backend_obj,
+                                 entry=c.entry, explicit=explicit)
+    if c.entry is not None and profile.backend not in c.entry.backends:
+        c.findings.append(Finding("info", "catalog", f"the catalog lists this pair for {', '.join(c.entry.backends)}"))
+    sev = {f.severity for f in c.findings}
+    c.verdict = "refused" if "error" in sev else "warning" if "warning" in sev else "ok"
+
+
+def _same_target(name: str, target, catalog) -> bool:
+    from .detect import same_model
+    return same_model(name, target.ref, catalog.aliases)
+
+
+def _with_choice(profile, c: Candidate, *, keep_revision: bool):
+    spec = profile.speculative
+    needs = c.method in NEEDS_DRAFT
+    update = {
+        "method": c.method,
+        "draft": c.draft if needs else None,
+        "draft_revision": (spec.draft_revision if keep_revision and spec.draft_revision else c.revision) if needs else None,
+        "draft_file": (spec.draft_file or c.file) if needs and profile.backend == "llamacpp" else None,
+    }
+    return profile.model_copy(update={"speculative": spec.model_copy(update=update)})
+
+
+def _memory_of(profile, target: ModelView, c: Candidate) -> MemoryEstimate | None:
+    draft_w = c.view.weights if c.view is not None else None
+    if target.weights is None and draft_w is None:
+        return None
+    return estimate(profile, target.weights, draft_w, has_draft=c.method in NEEDS_DRAFT)
+
+
+def synthetic_profile(target: str, *, backend: str = "vllm", method: str = "auto", max_model_len: int | None = None,
+                      tensor_parallel_size: int = 1, quant: str | None = None, memory_gb: float | None = None,
+                      engine_version: str | None = None):
+    """A minimal profile for ``specops resolve TARGET``."""
+    from pydantic import ValidationError
+
+    from ..profile import Profile
+    m = Method(method)
+    data = {"name": "resolve", "backend": backend,
+            "model": {"id": target, **({"max_model_len": max_model_len} if max_model_len else {})},
+            "speculative": {"method": m.value, **({"draft": "auto"} if m in NEEDS_DRAFT else {}),
+                            **({"draft_quantization": quant} if quant else {})},
+            "gpus": {**({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}),
+                     **({"memory_gb": memory_gb} if memory_gb else {})}}
+    if engine_version:
+        data["engine"] = {"version": engine_version}
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as exc:
+        raise SpecopsError(f"cannot resolve {target!r}: {exc.errors()[0]['msg']}") from None
+
+
+def lock_profile(loaded, *, offline: bool = False, progress: Callable[[str], None] | None = None,
+                 hub: Hub | None = None) -> tuple[Path, Resolution]:
+    """Resolve ``loaded`` afresh and write its lock file next to it; raises on errors."""
+    from .lock import build_lock, write_lock
+    res = resolve_profile(loaded, offline=offline, use_lock=False, hub=hub, progress=progress)
+    path = lock_path(loaded.path)
+    write_lock(path, build_lock(loaded.path, loaded.profile, res))
+    res.lock_file = str(path)
+    return path, res
