@@ -187,7 +187,7 @@ def test_render_host_and_port_override():
 # ----------------------------------------------------------------------------------------- validate
 
 def test_validate_directory_checks_profiles_and_reports_bases():
-    res = run("validate", "profiles", env={"SPECOPS_API_KEY": "ci-dummy"})
+    res = run("validate", "profiles", env={"SPECOPS_API_KEY": None, "PROMETHEUS_URL": None})
     assert res.code == 0, res.stdout
     ok = [ln for ln in res.stdout.splitlines() if ln.startswith("ok ")]
     assert len(ok) == len(list((ROOT / "profiles").rglob("*.yaml"))) - 1
@@ -196,7 +196,7 @@ def test_validate_directory_checks_profiles_and_reports_bases():
 
 
 def test_validate_json_format():
-    res = run("validate", "--format", "json", "profiles", env={"SPECOPS_API_KEY": "ci-dummy"})
+    res = run("validate", "--format", "json", "profiles", env={"SPECOPS_API_KEY": None, "PROMETHEUS_URL": None})
     assert res.code == 0
     data = json.loads(res.stdout)
     assert data["ok"] is True
