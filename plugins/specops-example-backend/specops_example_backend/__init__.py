@@ -88,8 +88,9 @@ class SglangBackend(Backend):
                           metrics_path=self.metrics_path, model_name=p.model.served_name or p.model.id,
                           secrets=tuple(secrets), notes=("example plugin: check flags against your SGLang",))
 
-    def acceptance_counters(self, families):
-        """SGLang exports an acceptance *length* gauge, not counters: nothing specops can window here."""
+    def acceptance_counters(self, *args, **kwargs):
+        """SGLang exports an acceptance *length* gauge, not draft/accepted counters: nothing to window here,
+        so specops reports acceptance as unknown (never as zero) for this backend."""
         return None
 
 
