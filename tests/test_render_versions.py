@@ -1,0 +1,58 @@
+"""Version-dependent rendering details that the golden matrix does not show on its own."""
+from __future__ import annotations
+
+import ast
+import json
+
+from specops.plugins import get_registry
+from specops.profile import load_profile
+from specops.render import plan
+
+
+def _plan(tmp_path, body: str, version: str):
+    path = tmp_path / "p.yaml"
+    path.write_text(body, encoding="utf-8")
+    return plan(load_profile(path, env={}), get_registry(), backend_version=version, probe=False)
+
+
+EAGLE = "name: m\nbackend: vllm\nmodel: {id: a/b}\nspeculative: {method: eagle, draft: c/EAGLE-d, num_speculative_tokens: 4"
+
+
+def _config(p) -> str:
+    return p.argv[p.argv.index("--speculative-config") + 1]
+
+
+def test_vllm_082_gets_json_when_it_reads_the_same_as_a_python_literal(tmp_path):
+    p = _plan(tmp_path, EAGLE + "}\n", "0.8.2")
+    text = _config(p)
+    assert json.loads(text) == ast.literal_eval(text) == {"method": "eagle", "model": "c/EAGLE-d",
+                                                          "num_speculative_tokens": 4}
+
+
+def test_vllm_082_gets_a_python_literal_when_json_would_not_parse(tmp_path):
+    """0.8.2 reads the option with ast.literal_eval: `false` would fail there, `False` does not."""
+    p = _plan(tmp_path, EAGLE + ", options: {disable_logprobs: false}}\n", "0.8.2")
+    text = _config(p)
+    assert ast.literal_eval(text)["disable_logprobs"] is False
+    assert "false" not in text
+    newer = _config(_plan(tmp_path, EAGLE + ", options: {disable_logprobs: false}}\n", "0.9.0"))
+    assert json.loads(newer)["disable_logprobs"] is False
+
+
+def test_legacy_vllm_explains_how_it_picks_the_method(tmp_path):
+    p = _plan(tmp_path, EAGLE + "}\n", "0.6.6")
+    assert "--speculative-config" not in p.argv
+    assert p.argv[p.argv.index("--speculative-model") + 1] == "c/EAGLE-d"
+    assert any("has no `method` setting" in n and "'eagle-' in the repo name" in n for n in p.notes)
+    ngram = _plan(tmp_path, "name: m\nbackend: vllm\nmodel: {id: a/b}\nspeculative: {method: ngram}\n", "0.6.6")
+    assert not any("has no `method` setting" in n for n in ngram.notes)  # [ngram] names itself
+
+
+def test_llamacpp_multi_gpu_layout_renders_devices_and_split(tmp_path):
+    body = ("name: m\nbackend: llamacpp\nmodel: {id: /m/x.gguf}\ngpus:\n  devices: [0, 1]\n  split_mode: layer\n"
+            "  tensor_split: [3, 1]\n  gpu_layers: 99\n")
+    p = _plan(tmp_path, body, "current")
+    argv = list(p.argv)
+    assert argv[argv.index("-dev") + 1] == "CUDA0,CUDA1"
+    assert argv[argv.index("-sm") + 1] == "layer" and argv[argv.index("-ts") + 1] == "3,1"
+    assert argv[argv.index("-fit") + 1] == "off"  # explicit layout: llama-server must not re-fit it
