@@ -137,6 +137,9 @@ class Speculative(Section):
         "to draft less under high concurrency (k may be 0).")
     options: dict[str, Any] = Field(default_factory=dict, description="Extra `--speculative-config` fields for "
                                     "vLLM, passed through after a check against the target version.")
+    checks: Literal["enforce", "warn"] = Field("enforce", description="When specops' compatibility checks refuse "
+                                               "the draft at `up`: `enforce` starts the next method of the chain "
+                                               "(and says why); `warn` prints the findings and lets the engine decide.")
 
     @property
     def k(self) -> int:

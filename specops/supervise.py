@@ -66,7 +66,8 @@ class Supervisor:
     def __init__(self, profile: Profile, render: Callable[[int], LaunchPlan], *, events: EventLog,
                  say: Callable[[str], None], on_engine_line: Callable[[str], None] | None = None,
                  log_path=None, proxy: Any = None, health_interval: float = 0.25,
-                 on_change: Callable[["Supervisor"], None] | None = None):
+                 on_change: Callable[["Supervisor"], None] | None = None,
+                 launch_problem: Callable[[str], str | None] | None = None):
         self.profile = profile
         self.steps = steps_of(profile)
         self.render = render
@@ -77,7 +78,12 @@ class Supervisor:
         self.proxy = proxy
         self.health_interval = health_interval
         self.on_change = on_change or (lambda s: None)
+        self.launch_problem = launch_problem or (lambda line: None)
         self.ready_listeners: list[Callable[[Supervisor], None]] = []
+        #: Where to go when step i cannot run (launch failure, crash loop): an index, or None for FATAL.
+        #: Default: the next step. The watcher sets it so a failed retry goes back where it came from.
+        self.next_after_failure: Callable[[int], int | None] = \
+            lambda i: i + 1 if i + 1 < len(self.steps) else None
 
         self.state = State.STOPPED
         self.index = 0
@@ -109,6 +115,16 @@ class Supervisor:
             self.events.emit("stop-requested", reason=why)
             self._stop.set()
             self._wake.set()
+
+    def skip_primary(self, why: str) -> None:
+        """Start at the first fallback step: the primary method cannot run (e.g. its draft was refused)."""
+        failed, self.index = self.step.method, 1
+        self.last_decision = {"action": "switch", "from": failed.value, "to": self.step.method.value,
+                              "reason": why, "rule": "refused before launch", "at": time.time()}
+        self.events.emit("decision", action="switch", **{"from": failed.value, "to": self.step.method.value},
+                         reason=why, rule="refused before launch")
+        self.switches += 1
+        self.say(f"falling back {failed} → {self.step.method}: {why}")
 
     def request_switch(self, index: int, reason: str, decision: dict | None = None) -> bool:
         """Ask to move to chain step ``index`` (called by the watcher). False if not possible now."""
@@ -179,7 +195,16 @@ class Supervisor:
             self.say(self._launch_failure)
             self.events.emit("render-failed", method=step.method.value, reason=str(exc))
             return False
-        self.engine = EngineProcess(self.plan, on_line=self.on_engine_line, log_path=self.log_path)
+        problems: list[str] = []
+
+        def on_line(line: str) -> None:
+            if self.state is State.STARTING and not problems:
+                problem = self.launch_problem(line)
+                if problem:
+                    problems.append(problem)
+            self.on_engine_line(line)
+
+        self.engine = EngineProcess(self.plan, on_line=on_line, log_path=self.log_path)
         self._set(State.STARTING)
         self.events.emit("start", method=step.method.value, argv=[self.plan.redact(a) for a in self.plan.argv],
                          env={k: self.plan.redact(v) for k, v in self.plan.env}, url=self.plan.base_url)
@@ -204,6 +229,11 @@ class Supervisor:
             ready_task.cancel()
             return True  # _serve sees the stop at once
         if ready_task.result():
+            await asyncio.sleep(0.05)  # let the output reader catch up with lines printed just before ready
+            problems += [p for p in map(self.launch_problem, self.engine.last_lines) if p and not problems]
+        if ready_task.result() and problems:
+            why = problems[0]
+        elif ready_task.result():
             elapsed = time.monotonic() - t0
             self.ready_since = time.time()
             self._ready_mono = time.monotonic()
@@ -224,9 +254,8 @@ class Supervisor:
             for listener in list(self.ready_listeners):
                 listener(self)
             return True
-        exit_info = self.engine.exit
-        if exit_info is not None:
-            why = f"engine {exit_info.describe()} before it was ready"
+        elif self.engine.exit is not None:
+            why = f"engine {self.engine.exit.describe()} before it was ready"
         else:
             why = f"engine not ready after {format_duration(timeout)} (engine.ready_timeout)"
         self._launch_failure = why
@@ -321,14 +350,15 @@ class Supervisor:
         """Move to the next method of the chain; False (and FATAL) when there is none."""
         failed = self.step.method
         why = self._launch_failure if reason == "launch failed" else reason
-        if self.index + 1 >= len(self.steps):
+        target = self.next_after_failure(self.index)
+        if target is None:
             self.last_decision = {"action": "fatal", "from": failed.value, "reason": why, "at": time.time()}
             self.events.emit("decision", action="fatal", **{"from": failed.value}, reason=why,
                              rule="chain exhausted")
             self._set(State.FATAL)
             self.say(f"no method left to try after {failed}: {why}")
             return False
-        self.index += 1
+        self.index = target
         self.exit_times = []
         self.backoff = self.profile.supervisor.restart_backoff
         nxt = self.step.method

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .errors import ProfileError, SpecopsError
 from .instance import EventLog, InstancePaths, acquire, release, write_state
 from .profile import LoadedProfile
 from .render import plan as render_plan
@@ -57,29 +58,38 @@ class Console:
             pass
 
 
-def resolve_for_launch(loaded: LoadedProfile, offline: bool, say: Callable[[str], None]) -> LoadedProfile:
-    """Apply the resolver (draft/method `auto`, the lock file) when it has something to do."""
+def resolve_for_launch(loaded: LoadedProfile, offline: bool, say: Callable[[str], None]) -> tuple[LoadedProfile, str | None]:
+    """Apply the resolver (draft/method `auto`, the lock file, the compatibility checks).
+
+    Returns the profile to launch and, when the checks refuse the primary draft (``checks: enforce``),
+    why: the caller then starts at the next method of the chain instead of launching a draft that cannot
+    work. With ``checks: warn`` the findings are printed and the engine decides.
+    """
+    from .resolve import resolve_profile
+
+    enforce = loaded.profile.speculative.checks == "enforce"
     try:
-        from .resolve import resolve_profile
-    except ImportError:  # resolver not installed in this build: only explicit profiles can launch
-        return loaded
-    resolution = resolve_profile(loaded, offline=offline)
-    for note in getattr(resolution, "notes", []) or []:
+        resolution = resolve_profile(loaded, offline=offline, raise_errors=enforce)
+    except ProfileError as exc:
+        return loaded, "; ".join(p.message for p in exc.problems)
+    for note in resolution.notes:
         say(note)
-    for finding in getattr(resolution, "findings", []) or []:
-        if getattr(finding, "severity", "") == "warning":
-            say(f"warning: {finding.message}")
+    for finding in resolution.findings:
+        if finding.severity in ("warning", "error"):
+            say(f"{finding.severity}: {finding.message}")
     if resolution.profile is loaded.profile:
-        return loaded
-    return LoadedProfile(resolution.profile, loaded.document, loaded.path)
+        return loaded, None
+    return LoadedProfile(resolution.profile, loaded.document, loaded.path), None
 
 
 async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Console | None = None) -> int:
     """Run one deployment until SIGINT/SIGTERM (exit 0) or until no method of the chain can run (1)."""
     profile = loaded.profile
     console = console or Console(profile.backend, opts.show_engine_output)
-    loaded = resolve_for_launch(loaded, opts.offline, console.say)
+    loaded, refused = resolve_for_launch(loaded, opts.offline, console.say)
     profile = loaded.profile
+    if refused and not profile.chain:
+        raise SpecopsError(f"the draft was refused and the fallback chain is empty: {refused}")
     backend = registry.backend(profile.backend)
     engine = backend.engine_info(profile, opts.backend_version, probe=True)
     console.prefix = f"{backend.name}"
@@ -119,7 +129,9 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
                           status_provider=lambda: sup.snapshot())
     sup = Supervisor(profile, render_step, events=events, say=console.say, on_engine_line=console.engine,
                      log_path=paths.engine_log, proxy=proxy, health_interval=opts.health_interval,
-                     on_change=write)
+                     on_change=write, launch_problem=backend.launch_problem)
+    if refused:
+        sup.skip_primary(f"refused before launch: {refused}")
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -113,6 +113,8 @@ class Backend:
     parallel_layout: bool = True
     #: One line that tells an operator how to get the engine when it is missing.
     install_hint: str = ""
+    #: Prefix of the engine's Prometheus series (``vllm:``, ``llamacpp:``).
+    metric_prefix: str = ""
 
     def check_profile(self, profile) -> Iterable[tuple[tuple, str]]:
         """Backend-specific rules: yield ``(field_path, message)`` for each problem."""
@@ -126,10 +128,21 @@ class Backend:
         """The plan for ``profile`` on ``engine``; binds ``host:port`` (default: the profile's server)."""
         raise NotImplementedError
 
-    def acceptance_counters(self, families) -> dict | None:
-        """Spec-decode counters from parsed /metrics (``drafts``, ``draft_tokens``, ``accepted``, per position).
+    def acceptance_counters(self, metrics_text: str, model_name: str | None = None, openmetrics: bool = False):
+        """Spec-decode counters (a :class:`specops.metrics.SpecCounters`) from this engine's /metrics text.
 
-        ``None`` means the engine exposes no speculative counters (speculation off or stats disabled).
+        ``None`` means the engine exposes no speculative series (speculation off or stats disabled), which
+        is not a failure. Raises ``ValueError`` for text that is not a Prometheus exposition. The default
+        reads the ``<metric_prefix>spec_decode_*`` counters; a backend with other metrics overrides this.
+        """
+        from ..metrics import parse_spec_counters  # prometheus_client: only when watching
+        return parse_spec_counters(metrics_text, self.metric_prefix, model_name, openmetrics=openmetrics)
+
+    def launch_problem(self, line: str) -> str | None:
+        """Why an engine output line shows the speculative method did not take effect, else None.
+
+        Some engines keep serving without speculation when the draft cannot be used (llama-server logs the
+        error and carries on); the supervisor treats such a line, seen before ready, as a failed launch.
         """
         return None
 

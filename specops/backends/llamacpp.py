@@ -48,8 +48,17 @@ class LlamaCppBackend(Backend):
     name = "llamacpp"
     methods = frozenset({Method.DRAFT_MODEL, Method.EAGLE3, Method.MTP, Method.NGRAM, Method.NONE})
     parallel_layout = False  # -dev takes any number of GPUs; -sm/-ts decide how layers are split
+    metric_prefix = "llamacpp:"
     install_hint = ("llama-server not found: put it on PATH, set engine.executable, "
                     "or run `specops engines setup llamacpp` to build it from source")
+
+    #: llama-server logs these and keeps serving *without* speculation (e.g. a draft with another vocab).
+    SPEC_FAILED = re.compile(r"failed to initiali[sz]e speculative decoding|target and draft vocabs are not compatible"
+                             r"|draft model vocab type must match|failed to load draft model")
+
+    def launch_problem(self, line):
+        m = self.SPEC_FAILED.search(line)
+        return f"llama-server runs without speculation: {line[m.start():].strip()[:200]}" if m else None
 
     # ------------------------------------------------------------------ profile checks
     def check_profile(self, p):

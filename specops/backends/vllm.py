@@ -47,6 +47,7 @@ FORBIDDEN = {"--disable-log-stats": "specops reads acceptance from the engine's 
 class VllmBackend(Backend):
     name = "vllm"
     methods = frozenset(m for m in Method if m is not Method.AUTO)
+    metric_prefix = "vllm:"
     install_hint = ("vLLM not found: `pip install vllm` (GPU) or `specops engines setup vllm` (CPU build), "
                     "or point engine.python at a virtualenv that has it")
 

@@ -1,0 +1,368 @@
+"""The watcher: read acceptance every ``monitor.interval``, window it, ask the policy, act on its decision.
+
+The watcher is the effectful shell around the pure parts: :mod:`specops.sources` reads, :mod:`specops.window`
+windows, :mod:`specops.policy` decides. Under ``specops up`` it acts through the supervisor (a switch
+there means: hold the proxy, drain, stop, start the next method, release). Under ``specops watch`` it only
+reports and recommends, and can run a command or call a webhook on each decision.
+
+Every notable decision goes to the event log, to specops' own ``/metrics`` and to the state file that
+``specops status`` reads.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .metrics import SpecCounters
+from .policy import Decision, Policy
+from .sources import LogLineSource, PromQLSource, ScrapeSource, SourceError, promql_labels
+from .window import Sample, SampleBuffer, WindowStats
+
+#: Counters of generated tokens, for tokens/s in `specops status` (classic text format names).
+GENERATED = {"vllm:": re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M),
+             "llamacpp:": re.compile(r"^llamacpp:tokens_predicted_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)}
+
+
+class LiveCounters:
+    """Spec-decode totals added up from per-response ``timings`` the proxy sees (llama.cpp).
+
+    llama-server's own counters move only when a request finishes; with ``timings_per_token`` the proxy
+    sees acceptance chunk by chunk, so the window is current even during long generations.
+    """
+
+    def __init__(self) -> None:
+        self.draft_tokens = 0
+        self.accepted = 0
+
+    def add(self, draft_n: int, accepted: int) -> None:
+        self.draft_tokens += draft_n
+        self.accepted += accepted
+
+    def read(self) -> SpecCounters | None:
+        if self.draft_tokens == 0:
+            return None
+        return SpecCounters(draft_tokens=float(self.draft_tokens), accepted=float(self.accepted), source="proxy-timings")
+
+    def reset(self) -> None:
+        self.draft_tokens = self.accepted = 0
+
+
+@dataclass
+class Reading:
+    stats: WindowStats
+    tokens_per_s: float | None = None
+    counters: SpecCounters | None = None
+
+
+@dataclass
+class AcceptanceReader:
+    """Reads the current engine's acceptance over the window, from the source the profile names."""
+
+    source: str                      # "scrape" | "promql"
+    backend: Any                     # reads its own acceptance from /metrics text
+    window_s: float
+    timeout: float
+    prometheus_url: str | None = None
+    labels: dict = field(default_factory=dict)
+    live: LiveCounters | None = None
+    log: LogLineSource | None = None
+    _scrape: ScrapeSource | None = None
+    _promql: PromQLSource | None = None
+    _buffer: SampleBuffer | None = None
+    _generated: list = field(default_factory=list)
+    _model_name: str | None = None
+
+    def attach(self, metrics_url: str, model_name: str | None) -> None:
+        """A new engine (or method): start a fresh window, so one window never mixes two methods."""
+        self._scrape = ScrapeSource(metrics_url, self.prefix, model_name, self.timeout)
+        self._model_name = model_name
+        if self.source == "promql":
+            if self._promql is not None:
+                self._promql.close()
+            self._promql = PromQLSource(self.prometheus_url, self.prefix,
+                                        promql_labels(self.prefix, self.labels, model_name), self.window_s,
+                                        timeout=self.timeout)
+        self._buffer = SampleBuffer(self.window_s)
+        self._generated = []
+        if self.live is not None:
+            self.live.reset()
+        if self.log is not None:
+            self.log.reset()
+
+    def read_blocking(self, now: float) -> Reading:
+        """One tick (blocking I/O: run it in a thread). Never raises for an unreadable source."""
+        assert self._scrape is not None and self._buffer is not None
+        try:
+            text, openmetrics = self._scrape.fetch()
+        except SourceError as exc:
+            text, openmetrics, scrape_error = None, False, str(exc)
+        else:
+            scrape_error = None
+        tps = self._tokens_per_s(text, now) if text is not None else None
+        if self._promql is not None:
+            try:
+                return Reading(self._promql.read(now=now), tps)
+            except SourceError as exc:
+                return Reading(WindowStats.unavailable(now, str(exc), self.window_s), tps)
+        if scrape_error is not None:
+            return Reading(WindowStats.unavailable(now, scrape_error, self.window_s))
+        try:
+            counters = self.backend.acceptance_counters(text, self._model_name, openmetrics)
+        except ValueError as exc:
+            return Reading(WindowStats.unavailable(now, f"{self._scrape.url}: {exc}", self.window_s), tps)
+        # llama.cpp: live per-chunk timings from the proxy beat counters that move only at request end;
+        # builds without spec counters fall back to the per-request log line
+        if self.live is not None and self.live.read() is not None:
+            counters = self.live.read()
+        elif counters is None and self.log is not None and self.log.lines:
+            counters = self.log.read()
+        self._buffer.add(Sample(now, counters))
+        return Reading(self._buffer.stats(now), tps, counters)
+
+    @property
+    def prefix(self) -> str:
+        return self.backend.metric_prefix
+
+    def _tokens_per_s(self, text: str, now: float) -> float | None:
+        pattern = GENERATED.get(self.prefix)
+        if pattern is None:
+            return None
+        total = sum(float(v) for v in pattern.findall(text))
+        self._generated.append((now, total))
+        self._generated = [(t, v) for t, v in self._generated if now - t <= self.window_s] or [(now, total)]
+        (t0, v0), (t1, v1) = self._generated[0], self._generated[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 and v1 >= v0 else None
+
+    def close(self) -> None:
+        if self._promql is not None:
+            self._promql.close()
+
+
+class SpecopsMetrics:
+    """specops' own /metrics: what it measured and what it decided (prometheus_client)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.registry = r = CollectorRegistry()
+        self.method = Gauge("specops_active_method", "1 for the speculative method the engine runs now",
+                            ["method"], registry=r)
+        self.state = Gauge("specops_supervisor_state", "1 for the supervisor's current state", ["state"], registry=r)
+        self.acceptance = Gauge("specops_acceptance_rate", "Draft acceptance over the window (NaN: no data)",
+                                registry=r)
+        self.length = Gauge("specops_mean_acceptance_length", "Mean tokens per target step over the window "
+                            "(1 + accepted/drafts; NaN: no data)", registry=r)
+        self.window_tokens = Gauge("specops_window_draft_tokens", "Drafted tokens in the current window", registry=r)
+        self.drafted = Counter("specops_draft_tokens_seen", "Drafted tokens seen by the watcher", registry=r)
+        self.accepted = Counter("specops_accepted_tokens_seen", "Accepted draft tokens seen by the watcher",
+                                registry=r)
+        self.decisions = Counter("specops_decisions", "Policy decisions other than a plain keep",
+                                 ["action", "rule"], registry=r)
+        self.fallbacks = Counter("specops_fallbacks", "Method switches", ["from_method", "to_method", "reason"],
+                                 registry=r)
+        self.switch_seconds = Histogram("specops_switch_duration_seconds", "From the decision to the new engine "
+                                        "being ready", buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=r)
+        self.restarts = Gauge("specops_engine_restarts", "Engine restarts after a crash (same method)", registry=r)
+        self.source_up = Gauge("specops_source_up", "1 when the acceptance source could be read at the last tick",
+                               registry=r)
+        self._last: SpecCounters | None = None
+
+    def observe(self, reading: Reading) -> None:
+        s = reading.stats
+        self.source_up.set(0 if s.status == "unavailable" else 1)
+        self.acceptance.set(s.acceptance if s.acceptance is not None else math.nan)
+        self.length.set(s.mean_acceptance_length if s.mean_acceptance_length is not None else math.nan)
+        self.window_tokens.set(s.draft_tokens or 0)
+        c = reading.counters
+        if c is not None and not c.coarse:
+            last = self._last
+            if last is not None and c.draft_tokens >= last.draft_tokens and c.accepted >= last.accepted:
+                self.drafted.inc(c.draft_tokens - last.draft_tokens)
+                self.accepted.inc(c.accepted - last.accepted)
+            elif last is None or c.draft_tokens < last.draft_tokens:  # first reading, or a restart
+                self.drafted.inc(c.draft_tokens)
+                self.accepted.inc(c.accepted)
+            self._last = c
+
+    def new_engine(self) -> None:
+        self._last = None
+
+    def set_method(self, method: str, all_methods: list[str]) -> None:
+        for m in all_methods:
+            self.method.labels(m).set(1 if m == method else 0)
+
+    def set_state(self, state: str) -> None:
+        for s in ("stopped", "starting", "ready", "stopping", "backoff", "fatal"):
+            self.state.labels(s).set(1 if s == state else 0)
+
+
+class Watcher:
+    """The loop: every interval read → window → policy → act. ``act(decision) -> bool`` performs a switch."""
+
+    def __init__(self, profile, reader: AcceptanceReader, policy: Policy, *, events, say: Callable[[str], None],
+                 act: Callable[[Decision], bool] | None = None, status: dict | None = None,
+                 publish: Callable[[], None] | None = None, metrics: SpecopsMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.profile = profile
+        self.reader = reader
+        self.policy = policy
+        self.events = events
+        self.say = say
+        self.act = act
+        self.status = status if status is not None else {}
+        self.publish = publish or (lambda: None)
+        self.metrics = metrics
+        self.clock = clock
+        self.interval = profile.monitor.interval
+        self.attached = False
+        self.last_decision: Decision | None = None
+        self.decided_at: dict = {}
+        self._task: asyncio.Task | None = None
+        self._stopping = asyncio.Event()
+
+    # ------------------------------------------------------------------ wiring into `specops up`
+    @classmethod
+    def attach(cls, profile, sup, *, events, say, proxy, status, publish) -> "Watcher":
+        """Watch the engine ``sup`` supervises; switches go through ``sup.request_switch``."""
+        from .plugins import get_registry
+        backend = get_registry().backend(profile.backend)
+        prefix = backend.metric_prefix
+        live = LiveCounters() if (proxy is not None and prefix == "llamacpp:") else None
+        log = LogLineSource() if prefix == "llamacpp:" else None
+        m = profile.monitor
+        reader = AcceptanceReader(m.source, backend, profile.fallback.window, m.timeout, m.prometheus_url,
+                                  dict(m.labels), live=live, log=log)
+        metrics = SpecopsMetrics()
+        w = cls(profile, reader, Policy.from_profile(profile), events=events, say=say, status=status,
+                publish=publish, metrics=metrics)
+        w.sup = sup
+
+        def act(decision: Decision) -> bool:
+            return sup.request_switch(decision.to_index, decision.reason, decision.to_dict())
+
+        w.act = act
+
+        def next_after_failure(index: int) -> int | None:
+            d = w.policy.on_failed_start(index, w.clock())
+            if d.warning:
+                say(f"warning: {d.warning}")
+            return d.to_index if d.acts else None
+
+        sup.next_after_failure = next_after_failure
+        if live is not None:
+            proxy.on_timings = live.add
+        if proxy is not None:
+            proxy.metrics_registry = metrics.registry
+        if log is not None:
+            previous = sup.on_engine_line
+
+            def on_line(line: str) -> None:
+                log.feed(line)
+                previous(line)
+            sup.on_engine_line = on_line
+        sup.ready_listeners.append(w._on_engine_ready)
+        previous_change = sup.on_change
+
+        def on_change(s) -> None:
+            metrics.set_state(s.state.value)
+            metrics.restarts.set(s.restarts)
+            previous_change(s)
+        sup.on_change = on_change
+        w._task = asyncio.get_running_loop().create_task(w._loop())
+        return w
+
+    def _on_engine_ready(self, sup) -> None:
+        now = self.clock()
+        decision = self.last_decision
+        if decision is not None and decision.acts and self.metrics is not None and decision.to_index == sup.index:
+            self.metrics.switch_seconds.observe(max(0.0, now - self.decided_at.get(id(decision), now)))
+        self.policy.on_switched(sup.index, now)
+        self.reader.attach(sup.plan.metrics_url, sup.plan.model_name)
+        self.attached = True
+        if self.metrics is not None:
+            self.metrics.new_engine()
+            self.metrics.set_method(sup.step.method.value, [s.method.value for s in sup.steps])
+
+    # ------------------------------------------------------------------ the loop
+    async def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(), timeout=self.interval)
+                break
+            except asyncio.TimeoutError:
+                pass
+            sup = getattr(self, "sup", None)
+            if sup is not None and (sup.state.value != "ready" or not self.attached):
+                continue
+            await self.tick()
+
+    async def tick(self) -> Decision:
+        now = self.clock()
+        reading = await asyncio.to_thread(self.reader.read_blocking, now)
+        return self.handle(reading, now)
+
+    def handle(self, reading: Reading, now: float) -> Decision:
+        stats = reading.stats
+        decision = self.policy.observe(stats, now)
+        if self.metrics is not None:
+            self.metrics.observe(reading)
+        self.status["acceptance"] = stats.to_dict()
+        self.status["tokens_per_s"] = reading.tokens_per_s
+        self.status["policy"] = self.policy.snapshot(now)
+        if decision.warning:
+            self.say(f"warning: {decision.warning}")
+        if decision.notable:
+            self.events.emit("decision", **decision.to_dict(), window=stats.to_dict())
+            if self.metrics is not None:
+                self.metrics.decisions.labels(decision.action, decision.rule).inc()
+        if decision.acts:
+            self.last_decision = decision
+            self.decided_at[id(decision)] = now
+            self.say(f"decision: {decision.action} {decision.from_method} → {decision.to_method} "
+                     f"[{decision.rule}] {decision.reason}")
+            accepted = self.act(decision) if self.act is not None else False
+            if accepted:
+                if self.metrics is not None:
+                    self.metrics.fallbacks.labels(decision.from_method.value, decision.to_method.value,
+                                                  decision.rule).inc()
+            else:
+                self.policy.cancel_pending()
+        self.publish()
+        return decision
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.reader.close()
+
+
+# ---------------------------------------------------------------------- `specops watch`: read-only
+
+def notify(decision: Decision, stats: WindowStats, *, command: list[str] | None, webhook: str | None,
+           say: Callable[[str], None], timeout: float = 10.0) -> None:
+    """Run ``command`` (decision JSON on stdin and in $SPECOPS_DECISION) and/or POST it to ``webhook``."""
+    payload = json.dumps({"decision": decision.to_dict(), "window": stats.to_dict()}, default=str)
+    if command:
+        import os
+        try:
+            res = subprocess.run(command, input=payload, text=True, capture_output=True, timeout=timeout,
+                                 env={**os.environ, "SPECOPS_DECISION": payload})
+            say(f"on-decision command exited {res.returncode}" + (f": {res.stderr.strip()[-200:]}" if res.returncode else ""))
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            say(f"warning: on-decision command failed: {exc}")
+    if webhook:
+        req = urllib.request.Request(webhook, data=payload.encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                say(f"webhook answered {resp.status}")
+        except (OSError, ValueError) as exc:
+            say(f"warning: webhook {webhook} failed: {exc}")
+
+
