@@ -123,6 +123,11 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _name(c) -> str:
+    name = c.draft or ("(target's MTP layers)" if c.method is Method.MTP else "-")
+    return name + (f" [{c.file}]" if c.file else "")
+
+
 def format_resolution(res, *, show_all: bool = False) -> str:
     lines: list[str] = []
     t = res.target
@@ -139,14 +144,11 @@ def format_resolution(res, *, show_all: bool = False) -> str:
     lines.append(f"backend  {p.backend}   requested: {res.requested}" + (f"   served context {served}" if served else ""))
     if res.candidates:
         lines.append("")
-        width = max(len(c.draft or "(target's MTP layers)" if c.method is Method.MTP else c.draft or "-")
-                    for c in res.candidates)
-        width = min(max(width, 10), 52)
+        width = max(len(_name(c)) for c in res.candidates)
+        width = min(max(width, 10), 72)
         lines.append(f"  #  {'verdict':<9}{'method':<15}{'draft':<{width}}  ranked by")
         for i, c in enumerate(res.candidates, 1):
-            name = c.draft or ("(target's MTP layers)" if c.method is Method.MTP else "-")
-            if c.file:
-                name += f" [{c.file}]"
+            name = _name(c)
             mark = "*" if c is res.choice else " "
             lines.append(f"{mark}{i:>2}  {c.verdict:<9}{c.method.value:<15}{_cut(name, width):<{width}}  {c.why()}")
             shown = [x for x in c.findings if x.severity != "info" or show_all]

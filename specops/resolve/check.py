@@ -115,8 +115,9 @@ def _fetch(draft, entry, explicit) -> list[Finding]:
         err = draft.errors[0]
         known = draft.facts_source != "none" or draft.config is not None
         sev = "warning" if (known or entry is not None or explicit) else "error"
-        if err.kind == "offline" and draft.config is not None:
-            return [Finding("info", "hub", f"offline: {draft.ref} checked against its config.json in the HF cache")]
+        if err.kind == "offline" and known:
+            where = "its config.json in the HF cache" if draft.config is not None else draft.facts_source
+            return [Finding("info", "hub", f"offline: {draft.ref} checked against {where}")]
         if err.kind == "offline" and not known:
             msg = (f"offline: {draft.ref} is not in the lock, the HF cache or the catalog's facts, so it cannot be "
                    f"checked; run `specops lock` online once (or `hf download {draft.ref} config.json`)")

@@ -48,8 +48,20 @@ def from_files(sizes: dict[str, int | None], only: str | None = None) -> Weights
     return Weights(total, "file sizes") if total else None
 
 
-def from_params(billions: float | None) -> Weights | None:
-    return Weights(int(billions * 1e9 * 2), "catalog parameter count (2 bytes each)") if billions else None
+#: Average bits per weight of llama.cpp quantisations (llama.cpp's quantize table), for sizing from a count.
+GGUF_BITS = {"Q2_K": 2.96, "Q3_K_S": 3.5, "Q3_K_M": 3.91, "Q3_K_L": 4.27, "IQ4_XS": 4.25, "IQ4_NL": 4.5,
+             "Q4_0": 4.55, "Q4_K_S": 4.58, "Q4_K_M": 4.89, "Q5_0": 5.54, "Q5_K_S": 5.54, "Q5_K_M": 5.69,
+             "Q6_K": 6.56, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0, "F32": 32.0}
+
+
+def from_params(billions: float | None, quant: str | None = None) -> Weights | None:
+    """Size from a parameter count: 2 bytes each, or the GGUF quantisation's bits per weight."""
+    if not billions:
+        return None
+    bits = GGUF_BITS.get((quant or "").upper())
+    if bits:
+        return Weights(int(billions * 1e9 * bits / 8), f"catalog parameter count at {quant.upper()} (~{bits:g} bits)")
+    return Weights(int(billions * 1e9 * 2), "catalog parameter count (2 bytes each)")
 
 
 @dataclass(frozen=True)

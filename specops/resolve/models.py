@@ -14,7 +14,7 @@ from pathlib import Path
 from ..methods import Method
 from .catalog import Catalog
 from .detect import ConfigFacts, Declared, declared_targets, detect_method, facts_from_config
-from .ggufinfo import GGUFVocab, pick_file, read_gguf
+from .ggufinfo import DEFAULT_QUANT, GGUFVocab, pick_file, quant_of, read_gguf
 from .hub import TOKENIZER_FILES, FileMeta, Hub, HubError, RepoMeta, file_digest, read_json
 from .memory import WEIGHT_SUFFIXES, Weights, from_files, from_params, from_safetensors
 
@@ -90,13 +90,17 @@ def load_model(ref: str, *, hub: Hub, catalog: Catalog, revision: str | None = N
         _load_gguf_repo(view, hub, catalog, files, entry_files, quant, file)
     else:
         _load_hf_repo(view, hub, files, tokenizer, revision)
-    _fill_from_catalog(view, catalog)
+    if wants_gguf:
+        sized_quant = quant_of(view.gguf_file) if view.gguf_file else (quant or DEFAULT_QUANT)
+    else:
+        sized_quant = None
+    _fill_from_catalog(view, catalog, sized_quant)
     view.declared = declared_targets(view.config, view.meta.card_data if view.meta else None)
     view.method, view.method_why = detect_method(view.config or (view.meta.config if view.meta else None), ref)
     return view
 
 
-def _fill_from_catalog(view: ModelView, catalog: Catalog) -> None:
+def _fill_from_catalog(view: ModelView, catalog: Catalog, quant: str | None = None) -> None:
     facts = catalog.facts(view.ref)
     if facts is None:
         return
@@ -106,7 +110,7 @@ def _fill_from_catalog(view: ModelView, catalog: Catalog) -> None:
         view.facts_source = "catalog" if view.facts_source == "none" else view.facts_source + " + catalog"
     view.tokenizer_family = view.tokenizer_family or facts.tokenizer
     if view.weights is None:
-        view.weights = from_params(facts.params)
+        view.weights = from_params(facts.params, quant)
 
 
 def _load_hf_repo(view: ModelView, hub: Hub, files: list[str], tokenizer: bool, revision: str | None) -> None:

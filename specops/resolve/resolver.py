@@ -308,6 +308,10 @@ def lock_profile(loaded, *, offline: bool = False, progress: Callable[[str], Non
     """Resolve ``loaded`` afresh and write its lock file next to it; raises on errors."""
     from .lock import build_lock, write_lock
     res = resolve_profile(loaded, offline=offline, use_lock=False, hub=hub, progress=progress)
+    spec = res.profile.speculative
+    if spec.draft and not spec.draft_revision and not Path(spec.draft).expanduser().exists():
+        res.findings.append(Finding("warning", "lock", f"no commit pinned for {spec.draft} (the Hub and the HF cache "
+                                    f"did not give one); run `specops lock` online to pin it"))
     path = lock_path(loaded.path)
     write_lock(path, build_lock(loaded.path, loaded.profile, res))
     res.lock_file = str(path)
