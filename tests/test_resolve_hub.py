@@ -384,3 +384,14 @@ def test_progress_reports_config_downloads(fake_hub):
     resolve(synthetic_profile("meta-llama/Llama-3.1-8B-Instruct", method="draft_model"), hub=hub)
     assert "downloading meta-llama/Llama-3.1-8B-Instruct/config.json" in said
     assert "downloading meta-llama/Llama-3.2-1B-Instruct/config.json" in said
+
+
+def test_a_hub_that_does_not_answer_is_cut_off_by_the_deadline(fake_hub, monkeypatch):
+    seed_llama31(fake_hub)
+    fake_hub.latency = 4.0
+    monkeypatch.setenv("SPECOPS_HUB_TIMEOUT", "0.5")          # deadline per call: 2 × 0.5 + 1 = 2 s
+    t0 = time.monotonic()
+    res = resolve(synthetic_profile("meta-llama/Llama-3.1-8B-Instruct"))
+    assert time.monotonic() - t0 < 3.5
+    assert any("did not answer within 2 s" in n for n in res.notes), res.notes
+    assert res.choice is not None and "catalog" in res.choice.signals
