@@ -314,6 +314,8 @@ def setup_vllm(*, force: bool = False, progress: Progress | None = None) -> Step
     already has the right packages is verified and adopted without reinstalling."""
     venv = vllm_venv_dir()
     t0 = time.monotonic()
+    if not force and vllm_ready():  # fast path without the lock: works on a read-only cache too
+        return StepResult("vllm", "cached", time.monotonic() - t0, venv, read_marker(venv) or {})
     with locked(engines_dir() / ".lock-vllm"):
         marker = read_marker(venv)
         if not force and vllm_ready():
@@ -424,6 +426,8 @@ def setup_llamacpp(*, force: bool = False, jobs: int | None = None, keep_build: 
     dest = llama_server_dir()
     exe = llama_server_bin()
     t0 = time.monotonic()
+    if not force and llama_ready():
+        return StepResult("llamacpp", "cached", time.monotonic() - t0, exe, read_marker(dest) or {})
     with locked(engines_dir() / ".lock-llamacpp"):
         if not force and llama_ready():
             return StepResult("llamacpp", "cached", time.monotonic() - t0, exe, read_marker(dest) or {})

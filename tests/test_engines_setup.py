@@ -333,6 +333,19 @@ def test_cli_setup_models_gguf_twice(cache):
     assert text.returncode == 0 and "models-gguf" in text.stdout and "ready" in text.stdout
 
 
+@pytest.mark.timeout(180)
+def test_concurrent_setups_generate_once(cache):
+    """Two set-ups at the same time (e.g. parallel test sessions): one generates, the other waits and reuses."""
+    env = {**os.environ, "SPECOPS_CACHE": str(cache)}
+    cmd = [sys.executable, "-m", "specops.cli", "engines", "setup", "models-gguf", "--json"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1] for o in outs]
+    statuses = sorted(json.loads(o[0])[0]["status"] for o in outs)
+    assert statuses == ["cached", "cached", "installed"]
+
+
 def test_cli_errors_are_one_line(cache):
     for args, expected in [
         (("engines", "path", "nonsense"), "unknown name 'nonsense'"),
