@@ -150,6 +150,7 @@ def test_qwen25_vocab_mismatch_is_allowed_for_llamacpp(fake_hub, tmp_path):
     spec = res.profile.speculative
     assert spec.draft_file == "qwen2.5-0.5b-instruct-q4_k_m.gguf"                  # default Q4_K_M
     assert res.target.gguf_file == "qwen2.5-7b-instruct-q4_k_m-00001-of-00002.gguf"
+    assert res.memory.target.bytes == 3_993_201_344 + 689_872_288                 # both split parts
     assert any(f.check == "vocab" and "differ by 128" in f.message for f in res.findings)
     assert not res.errors
     assert res.memory is not None and res.memory.draft.bytes == 491_400_064        # from paths-info, not downloaded

@@ -117,3 +117,13 @@ def pick_file(files: list[str], quant: str | None) -> tuple[str | None, str]:
     if len(ggufs) == 1:
         return ggufs[0], f"{wanted} is not in the repo; it has one .gguf file"
     return None, f"{wanted} is not in the repo (it has {', '.join(sorted(by_quant) or ggufs)})"
+
+
+def split_parts(first: str, files: list[str]) -> list[str]:
+    """All parts of a split GGUF (``…-00001-of-00003.gguf``) present in ``files``; ``[first]`` otherwise."""
+    m = re.search(r"-00001-of-(\d{5})\.gguf$", first)
+    if not m:
+        return [first]
+    stem = first[: m.start()]
+    parts = [f"{stem}-{i:05d}-of-{m.group(1)}.gguf" for i in range(1, int(m.group(1)) + 1)]
+    return [p for p in parts if p in files] or [first]

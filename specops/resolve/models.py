@@ -14,7 +14,7 @@ from pathlib import Path
 from ..methods import Method
 from .catalog import Catalog
 from .detect import ConfigFacts, Declared, declared_targets, detect_method, facts_from_config
-from .ggufinfo import DEFAULT_QUANT, GGUFVocab, pick_file, quant_of, read_gguf
+from .ggufinfo import DEFAULT_QUANT, GGUFVocab, pick_file, quant_of, read_gguf, split_parts
 from .hub import TOKENIZER_FILES, FileMeta, Hub, HubError, RepoMeta, file_digest, read_json
 from .memory import WEIGHT_SUFFIXES, Weights, from_files, from_params, from_safetensors
 
@@ -169,9 +169,13 @@ def _load_gguf_repo(view: ModelView, hub: Hub, catalog: Catalog, files: list[str
             view.notes.append(f"{ref}/{view.gguf_file} is not local: vocab facts from "
                               f"{'the catalog or ' if catalog.facts(ref) else ''}the base model's config.json")
         if view.weights is None:
+            parts = split_parts(view.gguf_file, files)
             try:
-                info = hub.paths_info(ref, [view.gguf_file], sha)
-                view.weights = from_files({k: v.size for k, v in info.items()}, view.gguf_file)
+                info = hub.paths_info(ref, parts, sha)
+                sizes = [info[p].size for p in parts if p in info and info[p].size]
+                if sizes and len(sizes) == len(parts):
+                    what = "file size" if len(parts) == 1 else f"file sizes ({len(parts)} split parts)"
+                    view.weights = Weights(sum(sizes), what)
             except HubError as exc:
                 if not exc.hub_is_down or not view.errors:
                     view.errors.append(exc)
