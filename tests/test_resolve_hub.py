@@ -394,5 +394,6 @@ def test_a_hub_that_does_not_answer_is_cut_off_by_the_deadline(fake_hub, monkeyp
     t0 = time.monotonic()
     res = resolve(synthetic_profile("meta-llama/Llama-3.1-8B-Instruct"))
     assert time.monotonic() - t0 < 3.5
-    assert any("did not answer within 2 s" in n for n in res.notes), res.notes
+    # the per-request read timeout or the per-call deadline, whichever fires first
+    assert any("did not answer in time" in n and "SPECOPS_HUB_TIMEOUT" in n for n in res.notes), res.notes
     assert res.choice is not None and "catalog" in res.choice.signals

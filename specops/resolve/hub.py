@@ -278,7 +278,8 @@ def translate(exc: BaseException, what: str, repo: str | None, endpoint: str, de
 
     name = repo or endpoint
     if isinstance(exc, _Deadline):
-        return HubError("unreachable", f"Hub at {endpoint} did not answer within {deadline:.0f} s ({what})", repo)
+        return HubError("unreachable", f"Hub at {endpoint} did not answer in time ({what}; no answer within "
+                                       f"{deadline:.0f} s, SPECOPS_HUB_TIMEOUT sets the limit)", repo)
     if isinstance(exc, E.OfflineModeIsEnabled):
         return HubError("offline", f"{what}: huggingface_hub is in offline mode (HF_HUB_OFFLINE=1)", repo)
     if isinstance(exc, E.GatedRepoError):
@@ -308,10 +309,13 @@ def translate(exc: BaseException, what: str, repo: str | None, endpoint: str, de
         return HubError("offline", f"{name}: not in the local HF cache and the Hub is not reachable", repo)
     try:
         import httpx2 as httpx
-        transport = (httpx.TransportError,)
+        transport, timeouts = (httpx.TransportError,), (httpx.TimeoutException,)
     except ImportError:  # pragma: no cover - older huggingface_hub uses requests/httpx
-        transport = ()
-    if isinstance(exc, transport + (ConnectionError, TimeoutError, OSError)):
+        transport, timeouts = (), ()
+    if isinstance(exc, timeouts + (TimeoutError,)):
+        return HubError("unreachable", f"Hub at {endpoint} did not answer in time ({what}; "
+                                       f"SPECOPS_HUB_TIMEOUT sets the limit)", repo)
+    if isinstance(exc, transport + (ConnectionError, OSError)):
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return HubError("unreachable", f"Hub at {endpoint} is unreachable: {reason}", repo)
     return HubError("error", f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", repo)
