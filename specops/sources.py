@@ -48,8 +48,10 @@ class ScrapeSource:
     Proxies from the environment are ignored: the engine is a local process specops started.
     """
 
-    def __init__(self, url: str, prefix: str, model_name: str | None = None, timeout: float = 3.0):
+    def __init__(self, url: str, prefix: str, model_name: str | None = None, timeout: float = 3.0,
+                 headers: Mapping[str, str] | None = None):
         self.url = url
+        self.headers = dict(headers or {})  # e.g. the API key llama-server wants on /metrics
         self.prefix = normalize_prefix(prefix)
         self.model_name = model_name
         self.timeout = timeout
@@ -57,7 +59,7 @@ class ScrapeSource:
 
     def fetch(self) -> tuple[str, bool]:
         """The exposition text and whether it is OpenMetrics; raises SourceError."""
-        req = urllib.request.Request(self.url, headers={"Accept": ACCEPT, "User-Agent": "specops"})
+        req = urllib.request.Request(self.url, headers={"Accept": ACCEPT, "User-Agent": "specops", **self.headers})
         try:
             with self._opener.open(req, timeout=self.timeout) as resp:
                 body = resp.read(MAX_BYTES + 1)

@@ -79,9 +79,9 @@ class AcceptanceReader:
     _generated: list = field(default_factory=list)
     _model_name: str | None = None
 
-    def attach(self, metrics_url: str, model_name: str | None) -> None:
+    def attach(self, metrics_url: str, model_name: str | None, headers: dict | None = None) -> None:
         """A new engine (or method): start a fresh window, so one window never mixes two methods."""
-        self._scrape = ScrapeSource(metrics_url, self.prefix, model_name, self.timeout)
+        self._scrape = ScrapeSource(metrics_url, self.prefix, model_name, self.timeout, headers)
         self._model_name = model_name
         if self.source == "promql":
             if self._promql is not None:
@@ -283,7 +283,7 @@ class Watcher:
         if decision is not None and decision.acts and self.metrics is not None and decision.to_index == sup.index:
             self.metrics.switch_seconds.observe(max(0.0, now - self.decided_at.get(id(decision), now)))
         self.policy.on_switched(sup.index, now)
-        self.reader.attach(sup.plan.metrics_url, sup.plan.model_name)
+        self.reader.attach(sup.plan.metrics_url, sup.plan.model_name, sup.plan.auth_headers)
         self.attached = True
         if self.metrics is not None:
             self.metrics.new_engine()

@@ -144,9 +144,9 @@ def test_gitops_api_key_comes_from_the_environment():
     assert "${SPECOPS_API_KEY" in prod.read_text(encoding="utf-8")
     with_key = run("render", str(prod), env={"SPECOPS_API_KEY": "sk-from-vault"})
     without = run("render", str(prod), env={"SPECOPS_API_KEY": None})
-    assert "--api-key '***'" in with_key.stdout or "--api-key ***" in with_key.stdout
+    assert "VLLM_API_KEY=***" in with_key.stdout
     assert "sk-from-vault" not in with_key.stdout
-    assert "--api-key" not in without.stdout
+    assert "VLLM_API_KEY" not in without.stdout
 
 
 def test_gitops_error_in_the_base_points_at_the_base(tmp_path):

@@ -7,6 +7,7 @@ and :class:`EngineInfo` always give the byte-identical plan.
 """
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -47,6 +48,11 @@ class LaunchPlan:
     model_name: str = ""                         # the name the engine reports in metrics and /v1/models
     secrets: tuple[str, ...] = field(default=(), repr=False)
     notes: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)  # for specops' own requests (e.g. llama /metrics)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def base_url(self) -> str:
@@ -148,6 +154,11 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+def looks_secret(env_name: str) -> bool:
+    """Environment variables whose values are redacted in every printed form."""
+    return bool(re.search(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL", env_name.upper()))
 
 
 def flag_of(arg: str) -> str | None:

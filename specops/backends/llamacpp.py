@@ -17,7 +17,7 @@ from ..hookspecs import hookimpl
 from ..methods import Method
 from ..paths import engines_dir
 from ..versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
-from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args
+from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, looks_secret
 
 #: specops method → llama-server ``--spec-type`` value, per flag generation (absent: not supported).
 SPEC_TYPE = {
@@ -34,7 +34,7 @@ DEFAULT_DRAFT_QUANT = "Q4_K_M"
 ALIASES = [frozenset(g) for g in (
     {"-m", "--model"}, {"-hf", "-hfr", "--hf-repo"}, {"-hff", "--hf-file"},
     {"-md", "--model-draft", "--spec-draft-model"}, {"-hfd", "-hfrd", "--hf-repo-draft", "--spec-draft-hf"},
-    {"-c", "--ctx-size"}, {"-np", "--parallel"}, {"-a", "--alias"},
+    {"-c", "--ctx-size"}, {"--api-key", "--api-key-file"}, {"-np", "--parallel"}, {"-a", "--alias"},
     {"-ngl", "--gpu-layers", "--n-gpu-layers"}, {"-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl"},
     {"-dev", "--device"}, {"-devd", "--device-draft", "--spec-draft-device"},
     {"-sm", "--split-mode"}, {"-ts", "--tensor-split"}, {"-mg", "--main-gpu"}, {"-fit", "--fit"},
@@ -136,10 +136,9 @@ class LlamaCppBackend(Backend):
             argv += ["-a", p.model.served_name]
         if p.server.parallel:
             argv += ["-np", str(p.server.parallel)]
-        secrets = []
-        if p.server.api_key:
-            argv += ["--api-key", p.server.api_key]
-            secrets.append(p.server.api_key)
+        env = dict(p.server.env)
+        if p.server.api_key:  # in the environment, not argv: argv is visible to every user in `ps`
+            env["LLAMA_API_KEY"] = p.server.api_key
 
         # layout
         explicit = bool(g.devices) or g.gpu_layers is not None or g.tensor_split or g.split_mode
@@ -159,13 +158,13 @@ class LlamaCppBackend(Backend):
         argv += self._spec_args(p, gen, engine)
         check_extra_args(p.server.extra_args, tuple(argv), ALIASES, FORBIDDEN, engine.flags)
         argv += p.server.extra_args
-        env = tuple(sorted(p.server.env.items()))
-        secrets += [v for k, v in env if _looks_secret(k)]
+        env_items = tuple(sorted(env.items()))
+        secrets = [v for k, v in env_items if looks_secret(k)]
         return LaunchPlan(
-            backend=self.name, engine_version=engine.version, method=spec.method, argv=tuple(argv), env=env,
+            backend=self.name, engine_version=engine.version, method=spec.method, argv=tuple(argv), env=env_items,
             host=host, port=port, health_path=self.health_path, metrics_path=self.metrics_path,
             model_name=p.model.served_name or _default_alias(p.model.id), secrets=tuple(secrets),
-            notes=(f"llama-server flag generation: {gen}",),
+            notes=(f"llama-server flag generation: {gen}",), api_key=p.server.api_key,
         )
 
     def _spec_args(self, p, gen: str, engine: EngineInfo) -> list[str]:
@@ -240,10 +239,6 @@ def _quant_of(filename: str) -> str | None:
 
 def _default_alias(model_id: str) -> str:
     return Path(model_id).name if _is_local(model_id) else model_id
-
-
-def _looks_secret(name: str) -> bool:
-    return bool(re.search(r"TOKEN|KEY|SECRET|PASSWORD", name.upper()))
 
 
 # ---------------------------------------------------------------------- probing a llama-server binary

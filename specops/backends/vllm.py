@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,7 +21,7 @@ from ..paths import engines_dir
 from ..versions import (VLLM_DRAFT_MODEL_V1, VLLM_LEGACY_METHODS, VLLM_METHOD_SINCE, VLLM_METHOD_UNTIL,
                         VLLM_SPEC_CONFIG, VLLM_SPEC_CONFIG_ONLY, VLLM_V0_REMOVED, VLLM_V1_DEFAULT, Version,
                         vllm_field_problem)
-from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args
+from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, looks_secret
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: Fields of the speculative config that specops renders from dedicated profile fields.
@@ -132,10 +131,6 @@ class VllmBackend(Backend):
         if p.server.parallel:
             argv += ["--max-num-seqs", str(p.server.parallel)]
         argv += ["--host", host, "--port", str(port)]
-        secrets = []
-        if p.server.api_key:
-            argv += ["--api-key", p.server.api_key]
-            secrets.append(p.server.api_key)
 
         spec_args, spec_env, notes = self._spec_args(p, version)
         argv += spec_args
@@ -146,12 +141,15 @@ class VllmBackend(Backend):
         if g.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in g.devices)
         env.update(p.server.env)
+        if p.server.api_key:  # in the environment, not argv: argv is visible to every user in `ps`
+            env["VLLM_API_KEY"] = p.server.api_key
         env_items = tuple(sorted(env.items()))
-        secrets += [v for k, v in env_items if re.search(r"TOKEN|KEY|SECRET|PASSWORD", k.upper())]
+        secrets = [v for k, v in env_items if looks_secret(k)]
         return LaunchPlan(
             backend=self.name, engine_version=engine.version, method=spec.method, argv=tuple(argv), env=env_items,
             host=host, port=port, health_path=self.health_path, metrics_path=self.metrics_path,
             model_name=p.model.served_name or p.model.id, secrets=tuple(secrets), notes=tuple(notes),
+            api_key=p.server.api_key,
         )
 
     def _spec_args(self, p, version: Version) -> tuple[list[str], dict, list[str]]:
