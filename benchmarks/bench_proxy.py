@@ -78,6 +78,17 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(5)
 
 
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User+system CPU time of a process (Linux /proc), to report the proxy's own cost per request."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 # ------------------------------------------------------------------------------------------ client side
 
 def _pct(values: list[float], q: float) -> float:
@@ -132,7 +143,7 @@ async def _stream_round(session, url: str, body: bytes, concurrency: int, per_cl
     return tokens, time.perf_counter() - t0
 
 
-async def _bench(args, engine_url: str, proxy_url: str, stream_extra: dict) -> dict:
+async def _bench(args, engine_url: str, proxy_url: str, stream_extra: dict, proxy_pid: int | None) -> dict:
     import aiohttp
 
     targets = {"direct": engine_url, "proxy": proxy_url}
@@ -149,6 +160,7 @@ async def _bench(args, engine_url: str, proxy_url: str, stream_extra: dict) -> d
             # the stand-in's fixed service time per request (X-Test-First-Delay); a real engine has its own
             extra = {"X-Test-First-Delay": str(service_ms / 1e3)} if service_ms and not args.engine_url else None
             lat = {"direct": [], "proxy": []}
+            cpu0 = _cpu_seconds(proxy_pid)
             n_req = args.requests if not service_ms else max(c, args.requests // 4)
             per_client = max(1, n_req // c)
             for rnd in range(args.rounds):
@@ -156,15 +168,19 @@ async def _bench(args, engine_url: str, proxy_url: str, stream_extra: dict) -> d
                 for name in order:
                     lat[name] += await _latency_round(session, targets[name] + "/v1/completions", lat_body,
                                                       c, per_client, extra)
+            cpu1 = _cpu_seconds(proxy_pid)
             d50, d99 = _pct(lat["direct"], 0.5), _pct(lat["direct"], 0.99)
             p50, p99 = _pct(lat["proxy"], 0.5), _pct(lat["proxy"], 0.99)
             results["latency"][f"{c}@{service_ms}ms"] = {
                 "clients": c, "service_ms": service_ms,
                 "n": len(lat["proxy"]), "direct_p50_ms": d50 * 1e3, "direct_p99_ms": d99 * 1e3,
                 "proxy_p50_ms": p50 * 1e3, "proxy_p99_ms": p99 * 1e3,
-                "added_p50_ms": (p50 - d50) * 1e3, "added_p99_ms": (p99 - d99) * 1e3}
+                "added_p50_ms": (p50 - d50) * 1e3, "added_p99_ms": (p99 - d99) * 1e3,
+                "proxy_cpu_us_per_request": None if cpu0 is None or cpu1 is None
+                else (cpu1 - cpu0) / len(lat["proxy"]) * 1e6}
         for c in args.concurrency:
             tok = {"direct": [0, 0.0], "proxy": [0, 0.0]}
+            cpu0 = _cpu_seconds(proxy_pid)
             per_client = max(2, args.stream_requests // c)
             for rnd in range(args.rounds):
                 order = ("direct", "proxy") if rnd % 2 == 0 else ("proxy", "direct")
@@ -173,26 +189,35 @@ async def _bench(args, engine_url: str, proxy_url: str, stream_extra: dict) -> d
                                                   c, per_client)
                     tok[name][0] += n
                     tok[name][1] += secs
+            cpu1 = _cpu_seconds(proxy_pid)
             dt = tok["direct"][0] / tok["direct"][1]
             pt = tok["proxy"][0] / tok["proxy"][1]
             results["throughput"][c] = {"direct_tok_s": dt, "proxy_tok_s": pt, "ratio": pt / dt,
-                                        "tokens": tok["proxy"][0]}
+                                        "tokens": tok["proxy"][0],
+                                        "proxy_cpu_us_per_token": None if cpu0 is None or cpu1 is None
+                                        else (cpu1 - cpu0) / tok["proxy"][0] * 1e6}
     return results
+
+
+def _us(v) -> str:
+    return "n/a" if v is None else f"{v:.0f} us"
 
 
 def _report(args, res: dict, engine: str) -> str:
     lines = [f"engine: {engine}", f"latency: non-streamed, max_tokens={args.max_tokens}, "
              f"rounds={args.rounds}, ~{args.requests} requests per round per mode (1/4 of that with a service time)",
              f"{'clients':>7} {'service':>7} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} "
-             f"{'direct p99':>10} {'proxy p99':>10} {'added p99':>10}   (ms)"]
+             f"{'direct p99':>10} {'proxy p99':>10} {'added p99':>10} {'proxy CPU/req':>13}   (times in ms)"]
     for r in res["latency"].values():
         lines.append(f"{r['clients']:>7} {r['service_ms']:>7g} {r['direct_p50_ms']:10.3f} {r['proxy_p50_ms']:10.3f} {r['added_p50_ms']:10.3f} "
-                     f"{r['direct_p99_ms']:10.3f} {r['proxy_p99_ms']:10.3f} {r['added_p99_ms']:10.3f}")
+                     f"{r['direct_p99_ms']:10.3f} {r['proxy_p99_ms']:10.3f} {r['added_p99_ms']:10.3f} "
+                     f"{_us(r['proxy_cpu_us_per_request']):>13}")
     lines += [f"throughput: streamed, {args.stream_tokens} tokens per request, token delay "
               f"{args.token_delay * 1e3:g} ms (stand-in engine only)",
-              f"{'clients':>7} {'direct tok/s':>13} {'proxy tok/s':>12} {'ratio':>7}"]
+              f"{'clients':>7} {'direct tok/s':>13} {'proxy tok/s':>12} {'ratio':>7} {'proxy CPU/token':>15}"]
     for c, r in res["throughput"].items():
-        lines.append(f"{c:>7} {r['direct_tok_s']:13.1f} {r['proxy_tok_s']:12.1f} {r['ratio']:7.3f}")
+        lines.append(f"{c:>7} {r['direct_tok_s']:13.1f} {r['proxy_tok_s']:12.1f} {r['ratio']:7.3f} "
+                     f"{_us(r['proxy_cpu_us_per_token']):>15}")
     return "\n".join(lines)
 
 
@@ -233,15 +258,19 @@ def main(argv=None) -> int:
             engine_desc = "tests/support_upstream.py (stand-in, separate process)"
         proc, pport = _spawn([sys.executable, str(Path(__file__).resolve()), "--serve-proxy", engine_url])
         procs.append(proc)
+        proxy_pid = proc.pid
         proxy_url = f"http://127.0.0.1:{pport}"
         # the stand-in reads a per-request token delay from the body (a real engine ignores no such field,
         # so it is only sent to the stand-in)
         stream_extra = {} if args.engine_url else {"x_token_delay": args.token_delay}
         t0 = time.monotonic()
-        res = asyncio.run(_bench(args, engine_url, proxy_url, stream_extra))
+        load0 = os.getloadavg()[0]
+        res = asyncio.run(_bench(args, engine_url, proxy_url, stream_extra, proxy_pid))
+        res["loadavg_1m"] = [load0, os.getloadavg()[0]]
         text = _report(args, res, engine_desc)
         print(text)
-        print(f"total {time.monotonic() - t0:.1f}s, cpus={os.cpu_count()}, python {sys.version.split()[0]}")
+        print(f"total {time.monotonic() - t0:.1f}s, cpus={os.cpu_count()}, python {sys.version.split()[0]}, "
+              f"1-min load average before/after {res['loadavg_1m'][0]:.2f}/{res['loadavg_1m'][1]:.2f}")
         if args.json:
             Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
                                                             if k != "serve_proxy"}, "results": res}, indent=1))

@@ -36,6 +36,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import sys
 import time
 from collections import deque
@@ -65,6 +66,14 @@ _REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect"}
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
 
 _UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError, asyncio.TimeoutError)
+
+_ENGINE_KEEPALIVE = 4.0
+
+# llama-server closes the connection after a streamed (chunked) response without saying so, and aiohttp
+# has pooled it by then: the next request on it fails before any byte. Streamed requests therefore ask
+# the engine for `Connection: close` (a new connection per stream costs ~0.1 ms; a stream lasts seconds).
+_STREAM_KEY = b'"stream"'
+_STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 _TIMINGS = b'"timings"'
 _SSE_TAIL_LIMIT = 1 << 20
@@ -130,11 +139,16 @@ class _Flight:
 
 
 class _Unstarted(Exception):
-    """The upstream failed before the client received anything: the request may be retried."""
+    """The upstream failed before the client received anything: the request may be retried.
 
-    def __init__(self, reason: str):
+    ``stale``: the failure looks like a pooled connection the engine had just closed (disconnected or
+    unwritable before a response, as opposed to a refused connection, a timeout or a cut).
+    """
+
+    def __init__(self, reason: str, stale: bool = False):
         super().__init__(reason)
         self.reason = reason
+        self.stale = stale
 
 
 class _Rejected(Exception):
@@ -206,7 +220,7 @@ class Proxy:
         self._started_at = time.time()
         self._c = {k: 0 for k in (
             "requests", "completed", "waited", "rejected_queue_full", "rejected_queue_timeout",
-            "rejected_stopped", "retried", "retried_ok", "upstream_errors", "broken_streams", "cut_streams",
+            "rejected_stopped", "retried", "retried_ok", "reconnects", "upstream_errors", "broken_streams", "cut_streams",
             "client_disconnects", "timings_draft_n", "timings_draft_n_accepted")}
         self._wait_total = 0.0
         self._wait_longest = 0.0
@@ -228,7 +242,10 @@ class Proxy:
 
     async def start(self) -> None:
         """Bind the public (and admin) listeners. Requests queue until :meth:`set_upstream`."""
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0,
+        # Idle engine connections are dropped before the engines drop them (uvicorn in vLLM and
+        # llama-server both close idle keep-alive connections after 5 s): a connection the engine is
+        # closing just as it is reused fails the request before any byte, which would cost its retry.
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=_ENGINE_KEEPALIVE,
                                          ttl_dns_cache=None, use_dns_cache=True)
         self._session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
@@ -375,7 +392,8 @@ class Proxy:
 
     def status(self) -> dict:
         """The ``/specops/status`` document: the proxy's own section, merged with ``status_provider()``."""
-        doc: dict = {"proxy": dict(self.stats(), url=self.url, queue_timeout_s=self.queue_timeout,
+        doc: dict = {"proxy": dict(self.stats(), url=self.url, started_at=round(self._started_at, 3),
+                                   queue_timeout_s=self.queue_timeout,
                                    drain_timeout_s=self.drain_timeout, retry_unstarted=self.retry_unstarted,
                                    events=list(self._events))}
         if self.status_provider is not None:
@@ -507,8 +525,8 @@ class Proxy:
             body = await request.read() if request.body_exists else b""
         except web.HTTPRequestEntityTooLarge as exc:
             return self._reject(413, "request_too_large", str(exc))
-        headers = self._request_headers(request)
-        retried = False
+        headers = self._request_headers(request, body)
+        retried = reconnected = False
         deadline = loop.time() + self.queue_timeout
         while True:
             try:
@@ -524,7 +542,7 @@ class Proxy:
             try:
                 resp = await self._exchange(request, body, headers, flight)
             except _Unstarted as exc:
-                failure = exc.reason
+                failure = exc
             else:
                 failure = None
             finally:
@@ -539,17 +557,26 @@ class Proxy:
                 if retried:
                     c["retried_ok"] += 1
                 return resp
+            alive = None
+            if failure.stale and not reconnected and flight.cut_reason is None and gen is self._gen \
+                    and self._state == SERVING:
+                alive = await self._reachable(gen.url)
+                if alive:                   # a pooled connection the engine had closed: just reconnect
+                    reconnected = True
+                    c["reconnects"] += 1
+                    continue
             if retried or not self.retry_unstarted or self._state == STOPPED:
                 c["upstream_errors"] += 1
                 status = 503 if self._state == STOPPED else 502
                 return self._reject(status, "specops_upstream_error",
-                                    f"specops: the engine failed before answering: {failure}")
+                                    f"specops: the engine failed before answering: {failure.reason}")
             retried = True
             c["retried"] += 1
-            await self._after_unstarted_failure(flight, failure)
+            log.info("proxy: retrying %s %s after: %s", request.method, request.path, failure.reason)
+            await self._after_unstarted_failure(flight, failure.reason, alive)
             deadline = loop.time() + self.queue_timeout
 
-    def _request_headers(self, request: web.BaseRequest) -> CIMultiDict:
+    def _request_headers(self, request: web.BaseRequest, body: bytes) -> CIMultiDict:
         src = request.headers
         conn = src.get("Connection")
         named = {t.strip().lower() for t in conn.split(",")} if conn else ()
@@ -563,6 +590,8 @@ class Proxy:
         if remote:
             prior = src.get("X-Forwarded-For")
             out["X-Forwarded-For"] = f"{prior}, {remote}" if prior else remote
+        if body and _STREAM_KEY in body and _STREAM_TRUE.search(body):
+            out["Connection"] = "close"
         host = src.get("Host")
         if host and "X-Forwarded-Host" not in out:
             out["X-Forwarded-Host"] = host
@@ -570,12 +599,14 @@ class Proxy:
             out["X-Forwarded-Proto"] = request.scheme
         return out
 
-    async def _after_unstarted_failure(self, flight: _Flight, reason: str) -> None:
+    async def _after_unstarted_failure(self, flight: _Flight, reason: str, alive: bool | None) -> None:
         """Decide where the retry goes: the same engine if it is alive, else wait for the next one."""
         gen = flight.gen
         if flight.cut_reason is not None or gen is not self._gen or self._state != SERVING:
             return                          # a switch/failure is already being handled: _acquire waits
-        if await self._reachable(gen.url):
+        if alive is None:
+            alive = await self._reachable(gen.url)
+        if alive:
             return                          # a transient error (e.g. a stale keep-alive connection)
         if gen is self._gen and self._state == SERVING:
             self._set_state(DOWN)
@@ -611,7 +642,8 @@ class Proxy:
         while self._state == DOWN and self._gen is gen:
             await asyncio.sleep(self.recover_interval)
             try:
-                async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                async with self._session.get(url, headers={"Connection": "close"},
+                                             timeout=aiohttp.ClientTimeout(total=2.0)) as r:
                     ok = r.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 ok = False
@@ -639,7 +671,9 @@ class Proxy:
                         request.method, URL(flight.gen.url + request.raw_path, encoded=True),
                         headers=headers, data=body or None, allow_redirects=False)
                 except _UPSTREAM_ERRORS as exc:
-                    raise _Unstarted(_describe(exc)) from None
+                    stale = (isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
+                             and not isinstance(exc, aiohttp.ClientConnectorError))
+                    raise _Unstarted(_describe(exc), stale) from None
                 ctype = up.headers.get("Content-Type", "")
                 sse = ctype.startswith("text/event-stream")
                 clen = up.content_length
@@ -828,6 +862,8 @@ class _ProxyCollector:
         yield counter("specops_proxy_retried_requests", "Requests retried after the engine failed before "
                       "answering.", c["retried"])
         yield counter("specops_proxy_retried_ok", "Retried requests that then got an answer.", c["retried_ok"])
+        yield counter("specops_proxy_reconnects", "Requests resent at once because a pooled engine connection "
+                      "had been closed by the engine (not counted as retries).", c["reconnects"])
         yield counter("specops_proxy_upstream_errors", "Requests answered 502/503 because the engine failed "
                       "(after the retry).", c["upstream_errors"])
         yield counter("specops_proxy_broken_streams", "Started responses that could not complete.",

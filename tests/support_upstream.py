@@ -12,7 +12,10 @@ Test-only controls, never sent by real clients:
 
 - request headers ``X-Test-Token-Delay`` (seconds per token), ``X-Test-First-Delay`` (seconds before the
   first token), ``X-Test-Status`` (answer with this status and an OpenAI error body),
-  ``X-Test-Die-After`` (drop the connection abruptly after this many streamed tokens);
+  ``X-Test-Die-After`` (drop the connection abruptly after this many streamed tokens),
+  ``X-Test-Close-After`` (close the keep-alive connection this many seconds after answering, without a
+  ``Connection: close`` header, as llama-server does after a stream and any server does at its keep-alive
+  timeout);
 - ``/debug/stats`` (JSON counters), ``/debug/echo`` (echoes method, path, query, headers and body);
 - every response carries ``X-Upstream-Name`` and every JSON body / chunk ``system_fingerprint`` = name.
 
@@ -48,7 +51,7 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
     from aiohttp import web
 
     stats = {"started": 0, "finished": 0, "cancelled": 0, "active": 0, "by_path": {},
-             "draft_n": 0, "draft_n_accepted": 0, "died": 0}
+             "draft_n": 0, "draft_n_accepted": 0, "died": 0, "closed_after": 0}
     created = int(time.time())
 
     def delays(request, body):
@@ -236,7 +239,18 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
         await resp.write_eof()
         return resp
 
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    @web.middleware
+    async def close_after(request, handler):
+        delay = request.headers.get("X-Test-Close-After")
+        resp = await handler(request)
+        if delay is not None and request.transport is not None:
+            transport = request.transport
+            stats["closed_after"] += 1
+            # close() flushes what is buffered first, so the answer itself still arrives whole
+            asyncio.get_running_loop().call_later(max(0.0, float(delay)), transport.close)
+        return resp
+
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[close_after])
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/completion", completions)

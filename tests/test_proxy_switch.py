@@ -71,6 +71,9 @@ def test_no_request_lost_during_a_forced_switch_under_load(record_property):
                     old_stats = await old.astats(s)
                     await asyncio.to_thread(old.stop)
                     await asyncio.sleep(NEW_ENGINE_START)      # the new engine is "starting"
+                    deadline = loop.time() + 5
+                    while proxy.stats()["queue_depth"] < CLIENTS and loop.time() < deadline:
+                        await asyncio.sleep(0.01)              # (on a loaded machine clients may lag)
                     depth = proxy.stats()["queue_depth"]
                     proxy.release(new.url)
                     return drained, old_stats, depth
