@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from fakehub import (DEEPSEEK_V3, EAGLE3_LLAMA31_8B, EAGLE_LLAMA31_8B, LLAMA31_8B, MEDUSA_VICUNA_7B, QWEN25_7B,
+from fakehub import (DEEPSEEK_V3, EAGLE3_LLAMA31_8B, EAGLE_LLAMA31_8B, LLAMA31_8B, MEDUSA_VICUNA_7B,
                      speculators_eagle3)
 from specops.methods import Method
 from specops.resolve.catalog import load_catalog, parse_catalog
