@@ -221,6 +221,8 @@ class Watcher:
         self.clock = clock
         self.interval = profile.monitor.interval
         self.attached = False
+        #: read-only mode (`specops watch`): called with (decision, stats) instead of acting
+        self.on_recommend: Callable[[Decision, WindowStats], None] | None = None
         self.last_decision: Decision | None = None
         self.decided_at: dict = {}
         self._task: asyncio.Task | None = None
@@ -324,9 +326,15 @@ class Watcher:
         if decision.acts:
             self.last_decision = decision
             self.decided_at[id(decision)] = now
+            if self.act is None:  # watch-only: recommend, and let the next fresh low window recommend again
+                if self.on_recommend is not None:
+                    self.on_recommend(decision, stats)
+                self.policy.cancel_pending()
+                self.publish()
+                return decision
             self.say(f"decision: {decision.action} {decision.from_method} → {decision.to_method} "
                      f"[{decision.rule}] {decision.reason}")
-            accepted = self.act(decision) if self.act is not None else False
+            accepted = self.act(decision)
             if accepted:
                 if self.metrics is not None:
                     self.metrics.fallbacks.labels(decision.from_method.value, decision.to_method.value,
