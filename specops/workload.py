@@ -1,0 +1,443 @@
+"""Client workloads against an OpenAI-compatible ``/v1/completions`` endpoint, measured the way users feel them.
+
+A workload is a list of :class:`Prompt` (text, max_tokens, temperature, the set it belongs to) sent by
+``concurrency`` clients at once, each taking the next prompt (cycling) until ``requests`` have been sent or
+``duration`` seconds have passed. Each request streams (SSE) so that the time to the first token (TTFT)
+and the gaps between streamed chunks (inter-token latency, ITL) are measured; output tokens are counted
+from the engine's ``usage`` (vLLM sends it in a last chunk when asked with ``stream_options``; llama-server
+puts ``usage`` and ``timings`` in its final chunk), never estimated from text.
+
+Built-in prompt sets (``specops/data/prompts/<set>.jsonl``) cover the cases where speculation helps and
+where it hurts:
+
+=============  ===============================================================  ==================
+``code``       code completion: predictable continuations                        temperature 0
+``summarize``  summarisation / RAG: the answer copies the input (n-gram wins)      temperature 0
+``chat``       open chat questions                                               temperature 0.7
+``creative``   high-temperature creative writing: drafts are rarely accepted     temperature 1.3
+=============  ===============================================================  ==================
+
+A user file is JSON Lines: one object per line with ``prompt`` (or ``text``) and optional ``max_tokens``,
+``temperature`` and ``set``.
+
+Speculation makes tokens arrive in bursts (several accepted tokens in one chunk), so ITL here is per
+*chunk*; :attr:`RequestResult.tpot` (time per output token after the first) is the per-token figure.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .errors import SpecopsError
+
+PROMPTS_DIR = Path(__file__).with_name("data") / "prompts"
+#: The built-in prompt sets, in the order reports show them.
+BUILTIN_SETS = ("code", "summarize", "chat", "creative")
+DEFAULT_MAX_TOKENS = 128
+#: Per-request timeout (seconds): a request that takes longer counts as an error.
+DEFAULT_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request of a workload."""
+
+    text: str
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    set: str = "custom"
+
+
+def builtin_sets() -> tuple[str, ...]:
+    return BUILTIN_SETS
+
+
+def load_prompts(name_or_path: str | Path) -> list[Prompt]:
+    """A built-in set by name (``code``, ``summarize``, ``chat``, ``creative``) or a JSONL file.
+
+    Each line: ``{"prompt": "...", "max_tokens": 128, "temperature": 0.0, "set": "name"}`` (``text`` may
+    stand for ``prompt``; ``set`` defaults to the set name or the file's stem). Blank lines and lines
+    starting with ``#`` are skipped. Raises :class:`SpecopsError` naming file:line for a bad line.
+    """
+    name = str(name_or_path)
+    if name in BUILTIN_SETS and not Path(name).exists():
+        path, default_set = PROMPTS_DIR / f"{name}.jsonl", name
+    else:
+        path = Path(name).expanduser()
+        default_set = path.stem
+        if not path.is_file():
+            raise SpecopsError(f"no prompt set {name!r}: use one of {', '.join(BUILTIN_SETS)} or a .jsonl file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecopsError(f"cannot read prompts from {path}: {exc}") from None
+    prompts = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"{path}:{no}"
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise SpecopsError(f"{where}: not JSON ({exc})") from None
+        prompts.append(_prompt_from(row, default_set, where))
+    if not prompts:
+        raise SpecopsError(f"{path}: no prompts")
+    return prompts
+
+
+def _prompt_from(row: Any, default_set: str, where: str) -> Prompt:
+    if not isinstance(row, dict):
+        raise SpecopsError(f"{where}: expected an object with a \"prompt\", got {type(row).__name__}")
+    unknown = sorted(set(row) - {"prompt", "text", "max_tokens", "temperature", "set"})
+    if unknown:
+        raise SpecopsError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: prompt, max_tokens, "
+                           "temperature, set)")
+    text = row.get("prompt", row.get("text"))
+    if not isinstance(text, str) or not text:
+        raise SpecopsError(f"{where}: \"prompt\" must be a non-empty string")
+    max_tokens = row.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise SpecopsError(f"{where}: \"max_tokens\" must be an integer >= 1, got {max_tokens!r}")
+    temperature = row.get("temperature", 0.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 5:
+        raise SpecopsError(f"{where}: \"temperature\" must be a number within [0, 5], got {temperature!r}")
+    set_name = row.get("set", default_set)
+    if not isinstance(set_name, str) or not set_name:
+        raise SpecopsError(f"{where}: \"set\" must be a non-empty string")
+    return Prompt(text, max_tokens, float(temperature), set_name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# results
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100, linear interpolation); None for no values."""
+    vals = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not vals:
+        return None
+    if len(vals) == 1:
+        return vals[0]
+    pos = (len(vals) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float | None:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(vals) if vals else None
+
+
+@dataclass
+class RequestResult:
+    """One request: what was asked, when, what came back."""
+
+    set: str
+    ok: bool
+    start: float                  # monotonic seconds
+    end: float
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    ttft: float | None = None     # seconds to the first streamed text (None: no text came)
+    itl: list[float] = field(default_factory=list)  # seconds between streamed text chunks
+    chunks: int = 0
+    draft_tokens: int | None = None     # llama-server timings.draft_n (None: not reported)
+    accepted: int | None = None         # llama-server timings.draft_n_accepted
+    finish_reason: str | None = None
+    usage_reported: bool = False
+    error: str | None = None
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: (latency − TTFT) / (tokens − 1)."""
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["latency"] = self.latency
+        d["tpot"] = self.tpot
+        return d
+
+
+@dataclass
+class WorkloadResult:
+    """A workload run: every request, and the numbers derived from them."""
+
+    concurrency: int
+    requests: list[RequestResult]
+    wall_s: float
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.requests if r.ok]
+
+    @property
+    def errors(self) -> list[RequestResult]:
+        return [r for r in self.requests if not r.ok]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_tokens for r in self.ok)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens of successful requests per second of wall time (first send to last answer)."""
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [r.ttft for r in self.ok if r.ttft is not None]
+
+    @property
+    def itls(self) -> list[float]:
+        return [x for r in self.ok for x in r.itl]
+
+    @property
+    def tpots(self) -> list[float]:
+        return [r.tpot for r in self.ok if r.tpot is not None]
+
+    @property
+    def ttft_median(self) -> float | None:
+        return median(self.ttfts)
+
+    @property
+    def ttft_p90(self) -> float | None:
+        return percentile(self.ttfts, 90)
+
+    @property
+    def itl_median(self) -> float | None:
+        return median(self.itls)
+
+    @property
+    def itl_p90(self) -> float | None:
+        return percentile(self.itls, 90)
+
+    @property
+    def tpot_median(self) -> float | None:
+        return median(self.tpots)
+
+    @property
+    def draft_tokens(self) -> int | None:
+        """Drafted tokens the responses reported (llama-server ``timings``); None when none did."""
+        vals = [r.draft_tokens for r in self.ok if r.draft_tokens is not None]
+        return sum(vals) if vals else None
+
+    @property
+    def accepted(self) -> int | None:
+        vals = [r.accepted for r in self.ok if r.accepted is not None]
+        return sum(vals) if vals else None
+
+    @property
+    def acceptance(self) -> float | None:
+        """accepted / drafted from per-response timings; None when the engine reported none (or drafted 0)."""
+        d, a = self.draft_tokens, self.accepted
+        return a / d if d and a is not None else None
+
+    def by_set(self) -> dict[str, "WorkloadResult"]:
+        """The requests of each prompt set (wall time shared: use for latency, not for tokens/s)."""
+        out: dict[str, list[RequestResult]] = {}
+        for r in self.requests:
+            out.setdefault(r.set, []).append(r)
+        return {k: WorkloadResult(self.concurrency, v, self.wall_s) for k, v in out.items()}
+
+    def summary(self) -> dict:
+        """The derived numbers (seconds as milliseconds for latencies), JSON-ready."""
+        ms = lambda v: None if v is None else round(v * 1000, 3)  # noqa: E731
+        first_error = next((r.error for r in self.errors), None)
+        return {
+            "concurrency": self.concurrency, "requests": len(self.requests), "ok": len(self.ok),
+            "errors": len(self.errors), "first_error": first_error, "output_tokens": self.output_tokens,
+            "wall_s": round(self.wall_s, 4), "tokens_per_s": round(self.tokens_per_s, 3),
+            "ttft_ms": {"median": ms(self.ttft_median), "p90": ms(self.ttft_p90)},
+            "itl_ms": {"median": ms(self.itl_median), "p90": ms(self.itl_p90)},
+            "tpot_ms": {"median": ms(self.tpot_median), "p90": ms(percentile(self.tpots, 90))},
+            "response_draft_tokens": self.draft_tokens, "response_accepted": self.accepted,
+            "response_acceptance": self.acceptance,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------
+# running
+
+ProgressCallback = Callable[[int, "int | None"], None]
+
+
+async def run_workload(base_url: str, model_name: str, prompts: Sequence[Prompt], *, concurrency: int,
+                       requests: int | None = None, duration: float | None = None, stream: bool = True,
+                       api_key: str | None = None, on_progress: ProgressCallback | None = None,
+                       timeout: float = DEFAULT_TIMEOUT, extra_body: dict | None = None,
+                       session=None) -> WorkloadResult:
+    """Send ``prompts`` (cycling) from ``concurrency`` clients to ``base_url``/v1/completions.
+
+    Stops starting requests once ``requests`` were sent or ``duration`` seconds passed (requests in flight
+    finish); with neither, every prompt is sent once. ``on_progress(done, total)`` is called after each
+    request (``total`` None for a duration-bound run). ``extra_body`` is merged into every request (e.g.
+    ``{"ignore_eos": True}`` or a ``seed``). Failures are recorded per request, never raised.
+    """
+    import aiohttp
+
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if not prompts:
+        raise ValueError("no prompts")
+    if requests is None and duration is None:
+        requests = len(prompts)
+    if requests is not None and requests < 1:
+        raise ValueError(f"requests must be >= 1, got {requests}")
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    results: list[RequestResult] = []
+    counter = iter(range(10**12))
+    t_start = time.monotonic()
+    deadline = t_start + duration if duration is not None else None
+
+    def next_index() -> int | None:
+        i = next(counter)
+        if requests is not None and i >= requests:
+            return None
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        return i
+
+    async def worker(sess) -> None:
+        while True:
+            i = next_index()
+            if i is None:
+                return
+            prompt = prompts[i % len(prompts)]
+            res = await _one_request(sess, url, headers, model_name, prompt, stream, timeout, extra_body)
+            results.append(res)
+            if on_progress is not None:
+                try:
+                    on_progress(len(results), requests)
+                except Exception:  # a progress display must never break the measurement
+                    pass
+
+    own = session is None
+    if own:
+        connector = aiohttp.TCPConnector(limit=concurrency + 2, force_close=True)  # engines drop idle keep-alives
+        session = aiohttp.ClientSession(connector=connector, trust_env=False)  # loopback: no proxies
+    try:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    finally:
+        if own:
+            await session.close()
+    if results:
+        wall = max(r.end for r in results) - min(r.start for r in results)
+    else:
+        wall = time.monotonic() - t_start
+    results.sort(key=lambda r: r.start)
+    return WorkloadResult(concurrency, results, wall)
+
+
+def _body(model_name: str, prompt: Prompt, stream: bool, extra: dict | None) -> dict:
+    body: dict[str, Any] = {"model": model_name, "prompt": prompt.text, "max_tokens": prompt.max_tokens,
+                            "temperature": prompt.temperature, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if extra:
+        body.update(extra)
+    return body
+
+
+async def _one_request(session, url: str, headers: dict, model_name: str, prompt: Prompt, stream: bool,
+                       timeout: float, extra: dict | None) -> RequestResult:
+    import aiohttp
+
+    body = _body(model_name, prompt, stream, extra)
+    start = time.monotonic()
+    res = RequestResult(set=prompt.set, ok=False, start=start, end=start)
+    try:
+        async with session.post(url, json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:300]
+                res.error = f"HTTP {resp.status}: {text.strip()}"
+            elif stream:
+                await _read_stream(resp, res, start)
+            else:
+                data = await resp.json(content_type=None)
+                res.ttft = time.monotonic() - start
+                _take_final(data, res)
+                choices = data.get("choices") or [{}]
+                res.finish_reason = choices[0].get("finish_reason")
+                res.chunks = 1
+                res.ok = True
+    except asyncio.TimeoutError:
+        res.error = f"timed out after {timeout:g}s"
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+    res.end = time.monotonic()
+    if res.ok and not res.usage_reported:
+        res.output_tokens = res.chunks  # no usage: one token per chunk is the best lower-bound guess
+    return res
+
+
+async def _read_stream(resp, res: RequestResult, start: float) -> None:
+    last_text_at: float | None = None
+    done = False
+    buf = b""
+    async for raw in resp.content:
+        buf += raw
+        if not buf.endswith(b"\n"):
+            continue
+        line, buf = buf.strip(), b""
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            done = True
+            break
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            res.error = f"bad SSE chunk: {payload[:120]!r}"
+            return
+        if "error" in chunk:
+            res.error = f"engine error in stream: {str(chunk['error'])[:200]}"
+            return
+        now = time.monotonic()
+        for choice in chunk.get("choices") or ():
+            if choice.get("text"):
+                if last_text_at is None:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last_text_at)
+                last_text_at = now
+                res.chunks += 1
+            if choice.get("finish_reason"):
+                res.finish_reason = choice["finish_reason"]
+        _take_final(chunk, res)
+    if not done and res.finish_reason is None:
+        res.error = "stream ended before [DONE]"
+        return
+    res.ok = True
+
+
+def _take_final(data: dict, res: RequestResult) -> None:
+    """``usage`` (token counts) and llama-server ``timings`` (draft counts) when the chunk carries them."""
+    usage = data.get("usage")
+    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+        res.output_tokens = int(usage["completion_tokens"])
+        res.prompt_tokens = usage.get("prompt_tokens")
+        res.usage_reported = True
+    timings = data.get("timings")
+    if isinstance(timings, dict) and "draft_n" in timings:
+        res.draft_tokens = int(timings["draft_n"])
+        res.accepted = int(timings.get("draft_n_accepted", 0))
+
