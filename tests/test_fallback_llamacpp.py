@@ -27,8 +27,9 @@ def models():
 class Traffic:
     """Greedy completions from one background client until stopped; counts failures."""
 
-    def __init__(self, url: str, max_tokens: int = 64):
-        self.url, self.max_tokens = url, max_tokens
+    def __init__(self, url: str, max_tokens: int = 64, timeout: float = 300):
+        # a request may wait in the proxy's queue for a whole engine switch (a vLLM start is ~1 min)
+        self.url, self.max_tokens, self.timeout = url, max_tokens, timeout
         self.ok = self.failed = 0
         self.errors: list = []
         self._stop = threading.Event()
@@ -37,8 +38,12 @@ class Traffic:
     def _run(self) -> None:
         i = 0
         while not self._stop.is_set():
-            status, body = http_json(self.url + "/v1/completions", {
-                "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": self.max_tokens, "temperature": 0}, timeout=60)
+            try:
+                status, body = http_json(self.url + "/v1/completions", {
+                    "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": self.max_tokens, "temperature": 0},
+                    timeout=self.timeout)
+            except OSError as exc:  # refused, reset, timed out: all count as a lost request
+                status, body = None, repr(exc)
             if status == 200 and body["choices"][0]["text"] is not None:
                 self.ok += 1
             else:
