@@ -117,10 +117,13 @@ class AcceptanceReader:
             counters = self.backend.acceptance_counters(text, self._model_name, openmetrics)
         except ValueError as exc:
             return Reading(WindowStats.unavailable(now, f"{self._scrape.url}: {exc}", self.window_s), tps)
-        # llama.cpp: live per-chunk timings from the proxy beat counters that move only at request end;
-        # builds without spec counters fall back to the per-request log line
-        if self.live is not None and self.live.read() is not None:
-            counters = self.live.read()
+        # llama.cpp's counters move only when a request finishes; the proxy sees timings chunk by chunk.
+        # Both count from this engine's start, so when the proxy has seen more drafted tokens, requests are
+        # in flight and its live totals are the current ones. Builds without spec counters fall back to the
+        # per-request log line.
+        live = self.live.read() if self.live is not None else None
+        if live is not None and (counters is None or live.draft_tokens > counters.draft_tokens):
+            counters = live
         elif counters is None and self.log is not None and self.log.lines:
             counters = self.log.read()
         self._buffer.add(Sample(now, counters))
