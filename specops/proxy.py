@@ -25,6 +25,11 @@ Guarantees, in order of strength:
 - Past ``queue_size`` waiting requests, or after ``queue_timeout`` in the queue, the answer is 503 with
   ``Retry-After``.
 
+When a request fails before any byte and the engine still accepts connections, the failure was a pooled
+connection the engine had just closed: the request is resent at once (``reconnects``), without using its
+retry. When the engine does not accept connections, the proxy stops forwarding (state ``down``, new requests
+queue) until the supervisor releases an engine, or the same URL answers its health check again.
+
 The hot path is lean: no JSON parsing unless ``on_timings`` is set (llama.cpp live acceptance), and then
 only bodies/lines that contain ``"timings"``. Small non-streamed bodies (≤ ``buffer_limit``, with a
 Content-Length and not SSE) are read whole before they are answered, which costs nothing (the engine sends

@@ -116,6 +116,9 @@ def test_large_bodies_both_ways(engine):
             async with s.get(proxy.url + "/debug/big?bytes=3000000") as r:   # above the buffer limit: streamed
                 assert r.headers["Content-Length"] == "3000000"
                 assert len(await r.read()) == 3000000
+        async with running_proxy(engine.url, max_body_size=1000) as proxy, aiohttp.ClientSession() as s:
+            async with s.post(proxy.url + "/debug/echo", data=b"z" * 1001) as r:
+                assert r.status == 413 and (await r.json())["error"]["type"] == "request_too_large"
     run(body())
 
 
