@@ -42,7 +42,8 @@ class EngineSpec(Section):
     """Where the engine comes from and which version to render for."""
 
     version: str | None = Field(None, description="Engine version to render for (e.g. `0.32.0` for vLLM, "
-                                "a build number such as `b6500` for llama-server). Unset: probe the installed engine.")
+                                "a release build such as `b9100` or a flag generation `legacy|spec-type|spec-draft|current` for "
+                                "llama-server). Unset: probe the installed engine.")
     executable: str | None = Field(None, description="Path to the engine program (`vllm` or `llama-server`). "
                                    "Unset: search PATH and the specops engine cache.")
     python: str | None = Field(None, description="vLLM only: a Python interpreter or virtualenv directory "
@@ -203,7 +204,7 @@ class Fallback(Section):
     cooldown: Duration = Field(600.0, description="No further switch for this long after one.")
     max_switches_per_hour: int = Field(4, ge=1, description="Flap guard: past this, hold the method and warn.")
     draft_cost_ratio: float | None = Field(None, ge=0, le=1, description="Model mode: cost of one draft step "
-                                           "relative to a target step (c). Unset: measured or 0.05.")
+                                           "relative to a target step (c). Unset: 0.05.")
     retry: Retry = Field(default_factory=Retry)
 
 
@@ -216,7 +217,7 @@ class Monitor(Section):
     timeout: Duration = Field(3.0, gt=0, description="Timeout of each read.")
     prometheus_url: str | None = Field(None, description="Prometheus base URL for `promql`.")
     labels: dict[str, str] = Field(default_factory=dict, description="Label matchers for PromQL "
-                                   "(e.g. job, instance; model_name defaults to the served model).")
+                                   "(e.g. job, instance; for vLLM model_name defaults to the served model).")
 
 
 class Supervisor(Section):
