@@ -94,9 +94,7 @@ class PolicyConfig:
 
 def profile_steps(profile: Any) -> list[ChainStep]:
     """The primary method followed by the fallback chain (the same list the supervisor walks)."""
-    spec = profile.speculative
-    primary = ChainStep(method=spec.method, draft=spec.draft, num_speculative_tokens=spec.num_speculative_tokens)
-    return [primary] + list(profile.chain)
+    return profile.steps
 
 
 def step_k(step: ChainStep) -> int:

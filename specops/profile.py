@@ -267,6 +267,13 @@ class Profile(Section):
             return list(self.fallback.chain)
         return [ChainStep(method=m) for m in default_chain(self.speculative.method)]
 
+    @property
+    def steps(self) -> list[ChainStep]:
+        """The primary method followed by the fallback chain: what the supervisor and the policy walk."""
+        spec = self.speculative
+        primary = ChainStep(method=spec.method, draft=spec.draft, num_speculative_tokens=spec.num_speculative_tokens)
+        return [primary] + self.chain
+
     def with_step(self, step: ChainStep) -> "Profile":
         """This profile switched to a chain step: the method changes, the rest of the deployment stays."""
         spec = self.speculative.model_copy(update={

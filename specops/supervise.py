@@ -43,10 +43,8 @@ class State(str, Enum):
 
 
 def steps_of(profile: Profile) -> list[ChainStep]:
-    """The primary method followed by the fallback chain."""
-    spec = profile.speculative
-    primary = ChainStep(method=spec.method, draft=spec.draft, num_speculative_tokens=spec.num_speculative_tokens)
-    return [primary] + profile.chain
+    """The primary method followed by the fallback chain (:attr:`Profile.steps`)."""
+    return profile.steps
 
 
 @dataclass

@@ -104,7 +104,8 @@ class LlamaCppBackend(Backend):
         found = shutil.which("llama-server")
         if found:
             return found
-        builds = sorted(engines_dir().glob("llama-server-*/bin/llama-server"), key=os.path.getmtime, reverse=True)
+        builds = sorted((p for p in engines_dir().glob("llama-server-*/bin/llama-server")
+                         if (p.parent.parent / ".specops-ready").is_file()), key=os.path.getmtime, reverse=True)
         return str(builds[0]) if builds else None
 
     def engine_info(self, profile, version=None, *, probe=True):

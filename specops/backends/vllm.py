@@ -81,7 +81,9 @@ class VllmBackend(Backend):
         script = profile.engine.executable or shutil.which("vllm")
         if script:
             return _shebang_python(script)
-        venvs = sorted(engines_dir().glob("vllm-*/bin/python"), key=os.path.getmtime, reverse=True)
+        # only venvs whose set-up finished (the marker is written last): never a half-installed one
+        venvs = sorted((p for p in engines_dir().glob("vllm-*/bin/python") if (p.parent.parent / ".specops-ready").is_file()),
+                       key=os.path.getmtime, reverse=True)
         return str(venvs[0]) if venvs else None
 
     def engine_info(self, profile, version=None, *, probe=True):
