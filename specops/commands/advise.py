@@ -1,0 +1,162 @@
+"""``specops advise``: expected tokens per pass, speedup, best k and the batch caveat, from one acceptance."""
+from __future__ import annotations
+
+import click
+
+from ..errors import SpecopsError
+from ._common import echo_json, json_option
+
+
+def _duration(ctx, param, value):
+    if value is None:
+        return None
+    from ..durations import parse_duration
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@click.command()
+@click.argument("profile", required=False, type=click.Path(dir_okay=False, path_type=str))
+@click.option("--alpha", type=float, help="Per-token acceptance probability α of the model (0..1).")
+@click.option("--acceptance-rate", "rate", type=float,
+              help="Acceptance rate as engines report it (accepted/drafted), measured at --k.")
+@click.option("--mean-length", type=float, help="Measured mean acceptance length (1 + accepted/drafts) at --k.")
+@click.option("--instance", metavar="NAME", help="Read live from the running `specops up` instance NAME "
+              "(its watcher's window). Default when PROFILE is given and no other source is.")
+@click.option("--metrics-url", metavar="URL", help="Read live from an engine's /metrics (lifetime totals, "
+              "or the increase over --window).")
+@click.option("--prometheus", metavar="URL", help="Read live from Prometheus over --window (labels from the "
+              "profile's monitor.labels and the served model name).")
+@click.option("--window", callback=_duration, metavar="DURATION",
+              help="Window of a live reading: --metrics-url scrapes twice this far apart (default: lifetime "
+                   "totals); --prometheus defaults to the profile's fallback.window or 60s.")
+@click.option("--model-name", help="Model name to filter engine/Prometheus series on (default: the profile's).")
+@click.option("-k", "--k", "k", type=int, help="Draft tokens per step in effect (default: the profile's, else the "
+              "measured draft length, else 4). --acceptance-rate/--mean-length were measured at this k.")
+@click.option("-c", "--draft-cost", "c", type=float, help="Cost of a draft pass relative to a target pass "
+              "(default: the profile's fallback.draft_cost_ratio, else 0.05).")
+@click.option("--batch-size", type=int, default=None, help="Concurrent sequences per step (default 1).")
+@click.option("--k-max", type=int, default=8, show_default=True, help="Largest k in the table and the search.")
+@click.option("--state-dir", help="Where instance state files live (default: $SPECOPS_STATE).")
+@json_option
+def advise(profile, alpha, rate, mean_length, instance, metrics_url, prometheus, window, model_name, k, c,
+           batch_size, k_max, state_dir, as_json):
+    """What speculative decoding should give at an acceptance: tokens per target pass, speedup, best k.
+
+    Give the acceptance one way: --alpha (the model's per-token probability), --acceptance-rate (what
+    engines report: accepted/drafted, which is lower than α for k > 1) or --mean-length; or read it live
+    with --instance, --metrics-url or --prometheus (live values are rates, and mean lengths where the
+    engine counts drafts). PROFILE (optional) supplies k, the draft cost ratio, the backend, the served
+    model name and its concurrency (server.parallel).
+
+    \b
+    Cost model (DESIGN §8), for a memory-bound target (batch 1):
+      tokens per target pass  τ = (1 − α^(k+1)) / (1 − α)
+      speedup                 S = τ / (1 + k·c)
+    The benefit fades as the batch grows; for vLLM at high concurrency advise suggests a
+    speculative.per_batch_size schedule.
+
+    \b
+    Examples:
+      specops advise --alpha 0.8 -k 4 -c 0.05
+      specops advise --acceptance-rate 0.62 -k 5 --batch-size 16 --json
+      specops advise profiles/llama31-8b-eagle3.yaml --alpha 0.75
+      specops advise examples/llamacpp-cpu-draft.yaml          # live, from the running instance
+      specops advise --metrics-url http://127.0.0.1:8000/metrics --window 30s -k 3
+    """
+    from .. import advise as adv_mod
+    from ..speedup import DEFAULT_DRAFT_COST
+
+    given = [n for n, v in (("--alpha", alpha), ("--acceptance-rate", rate), ("--mean-length", mean_length),
+                            ("--instance", instance), ("--metrics-url", metrics_url),
+                            ("--prometheus", prometheus)) if v is not None]
+    if len(given) > 1:
+        raise click.UsageError(f"give the acceptance one way, not {' and '.join(given)}")
+    prof = None
+    if profile:
+        from ._common import load
+        prof = load(profile).profile
+    if not given:
+        if prof is None:
+            raise click.UsageError("give --alpha, --acceptance-rate or --mean-length, or read live with "
+                                   "--instance NAME, --metrics-url URL or --prometheus URL (or name a PROFILE "
+                                   "whose instance is running)")
+        instance = prof.name
+
+    profile_k = None
+    if prof is not None and prof.speculative.method.value != "none":
+        profile_k = prof.speculative.k or None
+    backend = prof.backend if prof is not None else None
+    served = model_name or (_served_name(prof) if prof is not None else None)
+
+    if alpha is not None:
+        acc = adv_mod.from_alpha(alpha)
+    elif rate is not None:
+        acc = adv_mod.from_acceptance_rate(rate, k or profile_k or adv_mod.DEFAULT_K,
+                                           "--acceptance-rate" + ("" if (k or profile_k) else ", k assumed 4"))
+    elif mean_length is not None:
+        acc = adv_mod.from_mean_length(mean_length, k or profile_k or adv_mod.DEFAULT_K,
+                                       "--mean-length" + ("" if (k or profile_k) else ", k assumed 4"))
+    elif instance is not None:
+        stats, state = adv_mod.read_instance(instance, state_dir or (prof.supervisor.state_dir if prof else None))
+        if prof is None and state.get("profile"):
+            try:
+                from ._common import load
+                prof = load(state["profile"]).profile
+                backend = prof.backend
+            except (SpecopsError, OSError):
+                prof = None
+        running_k = _running_k(prof, state)
+        acc = adv_mod.from_window(stats, k or running_k, f"instance {instance}, method {state.get('method')}, "
+                                  f"window {stats.window_s:g}s")
+    elif metrics_url is not None:
+        from ..plugins import get_registry
+        stats, found = adv_mod.read_scrape(metrics_url, get_registry(), served, window or 0.0, backend)
+        backend = backend or getattr(found, "name", None)
+        what = f"increase over {window:g}s" if window else "lifetime totals"
+        acc = adv_mod.from_window(stats, k or profile_k, f"{metrics_url}, {what}")
+    else:
+        from ..plugins import get_registry
+        from ..sources import promql_labels
+        be = get_registry().backend(backend or "vllm")
+        labels = promql_labels(be.metric_prefix, dict(prof.monitor.labels) if prof else {}, served)
+        win = window or (prof.fallback.window if prof else 60.0)
+        stats = adv_mod.read_prometheus(prometheus, be.metric_prefix, labels, win)
+        acc = adv_mod.from_window(stats, k or profile_k, f"Prometheus {prometheus}, {win:g}s")
+
+    if k is None:
+        k = profile_k or acc.measured_k or adv_mod.DEFAULT_K
+    if c is None:
+        c = (prof.fallback.draft_cost_ratio if prof is not None else None)
+        c = DEFAULT_DRAFT_COST if c is None else c
+    advice = adv_mod.advise(acc, k=k, c=c, batch_size=batch_size or 1, k_max=k_max, backend=backend,
+                            max_batch=prof.server.parallel if prof is not None else None,
+                            min_acceptance=prof.fallback.min_acceptance if prof is not None else None)
+    if as_json:
+        echo_json(advice.to_dict())
+    else:
+        click.echo(adv_mod.format_advice(advice), nl=False)
+
+
+def _served_name(prof) -> str | None:
+    if prof.model.served_name:
+        return prof.model.served_name
+    if prof.backend == "llamacpp":
+        return None  # llama-server labels nothing
+    return prof.model.id
+
+
+def _running_k(prof, state: dict) -> int | None:
+    """The k of the method the instance runs now (a fallback step may differ from the primary)."""
+    if prof is None:
+        return None
+    from ..supervise import steps_of
+
+    try:
+        step = steps_of(prof)[int(state.get("step") or 0)]
+    except (IndexError, ValueError):
+        return None
+    p = prof.with_step(step) if state.get("step") else prof
+    return p.speculative.k if p.speculative.method.value != "none" else None

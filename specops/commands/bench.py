@@ -1,0 +1,128 @@
+"""``specops bench``: speculation on vs off on the profile's engine, per prompt set and concurrency."""
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from ._common import echo_json, json_option, load, profile_argument
+
+
+def _levels(ctx, param, value):
+    try:
+        levels = [int(x) for x in value.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers such as 1,2,4,8, got {value!r}") from None
+    if not levels or any(x < 1 for x in levels):
+        raise click.BadParameter("concurrency levels must be integers >= 1")
+    return levels
+
+
+def _duration(ctx, param, value):
+    if value is None:
+        return None
+    from ..durations import parse_duration
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+class _Bar:
+    """click's progress bar on stderr, one per engine launch."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.bar = None
+
+    def start(self, label, total):
+        if self.quiet:
+            return
+        self.bar = click.progressbar(length=total or 0, label=label, file=sys.stderr, show_pos=True,
+                                     show_eta=False, width=28)
+        self.bar.__enter__()
+
+    def advance(self, label):
+        if self.bar is not None:
+            self.bar.label = label
+            self.bar.update(1)
+
+    def finish(self):
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+@click.command()
+@profile_argument
+@click.option("-p", "--prompts", "prompt_sets", default="code,summarize,chat,creative", show_default=True,
+              help="Comma-separated built-in prompt sets (code, summarize, chat, creative) and/or JSONL files "
+                   "(one {\"prompt\", \"max_tokens\", \"temperature\", \"set\"} per line).")
+@click.option("-c", "--concurrency", default="1,2,4,8", show_default=True, callback=_levels,
+              help="Concurrency levels (concurrent client requests).")
+@click.option("-n", "--requests", type=int, help="Requests per cell (set × level × on/off). "
+              "Default: max(8, 2 × concurrency).")
+@click.option("--duration", callback=_duration, metavar="DURATION", help="Run each cell this long instead "
+              "of a request count (e.g. 30s).")
+@click.option("--max-tokens", type=int, help="Override every prompt's max_tokens.")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="Launch both engines this many times, alternating which goes first; medians over rounds.")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Unmeasured requests after each launch.")
+@click.option("--step", type=int, default=0, show_default=True,
+              help="Chain step to bench against no speculation (0: the profile's method).")
+@click.option("--interleave", is_flag=True, help="Run both engines at once and alternate cell by cell (drift "
+              "hits both equally; needs memory for two engines: on a GPU lower gpus.memory_utilization).")
+@click.option("--ignore-eos", is_flag=True, help="Ask the engine to ignore end-of-sequence (fixed output lengths).")
+@click.option("--draft-cost", type=float, help="c for the model speedup column (default: the profile's "
+              "fallback.draft_cost_ratio, else 0.05).")
+@click.option("--backend-version", metavar="VERSION", help="Expect this engine version.")
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Where results.json, summary.md "
+              "and the plots go (default: ./specops-bench/<name>-<time>).")
+@click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress output on stderr.")
+@json_option
+def bench(profile, prompt_sets, concurrency, requests, duration, max_tokens, rounds, warmup, step, interleave, ignore_eos,
+          draft_cost, backend_version, out_dir, no_plots, quiet, as_json):
+    """Measure PROFILE's engine with speculation and without, side by side.
+
+    Launches the engine as the profile says and again with method none (same engine, same model), in
+    one run, alternating, and sends every prompt set at every concurrency level to each. Reports output
+    tokens/s, TTFT, inter-token latency, acceptance and mean acceptance length, and the speedup
+    (tokens/s ratio) per level and per prompt set: results.json, summary.md and PNG plots.
+
+    \b
+    The built-in sets exercise where speculation helps and where it hurts:
+      code       code completion (greedy)          summarize  output copies the input (greedy)
+      chat       open questions (temperature 0.7)  creative   high temperature (1.3)
+
+    \b
+    Examples:
+      specops bench examples/llamacpp-cpu-draft.yaml -c 1,2,4 -n 8
+      specops bench profiles/llama31-8b-eagle3.yaml -p code,my-traffic.jsonl --rounds 3
+    """
+    from ..bench import BenchConfig, run_bench_blocking, write_outputs
+    from ..plugins import get_registry
+
+    loaded = load(profile)
+    name = loaded.profile.name
+    out = out_dir or f"specops-bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from pathlib import Path
+
+    cfg = BenchConfig(prompt_sets=[x for x in prompt_sets.split(",") if x.strip()], concurrency=concurrency,
+                      requests=requests, duration=duration, max_tokens=max_tokens, rounds=rounds, warmup=warmup,
+                      step_index=step, interleave=interleave, ignore_eos=ignore_eos, draft_cost=draft_cost,
+                      backend_version=backend_version, log_dir=Path(out))
+    say = (lambda m: None) if quiet else (lambda m: click.echo(f"specops: {m}", err=True))
+    report = run_bench_blocking(loaded, get_registry(), cfg, say=say, progress=_Bar(quiet))
+    written = write_outputs(report, out, plots=not no_plots)
+    report["files"] = {k: str(v) for k, v in written.items()}
+    if as_json:
+        echo_json(report)
+        return
+    click.echo(Path(written["markdown"]).read_text(encoding="utf-8"), nl=False)
+    click.echo("")
+    for kind, path in written.items():
+        click.echo(f"wrote {path}")
+    if report["errors"]:
+        click.echo(f"warning: {report['errors']} requests failed; see results.json (first_error per cell)", err=True)
