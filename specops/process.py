@@ -162,6 +162,7 @@ class EngineProcess:
                          progress: Callable[[float], None] | None = None) -> bool:
         """Poll the health URL until 200; False when the process exits first or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
+        delay = 0.02
         client_timeout = aiohttp.ClientTimeout(total=max(1.0, interval * 4))
         async with aiohttp.ClientSession(timeout=client_timeout) as session:
             while time.monotonic() < deadline:
@@ -176,7 +177,9 @@ class EngineProcess:
                     pass
                 if progress:
                     progress(time.monotonic() - (self.started_at or time.monotonic()))
-                done, _ = await asyncio.wait({self._waiter}, timeout=interval)
+                # poll fast at first (small engines are up in well under a second), then every `interval`
+                done, _ = await asyncio.wait({self._waiter}, timeout=min(interval, delay))
+                delay *= 1.5
                 if done:
                     return False
         return False

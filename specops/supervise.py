@@ -227,7 +227,7 @@ class Supervisor:
             ready_task.cancel()
             return True  # _serve sees the stop at once
         if ready_task.result():
-            await asyncio.sleep(0.05)  # let the output reader catch up with lines printed just before ready
+            await asyncio.sleep(0.02)  # let the output reader catch up with lines printed just before ready
             problems += [p for p in map(self.launch_problem, self.engine.last_lines) if p and not problems]
         if ready_task.result() and problems:
             why = problems[0]
