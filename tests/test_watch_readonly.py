@@ -90,7 +90,11 @@ def test_scrape_and_promql_sources_recommend_the_same_switch(noisy_engine, tmp_p
     try:
         scrape, err = run_watch(url, *common, "--once", "--webhook", hook.url, "--on-decision", cmd)
         with PrometheusServer(tmp_path / "prom", [f"127.0.0.1:{port}"], scrape_interval=0.5) as prom:
-            time.sleep(6)  # the first scrape comes a few seconds after /-/ready; then a full window of data
+            # the first scrape comes seconds after /-/ready: wait until a whole window of samples is stored
+            deadline = time.monotonic() + 60
+            while (prom.value("count_over_time(llamacpp:spec_decode_num_draft_tokens_total[6s])") or 0) < 8:
+                assert time.monotonic() < deadline, "Prometheus stored no samples of the engine"
+                time.sleep(0.5)
             promql, err2 = run_watch(url, *common, "--once", "--prometheus-url", prom.url)
     finally:
         hook.close()
