@@ -111,7 +111,7 @@ def test_same_weights_draft_is_kept_over_the_same_traffic(tmp_path, models):
         st = run.wait_ready(timeout=120)
         with Traffic(st["url"]) as traffic:
             st = run.wait_for(lambda s: (s.get("acceptance") or {}).get("status") == "ok"
-                              and (s.get("acceptance") or {}).get("draft_tokens", 0) >= 100, 60, "a full window")
+                              and ((s.get("acceptance") or {}).get("draft_tokens") or 0) >= 100, 60, "a full window")
             time.sleep(10)  # more than two windows of evidence
             st = run.state()
         assert traffic.failed == 0
