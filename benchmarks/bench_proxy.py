@@ -118,8 +118,12 @@ async def _latency_round(session, url: str, body: bytes, concurrency: int, per_c
 
 
 async def _stream_round(session, url: str, body: bytes, concurrency: int, per_client: int) -> tuple[int, float]:
-    """Returns (token chunks received, wall seconds) for ``concurrency`` clients streaming."""
-    headers = {"Content-Type": "application/json"}
+    """Returns (token chunks received, wall seconds) for ``concurrency`` clients streaming.
+
+    Streams ask for ``Connection: close`` in both modes: llama-server drops the connection after a stream
+    without saying so, and a reused one would fail the next request (the proxy does the same upstream).
+    """
+    headers = {"Content-Type": "application/json", "Connection": "close"}
     tokens = 0
 
     async def client():
@@ -182,7 +186,7 @@ async def _bench(args, engine_url: str, proxy_url: str, stream_extra: dict, prox
             tok = {"direct": [0, 0.0], "proxy": [0, 0.0]}
             cpu0 = _cpu_seconds(proxy_pid)
             per_client = max(2, args.stream_requests // c)
-            for rnd in range(args.rounds):
+            for rnd in range(args.stream_rounds):
                 order = ("direct", "proxy") if rnd % 2 == 0 else ("proxy", "direct")
                 for name in order:
                     n, secs = await _stream_round(session, targets[name] + "/v1/completions", stream_body,
@@ -205,7 +209,7 @@ def _us(v) -> str:
 
 def _report(args, res: dict, engine: str) -> str:
     lines = [f"engine: {engine}", f"latency: non-streamed, max_tokens={args.max_tokens}, "
-             f"rounds={args.rounds}, ~{args.requests} requests per round per mode (1/4 of that with a service time)",
+             f"{args.rounds} alternating rounds of ~{args.requests} requests per mode (1/4 of that with a service time)",
              f"{'clients':>7} {'service':>7} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} "
              f"{'direct p99':>10} {'proxy p99':>10} {'added p99':>10} {'proxy CPU/req':>13}   (times in ms)"]
     for r in res["latency"].values():
@@ -213,7 +217,7 @@ def _report(args, res: dict, engine: str) -> str:
                      f"{r['direct_p99_ms']:10.3f} {r['proxy_p99_ms']:10.3f} {r['added_p99_ms']:10.3f} "
                      f"{_us(r['proxy_cpu_us_per_request']):>13}")
     lines += [f"throughput: streamed, {args.stream_tokens} tokens per request, token delay "
-              f"{args.token_delay * 1e3:g} ms (stand-in engine only)",
+              f"{args.token_delay * 1e3:g} ms (stand-in engine only), {args.stream_rounds} alternating rounds",
               f"{'clients':>7} {'direct tok/s':>13} {'proxy tok/s':>12} {'ratio':>7} {'proxy CPU/token':>15}"]
     for c, r in res["throughput"].items():
         lines.append(f"{c:>7} {r['direct_tok_s']:13.1f} {r['proxy_tok_s']:12.1f} {r['ratio']:7.3f} "
@@ -226,8 +230,9 @@ def main(argv=None) -> int:
     p.add_argument("--engine-url", help="measure against this running engine (default: start the stand-in)")
     p.add_argument("--model", default="tiny-test-model", help="model name sent in requests")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--rounds", type=int, default=6, help="alternating direct/proxy rounds")
-    p.add_argument("--requests", type=int, default=400, help="latency requests per round per mode")
+    p.add_argument("--rounds", type=int, default=20, help="alternating direct/proxy latency rounds")
+    p.add_argument("--requests", type=int, default=120, help="latency requests per round per mode")
+    p.add_argument("--stream-rounds", type=int, default=6, help="alternating direct/proxy streaming rounds")
     p.add_argument("--service-ms", type=float, nargs="+", default=[0.0],
                    help="stand-in engine: fixed time per latency request, one run each (0: answer at once)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per latency request")
