@@ -137,8 +137,9 @@ class _Flight:
             self.cut_reason = reason
         cm = self.cm
         if cm is not None:
+            move = getattr(cm, "reschedule", None) or cm.update    # asyncio.timeout / async_timeout (3.10)
             try:
-                cm.reschedule(asyncio.get_running_loop().time())
+                move(asyncio.get_running_loop().time())
             except RuntimeError:            # the block is already exiting
                 pass
 
