@@ -260,7 +260,7 @@ class WorkloadResult:
         return {
             "concurrency": self.concurrency, "requests": len(self.requests), "ok": len(self.ok),
             "errors": len(self.errors), "first_error": first_error, "output_tokens": self.output_tokens,
-            "wall_s": round(self.wall_s, 4), "tokens_per_s": round(self.tokens_per_s, 3),
+            "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
             "ttft_ms": {"median": ms(self.ttft_median), "p90": ms(self.ttft_p90)},
             "itl_ms": {"median": ms(self.itl_median), "p90": ms(self.itl_p90)},
             "tpot_ms": {"median": ms(self.tpot_median), "p90": ms(percentile(self.tpots, 90))},
