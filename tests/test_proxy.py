@@ -373,8 +373,8 @@ def test_drain_timeout_cuts_streams_with_an_error_event_and_retries_unstarted(en
         with Upstream.start("NEW") as new:
             async with running_proxy(engine.url) as proxy, aiohttp.ClientSession() as s:
                 async def call(stream):
-                    async with s.post(proxy.url + "/v1/completions", headers={"X-Test-Token-Delay": "0.05"},
-                                      json={"prompt": "p", "max_tokens": 100, "stream": stream}) as r:
+                    async with s.post(proxy.url + "/v1/completions", headers={"X-Test-Token-Delay": "0.04"},
+                                      json={"prompt": "p", "max_tokens": 30, "stream": stream}) as r:
                         return r.status, await r.text()
                 calls = [asyncio.ensure_future(call(st)) for st in (True, False)]
                 await _wait_until(lambda: proxy.stats()["in_flight"] == 2)
@@ -391,7 +391,7 @@ def test_drain_timeout_cuts_streams_with_an_error_event_and_retries_unstarted(en
                 assert s1 == 200 and err is not None and "drain" in err["message"], events[-2:]
                 assert "[DONE]" not in events and len(events) > 2
                 doc = json.loads(plain)
-                assert s2 == 200 and check_completion(doc, 100) == "NEW"   # retried on the new engine
+                assert s2 == 200 and check_completion(doc, 30) == "NEW"    # retried on the new engine
                 st = proxy.stats()
                 assert st["cut_streams"] == 1 and st["retried"] == 1 and st["retried_ok"] == 1
     run(body())

@@ -193,7 +193,7 @@ def test_real_engine_sigkilled_mid_stream(tmp_path):
 
                     streams = [asyncio.ensure_future(streaming(i)) for i in range(4)]
                     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 30)
-                    started = [asyncio.ensure_future(plain(2000)) for _ in range(4)]   # no byte until the end
+                    started = [asyncio.ensure_future(plain(1000)) for _ in range(4)]   # no byte until the end
                     await asyncio.sleep(0.1)
                     assert proxy.stats()["in_flight"] == 8
                     doomed.kill()
