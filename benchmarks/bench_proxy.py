@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import select
-import statistics
 import subprocess
 import sys
 import time
@@ -209,11 +208,13 @@ def _us(v) -> str:
 
 def _report(args, res: dict, engine: str) -> str:
     lines = [f"engine: {engine}", f"latency: non-streamed, max_tokens={args.max_tokens}, "
-             f"{args.rounds} alternating rounds of ~{args.requests} requests per mode (1/4 of that with a service time)",
+             f"{args.rounds} alternating rounds of ~{args.requests} requests per mode "
+             f"(1/4 of that with a service time)",
              f"{'clients':>7} {'service':>7} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} "
              f"{'direct p99':>10} {'proxy p99':>10} {'added p99':>10} {'proxy CPU/req':>13}   (times in ms)"]
     for r in res["latency"].values():
-        lines.append(f"{r['clients']:>7} {r['service_ms']:>7g} {r['direct_p50_ms']:10.3f} {r['proxy_p50_ms']:10.3f} {r['added_p50_ms']:10.3f} "
+        lines.append(f"{r['clients']:>7} {r['service_ms']:>7g} {r['direct_p50_ms']:10.3f} "
+                     f"{r['proxy_p50_ms']:10.3f} {r['added_p50_ms']:10.3f} "
                      f"{r['direct_p99_ms']:10.3f} {r['proxy_p99_ms']:10.3f} {r['added_p99_ms']:10.3f} "
                      f"{_us(r['proxy_cpu_us_per_request']):>13}")
     lines += [f"throughput: streamed, {args.stream_tokens} tokens per request, token delay "

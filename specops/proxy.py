@@ -226,8 +226,8 @@ class Proxy:
         self._started_at = time.time()
         self._c = {k: 0 for k in (
             "requests", "completed", "waited", "rejected_queue_full", "rejected_queue_timeout",
-            "rejected_stopped", "retried", "retried_ok", "reconnects", "upstream_errors", "broken_streams", "cut_streams",
-            "client_disconnects", "timings_draft_n", "timings_draft_n_accepted")}
+            "rejected_stopped", "retried", "retried_ok", "reconnects", "upstream_errors", "broken_streams",
+            "cut_streams", "client_disconnects", "timings_draft_n", "timings_draft_n_accepted")}
         self._wait_total = 0.0
         self._wait_longest = 0.0
 
