@@ -21,3 +21,12 @@ def clean_env(monkeypatch, tmp_path):
     """Isolate specops' cache/state from the user's (engines stay shared through SPECOPS_CACHE)."""
     monkeypatch.setenv("SPECOPS_STATE", str(tmp_path / "state"))
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Path:
+    """The folder of generated tiny models (HF and GGUF), made once per machine (cached)."""
+    from specops.fixtures import ensure_tiny_models
+    from specops.paths import tiny_models_dir
+    ensure_tiny_models()
+    return tiny_models_dir()

@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from specops.paths import tiny_models_dir
 from support_up import UpRun, free_port, http_json, http_text, write_profile
 
 pytestmark = pytest.mark.engines
@@ -18,10 +17,8 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog", "def hello world retur
 
 
 @pytest.fixture(scope="module")
-def models():
-    from specops.fixtures import ensure_tiny_models
-    ensure_tiny_models(["gguf"])
-    return tiny_models_dir()
+def models(tiny_models):
+    return tiny_models
 
 
 class Traffic:

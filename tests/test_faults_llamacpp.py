@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from specops.paths import tiny_models_dir
 from support_up import UpRun, free_port, write_profile
 from test_fallback_llamacpp import Traffic
 
@@ -18,10 +17,8 @@ WINDOW = 3
 
 
 @pytest.fixture(scope="module")
-def models():
-    from specops.fixtures import ensure_tiny_models
-    ensure_tiny_models(["gguf"])
-    return tiny_models_dir()
+def models(tiny_models):
+    return tiny_models
 
 
 def noisy_profile(tmp_path, models, name, **proxy):

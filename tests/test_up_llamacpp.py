@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from specops.paths import tiny_models_dir
 from specops.process import group_members
 from support_up import UpRun, free_port, http_json, http_text, write_profile
 
@@ -16,10 +15,8 @@ pytestmark = pytest.mark.engines
 
 
 @pytest.fixture(scope="module")
-def models():
-    from specops.fixtures import ensure_tiny_models
-    ensure_tiny_models()
-    return tiny_models_dir()
+def models(tiny_models):
+    return tiny_models
 
 
 def llama_profile(tmp_path, models, name, *, method="draft_model", draft="gguf-draft-same.gguf", target="gguf-target.gguf",

@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from specops.paths import tiny_models_dir
 from specops.process import group_members
 from support_up import UpRun, free_port, http_json, http_text, write_profile
 from test_fallback_llamacpp import Traffic
@@ -22,10 +21,8 @@ WINDOW = 6
 
 
 @pytest.fixture(scope="module")
-def models():
-    from specops.fixtures import ensure_tiny_models
-    ensure_tiny_models(["hf"])
-    return tiny_models_dir()
+def models(tiny_models):
+    return tiny_models
 
 
 def vllm_profile(tmp_path, models, name, draft: str):
