@@ -247,3 +247,48 @@ def test_live_from_llama_server_metrics_and_instance(tmp_path):
         assert live["acceptance"]["source"].startswith("instance adv-live")
         assert live["k"] == 4 and 0.9 <= live["acceptance"]["acceptance_rate"] <= 1.0
         assert run.stop() == 0
+
+
+@pytest.mark.engines
+@pytest.mark.prometheus
+@pytest.mark.timeout(180)
+def test_live_from_prometheus_scraping_llama_server(tmp_path):
+    """A real Prometheus scraping a real llama-server: advise PROFILE --prometheus reads the increase."""
+    from specops.fixtures import ensure_tiny_models
+    from specops.paths import tiny_models_dir
+    from support_prometheus import PrometheusServer, require_prometheus, wait_until
+    from support_up import UpRun, free_port, http_json, write_profile
+
+    require_prometheus()
+    ensure_tiny_models(["gguf"])
+    models = tiny_models_dir()
+    port = free_port()
+    profile = write_profile(tmp_path / "prom.yaml", {
+        "name": "adv-prom", "backend": "llamacpp",
+        "model": {"id": str(models / "gguf-target.gguf"), "max_model_len": 512},
+        "speculative": {"method": "draft_model", "draft": str(models / "gguf-draft-same.gguf"),
+                        "num_speculative_tokens": 4},
+        "gpus": {"devices": []}, "server": {"port": port, "parallel": 2}, "proxy": {"enabled": False},
+        "supervisor": {"stop_timeout": 10},
+    })
+    env = {"SPECOPS_STATE": str(tmp_path / "state")}
+    with UpRun(profile, tmp_path / "state", "adv-prom") as run:
+        st = run.wait_ready(timeout=60)
+        prom = PrometheusServer(tmp_path / "prom", [f"127.0.0.1:{port}"], scrape_interval=1.0).start()
+        try:
+            series = "llamacpp:spec_decode_num_draft_tokens_total"
+            wait_until(lambda: prom.value(f"count(count_over_time({series}[1m]))") is not None, 30, "a first scrape")
+            t_end = time.monotonic() + 5
+            while time.monotonic() < t_end:
+                status, _ = http_json(st["url"] + "/v1/completions", {"prompt": "the quick brown fox",
+                                                                      "max_tokens": 32, "temperature": 0})
+                assert status == 200
+            wait_until(lambda: (prom.value(f"sum(increase({series}[15s]))") or 0) > 0, 30, "an increase")
+            out = json.loads(cli(str(profile), "--prometheus", prom.url, "--window", "15s", "--json", env=env).stdout)
+        finally:
+            prom.stop()
+        acc = out["acceptance"]
+        assert acc["source"].startswith(f"Prometheus {prom.url}")
+        assert acc["given"] == "mean_length" and acc["measured_k"] == 4 and out["backend"] == "llamacpp"
+        assert 0.9 <= acc["acceptance_rate"] <= 1.0 and acc["draft_tokens"] > 0
+        assert run.stop() == 0

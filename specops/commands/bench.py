@@ -35,11 +35,16 @@ class _Bar:
     def __init__(self, quiet: bool):
         self.quiet = quiet
         self.bar = None
+        self.label = None
 
     def start(self, label, total):
+        self.label = None
         if self.quiet:
             return
-        self.bar = click.progressbar(length=total or 0, label=label, file=sys.stderr, show_pos=True,
+        if not total:  # duration-bound cells: no known length, a line per cell instead
+            click.echo(label, err=True)
+            return
+        self.bar = click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True,
                                      show_eta=False, width=28)
         self.bar.__enter__()
 
@@ -47,6 +52,9 @@ class _Bar:
         if self.bar is not None:
             self.bar.label = label
             self.bar.update(1)
+        elif not self.quiet and label != self.label:
+            click.echo(f"  {label}", err=True)
+        self.label = label
 
     def finish(self):
         if self.bar is not None:
