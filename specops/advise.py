@@ -109,12 +109,16 @@ def from_window(stats, k: int | None, source: str) -> AcceptanceInput:
         if draft_len is None:
             raise SpecopsError(f"{source} does not say how many tokens are drafted per step: pass --k")
         k = max(1, round(draft_len))
-    extra = dict(mean_draft_length=draft_len, draft_tokens=stats.draft_tokens)
-    if stats.mean_acceptance_length is not None and draft_len:
-        # τ measured directly; its rate is accepted/drafted, identical to stats.acceptance
-        length = min(max(stats.mean_acceptance_length, 1.0), k + 1.0)
-        return from_mean_length(length, k, source, **extra)
-    return from_acceptance_rate(min(max(stats.acceptance, 0.0), 1.0), k, source, **extra)
+    k = _check_k(int(k), "k")
+    rate = min(max(float(stats.acceptance), 0.0), 1.0)
+    length = stats.mean_acceptance_length
+    # α from the measured rate (accepted/drafted) at the configured k; τ as measured (drafts may be shorter
+    # than k near the end of a sequence, so (τ − 1)/k would understate the rate)
+    return AcceptanceInput(alpha=alpha_from_acceptance_rate(rate, k),
+                           given="mean_length" if length is not None else "acceptance_rate",
+                           value=length if length is not None else rate, source=source, measured_k=k,
+                           acceptance_rate=rate, mean_acceptance_length=length, mean_draft_length=draft_len,
+                           draft_tokens=stats.draft_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------
