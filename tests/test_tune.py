@@ -1,0 +1,596 @@
+"""`specops tune`, the parts without engines: the sweep plan, the race (with a scripted engine and clock),
+the per-batch-size proposal, the YAML write-back (comments, order, overlays, lock) and the report."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+
+import pytest
+
+from specops.errors import SpecopsError
+from specops.methods import Method
+from specops.metrics import SpecCounters
+from specops.plugins import get_registry
+from specops.profile import load_profile
+from specops.tune import (UNSET_VALUE, BudgetTooSmall, LevelResult, MethodChoice, Round, Setting, SettingResult,
+                          TuneOptions, TuneResult, Tuner, comment_line, coverage_order, current_setting,
+                          desired_changes, edit_yaml, format_table, parse_ints, parse_pairs, plan_settings, plot,
+                          tune_record_path, write_back)
+
+pytestmark = pytest.mark.timeout(60)
+
+DM = Method.DRAFT_MODEL
+
+
+def dm(k: int) -> Setting:
+    return Setting(DM, k, draft="/m/draft.gguf")
+
+
+# ------------------------------------------------------------------------------------------- the plan
+
+def test_coverage_order_spans_the_range_first():
+    assert coverage_order([1, 2, 3, 4, 6, 8], key=lambda k: k, first=4) == [4, 8, 1, 6, 2, 3]
+    assert coverage_order([1, 2, 4], key=lambda k: k) == [1, 4, 2]
+    assert coverage_order([], key=lambda k: k) == []
+
+
+def test_plan_puts_the_current_setting_first_and_interleaves_methods():
+    cur = dm(3)
+    choices = [MethodChoice(DM, "/m/draft.gguf"), MethodChoice(Method.NGRAM), MethodChoice(Method.NONE)]
+    plan = plan_settings(cur, choices, "vllm", k_values=[1, 2, 3, 4], ngram_default=(2, 5))
+    assert plan[0] == cur
+    assert plan[1] == Setting(Method.NGRAM, 1, 2, 5) and plan[2] == Setting(Method.NONE)
+    assert [s for s in plan if s.method is DM] == [dm(3), dm(1), dm(2), dm(4)]
+    assert len(plan) == len(set(plan)) == 4 + 4 + 1
+
+
+def test_plan_default_grid_includes_the_profile_k():
+    plan = plan_settings(dm(5), [MethodChoice(DM, "/m/draft.gguf")], "vllm")
+    assert sorted(s.k for s in plan) == [1, 2, 3, 4, 5, 6, 8] and plan[0].k == 5
+
+
+def test_plan_vllm_ngram_sweeps_k_times_pairs_and_llama_ngram_sweeps_types():
+    cur = Setting(Method.NGRAM, 4, 2, 5)
+    plan = plan_settings(cur, [MethodChoice(Method.NGRAM)], "vllm", k_values=[2, 4], ngram_pairs=[(1, 3), (2, 5)])
+    assert plan[0] == cur
+    assert {(s.k, s.ngram_min, s.ngram_max) for s in plan} == {(2, 1, 3), (2, 2, 5), (4, 1, 3), (4, 2, 5)}
+    cur = Setting(Method.NGRAM, ngram_type="ngram-mod")
+    plan = plan_settings(cur, [MethodChoice(Method.NGRAM)], "llamacpp", ngram_types=["ngram-simple", "ngram-mod"])
+    assert plan == [cur, Setting(Method.NGRAM, ngram_type="ngram-simple")]
+    assert all(s.k is None for s in plan)
+
+
+def test_settings_apply_to_a_profile(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(LLAMA)
+    prof = load_profile(path).profile
+    assert current_setting(prof) == Setting(DM, 3, draft="/models/draft.gguf")
+    off = Setting(Method.NONE).apply(prof).speculative
+    assert off.method is Method.NONE and off.draft is None and off.num_speculative_tokens is None
+    ng = Setting(Method.NGRAM, ngram_type="ngram-simple").apply(prof).speculative
+    assert ng.ngram.type == "ngram-simple" and ng.draft is None
+    assert dm(6).apply(prof).speculative.k == 6
+
+
+def test_parsers():
+    assert parse_ints("1,2,4", "--k") == [1, 2, 4]
+    assert parse_ints("1-3,6", "--k") == [1, 2, 3, 6]
+    assert parse_pairs("1:3, 2:5") == [(1, 3), (2, 5)]
+    for bad in ("0", "a", "3-1", ""):
+        with pytest.raises(SpecopsError):
+            parse_ints(bad, "--k")
+    with pytest.raises(SpecopsError):
+        parse_pairs("3:1")
+
+
+# ------------------------------------------------------------------------------------------- the race
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeDriver:
+    """A scripted engine: tokens/s per setting label (a list cycled per round), time advanced on a fake clock."""
+
+    def __init__(self, clock, speeds, *, launch_s=1.0, round_s=0.5, fail=(), acceptance=0.8, k_of=None,
+                 counters=True, launch_prior_s=2.0):
+        self.clock, self.speeds = clock, speeds
+        self.launch_s, self.round_s = launch_s, round_s
+        self.fail = set(fail)
+        self.acceptance = acceptance
+        self.counters = counters
+        self.launch_prior_s = launch_prior_s
+        self.launched: list[Setting] = []
+        self.rounds: dict[str, int] = {}
+        self.open = 0
+
+    @contextlib.asynccontextmanager
+    async def session(self, setting):
+        self.launched.append(setting)
+        self.clock.t += self.launch_s
+        if setting.label in self.fail:
+            raise SpecopsError(f"{setting.label} did not start")
+        self.open += 1
+        try:
+            yield FakeSession(self, setting)
+        finally:
+            self.open -= 1
+            self.clock.t += 0.2
+
+
+class FakeSession:
+    def __init__(self, driver, setting):
+        self.d, self.s = driver, setting
+        self.drafted = self.accepted = self.drafts = 0.0
+
+    async def warmup(self, c):
+        self.d.clock.t += 0.1
+
+    async def run(self, c):
+        speeds = self.d.speeds[self.s.label]
+        n = self.d.rounds.get(self.s.label, 0)
+        self.d.rounds[self.s.label] = n + 1
+        v = speeds[n % len(speeds)] if isinstance(speeds, list) else speeds(c)
+        self.d.clock.t += self.d.round_s
+        k = self.s.k or 0
+        self.drafts += 10
+        self.drafted += 10 * k
+        self.accepted += 10 * k * self.d.acceptance
+        return Round(tokens_per_s=v, output_tokens=int(v * self.d.round_s), requests=4,
+                     draft_tokens=int(10 * k), accepted=int(10 * k * 0.5))
+
+    async def counters(self):
+        if not self.d.counters or not self.s.k:
+            return None
+        return SpecCounters(draft_tokens=self.drafted, accepted=self.accepted, drafts=self.drafts)
+
+    async def acceptance_since(self, before):
+        from specops.launch import acceptance_between
+        return acceptance_between(before, await self.counters())
+
+
+def race(settings, driver, clock, **opts):
+    o = TuneOptions(**{"budget_s": 100.0, "levels": (1,), "min_rounds": 3, "max_rounds": 5, **opts})
+    return asyncio.run(Tuner(settings, driver, o, current=settings[0], clock=clock).run())
+
+
+def test_race_picks_the_best_median_and_stops_clearly_worse_settings_early():
+    clock = Clock()
+    speeds = {"draft_model k=1": [50, 52, 51], "draft_model k=2": [70, 90, 71, 69, 72],
+              "draft_model k=4": [30, 31, 29], "draft_model k=3": [69, 75, 68, 74, 70]}
+    drv = FakeDriver(clock, speeds)
+    res = race([dm(2), dm(1), dm(4), dm(3)], drv, clock)
+    assert res.winner.setting == dm(2) and res.winner.median(1) == 71
+    by = {r.setting.k: r for r in res.results}
+    assert by[1].status == by[4].status == "pruned" and by[1].rounds(1) == by[4].rounds(1) == 3
+    assert "clearly worse" in by[1].reason
+    assert by[3].status == "measured" and by[3].rounds(1) == 5       # close to the best: measured in full
+    # the chosen one is the best median of everything recorded (pruned ones included)
+    assert res.winner.median(1) == max(r.median(1) for r in res.results if r.median(1) is not None)
+    assert drv.launched == [dm(2), dm(1), dm(4), dm(3)] and drv.open == 0
+    acc = res.winner.levels[1]
+    assert acc.acceptance == pytest.approx(0.8) and acc.mean_acceptance_length == pytest.approx(1 + 0.8 * 2)
+
+
+def test_a_noisy_close_setting_is_not_pruned():
+    clock = Clock()
+    speeds = {"draft_model k=2": [100, 100, 100, 100, 100], "draft_model k=4": [90, 99, 91, 120, 118]}
+    res = race([dm(2), dm(4)], FakeDriver(clock, speeds), clock)
+    k4 = res.result_for(dm(4))
+    assert k4.status == "measured" and res.winner.setting == dm(2)   # median 99 < 100, but it got its full rounds
+    assert k4.rounds(1) == 5
+
+
+def test_the_budget_sizes_rounds_and_skips_what_does_not_fit():
+    clock = Clock()
+    speeds = {f"draft_model k={k}": [10 * k] for k in range(1, 7)}
+    drv = FakeDriver(clock, speeds, launch_s=2.0, round_s=1.0)
+    res = race([dm(k) for k in range(1, 7)], drv, clock, budget_s=20.0, min_rounds=2, max_rounds=9)
+    statuses = [r.status for r in res.results]
+    assert "skipped" in statuses and statuses[0] == "measured"
+    assert all(r.reason == "the budget ran out" for r in res.results if r.status == "skipped")
+    assert res.elapsed_s <= 20.0 + 1.0
+    assert res.winner is not None and res.winner.status == "measured"
+
+
+def test_a_budget_too_small_for_one_setting_is_refused_up_front():
+    clock = Clock()
+    drv = FakeDriver(clock, {"draft_model k=1": [1]}, launch_prior_s=30.0)
+    with pytest.raises(BudgetTooSmall, match=r"too small to measure one setting.*Nothing was changed"):
+        race([dm(1)], drv, clock, budget_s=10.0)
+    assert drv.launched == []                                         # no engine was started
+
+
+def test_a_budget_that_runs_out_inside_the_first_setting_is_refused():
+    clock = Clock()
+    drv = FakeDriver(clock, {"draft_model k=1": [5], "draft_model k=2": [6]}, launch_s=1.0, round_s=4.0,
+                     launch_prior_s=1.0)
+    with pytest.raises(BudgetTooSmall, match=r"then measured \d of 3 rounds at concurrency 1.*--budget"):
+        race([dm(1), dm(2)], drv, clock, budget_s=9.0)
+    assert drv.open == 0
+
+
+def test_failed_settings_are_recorded_and_the_others_still_run():
+    clock = Clock()
+    speeds = {"draft_model k=1": [10, 11, 12], "draft_model k=2": [20, 21, 22]}
+    res = race([dm(1), dm(2), dm(4)], FakeDriver(clock, {**speeds, "draft_model k=4": [1]}, fail={"draft_model k=4"}),
+               clock)
+    k4 = res.result_for(dm(4))
+    assert k4.status == "failed" and "did not start" in k4.reason
+    assert res.winner.setting == dm(2)
+    with pytest.raises(SpecopsError, match="no setting could be measured.*did not start"):
+        race([dm(4)], FakeDriver(clock, {"draft_model k=4": [1]}, fail={"draft_model k=4"}), clock)
+
+
+def test_request_errors_fail_the_setting():
+    clock = Clock()
+
+    class Bad(FakeDriver):
+        @contextlib.asynccontextmanager
+        async def session(self, setting):
+            async with super().session(setting) as s:
+                if setting.k == 2:
+                    async def run(c):
+                        return Round(0.0, 0, 4, errors=4, first_error="HTTP 500: boom")
+                    s.run = run
+                yield s
+
+    res = race([dm(1), dm(2)], Bad(clock, {"draft_model k=1": [10]}), clock)
+    k2 = res.result_for(dm(2))
+    assert k2.status == "failed" and "4 of 4 requests failed: HTTP 500: boom" in k2.reason
+    assert res.winner.setting == dm(1)
+
+
+def test_every_level_is_measured_and_acceptance_falls_back_to_response_timings():
+    clock = Clock()
+    drv = FakeDriver(clock, {"draft_model k=2": lambda c: 100.0 * c, "draft_model k=1": lambda c: 90.0 * c},
+                     counters=False)
+    res = race([dm(1), dm(2)], drv, clock, levels=(4, 1))
+    assert res.primary == 4 and res.winner.setting == dm(2)
+    assert res.winner.median(4) == 400 and res.winner.median(1) == 100
+    assert res.winner.levels[4].acceptance == pytest.approx(0.5)     # from per-response draft counts
+    assert res.winner.levels[4].mean_acceptance_length is None
+
+
+# ------------------------------------------------------------------------------------------- results
+
+def result_with(medians: dict[int, dict[Setting, float]], levels=(8, 1), current=None) -> TuneResult:
+    settings = list(dict.fromkeys(s for per in medians.values() for s in per))
+    results = []
+    for s in settings:
+        r = SettingResult(s, status="measured")
+        for c in levels:
+            if s in medians.get(c, {}):
+                v = medians[c][s]
+                r.levels[c] = LevelResult(c, [Round(v, 100, 4)] * 3, acceptance=0.9, mean_acceptance_length=2.5)
+        results.append(r)
+    return TuneResult(results, levels, current or settings[0], 3, 60.0, 30.0)
+
+
+def vdm(k):
+    return Setting(DM, k, draft="org/draft")
+
+
+def test_per_batch_size_proposal_when_speculation_only_helps_at_low_load():
+    none = Setting(Method.NONE)
+    res = result_with({8: {vdm(4): 100, vdm(2): 120, none: 130}, 1: {vdm(4): 60, vdm(2): 50, none: 20}})
+    prop = res.per_batch_size("vllm", "0.32.0", 8)
+    assert prop["value"] == [[1, 2, 4], [3, 8, 0]] and prop["method"] == "draft_model"
+    assert "concurrency 8: best none" in prop["why"]
+    res3 = result_with({16: {vdm(4): 100, vdm(2): 120}, 4: {vdm(4): 99, vdm(2): 98}, 1: {vdm(4): 60, vdm(2): 50}},
+                       levels=(16, 4, 1))
+    assert res3.per_batch_size("vllm", "0.32.0", 16)["value"] == [[1, 8, 4], [9, 16, 2]]
+    assert res.per_batch_size("vllm", "0.20.0", 8) is None            # the field arrived in 0.24
+    assert res.per_batch_size("llamacpp", None, 8) is None
+    same = result_with({8: {vdm(4): 100, vdm(2): 90}, 1: {vdm(4): 60, vdm(2): 50}})
+    assert same.per_batch_size("vllm", "0.32.0", 8) is None           # the same k wins everywhere
+
+
+def test_table_marks_the_winner_and_shows_every_setting():
+    res = result_with({8: {vdm(4): 100.0, vdm(2): 120.0}, 1: {vdm(4): 60.0, vdm(2): 50.0}}, current=vdm(4))
+    text = format_table(res)
+    lines = text.splitlines()
+    assert "c=8 tok/s" in lines[0] and "c=1 tok/s" in lines[0]
+    star = [x for x in lines if x.startswith("*")]
+    assert len(star) == 1 and "draft_model k=2" in star[0] and "120.0 (3)" in star[0]
+    assert "vs current" in lines[0] and "1.20x" in star[0]                  # vs the current setting
+    assert any("draft_model k=4 (now)" in x and "1.00x" in x for x in lines)
+    assert comment_line(res, "2026-01-02", "p.tune.json").startswith(
+        "specops tune 2026-01-02: draft_model k=2 best at concurrency 8, 120.0 tok/s median (vs k=4 100.0)")
+
+
+def test_plot_writes_a_png(tmp_path):
+    res = result_with({8: {vdm(4): 100.0, vdm(2): 120.0, Setting(Method.NONE): 90.0}, 1: {vdm(4): 60.0, vdm(2): 50.0}})
+    out = plot(res, tmp_path / "p.tune.png", title="t")
+    assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+# ------------------------------------------------------------------------------------------- YAML edits
+
+ODD = """# Deployment of the chat service.
+name:   chat            # odd spacing is kept
+backend: llamacpp
+model:
+  id: /models/target.gguf
+speculative:
+  method: draft_model
+  # the draft shares the target's tokenizer
+  draft: /models/draft.gguf   # same family
+# ---- layout ----
+gpus:
+  devices: []
+fallback:
+  chain:
+      - ngram
+      - none
+# end
+"""
+
+
+def comments(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if "#" in line and "specops tune" not in line]
+
+
+def test_edit_keeps_comments_order_and_formatting():
+    new, notes = edit_yaml(ODD, {("speculative", "num_speculative_tokens"): 4}, comment="specops tune 2026-01-01: x",
+                           comment_at=("speculative", "num_speculative_tokens"))
+    assert notes == []
+    assert comments(new) == comments(ODD)
+    assert "name:   chat            # odd spacing is kept" in new        # untouched lines are byte-identical
+    assert "      - ngram\n" in new
+    lines = new.splitlines()
+    i = lines.index("  num_speculative_tokens: 4")
+    assert lines[i - 1] == "  # specops tune 2026-01-01: x"
+    assert lines[i - 2] == "  draft: /models/draft.gguf   # same family"
+    assert lines[i + 1] == "# ---- layout ----"                       # the next section's comment stays with it
+    # running again replaces specops' comment instead of stacking a second one
+    again, _ = edit_yaml(new, {("speculative", "num_speculative_tokens"): 2}, comment="specops tune 2026-01-02: y",
+                         comment_at=("speculative", "num_speculative_tokens"))
+    assert again.count("specops tune") == 1 and "# specops tune 2026-01-02: y" in again
+    assert "num_speculative_tokens: 2" in again and comments(again) == comments(ODD)
+
+
+def test_edit_removes_keys_without_losing_the_comments_around_them():
+    edits = {("speculative", "method"): "ngram", ("speculative", "draft"): UNSET_VALUE,
+             ("speculative", "ngram", "type"): "ngram-simple", ("fallback", "chain"): ["none"]}
+    new, _ = edit_yaml(ODD, edits, comment="specops tune 2026-01-01: x", comment_at=("speculative", "method"))
+    assert "draft:" not in new
+    assert comments(new) == [c for c in comments(ODD) if c != "draft: /models/draft.gguf   # same family"]
+    assert "name:   chat            # odd spacing is kept" in new
+    assert "  method: ngram\n  ngram:\n    type: ngram-simple\n" in new
+    assert re.search(r"  chain:\n +- none\n# end\n$", new)                   # a block list stays a block list
+    assert new.index("type: ngram-simple") < new.index("# ---- layout ----") < new.index("gpus:")
+
+
+def test_an_overlay_gets_null_for_what_only_its_base_sets():
+    overlay = "extends: base.yaml\nname: prod  # prod\nserver:\n  port: 8000\n"
+    base = {"speculative": {"method": "draft_model", "draft": "x", "num_speculative_tokens": 3}}
+    edits = {("speculative", "method"): "none", ("speculative", "draft"): UNSET_VALUE,
+             ("speculative", "num_speculative_tokens"): UNSET_VALUE}
+    new, _ = edit_yaml(overlay, edits, base_data=base, comment="specops tune 2026-01-01: x",
+                       comment_at=("speculative", "method"))
+    assert new.startswith("extends: base.yaml\nname: prod  # prod\nspeculative:\n  # specops tune 2026-01-01: x\n"
+                          "  method: none\n  draft: null\n  num_speculative_tokens: null\nserver:\n")
+
+
+# ------------------------------------------------------------------------------------------- write-back
+
+LLAMA = """# The chat service on CPU.
+name: chat
+backend: llamacpp
+engine:
+  version: b9300
+model:
+  id: /models/target.gguf   # the target
+speculative:
+  method: draft_model
+  # same tokenizer as the target
+  draft: /models/draft.gguf
+  num_speculative_tokens: 3
+gpus:
+  devices: []
+server:
+  parallel: 2
+fallback:
+  chain: [ngram, none]   # what to fall back to
+"""
+
+
+def engine_for(loaded):
+    backend = get_registry().backend(loaded.profile.backend)
+    return backend.engine_info(loaded.profile, None, probe=False)
+
+
+def llama_result(current, medians: dict[Setting, float]) -> TuneResult:
+    return result_with({2: medians, 1: medians}, levels=(2, 1), current=current)
+
+
+def test_write_back_writes_the_best_median_and_a_record_and_the_profile_still_validates(tmp_path):
+    path = tmp_path / "chat.yaml"
+    path.write_text(LLAMA)
+    loaded = load_profile(path)
+    cur = current_setting(loaded.profile)
+    best = Setting(DM, 2, draft="/models/draft.gguf")
+    res = llama_result(cur, {cur: 100.0, best: 130.0, Setting(DM, 1, draft="/models/draft.gguf"): 90.0})
+    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded),
+                     workload={"sets": ["code"]}, date="2026-01-02")
+    assert out.written and out.changes == ["speculative.num_speculative_tokens: 2"]
+    text = path.read_text()
+    assert comments(text) == comments(LLAMA)
+    assert re.search(r"  # specops tune 2026-01-02: draft_model k=2 best at concurrency 2, 130.0 tok/s median "
+                     r"\(vs k=3 100.0, k=1 90.0\), acceptance 0.90, mean length 2.50; record chat.tune.json\n"
+                     r"  num_speculative_tokens: 2\n", text)
+    again = load_profile(path)
+    assert again.profile.speculative.num_speculative_tokens == 2
+    record = json.loads(tune_record_path(path).read_text())
+    assert record["chosen"]["k"] == 2 and record["date"] == "2026-01-02" and record["written_to"] == "chat.yaml"
+    medians = {r["label"]: r["levels"]["2"]["median_tokens_per_s"] for r in record["results"]}
+    assert max(medians, key=medians.get) == record["chosen"]["label"]
+
+
+def test_dry_run_changes_nothing_and_shows_the_diff(tmp_path):
+    path = tmp_path / "chat.yaml"
+    path.write_text(LLAMA)
+    loaded = load_profile(path)
+    cur = current_setting(loaded.profile)
+    res = llama_result(cur, {cur: 100.0, Setting(DM, 6, draft="/models/draft.gguf"): 130.0})
+    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={},
+                     dry_run=True, date="2026-01-02")
+    assert not out.written and path.read_text() == LLAMA and not tune_record_path(path).exists()
+    assert "-  num_speculative_tokens: 3\n" in out.profile_diff and "+  num_speculative_tokens: 6\n" in out.profile_diff
+    assert out.profile_diff.startswith("--- a/chat.yaml\n+++ b/chat.yaml\n")
+
+
+def test_a_method_switch_rewrites_the_chain_and_validates(tmp_path):
+    path = tmp_path / "chat.yaml"
+    path.write_text(LLAMA)
+    loaded = load_profile(path)
+    cur = current_setting(loaded.profile)
+    ng = Setting(Method.NGRAM, ngram_type="ngram-simple")
+    res = llama_result(cur, {cur: 100.0, ng: 150.0, Setting(Method.NONE): 80.0})
+    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={})
+    p = load_profile(path).profile
+    assert p.speculative.method is Method.NGRAM and p.speculative.draft is None
+    assert p.speculative.ngram.type == "ngram-simple" and p.speculative.num_speculative_tokens is None
+    assert [s.method for s in p.chain] == [Method.NONE]
+    assert "fallback.chain: [\"none\"]" in out.changes
+    assert re.search(r"\n  chain: \[none\] +# what to fall back to\n", path.read_text())
+
+
+def test_an_overlay_is_written_and_its_base_is_not_touched(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text(LLAMA.replace("name: chat\n", ""))
+    overlay = tmp_path / "prod.yaml"
+    overlay.write_text("# production\nextends: base.yaml\nname: chat-prod\nserver:\n  parallel: 4  # more\n")
+    loaded = load_profile(overlay)
+    cur = current_setting(loaded.profile)
+    res = llama_result(cur, {cur: 100.0, Setting(DM, 5, draft="/models/draft.gguf"): 130.0})
+    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={})
+    assert base.read_text() == LLAMA.replace("name: chat\n", "")
+    assert any("prod.yaml extends base.yaml" in n and "written into prod.yaml" in n for n in out.notes)
+    text = overlay.read_text()
+    assert "speculative:\n  # specops tune " in text and "  num_speculative_tokens: 5\n" in text
+    assert "# production" in text and "parallel: 4  # more" in text
+    assert load_profile(overlay).profile.speculative.k == 5
+    assert tune_record_path(overlay).exists()
+
+
+def test_a_fresh_lock_gets_the_record_and_stays_fresh(tmp_path):
+    from specops.resolve.lock import digest, inputs_of, lock_path, read_lock, stale_reason, write_lock
+    path = tmp_path / "chat.yaml"
+    path.write_text(LLAMA)
+    loaded = load_profile(path)
+    inputs = inputs_of(loaded.profile)
+    lock = {"lock_version": 1, "profile": "chat.yaml", "inputs": inputs, "inputs_sha256": digest(inputs),
+            "speculative": {"method": "draft_model", "draft": "/models/draft.gguf", "draft_revision": None,
+                            "draft_file": None}, "alternatives": []}
+    write_lock(lock_path(path), lock)
+    cur = current_setting(loaded.profile)
+    res = llama_result(cur, {cur: 100.0, Setting(DM, 4, draft="/models/draft.gguf"): 130.0})
+    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={})
+    assert out.record_path == lock_path(path) and not tune_record_path(path).exists()
+    new_lock = read_lock(lock_path(path))
+    assert new_lock["tune"]["chosen"]["k"] == 4 and new_lock["speculative"] == lock["speculative"]
+    assert stale_reason(new_lock, load_profile(path).profile) is None       # still applies at render/up
+    # a method switch leaves the lock alone (it pins the old method): the record gets its own file
+    loaded = load_profile(path)
+    cur = current_setting(loaded.profile)
+    res = llama_result(cur, {cur: 100.0, Setting(Method.NONE): 300.0})
+    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={})
+    assert out.record_path == tune_record_path(path)
+    assert any("specops lock" in n for n in out.notes)
+
+
+def test_a_change_that_would_not_validate_changes_nothing(tmp_path, monkeypatch):
+    import specops.tune as tune
+    path = tmp_path / "chat.yaml"
+    path.write_text(LLAMA)
+    loaded = load_profile(path)
+    cur = current_setting(loaded.profile)
+    res = llama_result(cur, {cur: 100.0, Setting(DM, 4, draft="/models/draft.gguf"): 130.0})
+    monkeypatch.setattr(tune, "desired_changes", lambda *a, **k: {("speculative", "num_speculative_tokens"): 0})
+    with pytest.raises(SpecopsError, match="would not validate, so nothing was changed.*num_speculative_tokens"):
+        write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={})
+    assert path.read_text() == LLAMA and not tune_record_path(path).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.yaml"]     # no temporary file left behind
+
+
+def test_desired_changes_leave_auto_alone_when_it_resolves_to_the_winner(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(LLAMA.replace("method: draft_model", "method: draft_model").replace(
+        "draft: /models/draft.gguf", "draft: auto"))
+    file_prof = load_profile(path).profile
+    resolved = Setting(DM, 3, draft="/models/draft.gguf").apply(file_prof)
+    ch = desired_changes(file_prof, resolved, Setting(DM, 5, draft="/models/draft.gguf"))
+    assert ch == {("speculative", "num_speculative_tokens"): 5}
+    ch = desired_changes(file_prof, resolved, Setting(Method.NONE))
+    assert ch[("speculative", "method")] == "none" and ch[("speculative", "draft")] is UNSET_VALUE
+    assert ch[("speculative", "num_speculative_tokens")] is UNSET_VALUE and ch[("fallback", "chain")] == []
+
+
+def repo_profiles():
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    return sorted([*root.glob("profiles/**/*.yaml"), *root.glob("examples/*.yaml")])
+
+
+@pytest.mark.parametrize("path", repo_profiles(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_shipped_profile_takes_a_new_k_with_a_two_line_diff(path):
+    """Only the k line (and specops' comment, and a `speculative:` header an overlay lacks) may change."""
+    import difflib
+    from specops.tune import base_data_of
+    text = path.read_text()
+    new, notes = edit_yaml(text, {("speculative", "num_speculative_tokens"): 7}, base_data=base_data_of(path),
+                           comment="specops tune 2026-01-01: x", comment_at=("speculative", "num_speculative_tokens"))
+    assert notes == []
+    diff = [d for d in difflib.ndiff(text.splitlines(), new.splitlines()) if d[:2] in ("- ", "+ ")]
+    removed = [d[2:] for d in diff if d.startswith("- ")]
+    added = [d[2:] for d in diff if d.startswith("+ ")]
+    assert len(removed) <= 1 and all(line.strip().startswith("num_speculative_tokens:") for line in removed)
+    eol = lambda line: line.split("#", 1)[1] if "#" in line else None  # noqa: E731
+    k_lines = [line for line in added if line.startswith("  num_speculative_tokens: 7")]
+    assert len(k_lines) == 1 and added.count("  # specops tune 2026-01-01: x") == 1
+    assert [eol(line) for line in removed] in ([], [eol(k_lines[0])])   # the user's end-of-line comment stays
+    assert set(added) <= {k_lines[0], "  # specops tune 2026-01-01: x", "speculative:"}
+
+
+def test_no_change_only_refreshes_specops_comment(tmp_path):
+    path = tmp_path / "chat.yaml"
+    path.write_text(LLAMA.replace("  num_speculative_tokens: 3\n",
+                                  "  # specops tune 2025-12-01: old numbers\n  num_speculative_tokens: 3\n"))
+    loaded = load_profile(path)
+    cur = current_setting(loaded.profile)
+    res = llama_result(cur, {cur: 140.0, Setting(DM, 1, draft="/models/draft.gguf"): 90.0})
+    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={},
+                     date="2026-01-02")
+    text = path.read_text()
+    assert out.changes == [] and "only specops' comment is updated" in out.notes[-1]
+    assert "old numbers" not in text and "  # specops tune 2026-01-02: draft_model k=3 best" in text
+    assert re.sub(r"  # specops tune .*\n", "", text) == LLAMA                   # nothing else moved
+
+
+def test_per_batch_size_is_written_with_the_low_load_best(tmp_path):
+    vllm = ("name: chat\nbackend: vllm\nengine:\n  version: 0.32.0\nmodel:\n  id: org/target\nspeculative:\n"
+            "  method: draft_model\n  draft: org/draft   # the small one\n  num_speculative_tokens: 3\n"
+            "server:\n  parallel: 8\n")
+    path = tmp_path / "v.yaml"
+    path.write_text(vllm)
+    loaded = load_profile(path)
+    none = Setting(Method.NONE)
+    res = result_with({8: {vdm(4): 100, vdm(2): 120, none: 130}, 1: {vdm(4): 60, vdm(2): 50, none: 20}},
+                      current=vdm(3))
+    prop = res.per_batch_size("vllm", "0.32.0", 8)
+    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={},
+                     per_batch=prop, apply_per_batch=True)
+    spec = load_profile(path).profile.speculative
+    assert spec.method is DM and spec.k == 4 and spec.per_batch_size == [(1, 2, 4), (3, 8, 0)]
+    assert out.record["written"]["k"] == 4 and out.record["chosen"]["label"] == "none"
+    assert "  per_batch_size:\n  - [1, 2, 4]\n  - [3, 8, 0]\n" in path.read_text()
+    rendered = get_registry().backend("vllm").render(load_profile(path).profile, engine_for(loaded))
+    assert '"num_speculative_tokens_per_batch_size":[[1,2,4],[3,8,0]]' in " ".join(rendered.argv)
