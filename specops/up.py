@@ -17,8 +17,10 @@ from typing import Callable
 from .errors import ProfileError, SpecopsError
 from .instance import EventLog, InstancePaths, acquire, release, write_state
 from .profile import LoadedProfile
+from .backends.base import http_url
 from .render import plan as render_plan
 from .supervise import Supervisor
+from .watch import Watcher
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,10 +94,8 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
         raise SpecopsError(f"the draft was refused and the fallback chain is empty: {refused}")
     backend = registry.backend(profile.backend)
     engine = backend.engine_info(profile, opts.backend_version, probe=True)
-    console.prefix = f"{backend.name}"
-
-    proxy_cls = _proxy_class() if profile.proxy.enabled else None
-    if proxy_cls is not None:
+    use_proxy = profile.proxy.enabled
+    if use_proxy:
         engine_host, engine_port = "127.0.0.1", profile.proxy.engine_port or free_port()
     else:
         engine_host, engine_port = profile.server.host, profile.server.port
@@ -103,7 +103,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     paths = InstancePaths.for_profile(profile.name, profile.supervisor.state_dir)
     acquire(paths)
     events = EventLog(paths.events)
-    public_url = _url(profile.server.host, profile.server.port)
+    public_url = http_url(profile.server.host, profile.server.port)
 
     def render_step(index: int):
         step = sup.steps[index]
@@ -116,15 +116,16 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     def write(s: Supervisor) -> None:
         write_state(paths, {
             "name": profile.name, "profile": os.path.abspath(loaded.path), "pid": os.getpid(),
-            "backend": profile.backend, "url": public_url, "proxy": proxy_cls is not None,
+            "backend": profile.backend, "url": public_url, "proxy": use_proxy,
             "engine_log": str(paths.engine_log), "events": str(paths.events), "updated_at": time.time(),
             **s.snapshot(), **state_extra,
         })
 
     proxy = None
-    if proxy_cls is not None:
+    if use_proxy:
+        from .proxy import Proxy
         p = profile.proxy
-        proxy = proxy_cls(profile.server.host, profile.server.port, queue_size=p.queue_size,
+        proxy = Proxy(profile.server.host, profile.server.port, queue_size=p.queue_size,
                           queue_timeout=p.queue_timeout, drain_timeout=p.drain_timeout,
                           status_provider=lambda: sup.snapshot())
     sup = Supervisor(profile, render_step, events=events, say=console.say, on_engine_line=console.engine,
@@ -141,11 +142,16 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     console.say(f"{profile.name}: {backend.name} {engine.version} ({engine.source}); "
                 f"chain {' → '.join(s.method.value for s in sup.steps)}; state in {paths.root}")
     watcher = None
+    rc = 1
     try:
         if proxy is not None:
-            await proxy.start()
+            try:
+                await proxy.start()
+            except OSError as exc:
+                raise SpecopsError(f"cannot serve {public_url}: {exc.strerror or exc} (server.host/server.port)") from None
             console.say(f"serving {public_url} (engine on {engine_host}:{engine_port})")
-        watcher = _start_watcher(profile, sup, events, console, proxy, state_extra, write)
+        watcher = Watcher.attach(profile, sup, events=events, say=console.say, proxy=proxy, status=state_extra,
+                                 publish=lambda: write(sup))
         rc = await sup.run()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -155,32 +161,10 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
         if proxy is not None:
             await proxy.stop()
         write(sup)
-        events.emit("down", exit_code=sup.state.value)
+        events.emit("down", state=sup.state.value, exit_code=rc)
         release(paths)
     console.say("stopped" if rc == 0 else "gave up: no method of the chain could run")
     return rc
-
-
-def _url(host: str, port: int) -> str:
-    h = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
-
-
-def _proxy_class():
-    try:
-        from .proxy import Proxy
-    except ImportError:
-        return None
-    return Proxy
-
-
-def _start_watcher(profile, sup, events, console, proxy, state_extra, write):
-    try:
-        from .watch import Watcher
-    except ImportError:
-        return None
-    return Watcher.attach(profile, sup, events=events, say=console.say, proxy=proxy,
-                          status=state_extra, publish=lambda: write(sup))
 
 
 def up_blocking(loaded: LoadedProfile, registry, opts: UpOptions) -> int:

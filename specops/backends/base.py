@@ -56,12 +56,7 @@ class LaunchPlan:
 
     @property
     def base_url(self) -> str:
-        host = self.host
-        if host in ("0.0.0.0", "::", ""):
-            host = "127.0.0.1"
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     @property
     def health_url(self) -> str:
@@ -154,6 +149,15 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL a local client uses for a bind address (a wildcard bind is reached on loopback)."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 def looks_secret(env_name: str) -> bool:
