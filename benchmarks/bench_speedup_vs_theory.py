@@ -10,10 +10,11 @@ none) stays up the whole run and single greedy requests alternate between it and
 test, so drift on a shared machine hits both alike. Reported per configuration (medians of ``--reps``
 requests each side):
 
-- measured speedup = tokens/s with speculation ÷ tokens/s without (same prompt, same output length);
+- measured speedup = tokens/s with speculation ÷ tokens/s without (same prompt, same output length), the
+  median of the ratios of consecutive pairs (so slow drift of a shared machine cancels);
 - acceptance (Δaccepted / Δdrafted) and mean acceptance length τ = 1 + Δaccepted / Δdrafts from /metrics;
 - c, the draft cost ratio, measured: tokens/s of the target alone ÷ tokens/s of the draft model alone
-  (both served without speculation, alternating);
+  (both served without speculation, alternating; median of pairwise ratios);
 - theory = τ / (1 + k·c) (DESIGN §8 with the measured τ, k and c), and measured ÷ theory.
 
     .venv/bin/python benchmarks/bench_speedup_vs_theory.py                       # both engines, 768x16
@@ -24,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -103,7 +104,7 @@ async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], rep
         async with launched(draft_alone, registry, log_path=workdir / f"{engine}-draft.log") as d:
             await one(d, 16)
             t_target, t_draft = await side_by_side(off, d, reps, tokens)
-        c = statistics.median(t_target) / statistics.median(t_draft)
+        c = statistics.median(a / b for a, b in zip(t_target, t_draft))  # pairwise: drift cancels
         out["target_tps"], out["draft_tps"], out["c"] = statistics.median(t_target), statistics.median(t_draft), c
         say(f"{engine}: target alone {out['target_tps']:.1f} tok/s, draft alone {out['draft_tps']:.1f} tok/s "
             f"→ c = {c:.3f}")
@@ -115,7 +116,7 @@ async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], rep
                 t_on, t_off = await side_by_side(on, off, reps, tokens)
                 stats = acceptance_between(before, await on.settled_counters())
             on_tps, off_tps = statistics.median(t_on), statistics.median(t_off)
-            measured = on_tps / off_tps
+            measured = statistics.median(a / b for a, b in zip(t_on, t_off))  # pairwise: drift cancels
             tau, draft_len, rate = stats.mean_acceptance_length, stats.mean_draft_length, stats.acceptance
             theory = speedup_from_length(tau, draft_len, c) if tau and draft_len else None
             alpha = alpha_from_acceptance_rate(min(rate, 1.0), k) if rate is not None else None
@@ -153,14 +154,18 @@ def main() -> None:
     args = ap.parse_args()
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
     results = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="specops-bench-theory-") as tmp:
         for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
             results.append(asyncio.run(bench_engine(engine, args.hidden, args.layers,
                                                     [int(k) for k in args.ks.split(",")], args.reps,
                                                     args.tokens, Path(tmp), say)))
     m = machine()
+    load_after = os.getloadavg()
     print(f"Delivered vs theoretical speedup, layer-skip fixture; machine: {m['cpu']}, {m['cores']} cores; "
-          f"one greedy client, {args.tokens} tokens, medians of {args.reps} alternating requests per side\n")
+          f"one greedy client, {args.tokens} tokens, medians of {args.reps} alternating requests per side "
+          f"(speedup and c: medians of pairwise ratios); load average {load_before[0]:.1f} before, "
+          f"{load_after[0]:.1f} after\n")
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": m, "results": results}, indent=2) + "\n")
