@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import json
 import os
+import random
 import select
 import subprocess
 import sys
@@ -99,12 +100,22 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _latency_round(session, url: str, body: bytes, concurrency: int, per_client: int,
-                         extra_headers: dict | None = None) -> list[float]:
-    out: list[float] = []
-    headers = {"Content-Type": "application/json", **(extra_headers or {})}
+                         service_ms: float = 0.0, seed: int = 0) -> list[float]:
+    """Per-request latencies of ``concurrency`` clients sending ``per_client`` requests back to back.
 
-    async def client():
+    ``service_ms`` (stand-in only): each request asks the stand-in to take a service time drawn uniformly
+    from [0.5, 1.5] x service_ms, from a seeded sequence that is the same for direct and proxy rounds, so
+    clients do not stay in lockstep (real requests differ in length).
+    """
+    out: list[float] = []
+
+    async def client(i: int):
+        rng = random.Random(seed * 1000 + i)
+        headers = {"Content-Type": "application/json"}
         for _ in range(per_client):
+            if service_ms:
+                headers = {"Content-Type": "application/json",
+                           "X-Test-First-Delay": str(service_ms * rng.uniform(0.5, 1.5) / 1e3)}
             t0 = time.perf_counter()
             async with session.post(url, data=body, headers=headers) as r:
                 await r.read()
@@ -112,7 +123,7 @@ async def _latency_round(session, url: str, body: bytes, concurrency: int, per_c
                     raise RuntimeError(f"status {r.status}")
             out.append(time.perf_counter() - t0)
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
     return out
 
 
@@ -160,17 +171,17 @@ async def _bench(args, engine_url: str, proxy_url: str, stream_extra: dict, prox
         for name, base in targets.items():          # warm both paths (connections, caches)
             await _latency_round(session, base + "/v1/completions", lat_body, 4, 10)
         for service_ms, c in itertools.product(args.service_ms, args.concurrency):
-            # the stand-in's fixed service time per request (X-Test-First-Delay); a real engine has its own
-            extra = {"X-Test-First-Delay": str(service_ms / 1e3)} if service_ms and not args.engine_url else None
+            # the stand-in's service time per request (X-Test-First-Delay); a real engine has its own
+            service = 0.0 if args.engine_url else service_ms
             lat = {"direct": [], "proxy": []}
             cpu0 = _cpu_seconds(proxy_pid)
-            n_req = args.requests if not service_ms else max(c, args.requests // 4)
-            per_client = max(1, n_req // c)
+            n_req = args.requests if not service_ms else args.requests // 4
+            per_client = max(8 if service_ms else 1, n_req // c)
             for rnd in range(args.rounds):
                 order = ("direct", "proxy") if rnd % 2 == 0 else ("proxy", "direct")
                 for name in order:
                     lat[name] += await _latency_round(session, targets[name] + "/v1/completions", lat_body,
-                                                      c, per_client, extra)
+                                                      c, per_client, service, seed=rnd)
             cpu1 = _cpu_seconds(proxy_pid)
             d50, d99 = _pct(lat["direct"], 0.5), _pct(lat["direct"], 0.99)
             p50, p99 = _pct(lat["proxy"], 0.5), _pct(lat["proxy"], 0.99)
