@@ -594,3 +594,36 @@ def test_per_batch_size_is_written_with_the_low_load_best(tmp_path):
     assert "  per_batch_size:\n  - [1, 2, 4]\n  - [3, 8, 0]\n" in path.read_text()
     rendered = get_registry().backend("vllm").render(load_profile(path).profile, engine_for(loaded))
     assert '"num_speculative_tokens_per_batch_size":[[1,2,4],[3,8,0]]' in " ".join(rendered.argv)
+
+
+def test_method_choices_and_concurrency_levels(tmp_path):
+    from specops.tune import concurrency_levels, method_choices
+    path = tmp_path / "chat.yaml"
+    path.write_text(LLAMA)
+    loaded = load_profile(path)
+    reg, prof = get_registry(), loaded.profile
+    primary = MethodChoice(DM, "/models/draft.gguf")
+    assert method_choices(loaded, prof, reg, None) == [primary]
+    assert method_choices(loaded, prof, reg, "chain") == [primary, MethodChoice(Method.NGRAM), MethodChoice(Method.NONE)]
+    assert method_choices(loaded, prof, reg, "none,draft_model") == [primary, MethodChoice(Method.NONE)]
+    with pytest.raises(SpecopsError, match="unknown method 'eagle9'"):
+        method_choices(loaded, prof, reg, "eagle9")
+    with pytest.raises(SpecopsError, match="backend llamacpp cannot run medusa"):
+        method_choices(loaded, prof, reg, "medusa")
+    assert concurrency_levels(prof, None) == (2, 1)
+    assert concurrency_levels(prof, "8,1,8") == (8, 1)
+    with pytest.raises(SpecopsError):
+        concurrency_levels(prof, "0")
+
+
+def test_cli_refuses_bad_options_before_anything_runs(tmp_path):
+    from support_cli import run
+    path = tmp_path / "chat.yaml"
+    path.write_text(LLAMA)
+    res = run("tune", path, "--k", "two")
+    assert res.code == 2 and "--k" in res.stderr and "not a number" in res.stderr
+    res = run("tune", path, "--budget", "soon")
+    assert res.code == 2 and "invalid duration 'soon'" in res.stderr
+    res = run("tune", path, "--ngram", "5:2")
+    assert res.code == 2 and "MIN:MAX" in res.stderr
+    assert path.read_text() == LLAMA

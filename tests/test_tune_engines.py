@@ -193,3 +193,21 @@ def test_vllm_sweep_over_k_writes_the_best_recorded_k(tmp_path, env):
     assert load_profile(path).profile.speculative.k == k
     rendered = run("render", path, env=env)
     assert rendered.code == 0 and f'"num_speculative_tokens":{k}' in rendered.stdout
+
+
+def test_methods_are_swept_side_by_side_and_a_switch_still_validates(tmp_path, models, env):
+    path = tmp_path / "tune-llama.yaml"
+    original = PROFILE.format(models=models)
+    path.write_text(original)
+    res = run("tune", path, "--methods", "draft_model,ngram,none", "--k", "2,4", "--ngram-types", "ngram-simple",
+              "--budget", "90s", *FAST, env=env)
+    assert res.code == 0, res.stdout + res.stderr
+    record = json.loads((tmp_path / "tune-llama.tune.json").read_text())
+    assert {r["label"] for r in record["results"]} == {"draft_model k=2", "draft_model k=4", "ngram ngram-simple",
+                                                       "none"}
+    assert record["reference"]["what"] == "none"                      # the table shows speedups over none
+    assert record["chosen"]["label"] == best_recorded(record)
+    prof = load_profile(path).profile                                 # whatever won, the profile validates
+    assert prof.speculative.method.value == record["chosen"]["method"]
+    assert run("render", path, env=env).code == 0
+    assert comment_lines(path.read_text())[:3] == comment_lines(original)[:3]
