@@ -1603,6 +1603,9 @@ def prepare(loaded, registry, cfg: TuneConfig, *, say: Callable[[str], None] = l
     default_type = _rendered_ngram_type(resolved_loaded, registry, engine)
     current = current_setting(resolved, default_type)
     choices = method_choices(loaded, resolved, registry, cfg.methods, offline=cfg.offline)
+    if [c.method for c in choices] == [Method.NONE]:
+        raise SpecopsError(f"{loaded.path} runs without speculation (method none): nothing to tune; compare "
+                           "methods with --methods fitting (or e.g. --methods ngram,none)")
     types = cfg.ngram_types
     if types is None and resolved.backend == "llamacpp":
         from .backends.llamacpp import NGRAM_TYPES
@@ -1618,6 +1621,8 @@ def prepare(loaded, registry, cfg: TuneConfig, *, say: Callable[[str], None] = l
                                                                resolved.speculative.ngram.max))
     levels = concurrency_levels(resolved, cfg.concurrency)
     prompts, workload = load_workload(cfg.workload, cfg.max_tokens)
+    workload.update(requests_per_round=cfg.requests_per_round or "max(4, 2 x concurrency)",
+                    ignore_eos=cfg.ignore_eos)
     return TunePlan(resolved, engine, current, choices, settings, levels, prompts, workload, notes)
 
 
