@@ -241,6 +241,10 @@ class Proxy(Section):
     queue_size: int = Field(256, ge=0, description="Requests that may wait while the engine is switching.")
     queue_timeout: Duration = Field(120.0, description="Longest wait in the queue before a 503 with Retry-After.")
     drain_timeout: Duration = Field(60.0, description="How long in-flight requests may finish before a switch stops the engine.")
+    retry_unstarted: bool = Field(True, description="Retry once on the next engine a request that failed before "
+                                  "any response byte (false: 502).")
+    admin_port: int | None = Field(None, ge=1, le=65535, description="Serve /specops/status and /specops/metrics only "
+                                   "on this loopback port. Unset: on the public port.")
 
 
 class Profile(Section):
@@ -462,6 +466,8 @@ def semantic_problems(loaded: LoadedProfile, registry) -> list[Problem]:
         add(("monitor", "prometheus_url"), "monitor.source is promql: set prometheus_url")
     if p.proxy.enabled and p.proxy.engine_port == p.server.port:
         add(("proxy", "engine_port"), f"the engine port must differ from the public port {p.server.port}")
+    if p.proxy.admin_port is not None and p.proxy.admin_port in (p.server.port, p.proxy.engine_port):
+        add(("proxy", "admin_port"), "the admin port must differ from the public and the engine port")
 
     if backend is not None:
         if method is not Method.AUTO and method not in backend.methods:

@@ -117,6 +117,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
         write_state(paths, {
             "name": profile.name, "profile": os.path.abspath(loaded.path), "pid": os.getpid(),
             "backend": profile.backend, "url": public_url, "proxy": use_proxy,
+            "admin_url": proxy.admin_url if proxy is not None else None,
             "engine_log": str(paths.engine_log), "events": str(paths.events), "updated_at": time.time(),
             **s.snapshot(), **state_extra,
         })
@@ -127,6 +128,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
         p = profile.proxy
         proxy = Proxy(profile.server.host, profile.server.port, queue_size=p.queue_size,
                           queue_timeout=p.queue_timeout, drain_timeout=p.drain_timeout,
+                          retry_unstarted=p.retry_unstarted, admin_port=p.admin_port,
                           status_provider=lambda: sup.snapshot())
     sup = Supervisor(profile, render_step, events=events, say=console.say, on_engine_line=console.engine,
                      log_path=paths.engine_log, proxy=proxy, health_interval=opts.health_interval,

@@ -88,7 +88,7 @@ def test_noisy_draft_falls_back_to_ngram_and_keeps_serving(tmp_path, models):
         # traffic drafts far more than min_draft_tokens per window, so the decision must come after the first
         # window fills plus two fresh low windows (hysteresis), with a little slack for the poll interval
         ready = run.events("ready")[0]["ts"]
-        assert switch["ts"] - ready <= 3 * 4 + 2.0, switch["ts"] - ready
+        assert switch["ts"] - ready <= 3 * 4 + 4.0, switch["ts"] - ready  # slack: a loaded 2-core machine
         assert switch["numbers"]["streak"] == 2
         assert st["last_decision"]["to"] == "ngram"
         complete = run.events("switch-complete")
@@ -110,7 +110,7 @@ def test_same_weights_draft_is_kept_over_the_same_traffic(tmp_path, models):
             st = run.wait_for(lambda s: (s.get("acceptance") or {}).get("status") == "ok"
                               and ((s.get("acceptance") or {}).get("draft_tokens") or 0) >= 100, 60, "a full window")
             time.sleep(10)  # more than two windows of evidence
-            st = run.state()
+            st = run.wait_for(lambda s: (s.get("acceptance") or {}).get("status") == "ok", 30, "a window with data")
         assert traffic.failed == 0
         assert st["method"] == "draft_model" and st["switches"] == 0
         assert st["acceptance"]["acceptance"] > 0.9

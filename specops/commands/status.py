@@ -33,7 +33,7 @@ def _live(state: dict) -> dict:
     if not state.get("proxy"):
         return state
     try:
-        with urllib.request.urlopen(state["url"] + "/specops/status", timeout=2) as resp:
+        with urllib.request.urlopen((state.get("admin_url") or state["url"]) + "/specops/status", timeout=2) as resp:
             return {**state, "live": json.loads(resp.read())}
     except (OSError, ValueError):
         return state
