@@ -207,9 +207,8 @@ def plan_settings(current: Setting, choices: Sequence[MethodChoice], backend: st
                 settings = [Setting(m, k, lo, hi) for k in ks for lo, hi in pairs]
             else:
                 settings = [Setting(m, k, draft=choice.draft) for k in ks]
-        keyf = (lambda s: s.k) if has_k(m, backend) else (lambda s: 0)
         if has_k(m, backend):
-            settings = coverage_order(settings, keyf, current if current in settings else None)
+            settings = coverage_order(settings, lambda s: s.k, current if current in settings else None)
         elif current in settings:
             settings.remove(current)
             settings.insert(0, current)
@@ -237,6 +236,8 @@ def parse_ints(text: str, what: str) -> list[int]:
         out.update(range(lo, hi + 1))
     if not out:
         raise SpecopsError(f"{what}: no values")
+    if len(out) > 32:
+        raise SpecopsError(f"{what}: {len(out)} values; each is an engine start: pick at most 32")
     return sorted(out)
 
 

@@ -627,3 +627,12 @@ def test_cli_refuses_bad_options_before_anything_runs(tmp_path):
     res = run("tune", path, "--ngram", "5:2")
     assert res.code == 2 and "MIN:MAX" in res.stderr
     assert path.read_text() == LLAMA
+
+
+def test_a_best_k_at_the_edge_of_the_grid_says_so():
+    from specops.commands.tune import _grid_edge
+    edge = result_with({1: {vdm(4): 100.0, vdm(8): 120.0}}, levels=(1,))
+    assert _grid_edge(edge, [vdm(4), vdm(8)]) == ("the best k is the largest tried (8); a larger k may be faster "
+                                                  "still: try --k 8,10,12,16")
+    inside = result_with({1: {vdm(4): 130.0, vdm(8): 120.0, vdm(2): 90.0}}, levels=(1,))
+    assert _grid_edge(inside, [vdm(2), vdm(4), vdm(8)]) is None

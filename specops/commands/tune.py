@@ -212,6 +212,9 @@ def tune(profile, workload, budget, k_values, methods, ngram_pairs, ngram_types,
         b = result.best_at(c)
         if b is not None:
             click.echo(f"best at concurrency {c}: {b.setting.label} ({b.median(c):.1f} tok/s)")
+    edge = _grid_edge(result, plan.settings)
+    if edge:
+        click.echo(f"note: {edge}")
     if per_batch:
         click.echo(f"proposal: speculative.per_batch_size: {per_batch['value']}  ({per_batch['why']})"
                    + ("" if apply_per_batch else "; write it with --per-batch-size"))
@@ -230,6 +233,19 @@ def tune(profile, workload, budget, k_values, methods, ngram_pairs, ngram_types,
         click.echo(f"wrote {png}")
     if not result.eligible():
         raise SpecopsError("no setting measured")
+
+
+def _grid_edge(result, settings) -> str | None:
+    """A hint when the best k is the largest one tried: the curve may still be rising past it."""
+    w = result.winner
+    if w is None or w.setting.k is None:
+        return None
+    ks = sorted({s.k for s in settings if s.method is w.setting.method and s.k is not None})
+    if len(ks) > 1 and w.setting.k == ks[-1]:
+        k = ks[-1]
+        more = ",".join(str(x) for x in (k, k + max(1, k // 4), k + max(2, k // 2), 2 * k))
+        return f"the best k is the largest tried ({k}); a larger k may be faster still: try --k {more}"
+    return None
 
 
 def _fmt(seconds: float) -> str:
