@@ -50,14 +50,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def profile_yaml(config: str, target: Path, draft: Path, port: int, k: int, window: str) -> str:
+def profile_yaml(config: str, target: Path, draft: Path, port: int, k: int, window: str,
+                 threads: int | None = None) -> str:
     spec = "speculative:\n  method: none\n" if config == "static-none" else (
         f"speculative:\n  method: draft_model\n  draft: {draft}\n  num_speculative_tokens: {k}\n")
     fallback = ("fallback:\n  enabled: false\n" if config != "managed" else
                 f"fallback:\n  window: {window}\n  min_draft_tokens: 50\n  consecutive_windows: 2\n"
                 "  cooldown: 10m\n  chain: [none]\n")
     return (f"name: fallback-{config}\nbackend: llamacpp\nmodel:\n  id: {target}\n  max_model_len: 1024\n{spec}"
-            f"gpus:\n  devices: []\nserver:\n  port: {port}\n  parallel: 2\n{fallback}"
+            f"gpus:\n  devices: []\nserver:\n  port: {port}\n  parallel: 2\n"
+            + (f"  extra_args: [\"-t\", \"{threads}\"]\n" if threads else "") + f"{fallback}"
             "monitor:\n  interval: 500ms\nsupervisor:\n  stop_timeout: 10\n")
 
 
@@ -154,7 +156,8 @@ def run_round(paths: dict, work: Path, args, say) -> dict:
         for config in CONFIGS:
             port = free_port()
             prof = work / f"{config}.yaml"
-            prof.write_text(profile_yaml(config, paths["target"], paths["draft"], port, args.k, args.window))
+            prof.write_text(profile_yaml(config, paths["target"], paths["draft"], port, args.k, args.window,
+                                         args.llama_threads or None))
             ups[config] = Up(prof, work, f"fallback-{config}")
         urls = {}
         for config, up in ups.items():
@@ -178,13 +181,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phase-a", type=float, default=30.0, help="seconds of greedy traffic")
     ap.add_argument("--phase-b", type=float, default=60.0, help="seconds of temperature-1.5 traffic")
-    ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--window", default="5s", help="the managed profile's fallback.window")
     ap.add_argument("--rounds", type=int, default=1, help="repeat all three, rotating the order; medians")
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--llama-threads", type=int, default=1,
+                    help="llama-server -t (default 1: other load on a shared machine then slows all three alike; "
+                         "0 = the engine's default)")
     ap.add_argument("--json")
     args = ap.parse_args()
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
@@ -208,7 +213,8 @@ def main() -> None:
                                      sum(r[p]["busy_s"] for p in phase_names) for r in runs[c])
     m = machine()
     print(f"Fallback protection, llama-server, layer-skip {args.hidden}x{args.layers}, draft_model k={args.k}; "
-          f"machine: {m['cpu']}, {m['cores']} cores; {args.concurrency} client(s), {args.tokens} tokens/request; "
+          f"machine: {m['cpu']}, {m['cores']} cores; llama-server threads {args.llama_threads or 'default'}; "
+          f"1 client, {args.tokens} tokens/request; "
           f"phase A {args.phase_a:g}s greedy, phase B {args.phase_b:g}s temperature 1.5; "
           f"managed window {args.window} × 2; requests round-robin over the three deployments (all up at once); "
           f"medians of {args.rounds} round(s); load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")

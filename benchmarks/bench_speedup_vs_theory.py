@@ -46,15 +46,17 @@ from specops.workload import Prompt, run_workload  # noqa: E402
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
-def profile_yaml(engine: str, name: str, target: Path, draft: Path | None, k: int | None) -> str:
+def profile_yaml(engine: str, name: str, target: Path, draft: Path | None, k: int | None,
+                 llama_threads: int | None = None) -> str:
     spec = (f"speculative:\n  method: draft_model\n  draft: {draft}\n  num_speculative_tokens: {k}\n"
             if draft is not None else "")
     if engine == "vllm":
         return (f"name: {name}\nbackend: vllm\nmodel:\n  id: {target}\n  dtype: float32\n  max_model_len: 512\n"
                 f"{spec}server:\n  env:\n    VLLM_CPU_KVCACHE_SPACE: \"1\"\nengine:\n  ready_timeout: 900\n"
                 "supervisor:\n  stop_timeout: 20\n")
+    threads = f"  extra_args: [\"-t\", \"{llama_threads}\"]\n" if llama_threads else ""
     return (f"name: {name}\nbackend: llamacpp\nmodel:\n  id: {target}\n  max_model_len: 1024\n{spec}"
-            "gpus:\n  devices: []\nserver:\n  parallel: 1\nsupervisor:\n  stop_timeout: 10\n")
+            f"gpus:\n  devices: []\nserver:\n  parallel: 1\n{threads}supervisor:\n  stop_timeout: 10\n")
 
 
 async def one(eng, tokens: int) -> dict:
@@ -79,7 +81,7 @@ async def side_by_side(a, b, reps: int, tokens: int) -> tuple[list[float], list[
 
 
 async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], reps: int, tokens: int,
-                       workdir: Path, say) -> dict:
+                       workdir: Path, say, llama_threads: int | None = None) -> dict:
     from specops.fixtures import ensure_layerskip
 
     kind = "hf" if engine == "vllm" else "gguf"
@@ -89,12 +91,12 @@ async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], rep
 
     def load(name, target, draft=None, k=None):
         f = workdir / f"{name}.yaml"
-        f.write_text(profile_yaml(engine, name, target, draft, k))
+        f.write_text(profile_yaml(engine, name, target, draft, k, llama_threads))
         return load_profile(f, registry=registry)
 
     base = load(f"{engine}-off", paths["target"])
     out = {"engine": engine, "size": f"hidden {hidden}, {layers} layers", "tokens": tokens, "reps": reps,
-           "configs": []}
+           "threads": llama_threads if engine == "llamacpp" else 1, "configs": []}
     async with launched(base, registry, log_path=workdir / f"{engine}-off.log") as off:
         out["engine_version"] = off.plan.engine_version
         say(f"{engine}: baseline ready in {off.ready_s:.1f}s; warming up")
@@ -150,6 +152,9 @@ def main() -> None:
     ap.add_argument("--ks", default="2,4,6", help="draft tokens per step to try")
     ap.add_argument("--reps", type=int, default=3, help="requests per side per configuration (medians)")
     ap.add_argument("--tokens", type=int, default=192, help="output tokens per request (greedy, ignore_eos)")
+    ap.add_argument("--llama-threads", type=int, default=1,
+                    help="llama-server -t (default 1: on a shared 2-core machine other load then slows both sides "
+                         "alike, where 2 threads spin at their barriers and collapse; 0 = the engine's default)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
@@ -159,10 +164,11 @@ def main() -> None:
         for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
             results.append(asyncio.run(bench_engine(engine, args.hidden, args.layers,
                                                     [int(k) for k in args.ks.split(",")], args.reps,
-                                                    args.tokens, Path(tmp), say)))
+                                                    args.tokens, Path(tmp), say, args.llama_threads or None)))
     m = machine()
     load_after = os.getloadavg()
     print(f"Delivered vs theoretical speedup, layer-skip fixture; machine: {m['cpu']}, {m['cores']} cores; "
+          f"llama-server threads: {args.llama_threads or 'default'}, vLLM-CPU: one core for the model; "
           f"one greedy client, {args.tokens} tokens, medians of {args.reps} alternating requests per side "
           f"(speedup and c: medians of pairwise ratios); load average {load_before[0]:.1f} before, "
           f"{load_after[0]:.1f} after\n")
