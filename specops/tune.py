@@ -566,13 +566,22 @@ class Tuner:
             self.emit("setting", index=i, total=n, setting=res.setting, rounds=rounds)
             await self._measure(res, rounds, deadline, result)
             self.emit("done", index=i, total=n, result=res)
+            if res.status == "failed" and res.reason.startswith(_REQUESTS_REFUSED) and not result.eligible():
+                # the engine refused the requests themselves (HTTP 4xx: a prompt longer than the context, ...):
+                # every other setting would refuse them too
+                raise SpecopsError(f"the workload does not fit this deployment ({res.setting.label}: {res.reason}); "
+                                   "pick prompts that fit (--workload, --max-tokens) or give the engine more "
+                                   "context (model.max_model_len; llama-server splits it over server.parallel). "
+                                   "Nothing was changed.")
             if i == 0 and res.status == "skipped" and not result.eligible():
                 raise BudgetTooSmall(self._too_small_message(res))
         result.elapsed_s = self.clock() - t0
         if not result.eligible():
-            if any(r.status == "failed" for r in result.results):
+            failed = [r for r in result.results if r.status == "failed"]
+            if failed:
+                reasons = list(dict.fromkeys(r.reason for r in failed))
                 raise SpecopsError("no setting could be measured: " + "; ".join(
-                    f"{r.setting.label}: {r.reason}" for r in result.results if r.status == "failed")
+                    f"{', '.join(r.setting.label for r in failed if r.reason == why)}: {why}" for why in reasons)
                     + ". Nothing was changed.")
             raise BudgetTooSmall(self._too_small_message(result.results[0]))
         return result
@@ -628,6 +637,8 @@ class Tuner:
                         if rnd.errors:
                             res.status = "failed"
                             res.reason = f"{rnd.errors} of {rnd.requests} requests failed: {rnd.first_error}"
+                            if re.match(r"HTTP 4\d\d\b", rnd.first_error or ""):
+                                res.reason = _REQUESTS_REFUSED + res.reason
                             break
                         lr.rounds.append(rnd)
                         self.emit("round", setting=res.setting, level=level, round=len(lr.rounds), rounds=rounds,
@@ -650,6 +661,9 @@ class Tuner:
             res.seconds = self.clock() - t_start
             if res.launch_s is not None:
                 self._overhead_s.append(max(0.0, res.seconds - measured_s))
+
+
+_REQUESTS_REFUSED = "the engine refused the requests: "
 
 
 def _nice(seconds: float) -> float:

@@ -636,3 +636,23 @@ def test_a_best_k_at_the_edge_of_the_grid_says_so():
                                                   "still: try --k 8,10,12,16")
     inside = result_with({1: {vdm(4): 130.0, vdm(8): 120.0, vdm(2): 90.0}}, levels=(1,))
     assert _grid_edge(inside, [vdm(2), vdm(4), vdm(8)]) is None
+
+
+def test_requests_the_engine_refuses_stop_the_sweep_at_once():
+    clock = Clock()
+
+    class TooLong(FakeDriver):
+        @contextlib.asynccontextmanager
+        async def session(self, setting):
+            async with super().session(setting) as s:
+                async def run(c):
+                    return Round(0.0, 0, 4, errors=1, first_error="HTTP 400: request (398 tokens) exceeds the "
+                                                                  "available context size (256 tokens)")
+                s.run = run
+                yield s
+
+    drv = TooLong(clock, {})
+    with pytest.raises(SpecopsError, match=r"the workload does not fit this deployment \(draft_model k=1: the engine "
+                                           r"refused the requests: 1 of 4 requests failed: HTTP 400: .*--max-tokens"):
+        race([dm(1), dm(2), dm(4)], drv, clock)
+    assert drv.launched == [dm(1)]                                     # not three times the same failure
