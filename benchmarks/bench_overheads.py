@@ -76,8 +76,7 @@ def import_breakdown(top: int = 12) -> dict:
         pkg = name.split(".")[0]
         by_pkg[pkg] = by_pkg.get(pkg, 0) + self_us
     total = sum(by_pkg.values())
-    slow = sorted(rows, key=lambda r: -r[1])
-    top_level = [r for r in slow if r[2] == 1][:top]
+    by_self = sorted(rows, key=lambda r: -r[0])[:top]
     # which modules a render loads (no engine, no HTTP client)
     probe = ("import sys, runpy\nsys.argv = ['specops'] + %r\ntry:\n    runpy.run_module('specops.cli', "
              "run_name='__main__')\nexcept SystemExit:\n    pass\nimport json\nprint(json.dumps(sorted({m.split('.')[0] "
@@ -86,7 +85,7 @@ def import_breakdown(top: int = 12) -> dict:
                             .stderr.strip().splitlines()[-1]))
     return {"total_ms": total / 1000, "by_package_ms": dict(sorted(((k, v / 1000) for k, v in by_pkg.items()),
                                                                    key=lambda kv: -kv[1])[:top]),
-            "slowest_top_level_ms": [(name, cum / 1000) for _s, cum, _d, name in top_level],
+            "slowest_modules_ms": [(name, self_us / 1000) for self_us, _c, _d, name in by_self],
             "engines_imported": sorted(loaded & set(ENGINE_MODULES)),
             "heavy_imported": sorted(loaded & set(HEAVY_MODULES))}
 
@@ -208,6 +207,7 @@ def main() -> None:
     print("| package | ms |\n|---|---|")
     for k, v in imports["by_package_ms"].items():
         print(f"| {k} | {v:.1f} |")
+    print("\nslowest modules (self time): " + ", ".join(f"{n} {v:.1f} ms" for n, v in imports["slowest_modules_ms"][:8]))
     print(f"\nengines imported by render: {imports['engines_imported'] or 'none'}; "
           f"heavy modules imported: {imports['heavy_imported'] or 'none'}")
     print(f"\nWatcher tick (scrape llama-server /metrics + parse + window), {tick['ticks']} ticks: "
