@@ -753,7 +753,7 @@ def plot(result: TuneResult, path: str | Path, title: str = "") -> Path | None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("k (draft tokens per step)")
     ax.set_ylabel("output tokens/s (median)")
-    ax.set_title(title or "specops tune")
+    ax.set_title(title or "specops tune", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -194,7 +194,7 @@ def tune(profile, workload, budget, k_values, methods, ngram_pairs, ngram_types,
     png = None
     if not no_plot and (plot_path or not dry_run):
         target = Path(plot_path) if plot_path else tune_plot_path(profile)
-        png = draw(result, target, title=f"{p.name}: {p.backend} {plan.engine.version}, "
+        png = draw(result, target, title=f"{p.name}: {p.backend} {plan.engine.version.split(' ')[0]}, "
                                          f"concurrency {', '.join(map(str, plan.levels))}")
         if png is None:
             say("no plot: matplotlib is not installed (pip install 'specops[plots]')")
