@@ -415,8 +415,9 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
     paths = []
 
     # 1. speedup vs concurrency
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    fig, ax = plt.subplots(figsize=(9, 5), dpi=120)
     top = 1.0
+    ends = []
     for s in sets:
         pts = [(r["concurrency"], r["speedup"]) for r in report["speedup"] if r["set"] == s and r["speedup"]]
         if not pts:
@@ -424,20 +425,27 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
         xs, ys = zip(*pts)
         top = max(top, *ys)
         ax.plot(xs, ys, marker="o", lw=2, color=color[s], label=s)
-        ax.annotate(f"{ys[-1]:.2f}x", (xs[-1], ys[-1]), textcoords="offset points", xytext=(6, 0),
-                    va="center", fontsize=9, color=color[s])
+        ends.append([ys[-1], ys[-1], xs[-1], color[s]])
+    ymax = max(1.5, top * 1.15)
+    gap = 0.045 * ymax
+    ends.sort(key=lambda e: e[0])
+    for i in range(1, len(ends)):  # end labels never on top of each other
+        ends[i][1] = max(ends[i][1], ends[i - 1][1] + gap)
+    for value, y, x, col in ends:
+        ax.text(x * 1.06, y, f"{value:.2f}x", va="center", fontsize=9, color=col)
     ax.axhline(1.0, color="black", lw=1, ls="--")
     ax.axhspan(0, 1.0, color="#d62728", alpha=0.06)
     ax.text(levels[0], 0.97, "slower than no speculation", va="top", fontsize=8, color="#d62728")
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels)
     ax.set_xticklabels([str(x) for x in levels])
-    ax.set_ylim(0, max(1.5, top * 1.15))
+    ax.set_xlim(levels[0] / 1.15, levels[-1] * 1.35)
+    ax.set_ylim(0, ymax)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("speedup (tokens/s on ÷ off)")
     ax.set_title(f"Speculative decoding speedup vs concurrency\n{subtitle}", fontsize=11)
     ax.grid(alpha=0.3)
-    ax.legend(title="prompt set", frameon=False)
+    ax.legend(title="prompt set", frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     paths.append(out_dir / "speedup.png")
     fig.savefig(paths[-1])
