@@ -1603,7 +1603,7 @@ class TunePlan:
     notes: list[str] = field(default_factory=list)
 
 
-def prepare(loaded, registry, cfg: TuneConfig, *, say: Callable[[str], None] = lambda m: None) -> TunePlan:
+def prepare(loaded, registry, cfg: TuneConfig) -> TunePlan:
     """Resolve the profile as ``up`` would, probe the engine, and plan the sweep (no engine is started)."""
     from .up import resolve_for_launch
 
