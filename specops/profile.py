@@ -347,6 +347,9 @@ def _problem_from_pydantic(doc: Document, err: dict) -> Problem:
             msg += f"; did you mean {hint[0]!r}?"
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    elif kind == "string_type" and isinstance(err.get("input"), bool):
+        msg = (f"expected a string, but YAML reads this as the boolean {str(err['input']).lower()} "
+               f"(yes/no/on/off/true/false are booleans): quote it")
     return Problem(doc.locate(loc), format_path(loc), msg)
 
 

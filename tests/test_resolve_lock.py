@@ -147,3 +147,19 @@ def test_a_broken_lock_file_is_a_clear_error(fake_hub, tmp_path):
     lock_path(path).write_text('{"lock_version": 99}')
     with pytest.raises(SpecopsError, match="run `specops lock` again"):
         resolve_profile(load_profile(path))
+
+
+def test_relocking_keeps_a_tune_record_only_while_it_describes_the_locked_draft(fake_hub, tmp_path):
+    seed_llama31(fake_hub)
+    path = write(tmp_path)
+    lock_file, _ = lock_profile(load_profile(path))
+    data = json.loads(lock_file.read_text())
+    data["tune"] = {"date": "2026-11-30", "chosen": {"k": 3}}
+    lock_file.write_text(json.dumps(data))
+    lock_profile(load_profile(path))                       # same method and draft: the record stays
+    assert json.loads(lock_file.read_text())["tune"]["chosen"] == {"k": 3}
+    data = json.loads(lock_file.read_text())
+    data["speculative"]["draft"] = "someone/else"          # the record was measured on another draft
+    lock_file.write_text(json.dumps(data))
+    lock_profile(load_profile(path))
+    assert "tune" not in json.loads(lock_file.read_text())

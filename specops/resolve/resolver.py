@@ -8,6 +8,8 @@ Hub, the cache or the lock.
 """
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -313,6 +315,14 @@ def lock_profile(loaded, *, offline: bool = False, progress: Callable[[str], Non
         res.findings.append(Finding("warning", "lock", f"no commit pinned for {spec.draft} (the Hub and the HF cache "
                                     f"did not give one); run `specops lock` online to pin it"))
     path = lock_path(loaded.path)
-    write_lock(path, build_lock(loaded.path, loaded.profile, res))
+    lock = build_lock(loaded.path, loaded.profile, res)
+    try:  # a `specops tune` record stays while it still describes the locked method and draft
+        old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        old = {}
+    if isinstance(old, dict) and old.get("tune") and all(
+            (old.get("speculative") or {}).get(k) == lock["speculative"][k] for k in ("method", "draft")):
+        lock["tune"] = old["tune"]
+    write_lock(path, lock)
     res.lock_file = str(path)
     return path, res
