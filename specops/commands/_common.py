@@ -19,3 +19,14 @@ def load(path: str) -> LoadedProfile:
 
 def echo_json(data) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+def duration_param(ctx, param, value):
+    """click callback: ``30s``, ``10m``, ``1h30m`` or seconds → float seconds (None stays None)."""
+    if value is None:
+        return None
+    from ..durations import parse_duration
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None

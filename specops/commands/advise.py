@@ -4,17 +4,9 @@ from __future__ import annotations
 import click
 
 from ..errors import SpecopsError
-from ._common import echo_json, json_option
+from ._common import duration_param, echo_json, json_option
 
 
-def _duration(ctx, param, value):
-    if value is None:
-        return None
-    from ..durations import parse_duration
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
 
 
 @click.command()
@@ -29,7 +21,7 @@ def _duration(ctx, param, value):
               "or the increase over --window).")
 @click.option("--prometheus", metavar="URL", help="Read live from Prometheus over --window (labels from the "
               "profile's monitor.labels and the served model name).")
-@click.option("--window", callback=_duration, metavar="DURATION",
+@click.option("--window", callback=duration_param, metavar="DURATION",
               help="Window of a live reading: --metrics-url scrapes twice this far apart (default: lifetime "
                    "totals); --prometheus defaults to the profile's fallback.window or 60s.")
 @click.option("--model-name", help="Model name to filter engine/Prometheus series on (default: the profile's).")

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from ._common import echo_json, json_option, load, profile_argument
+from ._common import duration_param, echo_json, json_option, load, profile_argument
 
 
 def _levels(ctx, param, value):
@@ -19,14 +19,6 @@ def _levels(ctx, param, value):
     return levels
 
 
-def _duration(ctx, param, value):
-    if value is None:
-        return None
-    from ..durations import parse_duration
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
 
 
 class _Bar:
@@ -71,7 +63,7 @@ class _Bar:
               help="Concurrency levels (concurrent client requests).")
 @click.option("-n", "--requests", type=int, help="Requests per cell (set × level × on/off). "
               "Default: max(8, 2 × concurrency).")
-@click.option("--duration", callback=_duration, metavar="DURATION", help="Run each cell this long instead "
+@click.option("--duration", callback=duration_param, metavar="DURATION", help="Run each cell this long instead "
               "of a request count (e.g. 30s).")
 @click.option("--max-tokens", type=int, help="Override every prompt's max_tokens.")
 @click.option("--rounds", type=int, default=1, show_default=True,

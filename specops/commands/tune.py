@@ -8,15 +8,9 @@ from pathlib import Path
 
 import click
 
-from ._common import echo_json, json_option, load, profile_argument
+from ._common import duration_param, echo_json, json_option, load, profile_argument
 
 
-def _duration(ctx, param, value):
-    from ..durations import parse_duration
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
 
 
 def _ints(ctx, param, value):
@@ -108,7 +102,7 @@ class _Progress:
 @profile_argument
 @click.option("-w", "--workload", metavar="SETS", help="Built-in prompt sets (code, summarize, chat, creative) "
               "and/or JSONL files, comma-separated. Default: all four built-in sets.")
-@click.option("--budget", default="10m", show_default=True, callback=_duration, metavar="DURATION",
+@click.option("--budget", default="10m", show_default=True, callback=duration_param, metavar="DURATION",
               help="Time for the whole sweep, engine starts included (e.g. 90s, 10m, 1h).")
 @click.option("-k", "--k", "k_values", callback=_ints, metavar="LIST",
               help="Draft tokens per step to try, e.g. 1,2,4 or 1-6. Default: 1,2,3,4,6,8 and the profile's k.")
