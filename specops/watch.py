@@ -45,9 +45,7 @@ class LiveCounters:
         self.draft_tokens += draft_n
         self.accepted += accepted
 
-    def read(self) -> SpecCounters | None:
-        if self.draft_tokens == 0:
-            return None
+    def read(self) -> SpecCounters:
         return SpecCounters(draft_tokens=float(self.draft_tokens), accepted=float(self.accepted), source="proxy-timings")
 
     def reset(self) -> None:
@@ -76,6 +74,7 @@ class AcceptanceReader:
     _scrape: ScrapeSource | None = None
     _promql: PromQLSource | None = None
     _buffer: SampleBuffer | None = None
+    _live_buffer: SampleBuffer | None = None
     _generated: list = field(default_factory=list)
     _model_name: str | None = None
 
@@ -90,6 +89,7 @@ class AcceptanceReader:
                                         promql_labels(self.prefix, self.labels, model_name), self.window_s,
                                         timeout=self.timeout)
         self._buffer = SampleBuffer(self.window_s)
+        self._live_buffer = SampleBuffer(self.window_s)
         self._generated = []
         if self.live is not None:
             self.live.reset()
@@ -117,17 +117,21 @@ class AcceptanceReader:
             counters = self.backend.acceptance_counters(text, self._model_name, openmetrics)
         except ValueError as exc:
             return Reading(WindowStats.unavailable(now, f"{self._scrape.url}: {exc}", self.window_s), tps)
-        # llama.cpp's counters move only when a request finishes; the proxy sees timings chunk by chunk.
-        # Both count from this engine's start, so when the proxy has seen more drafted tokens, requests are
-        # in flight and its live totals are the current ones. Builds without spec counters fall back to the
-        # per-request log line.
-        live = self.live.read() if self.live is not None else None
-        if live is not None and (counters is None or live.draft_tokens > counters.draft_tokens):
-            counters = live
-        elif counters is None and self.log is not None and self.log.lines:
-            counters = self.log.read()
+        if counters is None and self.log is not None and self.log.lines:
+            counters = self.log.read()  # llama-server builds without spec counters: the per-request log line
         self._buffer.add(Sample(now, counters))
-        return Reading(self._buffer.stats(now), tps, counters)
+        stats = self._buffer.stats(now)
+        if self.live is not None:
+            # llama.cpp's counters move only when a request finishes; the proxy sees timings chunk by chunk.
+            # Each source is windowed on its own (mixing them would look like counter resets); the window
+            # that saw more drafted tokens is the current one: the proxy's while long requests run, else
+            # the engine's, which also counts drafts and positions.
+            live = self.live.read()
+            self._live_buffer.add(Sample(now, live))
+            live_stats = self._live_buffer.stats(now)
+            if live_stats.status == "ok" and (stats.status != "ok" or live_stats.draft_tokens > stats.draft_tokens):
+                return Reading(live_stats, tps, counters)  # totals seen stay the engine's (one source)
+        return Reading(stats, tps, counters)
 
     @property
     def prefix(self) -> str:
