@@ -82,10 +82,10 @@ def _print(st: dict) -> None:
     click.echo(f"  method     {st.get('method')}  (chain {' → '.join(st.get('chain') or [])})")
     acc = st.get("acceptance")
     if isinstance(acc, dict):
-        a = acc.get("acceptance")
+        a, mal = acc.get("acceptance"), acc.get("mean_acceptance_length")
         click.echo(f"  acceptance {('%.3f' % a) if a is not None else 'no data'} over {acc.get('window_s')}s "
-                   f"(mean length {acc.get('mean_acceptance_length') or '-'}, {acc.get('draft_tokens', 0):.0f} drafted, "
-                   f"{acc.get('status', '')})")
+                   f"(mean length {('%.2f' % mal) if mal is not None else '-'}, "
+                   f"{acc.get('draft_tokens') or 0:.0f} drafted, {acc.get('status', '')})")
     if st.get("tokens_per_s") is not None:
         click.echo(f"  tokens/s   {st['tokens_per_s']:.1f}")
     click.echo(f"  restarts   {st.get('restarts', 0)}, switches {st.get('switches', 0)}, pid {st.get('pid')}, "
