@@ -41,6 +41,18 @@ class InstancePaths:
         return self.root / "up.pid"
 
 
+def proc_state(pid: int | str) -> tuple[str, int] | None:
+    """(state letter, process group) of ``pid`` from /proc, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    # the fields after the command name (which may contain spaces) start after the last ')'
+    rest = stat[stat.rfind(")") + 2:].split()
+    return (rest[0], int(rest[2])) if len(rest) > 2 else None
+
+
 def pid_alive(pid: int | None) -> bool:
     if not pid:
         return False
@@ -50,11 +62,8 @@ def pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().decode("ascii", "replace").rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+    st = proc_state(pid)
+    return st is None or st[0] != "Z"  # a zombie is not alive (no /proc entry: trust kill(0))
 
 
 def write_state(paths: InstancePaths, state: dict) -> None:

@@ -108,13 +108,11 @@ def acceptance_between(before: SpecCounters | None, after: SpecCounters | None) 
 
 def profile_for_step(profile: Profile, step_index: int) -> Profile:
     """``profile`` switched to chain step ``step_index`` (0: the primary method as written)."""
-    from .supervise import steps_of
-
-    steps = steps_of(profile)
+    steps = profile.steps
     if not 0 <= step_index < len(steps):
         raise SpecopsError(f"step {step_index} does not exist: the chain is "
                            f"{' → '.join(s.method.value for s in steps)} (0..{len(steps) - 1})")
-    return profile if step_index == 0 else profile.with_step(steps[step_index])
+    return profile.at_step(step_index)
 
 
 def without_speculation(profile: Profile) -> Profile:

@@ -1,7 +1,7 @@
 """The fallback policy: window statistics and a clock in, decisions out. Deterministic, no I/O, no wall clock.
 
 The policy walks the *steps* of a deployment — the primary method (index 0) followed by the fallback chain,
-exactly as :func:`specops.supervise.steps_of` lists them — and says, for each observed window, whether to
+exactly as :attr:`specops.profile.Profile.steps` lists them — and says, for each observed window, whether to
 keep the method, switch to the next step, retry the primary, or hold. Rules, in the order they apply:
 
 1. ``switch-pending`` — a switch or retry was decided and not yet confirmed (``on_switched``/``on_failed_start``).
@@ -92,11 +92,6 @@ class PolicyConfig:
         return cls.from_fallback(profile.fallback)
 
 
-def profile_steps(profile: Any) -> list[ChainStep]:
-    """The primary method followed by the fallback chain (the same list the supervisor walks)."""
-    return profile.steps
-
-
 def step_k(step: ChainStep) -> int:
     """Draft tokens per step configured for ``step`` (explicit, else the method's default; 0 for none)."""
     return step.num_speculative_tokens or DEFAULT_K.get(step.method, 0)
@@ -164,7 +159,7 @@ class Policy:
 
     @classmethod
     def from_profile(cls, profile: Any, current: int | ChainStep | Method = 0) -> "Policy":
-        return cls(PolicyConfig.from_profile(profile), profile_steps(profile), current)
+        return cls(PolicyConfig.from_profile(profile), profile.steps, current)
 
     # ------------------------------------------------------------------ helpers
     @property

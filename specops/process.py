@@ -22,6 +22,7 @@ import aiohttp
 
 from .backends.base import LaunchPlan
 from .errors import SpecopsError
+from .instance import proc_state
 
 PR_SET_PDEATHSIG = 1
 
@@ -35,20 +36,13 @@ def _child_setup() -> None:  # runs in the child between fork and exec: keep it 
 
 
 def group_members(pgid: int) -> list[int]:
-    """PIDs whose process group is ``pgid`` (read from /proc; zombies count until reaped)."""
+    """Live (non-zombie) PIDs whose process group is ``pgid``."""
     pids = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode("ascii", "replace")
-        except OSError:
-            continue
-        # fields after the command name (which may contain spaces) start after the last ')'
-        rest = stat[stat.rfind(")") + 2:].split()
-        if len(rest) > 2 and int(rest[2]) == pgid and rest[0] != "Z":
-            pids.append(int(entry))
+        if entry.isdigit():
+            st = proc_state(entry)
+            if st is not None and st[1] == pgid and st[0] != "Z":
+                pids.append(int(entry))
     return pids
 
 

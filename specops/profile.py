@@ -278,6 +278,10 @@ class Profile(Section):
         primary = ChainStep(method=spec.method, draft=spec.draft, num_speculative_tokens=spec.num_speculative_tokens)
         return [primary] + self.chain
 
+    def at_step(self, index: int) -> "Profile":
+        """This deployment running step ``index`` of :attr:`steps` (0: the primary method as written)."""
+        return self if index == 0 else self.with_step(self.steps[index])
+
     def with_step(self, step: ChainStep) -> "Profile":
         """This profile switched to a chain step: the method changes, the rest of the deployment stays."""
         spec = self.speculative.model_copy(update={

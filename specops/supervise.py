@@ -42,11 +42,6 @@ class State(str, Enum):
         return self.value
 
 
-def steps_of(profile: Profile) -> list[ChainStep]:
-    """The primary method followed by the fallback chain (:attr:`Profile.steps`)."""
-    return profile.steps
-
-
 @dataclass
 class SwitchRequest:
     index: int
@@ -67,7 +62,7 @@ class Supervisor:
                  on_change: Callable[["Supervisor"], None] | None = None,
                  launch_problem: Callable[[str], str | None] | None = None):
         self.profile = profile
-        self.steps = steps_of(profile)
+        self.steps = profile.steps
         self.render = render
         self.events = events
         self.say = say
@@ -116,13 +111,7 @@ class Supervisor:
 
     def skip_primary(self, why: str) -> None:
         """Start at the first fallback step: the primary method cannot run (e.g. its draft was refused)."""
-        failed, self.index = self.step.method, 1
-        self.last_decision = {"action": "switch", "from": failed.value, "to": self.step.method.value,
-                              "reason": why, "rule": "refused before launch", "at": time.time()}
-        self.events.emit("decision", action="switch", **{"from": failed.value, "to": self.step.method.value},
-                         reason=why, rule="refused before launch")
-        self.switches += 1
-        self.say(f"falling back {failed} → {self.step.method}: {why}")
+        self._fall_back(1, why, "refused before launch")
 
     def request_switch(self, index: int, reason: str, decision: dict | None = None) -> bool:
         """Ask to move to chain step ``index`` (called by the watcher). False if not possible now."""
@@ -238,7 +227,7 @@ class Supervisor:
             self.events.emit("ready", method=step.method.value, seconds=round(elapsed, 3), url=self.plan.base_url)
             self._set(State.READY)
             self.say(f"ready in {elapsed:.1f}s: {self.plan.backend} {self.plan.engine_version}, "
-                     f"method {step.method}" + (f" (k={self.profile.with_step(step).speculative.k})"
+                     f"method {step.method}" + (f" (k={self.profile.at_step(self.index).speculative.k})"
                                                  if step.method.value not in ("none",) else ""))
             if self.proxy is not None:
                 self.proxy.release(self.plan.base_url)
@@ -356,18 +345,21 @@ class Supervisor:
             self._set(State.FATAL)
             self.say(f"no method left to try after {failed}: {why}")
             return False
-        self.index = target
         self.exit_times = []
         self.backoff = self.profile.supervisor.restart_backoff
+        self._fall_back(target, why, "launch failure" if reason == "launch failed" else "crash loop")
+        return True
+
+    def _fall_back(self, target: int, why: str, rule: str) -> None:
+        """Move to step ``target`` because the current one cannot run; the decision is logged and shown."""
+        failed, self.index = self.step.method, target
         nxt = self.step.method
         self.last_decision = {"action": "switch", "from": failed.value, "to": nxt.value, "reason": why,
-                              "rule": "launch failure" if reason == "launch failed" else "crash loop",
-                              "at": time.time()}
+                              "rule": rule, "at": time.time()}
         self.events.emit("decision", action="switch", **{"from": failed.value, "to": nxt.value}, reason=why,
-                         rule=self.last_decision["rule"])
+                         rule=rule)
         self.switches += 1
         self.say(f"falling back {failed} → {nxt}: {why}")
-        return True
 
     async def _stop_engine(self, why: str) -> None:
         engine = self.engine

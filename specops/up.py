@@ -106,9 +106,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     public_url = http_url(profile.server.host, profile.server.port)
 
     def render_step(index: int):
-        step = sup.steps[index]
-        prof = profile if index == 0 else profile.with_step(step)
-        return render_plan(LoadedProfile(prof, loaded.document, loaded.path), registry, engine=engine,
+        return render_plan(LoadedProfile(profile.at_step(index), loaded.document, loaded.path), registry, engine=engine,
                            host=engine_host, port=engine_port)
 
     state_extra: dict = {}

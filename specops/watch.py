@@ -228,6 +228,7 @@ class Watcher:
         self.clock = clock
         self.interval = profile.monitor.interval
         self.attached = False
+        self.sup = None  # the Supervisor under `specops up`; None when watching read-only
         #: read-only mode (`specops watch`): called with (decision, stats) instead of acting
         self.on_recommend: Callable[[Decision, WindowStats], None] | None = None
         self.last_decision: Decision | None = None
@@ -306,7 +307,7 @@ class Watcher:
                 break
             except asyncio.TimeoutError:
                 pass
-            sup = getattr(self, "sup", None)
+            sup = self.sup
             if sup is not None and (sup.state.value != "ready" or not self.attached):
                 continue
             await self.tick()

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from specops.methods import Method
 from specops.metrics import SpecCounters
-from specops.policy import HOLD, KEEP, RETRY, SWITCH, Decision, Policy, PolicyConfig, profile_steps, step_k
+from specops.policy import HOLD, KEEP, RETRY, SWITCH, Decision, Policy, PolicyConfig, step_k
 from specops.profile import ChainStep, Profile
 from specops.speedup import expected_speedup
 from specops.window import NO_DATA, OK, SPEC_OFF, Sample, SampleBuffer, WindowStats
@@ -339,7 +339,7 @@ def test_from_profile():
     p = Policy.from_profile(prof)
     assert [s.method for s in p.steps] == [Method.EAGLE3, Method.NGRAM, Method.NONE]
     assert step_k(p.steps[0]) == 5 and step_k(p.steps[1]) == 4 and step_k(p.steps[2]) == 0
-    assert profile_steps(prof)[0].draft == "org/head"
+    assert prof.steps[0].draft == "org/head"
 
 
 def test_invalid_config():

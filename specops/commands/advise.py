@@ -144,11 +144,9 @@ def _running_k(prof, state: dict) -> int | None:
     """The k of the method the instance runs now (a fallback step may differ from the primary)."""
     if prof is None:
         return None
-    from ..supervise import steps_of
 
     try:
-        step = steps_of(prof)[int(state.get("step") or 0)]
+        p = prof.at_step(int(state.get("step") or 0))
     except (IndexError, ValueError):
         return None
-    p = prof.with_step(step) if state.get("step") else prof
     return p.speculative.k if p.speculative.method.value != "none" else None
