@@ -10,6 +10,26 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # so tests can `import support_<area>`
 
+IN_CI = bool(os.environ.get("CI"))
+
+
+def pytest_configure(config):
+    # Rewriting goldens in CI would make every golden test compare the code with itself.
+    if IN_CI and os.environ.get("SPECOPS_UPDATE_GOLDEN"):
+        raise pytest.UsageError("SPECOPS_UPDATE_GOLDEN is refused when CI is set: goldens are rewritten by a "
+                                "person, reviewed, and committed; CI only compares against them")
+
+
+def unavailable(why: str):
+    """A test cannot run here (engine, model, tool missing): skip on a workstation, fail in CI.
+
+    CI installs everything itself (scripts/setup), so a missing part there is a broken set-up, and a skip
+    would count a test that never ran as fine.
+    """
+    if IN_CI:
+        pytest.fail(f"{why} (CI=true: a missing part is a failure, not a skip)", pytrace=False)
+    pytest.skip(why)
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:

@@ -1,9 +1,10 @@
 """Helpers for tests that use the engines and generated models set up by ``specops engines setup``.
 
-Other test modules can use these to skip cleanly when an engine is not set up::
+Other test modules use these to skip cleanly when an engine is not set up (and to fail in CI, which sets
+everything up itself)::
 
     from support_engines import need_llama_server, need_vllm_python, tiny_model
-    exe = need_llama_server()                 # Path, or pytest.skip(...)
+    exe = need_llama_server()                 # Path, or skip (fail when CI is set)
     target = tiny_model("gguf-target.gguf")   # generated on first use (GGUF needs nothing; HF needs vLLM)
 """
 from __future__ import annotations
@@ -11,22 +12,21 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import pytest
-
+from conftest import unavailable
 from specops import engines, fixtures
 
 
 def need_vllm_python() -> Path:
-    """The vLLM venv's python, or skip the test (naming the set-up command)."""
+    """The vLLM venv's python, or skip the test (naming the set-up command; a failure in CI)."""
     if not engines.vllm_ready():
-        pytest.skip(f"vLLM CPU venv not set up at {engines.vllm_venv_dir()}: run `specops engines setup vllm`")
+        unavailable(f"vLLM CPU venv not set up at {engines.vllm_venv_dir()}: run `specops engines setup vllm`")
     return engines.vllm_python()
 
 
 def need_llama_server() -> Path:
-    """The cached llama-server binary, or skip the test."""
+    """The cached llama-server binary, or skip the test (a failure in CI)."""
     if not engines.llama_ready():
-        pytest.skip(f"llama-server not set up at {engines.llama_server_bin()}: run `specops engines setup llamacpp`")
+        unavailable(f"llama-server not set up at {engines.llama_server_bin()}: run `specops engines setup llamacpp`")
     return engines.llama_server_bin()
 
 

@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import pytest
 
+from conftest import unavailable
 from support_engines import mtimes, sha256_tree
 
 from specops import engines, fixtures
@@ -43,13 +44,13 @@ def cache(tmp_path, monkeypatch):
 
 def need_real_vllm():
     if not REAL_VLLM_READY:
-        pytest.skip(f"vLLM CPU venv not set up at {REAL_VLLM_VENV}: run `specops engines setup vllm`")
+        unavailable(f"vLLM CPU venv not set up at {REAL_VLLM_VENV}: run `specops engines setup vllm`")
     return REAL_VLLM_VENV / "bin" / "python"
 
 
 def need_real_llama():
     if not REAL_LLAMA_READY:
-        pytest.skip(f"llama-server not set up at {REAL_LLAMA_BIN}: run `specops engines setup llamacpp`")
+        unavailable(f"llama-server not set up at {REAL_LLAMA_BIN}: run `specops engines setup llamacpp`")
     return REAL_LLAMA_BIN
 
 
@@ -274,7 +275,7 @@ def test_vllm_problems():
 def test_llamacpp_build_failure_shows_log_tail(cache):
     """A real cmake failure: exit 1, the last log lines and the log path on stderr, no traceback."""
     if not shutil.which("cmake"):
-        pytest.skip("cmake not installed")
+        unavailable("cmake not installed")
     src = cache.parent / "fake" / f"llama_cpp_python-{engines.LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
     src.mkdir(parents=True)
     (src / "CMakeLists.txt").write_text('cmake_minimum_required(VERSION 3.14)\nproject(x NONE)\n'
