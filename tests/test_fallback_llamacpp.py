@@ -85,10 +85,10 @@ def test_noisy_draft_falls_back_to_ngram_and_keeps_serving(tmp_path, models):
         assert switch["from"] == "draft_model" and switch["to"] == "ngram" and switch["rule"] == "threshold"
         assert switch["numbers"]["acceptance"] < 0.6 and switch["numbers"]["draft_tokens"] >= 100
         assert switch["window"]["status"] == "ok"
-        # traffic drafts far more than min_draft_tokens per window, so the decision must come after the first
-        # window fills plus two fresh low windows (hysteresis), with a little slack for the poll interval
+        # hysteresis: two low windows, each starting after the engine was ready, must precede the decision
+        # (no upper bound: how soon the windows fill depends on the machine's load; wait_for bounds it)
         ready = run.events("ready")[0]["ts"]
-        assert switch["ts"] - ready <= 3 * 4 + 4.0, switch["ts"] - ready  # slack: a loaded 2-core machine
+        assert switch["ts"] - ready >= 2 * 4 - 0.5, switch["ts"] - ready
         assert switch["numbers"]["streak"] == 2
         assert st["last_decision"]["to"] == "ngram"
         complete = run.events("switch-complete")
