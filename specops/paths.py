@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+from .errors import SpecopsError
 
 
 def cache_dir() -> Path:
@@ -24,6 +27,42 @@ def state_dir(profile_setting: str | None = None) -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "specops"
+
+
+def private_dir(path: Path, tighten: bool = False) -> Path:
+    """Create ``path`` (and any missing folder above it) with mode 0700; return it.
+
+    An existing folder must belong to this user (SpecopsError otherwise: specops writes no state into a
+    folder someone else controls). With ``tighten``, an existing one of ours that others may read
+    (made by an older specops) is set to 0700: only for folders specops owns, such as
+    ``<state_dir>/<name>``, never for a state_dir a profile names (which might be shared)."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise SpecopsError(f"cannot create {d}: {exc.strerror or exc}") from None
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise SpecopsError(f"cannot use {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SpecopsError(f"{path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise SpecopsError(f"{path} belongs to another user (uid {st.st_uid}); refusing to keep state in it")
+    if tighten and st.st_mode & 0o077:
+        try:
+            os.chmod(path, 0o700)
+        except OSError:
+            pass
+    return path
 
 
 def engines_dir() -> Path:

@@ -22,7 +22,7 @@ import aiohttp
 
 from .backends.base import LaunchPlan
 from .errors import SpecopsError
-from .instance import proc_state
+from .instance import open_log, proc_starttime, proc_state
 
 PR_SET_PDEATHSIG = 1
 
@@ -78,6 +78,7 @@ class EngineProcess:
         self._reader: asyncio.Task | None = None
         self._waiter: asyncio.Task | None = None
         self._log = None
+        self._leader_start: int | None = None
 
     @property
     def pid(self) -> int | None:
@@ -91,8 +92,11 @@ class EngineProcess:
         env = {**os.environ, **dict(self.plan.env)}
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.log_path, "a", encoding="utf-8", errors="replace")
+            try:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                self._log = open_log(self.log_path, encoding="utf-8", errors="replace")  # created 0600
+            except OSError as exc:
+                raise SpecopsError(f"cannot write the engine log {self.log_path}: {exc.strerror or exc}") from None
             self._log.write(f"\n===== {time.strftime('%Y-%m-%dT%H:%M:%S')} start: {self.plan.shell()}\n")
             self._log.flush()
         try:
@@ -107,6 +111,7 @@ class EngineProcess:
             self._close_log()
             raise SpecopsError(f"cannot start {self.plan.argv[0]}: permission denied") from None
         self.started_at = time.monotonic()
+        self._leader_start = proc_starttime(self.proc.pid)  # not reaped yet: this is our child
         self._reader = asyncio.create_task(self._read_output())
         self._waiter = asyncio.create_task(self._wait_exit())
 
@@ -203,8 +208,17 @@ class EngineProcess:
         if self.proc is not None:
             self._signal_group(self.proc.pid, signal.SIGKILL)
 
-    @staticmethod
-    def _signal_group(pgid: int, sig: int) -> None:
+    def _signal_group(self, pgid: int, sig: int) -> None:
+        """Signal the engine's group, only while it is still ours. A group's number is not reused while
+        any process is in it; once it is empty, the number may come back as a stranger's pid and group.
+        So nothing is sent to an empty group, nor when a process with the leader's pid exists but
+        started at another time than our engine (the number was reused)."""
+        if not group_members(pgid):
+            return
+        if self._leader_start is not None:
+            now = proc_starttime(pgid)
+            if now is not None and now != self._leader_start:
+                return
         try:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):

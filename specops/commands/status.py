@@ -11,8 +11,12 @@ import click
 
 from ..durations import format_duration
 from ..errors import SpecopsError
-from ..instance import InstancePaths, find_instances, pid_alive, read_state
+from ..instance import (InstancePaths, StateError, find_instances, owner_problem, read_state, remove_stale_state,
+                        signal_process)
 from ._common import echo_json, json_option
+
+#: The most of /specops/status read from a live instance.
+MAX_LIVE_BYTES = 4 << 20
 
 
 def _instances(name: str | None, state_dir: str | None) -> list[InstancePaths]:
@@ -32,11 +36,35 @@ def _live(state: dict) -> dict:
     """Add what only the running instance knows (the proxy's /specops/status), when reachable."""
     if not state.get("proxy"):
         return state
-    try:
-        with urllib.request.urlopen((state.get("admin_url") or state["url"]) + "/specops/status", timeout=2) as resp:
-            return {**state, "live": json.loads(resp.read())}
-    except (OSError, ValueError):
+    url = state.get("admin_url") or state.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         return state
+    try:
+        with urllib.request.urlopen(url + "/specops/status", timeout=2) as resp:
+            return {**state, "live": json.loads(resp.read(MAX_LIVE_BYTES))}
+    except (OSError, ValueError, RecursionError):
+        return state
+
+
+def _row(inst: InstancePaths) -> dict:
+    """One instance's state as status shows it; a state file that cannot be used is one row saying why."""
+    name = inst.root.name
+    try:
+        st = read_state(inst)
+    except StateError as exc:
+        return {"name": name, "state": "unreadable", "running": False, "stale": False, "problem": str(exc)}
+    if st is None:
+        return {"name": name, "state": "absent", "running": False, "stale": False,
+                "problem": f"no state file {inst.state}"}
+    if not isinstance(st.get("name"), str):
+        st["name"] = name
+    why = owner_problem(st)
+    done = st.get("state") in ("stopped", "fatal")
+    st["running"] = why is None and not done
+    st["stale"] = why is not None and not done
+    if st["stale"]:
+        st["stale_reason"] = why
+    return _live(st) if why is None else st
 
 
 @click.command()
@@ -47,19 +75,14 @@ def status(name, state_dir, as_json):
     """Show running instances: state, method, acceptance over the window, restarts, last decision.
 
     NAME is a profile name or a profile file; without it, every instance with a state file is shown.
+    An instance whose state file cannot be read is listed with the reason (`problem` in --json).
 
     \b
     Examples:
       specops status
       specops status llamacpp-cpu-draft --json
     """
-    rows = []
-    for inst in _instances(name, state_dir):
-        st = read_state(inst) or {}
-        alive = pid_alive(st.get("pid"))
-        st["running"] = alive and st.get("state") not in ("stopped", "fatal")
-        st["stale"] = not alive and st.get("state") not in ("stopped", "fatal")
-        rows.append(_live(st) if alive else st)
+    rows = [_row(inst) for inst in _instances(name, state_dir)]
     if as_json:
         echo_json(rows if name is None else (rows[0] if rows else None))
         return
@@ -67,34 +90,64 @@ def status(name, state_dir, as_json):
         click.echo("no instances")
         return
     for st in rows:
-        _print(st)
+        try:
+            _print(st)
+        except Exception as exc:  # a state file of odd shape: one line for it, and on with the others
+            click.echo(f"{st.get('name')}: unreadable ({type(exc).__name__} while showing its state)")
+
+
+def _num(value) -> float | None:
+    """A number fit to format (not a bool, finite), else None."""
+    if type(value) in (int, float):
+        try:
+            f = float(value)
+        except OverflowError:
+            return None
+        return f if f == f and abs(f) != float("inf") else None
+    return None
+
+
+def _text(value, limit: int = 200) -> str:
+    text = value if isinstance(value, str) else str(value) if type(value) in (int, float, bool) or value is None \
+        else type(value).__name__
+    text = " ".join(text.split())  # one line, whatever the file holds
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _print(st: dict) -> None:
-    state = st.get("state", "?")
+    name = _text(st.get("name"))
+    if st.get("problem"):
+        click.echo(f"{name}: {st['state']}: {_text(st['problem'], 400)}")
+        return
+    state = _text(st.get("state", "?"))
     if st.get("stale"):
-        state += " (stale: specops is not running)"
+        state += f" (stale: {_text(st.get('stale_reason') or 'specops is not running', 300)})"
     uptime = ""
-    if st.get("ready_since") and st.get("running"):
-        uptime = f", ready for {format_duration(round(time.time() - st['ready_since']))}"
-    click.echo(f"{st.get('name')}: {state}{uptime}")
-    click.echo(f"  url        {st.get('url')}  (engine {st.get('engine_url')}, {st.get('backend')} {st.get('engine_version')})")
-    click.echo(f"  method     {st.get('method')}  (chain {' → '.join(st.get('chain') or [])})")
+    since = _num(st.get("ready_since"))
+    if since is not None and st.get("running"):
+        uptime = f", ready for {format_duration(max(0, round(time.time() - since)))}"
+    click.echo(f"{name}: {state}{uptime}")
+    click.echo(f"  url        {_text(st.get('url'))}  (engine {_text(st.get('engine_url'))}, "
+               f"{_text(st.get('backend'))} {_text(st.get('engine_version'))})")
+    chain = st.get("chain") if isinstance(st.get("chain"), list) else []
+    click.echo(f"  method     {_text(st.get('method'))}  (chain {' → '.join(_text(c, 40) for c in chain[:20])})")
     acc = st.get("acceptance")
     if isinstance(acc, dict):
-        a, mal = acc.get("acceptance"), acc.get("mean_acceptance_length")
-        click.echo(f"  acceptance {('%.3f' % a) if a is not None else 'no data'} over {acc.get('window_s')}s "
+        a, mal = _num(acc.get("acceptance")), _num(acc.get("mean_acceptance_length"))
+        click.echo(f"  acceptance {('%.3f' % a) if a is not None else 'no data'} over {_text(acc.get('window_s'))}s "
                    f"(mean length {('%.2f' % mal) if mal is not None else '-'}, "
-                   f"{acc.get('draft_tokens') or 0:.0f} drafted, {acc.get('status', '')})")
-    if st.get("tokens_per_s") is not None:
-        click.echo(f"  tokens/s   {st['tokens_per_s']:.1f}")
-    click.echo(f"  restarts   {st.get('restarts', 0)}, switches {st.get('switches', 0)}, pid {st.get('pid')}, "
-               f"engine pid {st.get('engine_pid')}")
+                   f"{_num(acc.get('draft_tokens')) or 0:.0f} drafted, {_text(acc.get('status', ''))})")
+    tps = _num(st.get("tokens_per_s"))
+    if tps is not None:
+        click.echo(f"  tokens/s   {tps:.1f}")
+    click.echo(f"  restarts   {_text(st.get('restarts', 0))}, switches {_text(st.get('switches', 0))}, "
+               f"pid {_text(st.get('pid'))}, engine pid {_text(st.get('engine_pid'))}")
     d = st.get("last_decision")
-    if d:
-        click.echo(f"  decision   {d.get('action', 'switch')} {d.get('from', '')}"
-                   f"{' → ' + d['to'] if d.get('to') else ''}: {d.get('reason')}")
-    click.echo(f"  logs       {st.get('engine_log')}  events {st.get('events')}")
+    if isinstance(d, dict):
+        to = f" → {_text(d['to'])}" if d.get("to") else ""
+        click.echo(f"  decision   {_text(d.get('action', 'switch'))} {_text(d.get('from', ''))}{to}: "
+                   f"{_text(d.get('reason'), 300)}")
+    click.echo(f"  logs       {_text(st.get('engine_log'), 400)}  events {_text(st.get('events'), 400)}")
 
 
 @click.command()
@@ -104,6 +157,10 @@ def _print(st: dict) -> None:
 def down(name, state_dir, timeout):
     """Stop a running instance gracefully (SIGTERM to specops, which stops its engine).
 
+    Only the very specops process that wrote the state file is signalled: its pid, start time and boot
+    id must all match. A state file whose process is gone (or whose pid now names another process) is
+    stale: nothing is signalled, and the stale file is removed.
+
     \b
     Examples:
       specops down llamacpp-cpu-draft
@@ -112,18 +169,44 @@ def down(name, state_dir, timeout):
     targets = _instances(name, state_dir)
     if not name and len(targets) > 1:
         raise SpecopsError("several instances: name one (`specops status` lists them)")
-    stopped = 0
+    if not targets:
+        click.echo("no instances")
+        return
+    failed = []
     for inst in targets:
-        st = read_state(inst) or {}
-        pid = st.get("pid")
-        if not pid_alive(pid):
-            click.echo(f"{inst.root.name}: not running")
+        label = inst.root.name
+        try:
+            st = read_state(inst)
+        except StateError as exc:
+            click.echo(f"{label}: {exc}; nothing signalled")
+            failed.append(label)
             continue
-        os.kill(pid, signal.SIGTERM)
+        if st is None:
+            click.echo(f"{label}: not running (no state file)")
+            continue
+        why = owner_problem(st)
+        if why is not None:
+            if st.get("state") in ("stopped", "fatal"):
+                click.echo(f"{label}: not running ({st['state']})")
+            elif st.get("identity") is None:  # cannot tell: leave it for the operator
+                click.echo(f"{label}: not signalled: {why}")
+                failed.append(label)
+            else:
+                removed = remove_stale_state(inst)
+                click.echo(f"{label}: not running (stale state: {why}); nothing signalled"
+                           + ("; removed the stale state file" if removed else ""))
+            continue
+        identity = st["identity"]
+        refused = signal_process(identity, signal.SIGTERM)
+        if refused:
+            click.echo(f"{label}: not signalled: {refused}")
+            failed.append(label)
+            continue
         deadline = time.monotonic() + timeout
-        while pid_alive(pid) and time.monotonic() < deadline:
+        while owner_problem(st) is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        if pid_alive(pid):
-            raise SpecopsError(f"{inst.root.name}: specops pid {pid} still running after {timeout:g}s")
-        click.echo(f"{inst.root.name}: stopped")
-        stopped += 1
+        if owner_problem(st) is None:
+            raise SpecopsError(f"{label}: specops pid {identity['pid']} still running after {timeout:g}s")
+        click.echo(f"{label}: stopped")
+    if failed:
+        raise SpecopsError(f"not stopped: {', '.join(failed)}")
