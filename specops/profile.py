@@ -245,6 +245,18 @@ class Proxy(Section):
                                   "any response byte (false: 502).")
     admin_port: int | None = Field(None, ge=1, le=65535, description="Serve /specops/status and /specops/metrics only "
                                    "on this loopback port. Unset: on the public port.")
+    max_body_size: int = Field(16 * 1024 * 1024, ge=1024, le=1024 ** 3, description="Largest request body in bytes "
+                               "(16 MiB); larger ones get 413, refused from their Content-Length without reading.")
+    max_buffered_bytes: int = Field(128 * 1024 * 1024, ge=1024, le=64 * 1024 ** 3, description="Request bodies the "
+                                    "proxy may hold at once, queued ones included (128 MiB); past it a request gets "
+                                    "503 with Retry-After.")
+    max_connections: int = Field(1024, ge=1, le=65536, description="Open client connections; past it a new one gets "
+                                 "503 and is closed at once.")
+    header_timeout: Duration = Field(10.0, gt=0, le=3600, description="A client must send a request's headers within "
+                                     "this long after connecting or after its previous answer, else it is "
+                                     "disconnected (also the idle keep-alive timeout).")
+    body_timeout: Duration = Field(60.0, gt=0, le=3600, description="A request body must arrive within this long, "
+                                   "else 408.")
 
 
 class Profile(Section):

@@ -34,13 +34,40 @@ The hot path is lean: no JSON parsing unless ``on_timings`` is set (llama.cpp li
 only bodies/lines that contain ``"timings"``. Small non-streamed bodies (≤ ``buffer_limit``, with a
 Content-Length and not SSE) are read whole before they are answered, which costs nothing (the engine sends
 them at once) and lets a failure while reading them be retried too.
+
+What the public port accepts (it may face untrusted clients):
+
+- Only origin-form request targets (``/path?query``) are forwarded, and the engine URL is built from its
+  parts (the engine's scheme and host:port, then the client's path and query), never by pasting the
+  client's target after the engine's address: ``CONNECT`` is answered 405, absolute-form
+  (``GET http://host/...``), ``*`` and any target that does not start with ``/`` (or holds a ``#``)
+  400, so a client can never make the proxy open a connection anywhere but its engine.
+- With ``api_key`` (the profile's ``server.api_key``) every request except ``GET``/``HEAD /health`` (for
+  load balancers; the engines leave it open too) must carry ``Authorization: Bearer <key>``, checked in
+  constant time before the body is read, queued or forwarded: 401 otherwise. ``/specops/status`` and
+  ``/specops/metrics`` on the public port need the key too; the separate loopback admin port does not.
+- Limits, each answered with a JSON error like every other rejection: the request headers must arrive
+  within ``header_timeout`` of the connection opening or of the previous response (an idle keep-alive
+  connection is closed after it as well), the body within ``body_timeout`` (408 and the connection
+  closed); a body over ``max_body_size`` is refused from its Content-Length without reading it (413);
+  past ``max_connections`` open client connections a new one gets a 503 and is closed at once; the
+  bodies held by the proxy (read, queued or being forwarded, and the small engine answers it buffers)
+  may add up to ``max_buffered_bytes``: past it a request gets 503 with ``Retry-After``.
+- ``X-Forwarded-For`` gets the peer's address appended (what came before is the client's claim, the
+  last entry is the proxy's); ``X-Forwarded-Host`` and ``X-Forwarded-Proto`` are replaced by what the
+  proxy saw (the ``Host`` header, ``http``); the client's ``Forwarded``, ``X-Forwarded-Port`` and
+  ``X-Real-IP`` are dropped, so none of them can be spoofed past the proxy.
+- A rejected or malformed request logs one line (a warning on ``specops.proxy``), never a traceback;
+  past ``log_rejects_per_s`` lines a second the rest are counted and the count is added to the next line.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -67,7 +94,10 @@ ADMIN_PREFIX = "/specops/"
 #: Hop-by-hop headers (RFC 9110 §7.6.1) plus the non-standard ones proxies commonly strip.
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                          "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
-_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect"}
+# forwarding headers a client could spoof: the proxy writes its own (see the module docstring)
+_FORWARDING = frozenset({"forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto",
+                         "x-forwarded-port", "x-real-ip"})
+_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect"} | _FORWARDING
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
 
 _UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError, asyncio.TimeoutError)
@@ -82,6 +112,17 @@ _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 _TIMINGS = b'"timings"'
 _SSE_TAIL_LIMIT = 1 << 20
+
+# Defaults of the client-facing limits; the profile's `proxy` section has the same defaults and documents them.
+DEFAULT_MAX_BODY_SIZE = 16 * 1024 * 1024
+DEFAULT_MAX_BUFFERED_BYTES = 128 * 1024 * 1024
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_BODY_TIMEOUT = 60.0
+
+# a request whose body was not read is closed after this much reading-and-discarding (aiohttp: 10 s)
+_LINGER = 1.0
+_UNAUTHENTICATED = frozenset({("GET", "/health"), ("HEAD", "/health")})
 
 # proxy states
 IDLE = "idle"            # no upstream yet: requests queue
@@ -110,11 +151,16 @@ class DrainResult:
 class _Generation:
     """One upstream engine as seen by the proxy; a new one on every release/set_upstream."""
 
-    __slots__ = ("id", "url", "inflight", "finished", "idle")
+    __slots__ = ("id", "url", "scheme", "authority", "path", "inflight", "finished", "idle")
 
     def __init__(self, gid: int, url: str):
         self.id = gid
         self.url = url.rstrip("/")
+        base = URL(self.url)
+        # the parts every upstream URL is built from (never the client's target pasted after a string)
+        self.scheme = base.scheme
+        self.authority = base.raw_authority
+        self.path = base.raw_path.rstrip("/")
         self.inflight: set[_Flight] = set()
         self.finished = 0
         self.idle: asyncio.Event | None = None      # made by drain(); set when inflight empties
@@ -163,9 +209,177 @@ class _Rejected(Exception):
         self.kind = kind
 
 
+class _ClientError(Exception):
+    """A request the proxy refuses on its own (bad target, no key, too large, too slow, no room)."""
+
+    def __init__(self, status: int, kind: str, message: str, close: bool = False, counter: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.close = close                  # the body was not read: do not keep the connection
+        self.counter = counter or kind
+
+
 def _error_body(status: int, kind: str, message: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}},
                       separators=(",", ":")).encode()
+
+
+def _shown(text: str | None, limit: int = 120) -> str:
+    """Client-sent text for a log line: one line, printable, bounded."""
+    if text is None:
+        return "-"
+    out = ascii(text[:limit])[1:-1]
+    return out + "..." if len(text) > limit else out
+
+
+class _RejectLog:
+    """One warning line per rejected request, at most ``per_s`` a second; the rest are counted and the
+    count is added to the next line that is printed (and to ``Proxy.stats()['log_suppressed']``)."""
+
+    def __init__(self, logger: logging.Logger, per_s: float):
+        self.logger = logger
+        self.per_s = per_s
+        self.window = -1.0
+        self.lines = 0
+        self.pending = 0                    # suppressed since the last printed line
+        self.suppressed = 0                 # suppressed in all
+
+    def __call__(self, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.window >= 1.0:
+            self.window = now
+            self.lines = 0
+        if self.lines >= self.per_s:
+            self.pending += 1
+            self.suppressed += 1
+            return
+        self.lines += 1
+        if self.pending:
+            msg += " (%d similar lines suppressed before this one)"
+            args += (self.pending,)
+            self.pending = 0
+        self.logger.warning(msg, *args)
+
+
+class _ServerLog:
+    """The logger handed to aiohttp's server: its errors become one rate-limited line, never a traceback
+    (the traceback goes to debug level, for whoever is chasing a bug)."""
+
+    def __init__(self, reject: _RejectLog):
+        self._reject = reject
+
+    def debug(self, msg, *args, **kw) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(msg, *args, **kw)
+
+    info = debug
+
+    def _line(self, msg, *args, exc_info=None, **kw) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1] if exc_info else None
+        try:
+            text = msg % args if args else str(msg)
+        except (TypeError, ValueError):
+            text = str(msg)
+        self._reject("proxy: %s%s", _shown(text, 200), f": {_shown(_describe(exc), 200)}" if exc else "")
+        if exc is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug("proxy: traceback of the line above", exc_info=exc)
+
+    warning = error = exception = critical = _line
+
+    def isEnabledFor(self, level: int) -> bool:     # noqa: N802 (logging.Logger's name)
+        return log.isEnabledFor(level)
+
+
+# answered to a connection past max_connections, before anything is read from it
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection past ``max_connections``: a 503 at once, then closed (after the request arrives,
+    or 0.5 s, so the client reads the answer rather than a reset)."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.write(_REFUSED % (len(self.body), self.body))
+        self.timer = asyncio.get_running_loop().call_later(0.5, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.transport = None
+
+
+class _Connection(web.RequestHandler):
+    """aiohttp's connection handler, counted (for ``max_connections``) and with JSON, one-line errors."""
+
+    def __init__(self, manager: "_Server", **kwargs):
+        super().__init__(manager, **kwargs)
+        self._specops_counted = True
+
+    def connection_lost(self, exc) -> None:
+        if self._specops_counted:
+            self._specops_counted = False
+            server = self._manager
+            if server is not None:
+                server.open_connections -= 1
+        super().connection_lost(exc)
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """A request aiohttp could not parse (400, 413, 431...) or a bug in the handler (500)."""
+        server = self._manager
+        proxy = server.proxy if server is not None else None
+        if status >= 500:
+            kind, text = "specops_internal_error", "specops: internal error"
+        else:
+            kind, text = "invalid_request_error", f"malformed HTTP request ({type(exc).__name__ if exc else status})"
+        if proxy is not None:
+            proxy._c["rejected_malformed" if status < 500 else "internal_errors"] += 1
+            proxy._reject_log("proxy: %d %s from %s: %s", status, "malformed request" if status < 500 else
+                              "internal error", request.remote or "-",
+                              _shown(_describe(exc) if exc else message, 160))
+            if exc is not None and status >= 500 and log.isEnabledFor(logging.DEBUG):
+                log.debug("proxy: traceback of the internal error", exc_info=exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response had started: no error response can follow")
+        resp = web.Response(status=status, body=_error_body(status, kind, text), content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server with a cap on open client connections."""
+
+    def __init__(self, handler, *, proxy: "Proxy", max_connections: int | None, **kwargs):
+        super().__init__(handler, **kwargs)
+        self.proxy = proxy
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self._refusal = _error_body(503, "specops_too_many_connections",
+                                    f"specops: too many open connections ({max_connections}); retry later")
+
+    def __call__(self) -> asyncio.Protocol:     # the protocol factory: one call per accepted connection
+        if self.max_connections is not None and self.open_connections >= self.max_connections:
+            self.proxy._c["rejected_connections"] += 1
+            self.proxy._reject_log("proxy: refused a connection: %d connections are open (max_connections)",
+                                   self.open_connections)
+            return _Refuse(self._refusal)
+        self.open_connections += 1
+        return _Connection(self, loop=self._loop, **self._kwargs)
 
 
 class Proxy:
@@ -187,11 +401,20 @@ class Proxy:
                  admin_host: str = "127.0.0.1", admin_port: int | None = None,
                  retry_after: float | None = None,
                  connect_timeout: float = 5.0, read_timeout: float | None = None,
-                 max_body_size: int = 64 * 1024 * 1024, buffer_limit: int = 1024 * 1024,
+                 max_body_size: int = DEFAULT_MAX_BODY_SIZE, buffer_limit: int = 1024 * 1024,
                  health_path: str = "/health", recover_interval: float = 1.0,
-                 events_kept: int = 100):
+                 events_kept: int = 100, api_key: str | None = None,
+                 header_timeout: float = DEFAULT_HEADER_TIMEOUT, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+                 max_connections: int | None = DEFAULT_MAX_CONNECTIONS,
+                 max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES, log_rejects_per_s: float = 5.0):
         if queue_size < 0:
             raise ValueError("queue_size must be >= 0")
+        if header_timeout <= 0 or body_timeout <= 0:
+            raise ValueError("header_timeout and body_timeout must be > 0")
+        if max_connections is not None and max_connections < 1:
+            raise ValueError("max_connections must be >= 1 (or None: no cap)")
+        if max_body_size < 0 or max_buffered_bytes < 0:
+            raise ValueError("max_body_size and max_buffered_bytes must be >= 0")
         self.host = host
         self.port = port
         self.queue_size = queue_size
@@ -210,6 +433,15 @@ class Proxy:
         self.buffer_limit = buffer_limit
         self.health_path = health_path
         self.recover_interval = recover_interval
+        self.api_key = api_key or None
+        self._key = b"Bearer " + api_key.encode("utf-8") if api_key else None
+        self.header_timeout = float(header_timeout)
+        self.body_timeout = float(body_timeout)
+        self.max_connections = max_connections
+        self.max_buffered_bytes = int(max_buffered_bytes)
+        self._buffered = 0                  # request bodies (and buffered answers) held now, in bytes
+        self._server: _Server | None = None
+        self._reject_log = _RejectLog(log, log_rejects_per_s)
 
         self._state = IDLE
         self._gen: _Generation | None = None
@@ -227,7 +459,10 @@ class Proxy:
         self._c = {k: 0 for k in (
             "requests", "completed", "waited", "rejected_queue_full", "rejected_queue_timeout",
             "rejected_stopped", "retried", "retried_ok", "reconnects", "upstream_errors", "broken_streams",
-            "cut_streams", "client_disconnects", "timings_draft_n", "timings_draft_n_accepted")}
+            "cut_streams", "client_disconnects", "timings_draft_n", "timings_draft_n_accepted",
+            "rejected_bad_target", "rejected_method", "rejected_unauthorized", "rejected_too_large",
+            "rejected_body_timeout", "rejected_buffer_full", "rejected_connections", "rejected_malformed",
+            "internal_errors")}
         self._wait_total = 0.0
         self._wait_longest = 0.0
 
@@ -246,6 +481,21 @@ class Proxy:
             return self.url
         return f"http://{self.admin_host}:{self.admin_port}"
 
+    @classmethod
+    def from_profile(cls, profile, **kwargs) -> "Proxy":
+        """The proxy ``specops up`` runs for a profile: its ``server`` address and key, its ``proxy`` settings.
+
+        ``kwargs`` (e.g. ``status_provider``) are passed on and win over the profile.
+        """
+        p, server = profile.proxy, profile.server
+        opts = dict(queue_size=p.queue_size, queue_timeout=p.queue_timeout, drain_timeout=p.drain_timeout,
+                    retry_unstarted=p.retry_unstarted, admin_port=p.admin_port, api_key=server.api_key,
+                    max_body_size=p.max_body_size, max_buffered_bytes=p.max_buffered_bytes,
+                    max_connections=p.max_connections, header_timeout=p.header_timeout,
+                    body_timeout=p.body_timeout)
+        opts.update(kwargs)
+        return cls(server.host, server.port, **opts)
+
     async def start(self) -> None:
         """Bind the public (and admin) listeners. Requests queue until :meth:`set_upstream`."""
         # Idle engine connections are dropped before the engines drop them (uvicorn in vLLM and
@@ -260,20 +510,28 @@ class Proxy:
                                           sock_read=self.read_timeout),
             trust_env=False, raise_for_status=False, max_line_size=65536, max_field_size=65536)
         max_body = self.max_body_size
+        loop = asyncio.get_running_loop()
 
         def request_factory(message, payload, protocol, writer, task, _server=None):
-            return web.BaseRequest(message, payload, protocol, writer, task, asyncio.get_running_loop(),
-                                   client_max_size=max_body)
+            return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body)
 
+        _raise_fd_limit(2 * (self.max_connections or 0) + 256)
         handler = self._handle if self.admin_port is None else self._handle_public
-        server = web.Server(handler, request_factory=request_factory, handler_cancellation=True,
-                            access_log=None, max_line_size=65536, max_field_size=65536)
+        # keepalive_timeout: aiohttp closes a connection that has not delivered a complete request this long
+        # after it opened or after the previous response: the header timeout and the idle timeout at once
+        server_log = _ServerLog(self._reject_log)
+        self._server = server = _Server(
+            handler, proxy=self, max_connections=self.max_connections, request_factory=request_factory,
+            handler_cancellation=True, access_log=None, max_line_size=65536, max_field_size=65536,
+            keepalive_timeout=self.header_timeout, lingering_time=_LINGER, logger=server_log)
         self._runner = web.ServerRunner(server, shutdown_timeout=1.0, handle_signals=False)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
         self.port = self._runner.addresses[0][1]
         if self.admin_port is not None:
-            admin = web.Server(self._handle_admin_only, handler_cancellation=True, access_log=None)
+            admin = _Server(self._handle_admin_only, proxy=self, max_connections=64, handler_cancellation=True,
+                            access_log=None, keepalive_timeout=self.header_timeout, lingering_time=_LINGER,
+                            logger=server_log)
             self._admin_runner = web.ServerRunner(admin, shutdown_timeout=1.0, handle_signals=False)
             await self._admin_runner.setup()
             await web.TCPSite(self._admin_runner, self.admin_host, self.admin_port, reuse_address=True).start()
@@ -299,6 +557,9 @@ class Proxy:
                 await runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        if self._reject_log.pending:
+            log.warning("proxy: %d lines about rejected requests were suppressed", self._reject_log.pending)
+            self._reject_log.pending = 0
         self._event("stop")
 
     # ------------------------------------------------------------------------------------- switch control
@@ -393,7 +654,10 @@ class Proxy:
         d.update(state=self._state, upstream=self.upstream, generation=self._gen.id if self._gen else None,
                  queue_depth=self._waiting, queue_size=self.queue_size, in_flight=self._inflight,
                  longest_wait_s=round(self._wait_longest, 6), total_wait_s=round(self._wait_total, 6),
-                 held_for_s=round(time.monotonic() - self._held_since, 3) if self._held_since else None)
+                 held_for_s=round(time.monotonic() - self._held_since, 3) if self._held_since else None,
+                 buffered_bytes=self._buffered,
+                 connections=self._server.open_connections if self._server is not None else 0,
+                 log_suppressed=self._reject_log.suppressed)
         return d
 
     def status(self) -> dict:
@@ -401,6 +665,12 @@ class Proxy:
         doc: dict = {"proxy": dict(self.stats(), url=self.url, started_at=round(self._started_at, 3),
                                    queue_timeout_s=self.queue_timeout,
                                    drain_timeout_s=self.drain_timeout, retry_unstarted=self.retry_unstarted,
+                                   limits={"api_key": self._key is not None,
+                                           "max_connections": self.max_connections,
+                                           "max_body_size": self.max_body_size,
+                                           "max_buffered_bytes": self.max_buffered_bytes,
+                                           "header_timeout_s": self.header_timeout,
+                                           "body_timeout_s": self.body_timeout},
                                    events=list(self._events))}
         if self.status_provider is not None:
             try:
@@ -502,11 +772,20 @@ class Proxy:
         return await self._proxy(request)
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        if request.path.startswith(ADMIN_PREFIX):
+        if request.raw_path.startswith(ADMIN_PREFIX):
+            try:
+                self._check_target(request)
+                self._check_key(request)
+            except _ClientError as exc:
+                return self._refuse(request, exc)
             return await self._handle_admin(request)
         return await self._proxy(request)
 
     async def _handle_admin_only(self, request: web.BaseRequest) -> web.StreamResponse:
+        try:
+            self._check_target(request)
+        except _ClientError as exc:
+            return self._refuse(request, exc)
         if request.path.startswith(ADMIN_PREFIX):
             return await self._handle_admin(request)
         return web.json_response({"error": {"message": "admin listener: only /specops/status and "
@@ -520,17 +799,130 @@ class Proxy:
         if path == "/specops/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST
             return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-        return web.json_response({"error": {"message": f"unknown specops endpoint {request.path}",
+        return web.json_response({"error": {"message": f"unknown specops endpoint {_shown(request.path)}",
                                             "type": "not_found", "code": 404}}, status=404)
+
+    # ------------------------------------------------------------------------------- client-facing checks
+
+    @staticmethod
+    def _check_target(request: web.BaseRequest) -> None:
+        """Only origin-form targets (``/path?query``) are served: nothing else can name another host."""
+        target = request.raw_path           # the request-target exactly as the client sent it
+        method = request.method
+        if method == "CONNECT":
+            raise _ClientError(405, "method_not_allowed", "specops: CONNECT is not supported: this is a "
+                               "reverse proxy for one engine", close=True, counter="method")
+        if target[:1] != "/" or "#" in target:
+            raise _ClientError(400, "invalid_request_error", "specops: the request target must be a path "
+                               "starting with '/' (no absolute URL, authority, '*' or fragment)", close=True,
+                               counter="bad_target")
+
+    def _check_key(self, request: web.BaseRequest) -> None:
+        key = self._key
+        if key is None:
+            return
+        got = request.headers.get("Authorization")
+        if got is not None:
+            raw = got.strip().encode("utf-8", "surrogateescape")
+            if raw[:7].lower() == b"bearer ":          # the scheme is case-insensitive (RFC 9110 §11.1)
+                raw = b"Bearer " + raw[7:].lstrip()
+            if hmac.compare_digest(raw, key):
+                return
+        raise _ClientError(401, "authentication_error", "specops: a valid API key is required "
+                           "(Authorization: Bearer <key>)", close=request.body_exists, counter="unauthorized")
+
+    def _refuse(self, request: web.BaseRequest, exc: _ClientError) -> web.Response:
+        """Answer a request the proxy refused on its own, and log one (rate-limited) line about it."""
+        self._c["rejected_" + exc.counter] += 1
+        self._reject_log("proxy: %d %s from %s: %s %s", exc.status, exc.kind, request.remote or "-",
+                         _shown(request.method, 16), _shown(request.raw_path))
+        headers = {"Retry-After": self._retry_after()} if exc.status == 503 else \
+            {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        resp = web.Response(status=exc.status, body=_error_body(exc.status, exc.kind, str(exc)),
+                            content_type="application/json", headers=headers)
+        if exc.close:
+            resp.force_close()
+        return resp
+
+    async def _read_body(self, request: web.BaseRequest) -> tuple[bytes, int]:
+        """The whole request body and the bytes it reserved of ``max_buffered_bytes`` (give them back).
+
+        Refused without reading when the Content-Length is over ``max_body_size`` or the reservation does
+        not fit; a body that does not arrive within ``body_timeout`` is a 408.
+        """
+        if not request.body_exists:
+            return b"", 0
+        limit = self.max_body_size
+        clen = request.content_length
+        if clen is not None and clen > limit:
+            raise _ClientError(413, "request_too_large", f"specops: the request body ({clen} bytes) is over "
+                               f"the {limit}-byte limit (proxy.max_body_size)", close=True, counter="too_large")
+        content = request.content
+        if content.is_eof():                # the usual case: the body came with the headers
+            body = content.read_nowait()
+            if len(body) > limit:
+                raise _ClientError(413, "request_too_large", f"specops: the request body is over the "
+                                   f"{limit}-byte limit (proxy.max_body_size)", close=True, counter="too_large")
+            self._reserve(len(body))
+            return body, len(body)
+        reserved = clen or 0
+        self._reserve(reserved)
+        try:
+            chunks = []
+            size = 0
+            try:
+                async with _timeout(self.body_timeout):
+                    while True:
+                        chunk = await content.readany()
+                        if not chunk:
+                            break
+                        size += len(chunk)
+                        if size > limit:
+                            raise _ClientError(413, "request_too_large", f"specops: the request body is over "
+                                               f"the {limit}-byte limit (proxy.max_body_size)", close=True,
+                                               counter="too_large")
+                        if size > reserved:     # no Content-Length (chunked): reserve as it comes
+                            self._reserve(size - reserved)
+                            reserved = size
+                        chunks.append(chunk)
+            except asyncio.TimeoutError:
+                raise _ClientError(408, "request_timeout", f"specops: the request body did not arrive within "
+                                   f"{self.body_timeout:g}s (proxy.body_timeout)", close=True,
+                                   counter="body_timeout") from None
+        except BaseException:
+            self._buffered -= reserved
+            raise
+        return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), reserved
+
+    def _reserve(self, n: int) -> None:
+        if n and self._buffered + n > self.max_buffered_bytes:
+            raise _ClientError(503, "specops_buffer_full", f"specops: the proxy holds too many request bodies "
+                               f"now ({self._buffered} bytes; proxy.max_buffered_bytes "
+                               f"{self.max_buffered_bytes}); retry later", close=True, counter="buffer_full")
+        self._buffered += n
+
+    # ------------------------------------------------------------------------------------------ forwarding
 
     async def _proxy(self, request: web.BaseRequest) -> web.StreamResponse:
         c = self._c
         c["requests"] += 1
-        loop = asyncio.get_running_loop()
+        reserved = 0
         try:
-            body = await request.read() if request.body_exists else b""
-        except web.HTTPRequestEntityTooLarge as exc:
-            return self._reject(413, "request_too_large", str(exc))
+            try:
+                self._check_target(request)
+                if self._key is not None and (request.method, request.raw_path) not in _UNAUTHENTICATED:
+                    self._check_key(request)
+                body, reserved = await self._read_body(request)
+            except _ClientError as exc:
+                return self._refuse(request, exc)
+            return await self._forward(request, body)
+        finally:
+            if reserved:
+                self._buffered -= reserved
+
+    async def _forward(self, request: web.BaseRequest, body: bytes) -> web.StreamResponse:
+        c = self._c
+        loop = asyncio.get_running_loop()
         headers = self._request_headers(request, body)
         retried = reconnected = False
         deadline = loop.time() + self.queue_timeout
@@ -578,11 +970,13 @@ class Proxy:
                                     f"specops: the engine failed before answering: {failure.reason}")
             retried = True
             c["retried"] += 1
-            log.info("proxy: retrying %s %s after: %s", request.method, request.path, failure.reason)
+            log.info("proxy: retrying %s %s after: %s", request.method, _shown(request.raw_path), failure.reason)
             await self._after_unstarted_failure(flight, failure.reason, alive)
             deadline = loop.time() + self.queue_timeout
 
     def _request_headers(self, request: web.BaseRequest, body: bytes) -> CIMultiDict:
+        """The headers sent to the engine: the client's, less hop-by-hop and forwarding ones, plus the
+        proxy's own forwarding headers (see the module docstring)."""
         src = request.headers
         conn = src.get("Connection")
         named = {t.strip().lower() for t in conn.split(",")} if conn else ()
@@ -594,15 +988,14 @@ class Proxy:
             out.add(k, v)
         remote = request.remote
         if remote:
-            prior = src.get("X-Forwarded-For")
-            out["X-Forwarded-For"] = f"{prior}, {remote}" if prior else remote
+            prior = src.getall("X-Forwarded-For", ())
+            out["X-Forwarded-For"] = ", ".join((*prior, remote)) if prior else remote
         if body and _STREAM_KEY in body and _STREAM_TRUE.search(body):
             out["Connection"] = "close"
         host = src.get("Host")
-        if host and "X-Forwarded-Host" not in out:
+        if host:
             out["X-Forwarded-Host"] = host
-        if "X-Forwarded-Proto" not in out:
-            out["X-Forwarded-Proto"] = request.scheme
+        out["X-Forwarded-Proto"] = request.scheme
         return out
 
     async def _after_unstarted_failure(self, flight: _Flight, reason: str, alive: bool | None) -> None:
@@ -674,7 +1067,7 @@ class Proxy:
                 flight.cm = cm
                 try:
                     up = await self._session.request(
-                        request.method, URL(flight.gen.url + request.raw_path, encoded=True),
+                        request.method, _upstream_url(flight.gen, request.raw_path),
                         headers=headers, data=body or None, allow_redirects=False)
                 except _UPSTREAM_ERRORS as exc:
                     stale = (isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
@@ -688,11 +1081,15 @@ class Proxy:
                     if k.lower() not in _RESPONSE_DROP:
                         out_headers.add(k, v)
 
-                if not sse and clen is not None and clen <= self.buffer_limit and request.method != "HEAD":
+                if not sse and clen is not None and clen <= self.buffer_limit and request.method != "HEAD" \
+                        and self._buffered + clen <= self.max_buffered_bytes:
+                    self._buffered += clen      # counted while it is read (then aiohttp writes it out)
                     try:
                         data = await up.read()
                     except _UPSTREAM_ERRORS as exc:
                         raise _Unstarted(_describe(exc)) from None
+                    finally:
+                        self._buffered -= clen
                     complete = True
                     if self.on_timings is not None and _TIMINGS in data:
                         self._timings_from_json(data, flight)
@@ -820,6 +1217,55 @@ class Proxy:
                 log.exception("proxy: on_timings failed")
 
 
+def _upstream_url(gen: _Generation, target: str) -> URL:
+    """The engine URL for an origin-form target (checked to start with '/'): built from its parts."""
+    if target[:1] != "/":                # _check_target refused it already; never build from anything else
+        raise ValueError("not an origin-form request target")
+    path, _, query = target.partition("?")
+    return URL.build(scheme=gen.scheme, authority=gen.authority, path=gen.path + path, query_string=query,
+                     encoded=True)
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Raise the soft open-files limit towards ``wanted`` (never above the hard limit, never lower it), so
+    ``max_connections`` client connections, each with an engine connection, fit."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            if new > soft:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ImportError, ValueError, OSError):      # pragma: no cover - not on Linux, or not allowed
+        pass
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (a faster loop for the proxy), else None (asyncio's own).
+
+    ``SPECOPS_UVLOOP=0`` in the environment keeps asyncio's loop.
+    """
+    if os.environ.get("SPECOPS_UVLOOP", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def run_event_loop(main):
+    """``asyncio.run(main)`` on the loop :func:`loop_factory` picks."""
+    factory = loop_factory()
+    if factory is None:
+        return asyncio.run(main)
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(main)
+    import uvloop                                   # pragma: no cover - Python 3.10
+    return uvloop.run(main)
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -864,7 +1310,14 @@ class _ProxyCollector:
         yield counter("specops_proxy_wait_seconds", "Time spent waiting in the queue, summed.", p._wait_total)
         yield counter("specops_proxy_rejected", "Requests answered 503 by the proxy.",
                       [(["queue_full"], c["rejected_queue_full"]), (["queue_timeout"], c["rejected_queue_timeout"]),
-                       (["stopped"], c["rejected_stopped"])], labels=["reason"])
+                       (["stopped"], c["rejected_stopped"]), (["buffer_full"], c["rejected_buffer_full"]),
+                       (["connections"], c["rejected_connections"])], labels=["reason"])
+        yield counter("specops_proxy_refused", "Client requests the proxy refused itself (4xx).",
+                      [([k], c["rejected_" + k]) for k in ("bad_target", "method", "unauthorized", "too_large",
+                                                            "body_timeout", "malformed")], labels=["reason"])
+        yield gauge("specops_proxy_buffered_bytes", "Request bodies (and buffered answers) held now.",
+                    st["buffered_bytes"])
+        yield gauge("specops_proxy_connections", "Open client connections on the public port.", st["connections"])
         yield counter("specops_proxy_retried_requests", "Requests retried after the engine failed before "
                       "answering.", c["retried"])
         yield counter("specops_proxy_retried_ok", "Retried requests that then got an answer.", c["retried_ok"])

@@ -123,11 +123,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     proxy = None
     if use_proxy:
         from .proxy import Proxy
-        p = profile.proxy
-        proxy = Proxy(profile.server.host, profile.server.port, queue_size=p.queue_size,
-                          queue_timeout=p.queue_timeout, drain_timeout=p.drain_timeout,
-                          retry_unstarted=p.retry_unstarted, admin_port=p.admin_port,
-                          status_provider=lambda: sup.snapshot())
+        proxy = Proxy.from_profile(profile, status_provider=lambda: sup.snapshot())
     sup = Supervisor(profile, render_step, events=events, say=console.say, on_engine_line=console.engine,
                      log_path=paths.engine_log, proxy=proxy, health_interval=opts.health_interval,
                      on_change=write, launch_problem=backend.launch_problem)
@@ -168,4 +164,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
 
 
 def up_blocking(loaded: LoadedProfile, registry, opts: UpOptions) -> int:
+    if loaded.profile.proxy.enabled:        # the proxy's loop: uvloop when installed (SPECOPS_UVLOOP=0: asyncio's)
+        from .proxy import run_event_loop
+        return run_event_loop(run_up(loaded, registry, opts))
     return asyncio.run(run_up(loaded, registry, opts))

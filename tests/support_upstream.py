@@ -417,6 +417,89 @@ def stream_error(events: list) -> dict | None:
     return None
 
 
+class RawResponse:
+    """What :func:`raw_http` read back: status, headers (lower-case names), body, and whether the server
+    closed the connection after it (``closed``), or None for each when nothing came (``closed`` alone)."""
+
+    def __init__(self, status: int | None, headers: dict, body: bytes, closed: bool, elapsed: float):
+        self.status = status
+        self.headers = headers
+        self.body = body
+        self.closed = closed
+        self.elapsed = elapsed
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+    def __repr__(self) -> str:
+        return f"RawResponse({self.status}, {self.body[:200]!r}, closed={self.closed}, {self.elapsed:.2f}s)"
+
+
+async def raw_http(port: int, data: bytes, *, timeout: float = 5.0, close_wait: float = 2.0,
+                   then: bytes | None = None, host: str = "127.0.0.1") -> RawResponse:
+    """Send ``data`` byte for byte on a new loopback connection (so a test sends exactly the request line
+    it means, hostile ones included) and read one response. ``then`` is written after the response, to
+    see whether the connection is still usable. Bounded by ``timeout`` (to the response) + ``close_wait``.
+    """
+    t0 = time.monotonic()
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(data)
+        try:
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return RawResponse(None, {}, b"", True, time.monotonic() - t0)
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers: dict = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        n = int(headers.get("content-length", "0"))
+        body = await asyncio.wait_for(reader.readexactly(n), timeout) if n else b""
+        elapsed = time.monotonic() - t0
+        if then is not None:
+            try:
+                writer.write(then)
+                await writer.drain()
+            except ConnectionError:
+                pass
+        try:
+            rest = await asyncio.wait_for(reader.read(65536), close_wait)
+            closed = rest == b""
+        except asyncio.TimeoutError:
+            closed = False
+        except ConnectionError:
+            closed = True
+        return RawResponse(status, headers, body, closed, elapsed)
+    finally:
+        writer.close()
+
+
+class Canary:
+    """A loopback listener that counts the connections it gets: start one, point a hostile request at
+    it, and check that nothing reached it. ``async with Canary() as c: ... c.port ... c.hits``"""
+
+    def __init__(self):
+        self.hits = 0
+        self.server: asyncio.AbstractServer | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> "Canary":
+        def on_connect(reader, writer):
+            self.hits += 1
+            writer.close()
+        self.server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
 def running_proxy(upstream_url: str | None = None, **kw):
     """``async with running_proxy(url, queue_size=...) as proxy:`` a started Proxy on a free port."""
     import contextlib
