@@ -19,6 +19,10 @@ headers as huggingface.co (read from huggingface_hub 2.4.0's client code and the
 
 Weight files can be *virtual* (a size and no content): their metadata is served, their content never is;
 a GET of one answers 500 and is recorded in ``weight_downloads`` so a test can assert it never happened.
+
+Hostile repos (:func:`seed_hostile`) stand in for a malicious or broken Hub: file names with ``..``, absolute
+paths, backslashes or NUL; config.json files with wrong types, deep nesting, 60 MB of content, or a size
+that the metadata understates (``FakeFile.reported_size``). The server itself never crashes on them.
 """
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ INFO_DEFAULT = LIST_DEFAULT + ("author", "sha", "lastModified", "gated", "disabl
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx")
 
 
+_UNPARSED = object()
+
+
 def git_blob_oid(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
@@ -51,6 +58,12 @@ class FakeFile:
     content: bytes | None          # None: a virtual file (size only; never served)
     size: int
     lfs: bool
+    reported_size: int | None = None   # a lying Hub: the size siblings/paths-info state (the content is served whole)
+    parsed: Any = field(default=_UNPARSED, repr=False, compare=False)
+
+    @property
+    def listed_size(self) -> int:
+        return self.size if self.reported_size is None else self.reported_size
 
     @property
     def sha256(self) -> str:
@@ -103,21 +116,24 @@ class FakeRepo:
         f = self.files.get("config.json")
         if f is None or f.content is None:
             return None
-        try:
-            return json.loads(f.content)
-        except ValueError:
-            return None
+        if f.parsed is _UNPARSED:  # parsed once: hostile configs can be large
+            try:
+                f.parsed = json.loads(f.content)
+            except (ValueError, RecursionError):
+                f.parsed = None
+        return f.parsed
 
     def all_tags(self) -> list[str]:
         tags = list(self.tags)
         cfg = self.config() or {}
+        cfg = cfg if isinstance(cfg, dict) else {}
         if self.library_name:
             tags.append(self.library_name)
         if any(p.endswith(".safetensors") for p in self.files):
             tags.append("safetensors")
         if any(p.endswith(".gguf") for p in self.files):
             tags.append("gguf")
-        if cfg.get("model_type"):
+        if isinstance(cfg, dict) and cfg.get("model_type"):
             tags.append(str(cfg["model_type"]))
         card = self.card_data or {}
         bases = card.get("base_model") or []
@@ -166,7 +182,7 @@ class FakeRepo:
             return self.card_data
         if name == "config":
             cfg = self.config()
-            if cfg is None:
+            if not isinstance(cfg, dict):
                 return None
             out = {k: cfg[k] for k in CONFIG_SUMMARY_KEYS if k in cfg}
             tok = self.files.get("tokenizer_config.json")
@@ -183,10 +199,10 @@ class FakeRepo:
             for f in sorted(self.files.values(), key=lambda f: f.path):
                 s: dict = {"rfilename": f.path}
                 if blobs:
-                    s["size"] = f.size
+                    s["size"] = f.listed_size
                     s["blobId"] = f.oid
                     if f.lfs:
-                        s["lfs"] = {"size": f.size, "sha256": f.sha256, "pointerSize": len(f.pointer)}
+                        s["lfs"] = {"size": f.listed_size, "sha256": f.sha256, "pointerSize": len(f.pointer)}
                 out.append(s)
             return out
         if name == "safetensors":
@@ -228,6 +244,7 @@ class FakeHub:
         self.page_size = page_size
         self.requests: list[tuple[str, str]] = []    # (method, path?query)
         self.weight_downloads: list[str] = []
+        self.bytes_served = 0                  # body bytes written (a test bounds what a download may take)
         self.rate_limited = False              # every request answers 429
         self.latency = 0.0                     # seconds to wait before answering (slow Hub)
         self._lock = threading.Lock()
@@ -343,7 +360,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         if not head and body:
-            self.wfile.write(body)
+            try:
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):  # the client stopped reading (e.g. a size cap)
+                self.close_connection = True
+                return
+            with self.fakehub._lock:
+                self.fakehub.bytes_served += len(body)
 
     def _json(self, status: int, data: Any, headers: dict | None = None, *, head: bool = False) -> None:
         self._send(status, json.dumps(data).encode(), headers, head=head)
@@ -410,9 +433,9 @@ class _Handler(BaseHTTPRequestHandler):
                 f = files.get(p)
                 if f is None:
                     continue
-                item: dict = {"type": "file", "oid": f.oid, "size": f.size, "path": f.path}
+                item: dict = {"type": "file", "oid": f.oid, "size": f.listed_size, "path": f.path}
                 if f.lfs:
-                    item["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": len(f.pointer)}
+                    item["lfs"] = {"oid": f.sha256, "size": f.listed_size, "pointerSize": len(f.pointer)}
                 out.append(item)
             return self._json(200, out)
         self._error(404, None, "Not Found")
@@ -461,7 +484,8 @@ class _Handler(BaseHTTPRequestHandler):
                 continue
             out.append(r)
         sort = (query.get("sort") or ["trendingScore"])[0]
-        key = {"downloads": lambda r: r.downloads, "likes": lambda r: r.likes,
+        num = lambda v: v if isinstance(v, (int, float)) else 0  # noqa: E731 - hostile repos may hold junk
+        key = {"downloads": lambda r: num(r.downloads), "likes": lambda r: num(r.likes),
                "lastModified": lambda r: r.last_modified, "createdAt": lambda r: r.created_at}.get(sort, lambda r: 0)
         out.sort(key=lambda r: r.id)
         out.sort(key=key, reverse=(query.get("direction") or ["-1"])[0] == "-1")
@@ -658,6 +682,60 @@ def seed_llama31(hub: FakeHub) -> None:
                   {"config.json": LLAMA32_1B, "tokenizer.json": LLAMA3_TOKENIZER, "model.safetensors": 2_471_645_608},
                   card_data={"base_model": "meta-llama/Llama-3.2-1B"},
                   safetensors={"parameters": {"BF16": 1235814400}, "total": 1235814400}, downloads=3_000_000, likes=900)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hostile repos: what a malicious or broken Hub could answer. Each is tagged with a base_model so that
+# discovery finds it for its target, and named so that its method is detected from the name.
+
+#: File names that must never be picked, pinned, rendered or joined under the HF cache.
+UNSAFE_GGUF_NAMES = ("../../../../tmp/x-Q4_K_M.gguf", "/tmp/x-Q4_K_M.gguf", "sub\\..\\x-Q4_K_M.gguf",
+                     "x\x00-Q4_K_M.gguf", "sub//x-Q4_K_M.gguf", "./x-Q4_K_M.gguf")
+BIG_CONFIG_BYTES = 60 * 1024 * 1024
+
+
+def big_config(size: int = BIG_CONFIG_BYTES) -> bytes:
+    """A config.json of ``size`` bytes that would look like a usable EAGLE-3 head if it were read."""
+    head = json.dumps({**EAGLE3_LLAMA31_8B, "padding": ""})[:-2]
+    return (head + "x" * (size - len(head) - 2) + '"}').encode()
+
+
+def seed_hostile(hub: FakeHub, target: str = "meta-llama/Llama-3.1-8B-Instruct") -> dict[str, str]:
+    """Hostile EAGLE-3 heads for ``target`` (vLLM), each tagged with it; returns {repo: what is wrong}."""
+    head = {**EAGLE3_LLAMA31_8B}
+    repos = {
+        "evil/arch-int-eagle3": ({**head, "architectures": 5}, "architectures must be a list of strings"),
+        "evil/arch-list-eagle3": ({**head, "architectures": [1, {"x": 2}, None]},
+                                  "architectures must be a list of strings"),
+        "evil/nested-junk-eagle3": ({**speculators_eagle3(target), "speculators_config": {"algorithm": "eagle3",
+                                                                                            "verifier": 5},
+                                     "transformer_layer_config": [1, 2], "eagle_config": "x",
+                                     "vocab_size": {"a": [1]}}, "must be"),
+        "evil/deep-eagle3": ('{"architectures": ["LlamaForCausalLMEagle3"], "x": ' + "[" * 100_000 + "]" * 100_000
+                             + "}", "nested too deeply"),
+        "evil/not-object-eagle3": ("[1, 2, 3]", "not a JSON object"),
+        "evil/nan-eagle3": ('{"architectures": ["LlamaForCausalLMEagle3"], "vocab_size": NaN, "hidden_size": 4096}',
+                            "vocab_size must be a whole number"),
+        "evil/huge-config-eagle3": (big_config(), "bytes on the Hub"),
+    }
+    for repo, (config, _) in repos.items():
+        hub.add_model(repo, {"config.json": config, "model.safetensors": 400_000_000},
+                      card_data={"base_model": target}, downloads=10_000_000)
+    # a Hub that understates the size: paths-info says 900 bytes, the download is 2 MiB
+    liar = hub.add_model("evil/liar-eagle3", {"config.json": big_config(2 * 1024 * 1024),
+                                              "model.safetensors": 400_000_000},
+                         card_data={"base_model": target}, downloads=10_000_000)
+    liar.files["config.json"].reported_size = 900
+    repos["evil/liar-eagle3"] = (None, "specops reads at most")
+    return {repo: why for repo, (_, why) in repos.items()}
+
+
+def seed_unsafe_gguf(hub: FakeHub, name: str, repo: str = "evil/Qwen2.5-0.5B-Instruct-GGUF") -> str:
+    """A GGUF repo whose only Q4_K_M file has the unsafe ``name``."""
+    hub.add_model(repo, {name: 491_400_064, "README.md": "gguf"},
+                  card_data={"base_model": "Qwen/Qwen2.5-0.5B-Instruct"},
+                  gguf={"total": 494_032_768, "architecture": "qwen2", "context_length": 32768})
+    return repo
 
 
 # ---------------------------------------------------------------------------------------------------

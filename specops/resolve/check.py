@@ -176,7 +176,7 @@ def _target_names(target, catalog) -> list[str]:
         names.append(facts.of)
     if target.meta and target.meta.card_data:
         base = target.meta.card_data.get("base_model")
-        names += [base] if isinstance(base, str) else [b for b in base or [] if isinstance(b, str)]
+        names += [base] if isinstance(base, str) else [b for b in base if isinstance(b, str)] if isinstance(base, list) else []
     return names
 
 

@@ -9,6 +9,7 @@ card's ``base_model`` (sometimes wrong), the repo name. See ../../shared/DESIGN.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -66,12 +67,99 @@ class Declared:
         return TRUST.get(self.source, 9)
 
 
+#: Largest size-like number taken from a config (vocab, hidden size, layers, context): above it, the value is junk.
+MAX_CONFIG_INT = 1 << 40
+
+
 def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_CONFIG_INT else None
+
+
+def _dict(v: Any) -> dict:
+    return v if isinstance(v, dict) else {}
+
+
+def _strs(v: Any) -> list[str]:
+    """The strings of a list (a config field that should be a list of strings); [] for anything else."""
+    return [x for x in v if isinstance(x, str)] if isinstance(v, list) else []
+
+
+#: Keys of config.json that specops reads, with the JSON types each may have (None: null is allowed).
+_INT_KEYS = ("vocab_size", "draft_vocab_size", "truncated_vocab_size", "hidden_size", "emb_dim", "n_embd", "d_model",
+             "target_hidden_size", "num_hidden_layers", "n_layer", "num_layers", "max_position_embeddings",
+             "n_positions", "max_seq_len", "seq_length", "num_nextn_predict_layers", "mtp_num_hidden_layers",
+             "num_mtp_layers", "medusa_num_heads")
+_STR_KEYS = ("model_type", "torch_dtype", "dtype", "speculators_model_type", "base_model_name_or_path")
+_DICT_KEYS = ("transformer_layer_config", "text_config", "eagle_config", "speculators_config")
+_LIST_KEYS = ("architectures",)
+
+
+def _kind(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
+
+
+def _problems(cfg: dict, where: str) -> list[str]:
+    out = []
+    for k in _INT_KEYS:
+        v = cfg.get(k)
+        if v is None or _int(v) is not None:
+            continue
+        if isinstance(v, float) and math.isfinite(v) and 0 <= v <= MAX_CONFIG_INT:
+            continue  # a float where an integer belongs: not read, not hostile
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        out.append(f"{where}{k} must be a whole number from 0 to {MAX_CONFIG_INT}, not "
+                   + (f"{v!r}" if number else _kind(v)))
+    for k in _STR_KEYS:
+        v = cfg.get(k)
+        if v is not None and not isinstance(v, str):
+            out.append(f"{where}{k} must be a string, not {_kind(v)}")
+    for k in _DICT_KEYS:
+        v = cfg.get(k)
+        if v is not None and not isinstance(v, dict):
+            out.append(f"{where}{k} must be an object, not {_kind(v)}")
+    for k in _LIST_KEYS:
+        v = cfg.get(k)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            out.append(f"{where}{k} must be a list of strings, not "
+                       + (_kind(v) if not isinstance(v, list) else "a list holding " +
+                          _kind(next(x for x in v if not isinstance(x, str)))))
+    return out
+
+
+def config_problems(config: Any) -> list[str]:
+    """What is wrong with a config.json's shape, for the keys specops reads (empty: usable). A hostile or
+    broken config (``"architectures": 5``, a list of numbers, an object where a number belongs) is refused
+    with these reasons rather than half-read."""
+    if not isinstance(config, dict):
+        return [f"config.json must be a JSON object, not {_kind(config)}"]
+    out = _problems(config, "")
+    for k in ("transformer_layer_config", "text_config", "eagle_config"):
+        if isinstance(config.get(k), dict):
+            out += _problems(config[k], f"{k}.")
+    aux = config.get("eagle_aux_hidden_state_layer_ids", _dict(config.get("eagle_config")).get(
+        "eagle_aux_hidden_state_layer_ids"))
+    if aux is not None and not (isinstance(aux, list) and len(aux) <= 4096
+                                and all(_int(x) is not None for x in aux)):
+        out.append("eagle_aux_hidden_state_layer_ids must be a list of whole numbers")
+    spec = config.get("speculators_config")
+    if isinstance(spec, dict):
+        if spec.get("algorithm") is not None and not isinstance(spec.get("algorithm"), str):
+            out.append(f"speculators_config.algorithm must be a string, not {_kind(spec.get('algorithm'))}")
+        verifier = spec.get("verifier")
+        if verifier is not None and not isinstance(verifier, dict):
+            out.append(f"speculators_config.verifier must be an object, not {_kind(verifier)}")
+        elif isinstance(verifier, dict) and verifier.get("name_or_path") is not None \
+                and not isinstance(verifier.get("name_or_path"), str):
+            out.append("speculators_config.verifier.name_or_path must be a string, not "
+                       f"{_kind(verifier.get('name_or_path'))}")
+    return out
 
 
 def facts_from_config(config: dict | None) -> ConfigFacts:
-    """Vocab, hidden size, layers, context, EAGLE-3 aux layers and MTP layers from a config.json."""
+    """Vocab, hidden size, layers, context, EAGLE-3 aux layers and MTP layers from a config.json.
+
+    Never raises: values of the wrong type are left out (:func:`config_problems` says what they were)."""
     if not isinstance(config, dict):
         return ConfigFacts()
     inner = config.get("transformer_layer_config")  # speculators format keeps the layer config nested
@@ -86,9 +174,10 @@ def facts_from_config(config: dict | None) -> ConfigFacts:
                     return v
         return None
 
-    eagle_cfg = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    eagle_cfg = _dict(config.get("eagle_config"))
     aux = config.get("eagle_aux_hidden_state_layer_ids", eagle_cfg.get("eagle_aux_hidden_state_layer_ids"))
-    aux_ids = tuple(int(x) for x in aux) if isinstance(aux, list) and all(_int(x) is not None for x in aux) else None
+    aux_ids = (tuple(int(x) for x in aux) if isinstance(aux, list) and len(aux) <= 4096
+               and all(_int(x) is not None for x in aux) else None)
     mtp = None
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers"):
         for c in layers_cfg:
@@ -97,7 +186,7 @@ def facts_from_config(config: dict | None) -> ConfigFacts:
                 break
         if mtp is not None:
             break
-    arch = config.get("architectures") or (inner or {}).get("architectures") or []
+    arch = _strs(config.get("architectures")) or _strs(_dict(inner).get("architectures"))
     dtype = config.get("torch_dtype") or config.get("dtype")
     return ConfigFacts(
         vocab=first("vocab_size"),
@@ -109,7 +198,7 @@ def facts_from_config(config: dict | None) -> ConfigFacts:
         aux_layer_ids=aux_ids,
         mtp_layers=mtp,
         model_type=config.get("model_type") if isinstance(config.get("model_type"), str) else None,
-        architectures=tuple(a for a in arch if isinstance(a, str)),
+        architectures=tuple(arch),
         dtype=dtype if isinstance(dtype, str) else None,
     )
 
@@ -118,11 +207,11 @@ def detect_method(config: dict | None, repo_id: str = "") -> tuple[Method | None
     """The speculative method a draft repo is built for, and the evidence (``config: …`` or ``name: …``)."""
     cfg = config if isinstance(config, dict) else {}
     smt = cfg.get("speculators_model_type")
-    algo = (cfg.get("speculators_config") or {}).get("algorithm") if isinstance(cfg.get("speculators_config"), dict) else None
+    algo = _dict(cfg.get("speculators_config")).get("algorithm")
     for value, key in ((smt, "speculators_model_type"), (algo, "speculators_config.algorithm")):
         if isinstance(value, str) and value.lower() in _SPECULATORS_ALGORITHMS:
             return _SPECULATORS_ALGORITHMS[value.lower()], f"config: {key} = {value}"
-    archs = [a for a in cfg.get("architectures") or [] if isinstance(a, str)]
+    archs = _strs(cfg.get("architectures"))
     if any("eagle3" in a.lower() for a in archs):
         return Method.EAGLE3, f"config: architectures = {archs[0]}"
     if "draft_vocab_size" in cfg:
@@ -170,7 +259,7 @@ def declared_targets(config: dict | None, card_data: dict | None) -> list[Declar
         if isinstance(v, str) and v:
             out.append(Declared(v, "speculators verifier"))
     base = cfg.get("base_model_name_or_path")
-    if isinstance(base, str) and base and ("medusa_num_heads" in cfg or "medusa" in " ".join(cfg.get("architectures") or []).lower()):
+    if isinstance(base, str) and base and ("medusa_num_heads" in cfg or "medusa" in " ".join(_strs(cfg.get("architectures"))).lower()):
         out.append(Declared(base, "medusa base_model_name_or_path"))
     card = card_data if isinstance(card_data, dict) else {}
     bases = card.get("base_model")

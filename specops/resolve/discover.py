@@ -178,7 +178,7 @@ def _hub_discovery(pool: _Pool, target, methods, hub: Hub, catalog: Catalog, lla
 
 def _card_bases(meta: RepoMeta) -> list[str]:
     base = (meta.card_data or {}).get("base_model")
-    return [base] if isinstance(base, str) else [b for b in base or [] if isinstance(b, str)]
+    return [base] if isinstance(base, str) else [b for b in base if isinstance(b, str)] if isinstance(base, list) else []
 
 
 def _fits_backend(meta: RepoMeta, llamacpp: bool) -> bool:

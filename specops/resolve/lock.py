@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import SpecopsError
 from ..methods import Method
+from .names import is_repo_id, repo_file_problem, repo_id_problem, revision_problem
 
 LOCK_VERSION = 1
 #: The profile sections whose values decide a resolution (their change makes a lock stale).
@@ -66,7 +67,51 @@ def read_lock(path: str | Path) -> dict:
         Method(data["speculative"]["method"])
     except (KeyError, ValueError, TypeError):
         raise SpecopsError(f"{p}: the lock names no valid method; run `specops lock` again") from None
+    problem = lock_problem(data)
+    if problem is not None:
+        raise SpecopsError(f"{p}: {problem}; fix or delete it and run `specops lock` again")
     return data
+
+
+def lock_problem(data: dict) -> str | None:
+    """What makes a lock's pins unusable (None: usable). The pins end up in engine arguments and HF cache
+    paths, so each file name and revision goes through the same validator as the Hub's answers
+    (:mod:`.names`): a ``draft_file`` of ``../../x.gguf`` is refused, not rendered."""
+    spec = data.get("speculative")
+    if not isinstance(spec, dict):
+        return "speculative must be an object"
+    target = data.get("target")
+    if target is not None and not isinstance(target, dict):
+        return "target must be an object"
+    draft = spec.get("draft")
+    if draft is not None:
+        if not isinstance(draft, str) or not draft or "\x00" in draft or len(draft) > 4096:
+            return f"speculative.draft must be a Hub repo id or a path, not {str(draft)[:60]!r}"
+        from .models import is_local_ref
+        if not is_local_ref(draft) and not is_repo_id(draft):
+            return f"speculative.draft: {repo_id_problem(draft)}: {draft[:100]!r}"
+    fields = [("speculative.draft_file", spec.get("draft_file"), repo_file_problem),
+              ("speculative.draft_revision", spec.get("draft_revision"), revision_problem)]
+    if isinstance(target, dict):
+        fields += [("target.file", target.get("file"), repo_file_problem),
+                   ("target.revision", target.get("revision"), revision_problem)]
+    for where, value, check in fields:
+        if value is None:
+            continue
+        why = check(value)
+        if why is not None:
+            return f"{where} {str(value)[:100]!r} is unusable: {why}"
+    for key in ("alternatives", "findings"):
+        items = data.get(key)
+        if items is not None and not (isinstance(items, list) and all(isinstance(i, dict) for i in items)):
+            return f"{key} must be a list of objects"
+    for f in data.get("findings") or []:
+        if not isinstance(f.get("severity"), str) or not isinstance(f.get("message"), str):
+            return "findings: each needs a severity and a message (strings)"
+    for a in data.get("alternatives") or []:
+        if a.get("draft") is not None and not isinstance(a.get("draft"), str):
+            return "alternatives: draft must be a string"
+    return None
 
 
 def stale_reason(lock: dict, profile) -> str | None:

@@ -4,6 +4,10 @@ Sources, in order: a local path (directory with config.json, or a .gguf file); t
 ``expand``, then config.json — a few KB — and paths-info for tokenizer hashes and weight sizes); the local
 HF cache (offline, or when the Hub is down); the catalog's published facts. What came from where is kept,
 so every check can say what it compared.
+
+A repo whose Hub answer or config.json cannot be trusted (unsafe file names, a config.json over
+:data:`~specops.resolve.hub.MAX_JSON_BYTES`, not JSON, or with fields of the wrong type) gets an ``invalid``
+error: it is fatal, so a draft is refused with that reason and a target fails resolution, never a crash.
 """
 from __future__ import annotations
 
@@ -13,9 +17,10 @@ from pathlib import Path
 
 from ..methods import Method
 from .catalog import Catalog
-from .detect import ConfigFacts, Declared, declared_targets, detect_method, facts_from_config
+from .detect import ConfigFacts, Declared, config_problems, declared_targets, detect_method, facts_from_config
 from .ggufinfo import DEFAULT_QUANT, GGUFVocab, pick_file, quant_of, read_gguf, split_parts
-from .hub import TOKENIZER_FILES, FileMeta, Hub, HubError, RepoMeta, file_digest, read_json
+from .hub import MAX_JSON_BYTES, TOKENIZER_FILES, BadFile, FileMeta, Hub, HubError, RepoMeta, file_digest, load_json
+from .names import UnsafeName, check_repo_file, is_repo_id, is_safe_repo_file
 from .memory import WEIGHT_SUFFIXES, Weights, from_files, from_params, from_safetensors
 
 
@@ -48,7 +53,7 @@ class ModelView:
     def fatal(self) -> HubError | None:
         """A failure that makes the repo unusable (not found, gated, bad revision), if any."""
         for e in self.errors:
-            if e.kind in ("not_found", "gated", "revision", "unauthorized"):
+            if e.kind in ("not_found", "gated", "revision", "unauthorized", "invalid"):
                 return e
         return None
 
@@ -70,6 +75,12 @@ def load_model(ref: str, *, hub: Hub, catalog: Catalog, revision: str | None = N
     if is_local_ref(ref):
         return _load_local(ref, catalog)
     view = ModelView(ref, "hub")
+    if file is not None:
+        try:
+            check_repo_file(file, "GGUF file name")
+        except UnsafeName as exc:
+            view.errors.append(HubError("invalid", f"{ref}: {exc}", ref))
+            return view
     try:
         view.meta = hub.model_info(ref, revision)
         view.revision = view.meta.sha
@@ -78,12 +89,12 @@ def load_model(ref: str, *, hub: Hub, catalog: Catalog, revision: str | None = N
         view.revision = hub.cached_sha(ref, revision)
         if view.revision:
             view.notes.append(f"{ref}: using the HF cache at {view.revision[:10]}")
-    if view.fatal and view.fatal.kind in ("not_found", "revision"):
+    if view.fatal and view.fatal.kind in ("not_found", "revision", "invalid"):
         return view
     files = view.meta.files if view.meta and view.meta.siblings is not None else hub.cached_files(ref, view.revision)
     entry_files = {}
     for e in catalog.for_draft(ref):
-        entry_files.update(e.files)
+        entry_files.update({k: v for k, v in (e.files or {}).items() if is_safe_repo_file(v)})
     wants_gguf = gguf or file is not None or any(f.endswith(".gguf") for f in files)
 
     if wants_gguf:
@@ -98,6 +109,21 @@ def load_model(ref: str, *, hub: Hub, catalog: Catalog, revision: str | None = N
     view.declared = declared_targets(view.config, view.meta.card_data if view.meta else None)
     view.method, view.method_why = detect_method(view.config or (view.meta.config if view.meta else None), ref)
     return view
+
+
+def _read_config(view: ModelView, path: Path, what: str) -> dict | None:
+    """config.json at ``path`` when it is usable; else an ``invalid`` error on the view (with the reason)."""
+    try:
+        config = load_json(path, max_bytes=MAX_JSON_BYTES, what=what)
+    except BadFile as exc:
+        view.errors.append(HubError("invalid", f"{exc}", view.ref))
+        return None
+    problems = config_problems(config)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        view.errors.append(HubError("invalid", f"{what} is malformed: {problems[0]}{more}", view.ref))
+        return None
+    return config
 
 
 def _fill_from_catalog(view: ModelView, catalog: Catalog, quant: str | None = None) -> None:
@@ -117,29 +143,47 @@ def _load_hf_repo(view: ModelView, hub: Hub, files: list[str], tokenizer: bool, 
     # downloads ask for the revision the profile names (a branch keeps refs/<branch> in the HF cache, so the
     # cache serves it offline later); metadata calls use the commit model_info resolved it to
     ref, sha = view.ref, view.revision
-    if not files or "config.json" in files:
-        try:
-            view.config = read_json(hub.download(ref, "config.json", revision))
-        except HubError as exc:
-            if exc.kind != "entry" and not (exc.hub_is_down and view.errors):
-                view.errors.append(exc)
-    if view.config is not None:
-        view.facts = facts_from_config(view.config)
-        view.facts_source = "config.json"
     st = from_safetensors(view.meta.safetensors if view.meta else None)
     want = [f for f in TOKENIZER_FILES if f in files][:1] if tokenizer else []
     weight_files = [] if st else [f for f in files if f.endswith(WEIGHT_SUFFIXES)]
+    has_config = "config.json" in files
     info: dict[str, FileMeta] = {}
-    if want or weight_files:
+    info_error: HubError | None = None
+    if want or weight_files or (has_config and not hub.offline and hub.down is None):
+        # one paths-info call: tokenizer hash, weight sizes, and config.json's size before it is downloaded
         try:
-            info = hub.paths_info(ref, want + weight_files, sha)
+            info = hub.paths_info(ref, (["config.json"] if has_config else []) + want + weight_files, sha)
         except HubError as exc:
-            if not exc.hub_is_down or not view.errors:
+            info_error = exc
+    if not files or has_config:
+        size = info["config.json"].size if "config.json" in info else None
+        if size is not None and size > MAX_JSON_BYTES:
+            view.errors.append(HubError("invalid", f"{ref}/config.json is {size} bytes on the Hub; specops reads "
+                                        f"at most {MAX_JSON_BYTES} bytes ({MAX_JSON_BYTES // 1024} KiB): not "
+                                        f"downloaded", ref))
+            return
+        try:
+            path = hub.download(ref, "config.json", revision)
+        except HubError as exc:
+            if exc.kind != "entry" and not (exc.hub_is_down and view.errors):
                 view.errors.append(exc)
-            for name in want:  # offline / Hub down: hash the cached file instead
-                cached = hub.cached(ref, name, revision)
-                if cached is not None:
-                    view.tokenizer = file_digest(cached)
+            if exc.kind == "invalid":
+                return
+        else:
+            view.config = _read_config(view, path, f"{ref}/config.json")
+            if view.config is None:
+                return
+    if view.config is not None:
+        view.facts = facts_from_config(view.config)
+        view.facts_source = "config.json"
+    if info_error is not None:
+        exc = info_error
+        if not exc.hub_is_down or not view.errors:
+            view.errors.append(exc)
+        for name in want:  # offline / Hub down: hash the cached file instead
+            cached = hub.cached(ref, name, revision)
+            if cached is not None:
+                view.tokenizer = file_digest(cached)
     for name in want:
         if name in info and info[name].digest:
             view.tokenizer = info[name].digest
@@ -159,7 +203,8 @@ def _load_gguf_repo(view: ModelView, hub: Hub, catalog: Catalog, files: list[str
             view.gguf_why += " (file list from the catalog)"
     if view.meta and view.meta.gguf:
         g = view.meta.gguf
-        view.facts = ConfigFacts(context=g.get("context_length") if isinstance(g.get("context_length"), int) else None)
+        ctx = g.get("context_length")
+        view.facts = ConfigFacts(context=ctx if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0 else None)
         view.facts_source = "Hub gguf metadata"
     if view.gguf_file:
         cached = hub.cached(ref, view.gguf_file, sha)
@@ -182,12 +227,18 @@ def _load_gguf_repo(view: ModelView, hub: Hub, catalog: Catalog, files: list[str
     if view.gguf_vocab is None and catalog.facts(ref) is None and view.meta and view.meta.card_data:
         base = view.meta.card_data.get("base_model")
         base = base[0] if isinstance(base, list) and base else base
-        if isinstance(base, str) and base:
+        if isinstance(base, str) and base and not is_repo_id(base):
+            view.notes.append(f"base model named by the card is not a Hub repo id ({base[:100]!r}); not read")
+        elif isinstance(base, str) and base:
+            cfg = None
             try:
-                cfg = read_json(hub.download(base, "config.json"))
-            except HubError as exc:
+                cfg = load_json(hub.download(base, "config.json"), what=f"{base}/config.json")
+                problems = config_problems(cfg)
+                if problems:
+                    view.notes.append(f"base model {base}: config.json is malformed ({problems[0]}); not used")
+                    cfg = None
+            except (HubError, BadFile) as exc:
                 view.notes.append(f"base model {base}: {exc}")
-                cfg = None
             if cfg:
                 view.facts = view.facts.merged(facts_from_config(cfg))
                 view.facts_source = f"config.json of the base model {base}"
@@ -223,7 +274,8 @@ def _load_local(ref: str, catalog: Catalog) -> ModelView:
     if not path.is_dir():
         view.errors.append(HubError("not_found", f"{ref}: no such directory", ref))
         return view
-    view.config = read_json(path / "config.json")
+    if (path / "config.json").is_file():
+        view.config = _read_config(view, path / "config.json", str(path / "config.json"))
     if view.config is not None:
         view.facts = facts_from_config(view.config)
         view.facts_source = "config.json"

@@ -181,6 +181,7 @@ def resolve(profile, *, offline: bool = False, hub: Hub | None = None, catalog: 
 
     methods = methods_for(requested, backend_obj.methods if backend_obj else None)
     candidates = discover(target, profile, methods, hub=hub, catalog=catalog, notes=res.notes)
+    res.notes.extend(w for w in hub.warnings if w not in res.notes)  # Hub answers left out as unusable
     candidates.sort(key=lambda c: sort_key(c, requested))
     checked = 0
     for c in candidates:
