@@ -89,7 +89,8 @@ def profile_reference() -> str:
              "(`specops schema` prints the JSON Schema). Durations accept seconds or `500ms`, `30s`, `10m`, `1h30m`.",
              "", "| field | type | default | meaning |", "|---|---|---|---|",
              "| `extends` | string \\| list of string | unset | Base profile(s) deep-merged under this one "
-             "(paths relative to this file; mappings merge, lists and scalars are replaced). |"]
+             "(paths relative to this file, inside its git work tree or a folder in `$SPECOPS_PROFILE_ROOT`; "
+             "mappings merge, lists and scalars are replaced). |"]
     sections: list[tuple[str, type[BaseModel]]] = []
     _rows(Profile, "", lines, sections)
     while sections:

@@ -8,28 +8,58 @@ that :mod:`specops.yamlsource` maps back to file:line:column.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, get_args
+from typing import Annotated, Any, Literal, Mapping, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 
-from .durations import parse_duration
+from .backends.base import check_version_text
+from .durations import MAX_DURATION, parse_duration
 from .errors import Problem, ProfileError
 from .paths import builtin_env
 from .methods import DEFAULT_K, NEEDS_DRAFT, Method, default_chain
-from .yamlsource import Document, format_path
+from .redact import secret_flag
+from .yamlsource import Document, format_path, quote_value, redact_problems
 from . import yamlsource
 
 Duration = Annotated[
     float,
     BeforeValidator(parse_duration),
-    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0},
+    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0, "maximum": MAX_DURATION},
                               {"type": "string", "pattern": r"^\s*(\d+(\.\d+)?(ms|s|m|h|d)?)+\s*$"}],
-                    "description": "seconds, or a duration such as 500ms, 30s, 10m, 1h30m"}),
+                    "description": "seconds, or a duration such as 500ms, 30s, 10m, 1h30m (at most 7d)"}),
 ]
+
+# Upper bounds of numbers: generous for any real deployment, small enough that nothing downstream
+# overflows or renders nonsense (a k of 10**9, a GPU index of 2**40).
+MAX_K = 64                      # draft tokens per step
+MAX_NGRAM = 1024                # n-gram sizes
+MAX_CONTEXT = 1 << 24           # tokens of context (16 Mi)
+MAX_PARALLEL = 1024             # tensor/pipeline parallel sizes
+MAX_GPU_INDEX = 1023
+MAX_SEQUENCES = 65536           # concurrent sequences, batch sizes
+MAX_LAYERS = 100_000
+MAX_COUNT = 1_000_000_000       # token counts
+MAX_SHARE = 1_000_000.0         # tensor_split shares, GiB per GPU
+#: Environment variable names the engine gets (``server.env``): what a POSIX shell accepts.
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: Prometheus label names (``monitor.labels``).
+LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def _version_text(value: str | None) -> str | None:
+    if value is not None:
+        problem = check_version_text(value)
+        if problem:
+            raise ValueError(problem)
+    return value
+
+
+VersionText = Annotated[str, AfterValidator(_version_text)]
 
 
 class Section(BaseModel):
@@ -41,9 +71,10 @@ class Section(BaseModel):
 class EngineSpec(Section):
     """Where the engine comes from and which version to render for."""
 
-    version: str | None = Field(None, description="Engine version to render for (e.g. `0.32.0` for vLLM, "
-                                "a release build such as `b9100` or a flag generation `legacy|spec-type|spec-draft|current` for "
-                                "llama-server). Unset: probe the installed engine.")
+    version: VersionText | None = Field(None, description="Engine version to render for (e.g. `0.32.0` for vLLM, "
+                                        "a release build such as `b9100` or a flag generation `legacy|spec-type|spec-draft|current` "
+                                        "for llama-server; letters, digits, `.+_-`, at most 64 characters). Unset: probe the "
+                                        "installed engine.")
     executable: str | None = Field(None, description="Path to the engine program (`vllm` or `llama-server`). "
                                    "Unset: search PATH and the specops engine cache.")
     python: str | None = Field(None, description="vLLM only: a Python interpreter or virtualenv directory "
@@ -61,7 +92,7 @@ class ModelSpec(Section):
     file: str | None = Field(None, description="llama.cpp: the `.gguf` file inside a Hub repo.")
     quantization: str | None = Field(None, description="vLLM `--quantization`; llama.cpp: which GGUF quant to pick "
                                      "from a Hub repo (e.g. `Q4_K_M`).")
-    max_model_len: int | None = Field(None, gt=0, description="Context length to serve (vLLM `--max-model-len`, "
+    max_model_len: int | None = Field(None, gt=0, le=MAX_CONTEXT, description="Context length to serve (vLLM `--max-model-len`, "
                                       "llama.cpp `-c`). Also checked against the draft's trained context.")
     dtype: str = Field("auto", description="vLLM `--dtype` (auto, float16, bfloat16, float32).")
     served_name: str | None = Field(None, description="Name clients use in requests (`--served-model-name` / "
@@ -72,8 +103,8 @@ class ModelSpec(Section):
 class NgramSpec(Section):
     """Prompt-lookup (n-gram) drafting: propose the tokens that followed the last n-gram in the context."""
 
-    min: int = Field(2, ge=1, description="Shortest n-gram to match (vLLM `prompt_lookup_min`).")
-    max: int = Field(5, ge=1, description="Longest n-gram to match (vLLM `prompt_lookup_max`).")
+    min: int = Field(2, ge=1, le=MAX_NGRAM, description="Shortest n-gram to match (vLLM `prompt_lookup_min`).")
+    max: int = Field(5, ge=1, le=MAX_NGRAM, description="Longest n-gram to match (vLLM `prompt_lookup_max`).")
     type: str | None = Field(None, description="llama.cpp n-gram implementation: `ngram-mod` (default), "
                              "`ngram-simple`, `ngram-map-k`, `ngram-map-k4v` or `ngram-cache`.")
 
@@ -83,7 +114,7 @@ class ChainStep(Section):
 
     method: Method = Field(..., description="Method of this step (`auto` is not allowed here).")
     draft: str | None = Field(None, description="Draft for this step when it needs one (`draft_model`, `eagle`, ...).")
-    num_speculative_tokens: int | None = Field(None, ge=1, description="k for this step; unset: the method default.")
+    num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_K, description="k for this step; unset: the method default.")
 
 
 def _method_name(v: Any) -> Any:
@@ -122,15 +153,15 @@ class Speculative(Section):
                               "a local directory, or a local `.gguf` file. Not used by mtp/ngram/suffix/none.")
     draft_revision: str | None = Field(None, description="Hub revision of the draft.")
     draft_file: str | None = Field(None, description="llama.cpp: the `.gguf` file inside the draft's Hub repo.")
-    num_speculative_tokens: int | None = Field(None, ge=1, description="Draft tokens per step (k). Unset: 4 for "
+    num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_K, description="Draft tokens per step (k). Unset: 4 for "
                                                "EAGLE-family and draft models, 1 for MTP, 4 for n-gram.")
-    num_speculative_tokens_min: int | None = Field(None, ge=0, description="llama.cpp `--spec-draft-n-min`.")
+    num_speculative_tokens_min: int | None = Field(None, ge=0, le=MAX_K, description="llama.cpp `--spec-draft-n-min`.")
     draft_p_min: float | None = Field(None, ge=0, le=1, description="llama.cpp `--spec-draft-p-min`: stop drafting "
                                       "below this draft probability.")
     ngram: NgramSpec = Field(default_factory=NgramSpec)
-    draft_tensor_parallel_size: int | None = Field(None, ge=1, description="vLLM: TP of the draft; 1 or the "
+    draft_tensor_parallel_size: int | None = Field(None, ge=1, le=MAX_PARALLEL, description="vLLM: TP of the draft; 1 or the "
                                                    "target's tensor_parallel_size.")
-    draft_max_model_len: int | None = Field(None, gt=0, description="vLLM `max_model_len` of the draft.")
+    draft_max_model_len: int | None = Field(None, gt=0, le=MAX_CONTEXT, description="vLLM `max_model_len` of the draft.")
     draft_quantization: str | None = Field(None, description="vLLM `quantization` of the draft; llama.cpp: "
                                            "GGUF quant to pick from the draft repo (default Q4_K_M).")
     per_batch_size: list[tuple[int, int, int]] | None = Field(
@@ -151,19 +182,21 @@ class Speculative(Section):
 class Gpus(Section):
     """GPU layout. `devices: []` means CPU only."""
 
-    devices: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="GPU indices to use "
+    devices: list[Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]] | None = Field(None, description="GPU indices to use "
                                                               "(`CUDA_VISIBLE_DEVICES` / `--device`). Unset: engine default; [] = CPU.")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM `--tensor-parallel-size`.")
-    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM `--pipeline-parallel-size`.")
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL, description="vLLM `--tensor-parallel-size`.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL, description="vLLM `--pipeline-parallel-size`.")
     memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM `--gpu-memory-utilization` "
                                              "(engine default 0.9).")
-    memory_gb: float | None = Field(None, gt=0, description="Memory budget per GPU in GiB, for the fit check.")
-    gpu_layers: int | Literal["all", "auto"] | None = Field(None, description="llama.cpp `-ngl`: layers on GPU.")
-    draft_gpu_layers: int | Literal["all", "auto"] | None = Field(None, description="llama.cpp `-ngld`.")
-    draft_devices: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="llama.cpp `-devd`: GPUs for the draft.")
+    memory_gb: float | None = Field(None, gt=0, le=MAX_SHARE, description="Memory budget per GPU in GiB, for the fit check.")
+    gpu_layers: Annotated[int, Field(ge=0, le=MAX_LAYERS)] | Literal["all", "auto"] | None = Field(
+        None, description="llama.cpp `-ngl`: layers on GPU.")
+    draft_gpu_layers: Annotated[int, Field(ge=0, le=MAX_LAYERS)] | Literal["all", "auto"] | None = Field(
+        None, description="llama.cpp `-ngld`.")
+    draft_devices: list[Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]] | None = Field(None, description="llama.cpp `-devd`: GPUs for the draft.")
     split_mode: Literal["none", "layer", "row", "tensor"] | None = Field(None, description="llama.cpp `-sm`.")
-    tensor_split: list[Annotated[float, Field(ge=0)]] | None = Field(None, description="llama.cpp `-ts`: share per GPU.")
-    main_gpu: int | None = Field(None, ge=0, description="llama.cpp `-mg`.")
+    tensor_split: list[Annotated[float, Field(ge=0, le=MAX_SHARE)]] | None = Field(None, description="llama.cpp `-ts`: share per GPU.")
+    main_gpu: int | None = Field(None, ge=0, le=MAX_GPU_INDEX, description="llama.cpp `-mg`.")
 
 
 class Server(Section):
@@ -174,10 +207,13 @@ class Server(Section):
                       "itself when the proxy is off).")
     api_key: str | None = Field(None, description="API key clients must send (`--api-key`). Use `${ENV_VAR}`; "
                                 "it is redacted in every printed form.")
-    parallel: int | None = Field(None, ge=1, description="Concurrent sequences: llama.cpp `-np`, vLLM `--max-num-seqs`.")
+    parallel: int | None = Field(None, ge=1, le=MAX_SEQUENCES, description="Concurrent sequences: llama.cpp `-np`, "
+                                 "vLLM `--max-num-seqs`.")
     extra_args: list[str] = Field(default_factory=list, description="Extra engine arguments, appended after a check "
-                                  "that they do not contradict rendered flags.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process.")
+                                  "that they do not contradict rendered flags. No secrets (`--api-key`, `--hf-token`): "
+                                  "argv is visible in `ps`; use `api_key` or `env`.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process "
+                                "(names: letters, digits, `_`, not starting with a digit).")
 
 
 class Retry(Section):
@@ -197,12 +233,12 @@ class Fallback(Section):
     min_acceptance: float = Field(0.6, ge=0, le=1, description="Acceptance rate below which speculation costs more "
                                   "than it gains (published rule of thumb: 0.6).")
     window: Duration = Field(60.0, gt=0, description="Acceptance is measured over this sliding window.")
-    min_draft_tokens: int = Field(200, ge=1, description="Decide only once the window holds this many drafted tokens.")
-    consecutive_windows: int = Field(2, ge=1, description="Hysteresis: this many consecutive low windows before a switch.")
+    min_draft_tokens: int = Field(200, ge=1, le=MAX_COUNT, description="Decide only once the window holds this many drafted tokens.")
+    consecutive_windows: int = Field(2, ge=1, le=1000, description="Hysteresis: this many consecutive low windows before a switch.")
     chain: list[ChainItem] | None = Field(None, description="Methods to fall back to, in order. Unset: "
                                           "model-based → [ngram, none]; ngram/suffix → [none].")
     cooldown: Duration = Field(600.0, description="No further switch for this long after one.")
-    max_switches_per_hour: int = Field(4, ge=1, description="Flap guard: past this, hold the method and warn.")
+    max_switches_per_hour: int = Field(4, ge=1, le=3600, description="Flap guard: past this, hold the method and warn.")
     draft_cost_ratio: float | None = Field(None, ge=0, le=1, description="Model mode: cost of one draft step "
                                            "relative to a target step (c). Unset: 0.05.")
     retry: Retry = Field(default_factory=Retry)
@@ -217,7 +253,8 @@ class Monitor(Section):
     timeout: Duration = Field(3.0, gt=0, description="Timeout of each read.")
     prometheus_url: str | None = Field(None, description="Prometheus base URL for `promql`.")
     labels: dict[str, str] = Field(default_factory=dict, description="Label matchers for PromQL "
-                                   "(e.g. job, instance; for vLLM model_name defaults to the served model).")
+                                   "(e.g. job, instance; for vLLM model_name defaults to the served model). Names "
+                                   "follow Prometheus: letters, digits, `_`, not starting with a digit.")
 
 
 class Supervisor(Section):
@@ -225,7 +262,7 @@ class Supervisor(Section):
 
     restart_backoff: Duration = Field(1.0, description="First wait before restarting a crashed engine (doubles).")
     restart_backoff_max: Duration = Field(60.0, description="Upper bound of the restart wait.")
-    crash_loop_exits: int = Field(5, ge=1, description="This many exits within `crash_loop_window` is a crash loop: "
+    crash_loop_exits: int = Field(5, ge=1, le=1000, description="This many exits within `crash_loop_window` is a crash loop: "
                                   "move to the next method of the chain.")
     crash_loop_window: Duration = Field(600.0, description="See `crash_loop_exits`.")
     stop_timeout: Duration = Field(30.0, description="After SIGTERM, wait this long before SIGKILL.")
@@ -304,6 +341,10 @@ class Profile(Section):
         return self.model_copy(update={"speculative": spec})
 
 
+#: The keys a file named by ``extends`` may have at its top level (else it is not a profile).
+TOP_LEVEL_FIELDS = frozenset(Profile.model_fields) | {"extends"}
+
+
 @dataclass(frozen=True)
 class LoadedProfile:
     """A validated profile plus the document it came from (for locating later findings)."""
@@ -312,9 +353,13 @@ class LoadedProfile:
     document: Document
     path: str
 
-    def problem(self, path: tuple, message: str) -> Problem:
-        """A problem located at field ``path`` of this profile's source."""
-        return Problem(self.document.locate(path), format_path(path), message)
+    def problem(self, path: tuple, message: str, *, key: bool = False, field: str | None = None) -> Problem:
+        """A problem located at field ``path`` (at its key when ``key``) of this profile's source.
+
+        Values that ``${VAR}`` took from the environment are hidden in the message.
+        """
+        problem = Problem(self.document.locate(path, key=key), format_path(path) if field is None else field, message)
+        return redact_problems([problem], self.document.env_texts)[0] if self.document.env_texts else problem
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -322,7 +367,7 @@ class LoadedProfile:
 
 def load_profile(path: str | Path, env: Mapping[str, str] | None = None, *, registry=None) -> LoadedProfile:
     """Read, merge, interpolate and validate a profile; raise ProfileError listing every located problem."""
-    doc = yamlsource.load(path, {**builtin_env(), **(os.environ if env is None else env)})
+    doc = yamlsource.load(path, {**builtin_env(), **(os.environ if env is None else env)}, fields=TOP_LEVEL_FIELDS)
     profile = validate_document(doc)
     loaded = LoadedProfile(profile, doc, str(path))
     if registry is None:
@@ -336,10 +381,71 @@ def load_profile(path: str | Path, env: Mapping[str, str] | None = None, *, regi
 
 def validate_document(doc: Document) -> Profile:
     """Pydantic validation with every error mapped back to the YAML node that caused it."""
+    problems = _boolean_number_problems(doc)
+    profile = None
     try:
-        return Profile.model_validate(doc.data)
+        profile = Profile.model_validate(doc.data)
     except ValidationError as exc:
-        raise ProfileError([_problem_from_pydantic(doc, err) for err in exc.errors()]) from None
+        problems += [_problem_from_pydantic(doc, err) for err in exc.errors()]
+    if problems:
+        raise ProfileError(redact_problems(problems, doc.env_texts))
+    return profile
+
+
+def _strip_annotated(annotation: Any) -> tuple[Any, list]:
+    metadata: list = []
+    while get_origin(annotation) is Annotated:
+        metadata += list(getattr(annotation, "__metadata__", ()))
+        annotation = get_args(annotation)[0]
+    return annotation, metadata
+
+
+def _boolean_number_problems(doc: Document) -> list[Problem]:
+    """``port: true`` is not the port 1: YAML booleans where a number belongs (pydantic would take them)."""
+    out: list[Problem] = []
+
+    def walk(annotation: Any, value: Any, path: tuple, metadata: list) -> None:
+        annotation, more = _strip_annotated(annotation)
+        metadata = metadata + more
+        if any(getattr(getattr(m, "func", None), "__name__", "") == "parse_duration" for m in metadata):
+            return  # durations say it themselves
+        origin, args = get_origin(annotation), get_args(annotation)
+        if isinstance(value, bool):
+            members = [_strip_annotated(a)[0] for a in (args if origin in (Union, type(int | None)) else (annotation,))]
+            if bool not in members and any(m in (int, float) for m in members):
+                kind = "an integer" if int in members else "a number"
+                out.append(Problem(doc.locate(path), format_path(path),
+                                   f"expected {kind}, not the boolean {str(value).lower()}"))
+            return
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    f = annotation.model_fields.get(key) if isinstance(key, str) else None
+                    if f is not None:
+                        walk(f.annotation, item, path + (key,), list(f.metadata))
+            return
+        if origin in (Union, type(int | None)):
+            for member in args:
+                inner = _strip_annotated(member)[0]
+                if (isinstance(value, dict) and ((isinstance(inner, type) and issubclass(inner, BaseModel))
+                                                 or get_origin(inner) is dict)) or \
+                        (isinstance(value, list) and get_origin(inner) in (list, tuple)):
+                    walk(member, value, path, [])
+                    return
+            return
+        if origin is list and isinstance(value, list) and args:
+            for i, item in enumerate(value):
+                walk(args[0], item, path + (i,), [])
+        elif origin is tuple and isinstance(value, list) and args and args[-1] is not Ellipsis:
+            for i, (member, item) in enumerate(zip(args, value)):
+                walk(member, item, path + (i,), [])
+        elif origin is dict and isinstance(value, dict) and len(args) == 2:
+            for key, item in value.items():
+                walk(args[1], item, path + (key,), [])
+
+    if isinstance(doc.data, dict):
+        walk(Profile, doc.data, (), [])
+    return out
 
 
 def _problem_from_pydantic(doc: Document, err: dict) -> Problem:
@@ -460,8 +566,9 @@ def semantic_problems(loaded: LoadedProfile, registry) -> list[Problem]:
     if spec.draft_max_model_len and p.model.max_model_len and spec.draft_max_model_len > p.model.max_model_len:
         add(("speculative", "draft_max_model_len"), "draft_max_model_len cannot exceed model.max_model_len")
     for i, (start, end, k) in enumerate(spec.per_batch_size or []):
-        if not 1 <= start <= end or k < 0:
-            add(("speculative", "per_batch_size", i), f"[{start}, {end}, {k}]: need 1 <= start_bs <= end_bs and k >= 0")
+        if not 1 <= start <= end <= MAX_SEQUENCES or not 0 <= k <= MAX_K:
+            add(("speculative", "per_batch_size", i), f"[{_num(start)}, {_num(end)}, {_num(k)}]: need "
+                f"1 <= start_bs <= end_bs <= {MAX_SEQUENCES} and 0 <= k <= {MAX_K}")
 
     # the fallback chain: no duplicates, no way back to the primary method, every step runnable
     seen = {method}
@@ -480,6 +587,26 @@ def semantic_problems(loaded: LoadedProfile, registry) -> list[Problem]:
             add(path, f"backend {p.backend} does not support {step.method} "
                 f"(supported: {', '.join(sorted(m.value for m in backend.methods))})")
         seen.add(step.method)
+    # names that end up in a shell line, an environment, a PromQL selector
+    for name in p.server.env:
+        if not ENV_NAME.match(name):
+            out.append(loaded.problem(("server", "env", name), f"{quote_value(name)} is not an environment variable "
+                                      f"name: use letters, digits and _, not starting with a digit",
+                                      key=True, field="server.env"))
+    for name in p.monitor.labels:
+        if not LABEL_NAME.match(name):
+            out.append(loaded.problem(("monitor", "labels", name), f"{quote_value(name)} is not a Prometheus label "
+                                      f"name: use letters, digits and _, not starting with a digit",
+                                      key=True, field="monitor.labels"))
+    for i, arg in enumerate(p.server.extra_args):
+        flag = secret_flag(arg)
+        if flag:
+            add(("server", "extra_args", i), f"{flag} would put a secret on the engine's command line, which every "
+                "user can read in `ps`: set server.api_key, or the engine's variable in server.env "
+                "(e.g. HF_TOKEN: ${HF_TOKEN})")
+    for path, problem in _option_number_problems(spec.options, ("speculative", "options")):
+        add(path, problem)
+
     # monitoring and ports
     if p.monitor.source == "promql" and not p.monitor.prometheus_url:
         add(("monitor", "prometheus_url"), "monitor.source is promql: set prometheus_url")
@@ -495,6 +622,27 @@ def semantic_problems(loaded: LoadedProfile, registry) -> list[Problem]:
         for path, msg in backend.check_profile(p):
             add(path, msg)
     return out
+
+
+def _num(n: int) -> str:
+    text = str(n)
+    return text if len(text) <= 12 else text[:8] + "…"
+
+
+def _option_number_problems(value: Any, path: tuple):
+    """Numbers in pass-through settings must be finite and fit in 64 bits (JSON has no Infinity)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        yield path, "must be a finite number"
+    elif isinstance(value, int) and not -(1 << 63) <= value < (1 << 63):
+        yield path, "is out of range (a 64-bit integer)"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _option_number_problems(item, path + (key,))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _option_number_problems(item, path + (i,))
 
 
 def schema() -> dict:

@@ -4,18 +4,27 @@ Profiles are kept in git and reviewed by people, so an error must point at the e
 column. This module turns YAML into plain Python data plus a map from field path to source location,
 resolves ``extends:`` overlays (deep merge, overlay wins, lists replaced whole) and ``${ENV}``
 interpolation, and never lets a parser exception escape as anything but a located :class:`ProfileError`.
+
+Reading is bounded: a profile is a regular file of at most :data:`MAX_PROFILE_BYTES`; ``extends`` may only
+name files inside the profile's tree (:func:`profile_roots`), and a file it names is quoted in messages only
+once it reads as a profile (a YAML mapping of profile fields), so ``extends: /etc/shadow`` can never print
+a line of it. Text that ``${VAR}`` put into a value is remembered (:class:`~specops.redact.EnvText`) so every
+printed form can hide it.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import yaml
 
 from .errors import Location, Problem, ProfileError
+from .redact import EnvText, public_vars, redact_message
 
 Path_ = tuple  # a field path: ("speculative", "ngram", "min") or ("fallback", "chain", 1)
 
@@ -25,6 +34,10 @@ MAX_EXTENDS_DEPTH = 16
 #: bombs, self-referencing aliases) from exhausting the stack or the CPU of a CI runner.
 MAX_DEPTH = 32
 MAX_VALUES = 10_000
+#: Profiles are a few KiB; anything larger is refused before it is parsed (and /dev/zero is no file).
+MAX_PROFILE_BYTES = 1 << 20
+#: Extra folders ``extends`` may read from (``os.pathsep``-separated), besides the profile's own tree.
+PROFILE_ROOT_ENV = "SPECOPS_PROFILE_ROOT"
 _PLAIN_COLLECTION_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
 
@@ -36,6 +49,8 @@ class Document:
     values: dict[Path_, Location] = field(default_factory=dict)
     keys: dict[Path_, Location] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    #: values that ``${VAR}`` filled from the environment (variables on the public allow-list excluded)
+    env_texts: list[EnvText] = field(default_factory=list)
 
     def locate(self, path: Path_, *, key: bool = False) -> Location | None:
         """The most precise known location for ``path``: the value itself, else its nearest parent."""
@@ -63,6 +78,23 @@ def format_path(path: Path_) -> str:
     return out
 
 
+def quote_value(value: str, limit: int = 40) -> str:
+    """``repr(value)`` for a message, shortened: a 5000-digit number must not flood a CI log."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + "…" + text[0]
+
+
+def redact_problems(problems: Iterable[Problem], texts: Iterable[EnvText]) -> list[Problem]:
+    """``problems`` with every secret value that ``${VAR}`` interpolated hidden in their messages."""
+    texts = list(texts)
+    return [Problem(p.location, p.field, redact_message(p.message, p.field, texts, _format_field))
+            for p in problems]
+
+
+def _format_field(path: Path_) -> str:
+    return format_path(path)
+
+
 def _loc(file: str, mark: yaml.Mark | None) -> Location:
     if mark is None:
         return Location(file, 1, 1)
@@ -75,6 +107,8 @@ class _Builder:
     def __init__(self, file: str, env: Mapping[str, str]):
         self.file = file
         self.env = env
+        self.public = public_vars(env)
+        self.env_texts: list[EnvText] = []
         self.values: dict[Path_, Location] = {}
         self.keys: dict[Path_, Location] = {}
         self.problems: list[Problem] = []
@@ -134,7 +168,7 @@ class _Builder:
                                       f"to keep it as text)")
             return None
         except Exception:  # PyYAML's scalar constructors fail in many ways (`!!int ''` raises IndexError)
-            self._problem(path, node, f"{node.value!r} is not a valid {node.tag.rsplit(':', 1)[-1]}")
+            self._problem(path, node, f"{quote_value(node.value)} is not a valid {node.tag.rsplit(':', 1)[-1]}")
             return None
         if isinstance(value, str) and "$" in value:
             return self._interpolate(value, node, path)
@@ -144,39 +178,50 @@ class _Builder:
             return str(node.value)
         return value
 
-    def _interpolate(self, text: str, node: yaml.Node, path: Path_) -> Any:
+    def _interpolate(self, text: str, node: yaml.Node, path: Path_) -> str:
+        """``text`` with ``${VAR}``, ``${VAR:-default}`` and ``$$`` replaced; the result is always text.
+
+        The values go into the scalar's text, never back through the YAML parser: ``API_KEY="s3cret #prod"``
+        stays whole, ``0123`` and ``yes`` stay strings (a numeric field still converts ``"8000"``).
+        """
         missing: list[str] = []
-
-        def sub(m: re.Match) -> str:
+        out: list[str] = []
+        spans: list[tuple[int, int, str]] = []
+        length, pos = 0, 0
+        for m in _ENV.finditer(text):
+            out.append(text[pos:m.start()])
+            length += m.start() - pos
+            pos = m.end()
             if m.group(0) == "$$":
-                return "$"
-            name, default = m.group(1), m.group(2)
-            if name in self.env:
-                return self.env[name]
-            if default is not None:
-                return default
-            missing.append(name)
-            return ""
-
-        result = _ENV.sub(sub, text)
+                piece = "$"
+            else:
+                name, default = m.group(1), m.group(2)
+                if name in self.env:
+                    piece = str(self.env[name])
+                    if piece and name not in self.public:
+                        spans.append((length, length + len(piece), name))
+                elif default is not None:
+                    piece = default
+                else:
+                    missing.append(name)
+                    piece = ""
+            out.append(piece)
+            length += len(piece)
+        out.append(text[pos:])
+        result = "".join(out)
         for name in missing:
             self._problem(path, node, f"environment variable ${{{name}}} is not set "
                                       f"(set it, or write ${{{name}:-default}})")
-        if result != text and _ENV.fullmatch(text):
-            # a value that is only `${VAR}` takes the type YAML would give the text (port: ${PORT} → int)
-            try:
-                typed = yaml.safe_load(result) if result.strip() else result
-            except Exception:  # not valid YAML on its own: keep the text
-                return result
-            return typed if isinstance(typed, (str, int, float, bool)) else result
+        if spans:
+            self.env_texts.append(EnvText(path, result, tuple(spans)))
         return result
 
     def _problem(self, path: Path_, node: yaml.Node, message: str) -> None:
         self.problems.append(Problem(_loc(self.file, node.start_mark), format_path(path), message))
 
 
-def parse(text: str, file: str, env: Mapping[str, str] | None = None) -> Document:
-    """Parse one YAML document; every syntax error becomes a located ProfileError."""
+def _compose(text: str, file: str) -> yaml.Node:
+    """The YAML node tree of one document; every syntax error becomes a located ProfileError."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
@@ -191,6 +236,10 @@ def parse(text: str, file: str, env: Mapping[str, str] | None = None) -> Documen
         raise ProfileError([Problem(Location(file, 1, 1), "", "YAML nested too deeply")]) from None
     if node is None:
         raise ProfileError([Problem(Location(file, 1, 1), "", "the file is empty")])
+    return node
+
+
+def _build(node: yaml.Node, file: str, env: Mapping[str, str] | None) -> Document:
     builder = _Builder(file, os.environ if env is None else env)
     data = builder.build(node, ())
     if builder.problems:
@@ -198,32 +247,158 @@ def parse(text: str, file: str, env: Mapping[str, str] | None = None) -> Documen
     if not isinstance(data, dict):
         raise ProfileError([Problem(_loc(file, node.start_mark), "",
                                     f"a profile must be a mapping of fields, not {type(data).__name__}")])
-    return Document(data, builder.values, builder.keys, [file])
+    return Document(data, builder.values, builder.keys, [file], builder.env_texts)
+
+
+def parse(text: str, file: str, env: Mapping[str, str] | None = None) -> Document:
+    """Parse one YAML document; every syntax error becomes a located ProfileError."""
+    return _build(_compose(text, file), file, env)
 
 
 def read_text(path: Path, display: str, where: Location | None = None, field_: str = "") -> str:
-    """Read a file as UTF-8, turning I/O failures into located problems."""
+    """Read a profile as UTF-8: a regular file of at most :data:`MAX_PROFILE_BYTES`, with a bounded read.
+
+    Devices (``/dev/zero``), FIFOs and directories are refused before anything is read; I/O failures
+    (a symlink loop, no permission) become located problems.
+    """
+    msg = ""
     try:
-        return path.read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         msg = f"file not found: {display}"
     except IsADirectoryError:
         msg = f"is a directory, not a file: {display}"
-    except UnicodeDecodeError:
-        msg = f"not UTF-8 text: {display}"
+    except ValueError as exc:  # a NUL byte in the name
+        msg = f"cannot read {display!r}: {exc}"
     except OSError as exc:
-        msg = f"cannot read {display}: {exc.strerror or exc}"
+        why = "symlink loop" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+        msg = f"cannot read {display}: {why}"
+    else:
+        try:
+            with os.fdopen(fd, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if stat.S_ISDIR(mode):
+                    msg = f"is a directory, not a file: {display}"
+                elif not stat.S_ISREG(mode):
+                    msg = f"not a regular file: {display}"
+                else:
+                    data = f.read(MAX_PROFILE_BYTES + 1)
+                    if len(data) > MAX_PROFILE_BYTES:
+                        msg = f"{display} is larger than {MAX_PROFILE_BYTES >> 20} MiB; a profile is a few KiB"
+                    else:
+                        try:
+                            return data.decode("utf-8")
+                        except UnicodeDecodeError:
+                            msg = f"not UTF-8 text: {display}"
+        except OSError as exc:
+            msg = f"cannot read {display}: {exc.strerror or exc}"
     raise ProfileError([Problem(where or Location(display, 1, 1), field_, msg)])
 
 
-def load(path: str | os.PathLike, env: Mapping[str, str] | None = None) -> Document:
-    """Load a profile file and everything it ``extends``, merged into one located document."""
-    return _load(Path(path), str(path), env, stack=())
+def profile_roots(path: Path, env: Mapping[str, str] | None = None) -> tuple[Path, ...]:
+    """Folders ``extends`` may read from when loading ``path``.
+
+    The git work tree that contains the profile (the nearest folder above it with a ``.git``), else the
+    profile's own folder; plus every folder listed in ``$SPECOPS_PROFILE_ROOT`` (``os.pathsep``-separated).
+    """
+    real = path.resolve()
+    tree = real.parent
+    for folder in (real.parent, *real.parent.parents):
+        try:
+            if (folder / ".git").exists():
+                tree = folder
+                break
+        except OSError:
+            break
+    roots = [tree]
+    extra = (os.environ if env is None else env).get(PROFILE_ROOT_ENV) or ""
+    for item in extra.split(os.pathsep):
+        if item.strip():
+            try:
+                roots.append(Path(item.strip()).expanduser().resolve())
+            except (OSError, ValueError, RuntimeError):
+                continue
+    return tuple(roots)
 
 
-def _load(path: Path, display: str, env, stack: tuple[Path, ...]) -> Document:
-    text = read_text(path, display)
-    doc = parse(text, display, env)
+def _profile_fields() -> frozenset[str]:
+    from .profile import Profile  # here: profile imports this module
+    return frozenset(Profile.model_fields) | {"extends"}
+
+
+@dataclass
+class _LoadContext:
+    env: Mapping[str, str] | None
+    top: Path
+    fields: frozenset[str] | None
+    _roots: tuple[Path, ...] | None = None
+
+    def roots(self) -> tuple[Path, ...]:
+        if self._roots is None:
+            self._roots = profile_roots(self.top, self.env)
+        return self._roots
+
+
+def load(path: str | os.PathLike, env: Mapping[str, str] | None = None, *,
+         roots: Iterable[str | os.PathLike] | None = None, fields: Iterable[str] | None = None) -> Document:
+    """Load a profile file and everything it ``extends``, merged into one located document.
+
+    ``roots`` overrides :func:`profile_roots`; ``fields`` are the top-level keys a file named by
+    ``extends`` may have (default: the profile's fields).
+    """
+    ctx = _LoadContext(env, Path(path), frozenset(fields) if fields is not None else None,
+                       tuple(Path(r).resolve() for r in roots) if roots is not None else None)
+    return _load(Path(path), str(path), ctx, stack=(), base_of=None)
+
+
+def _parse_base(text: str, display: str, ctx: _LoadContext, where: Location | None, name: str) -> Document:
+    """Parse a file named by ``extends``; until it reads as a profile, no key or value of it is quoted."""
+    def refuse(what: str, loc: Location | None = None, field_: str = "extends") -> ProfileError:
+        return ProfileError([Problem(loc or where, field_, what)])
+
+    try:
+        node = _compose(text, display)
+    except ProfileError as exc:
+        if exc.problems[0].message == "the file is empty":
+            raise
+        loc = exc.problems[0].location
+        at = f" at line {loc.line}, column {loc.column}" if loc else ""
+        raise refuse(f"{name} is not a specops profile: not valid YAML{at} (details are not shown for a file "
+                     f"that does not read as a profile)") from None
+    fields = ctx.fields if ctx.fields is not None else _profile_fields()
+    if not isinstance(node, yaml.MappingNode) or node.tag != "tag:yaml.org,2002:map":
+        raise refuse(f"{name} is not a specops profile (a profile is a YAML mapping of profile fields)")
+    keys = [k for k, _v in node.value]
+    unknown = [k for k in keys if not (isinstance(k, yaml.ScalarNode) and k.value in fields)]
+    if unknown and len(unknown) == len(keys):
+        raise refuse(f"{name} is not a specops profile (none of its top-level keys is a profile field)")
+    if unknown:
+        import difflib
+        key = unknown[0]
+        hint = (difflib.get_close_matches(key.value, sorted(fields), n=1, cutoff=0.6)
+                if isinstance(key, yaml.ScalarNode) else [])
+        raise refuse("unknown top-level field" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                     + " (not quoted: files named by `extends` are quoted only once they read as profiles)",
+                     _loc(display, key.start_mark), "")
+    return _build(node, display, ctx.env)
+
+
+def _load(path: Path, display: str, ctx: _LoadContext, stack: tuple[Path, ...],
+          base_of: tuple[Location | None, str] | None) -> Document:
+    if base_of is None:
+        doc = parse(read_text(path, display), display, ctx.env)
+    else:
+        where, name = base_of
+        doc = _parse_base(read_text(path, display, where, "extends"), display, ctx, where, name)
+    try:
+        return _extend(doc, path, ctx, stack)
+    except ProfileError as exc:
+        if not doc.env_texts:
+            raise
+        raise ProfileError(redact_problems(exc.problems, doc.env_texts)) from None
+
+
+def _extend(doc: Document, path: Path, ctx: _LoadContext, stack: tuple[Path, ...]) -> Document:
     parents = doc.data.pop("extends", None)
     if parents is None:
         return doc
@@ -232,7 +407,6 @@ def _load(path: Path, display: str, env, stack: tuple[Path, ...]) -> Document:
         parents = [parents]
     if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
         raise ProfileError([Problem(ext_loc, "extends", "must be a file path or a list of file paths")])
-    resolved = path.resolve()
     if len(stack) >= MAX_EXTENDS_DEPTH:
         raise ProfileError([Problem(ext_loc, "extends", f"more than {MAX_EXTENDS_DEPTH} levels of extends")])
     merged: Document | None = None
@@ -240,17 +414,34 @@ def _load(path: Path, display: str, env, stack: tuple[Path, ...]) -> Document:
         parent_path = (path.parent / parent)
         where = doc.values.get(("extends", i) if (("extends", i) in doc.values) else ("extends",), ext_loc)
         try:
-            parent_resolved, parent_is_file = parent_path.resolve(), parent_path.is_file()
+            resolved = path.resolve()
+            roots = ctx.roots()
+            parent_resolved = parent_path.resolve()
+        except RuntimeError:  # Python 3.11's Path.resolve on a symlink loop
+            raise ProfileError([Problem(where, "extends", f"cannot use {quote_value(parent)} as a file path: "
+                                                          f"symlink loop")]) from None
         except (OSError, ValueError) as exc:  # a NUL byte, a name too long for the file system, …
-            raise ProfileError([Problem(where, "extends", f"cannot use {parent!r} as a file path: "
-                                                          f"{getattr(exc, 'strerror', None) or exc}")]) from None
+            why = "symlink loop" if getattr(exc, "errno", None) == errno.ELOOP else (
+                getattr(exc, "strerror", None) or exc)
+            raise ProfileError([Problem(where, "extends", f"cannot use {quote_value(parent)} as a file path: "
+                                                          f"{why}")]) from None
+        if not any(parent_resolved.is_relative_to(root) for root in roots):
+            raise ProfileError([Problem(where, "extends", f"{quote_value(parent)} is outside the profile's tree "
+                                        f"({roots[0]}); extends may only name files inside it (or under "
+                                        f"${PROFILE_ROOT_ENV})")])
         if parent_resolved in stack + (resolved,):
             chain = " -> ".join([p.name for p in stack + (resolved,)] + [parent_path.name])
             raise ProfileError([Problem(where, "extends", f"extends cycle: {chain}")])
+        try:
+            parent_is_file = parent_path.is_file()
+        except (OSError, ValueError) as exc:
+            raise ProfileError([Problem(where, "extends", f"cannot use {quote_value(parent)} as a file path: "
+                                                          f"{getattr(exc, 'strerror', None) or exc}")]) from None
         if not parent_is_file:
-            raise ProfileError([Problem(where, "extends", f"file not found: {parent} "
-                                                          f"(relative to {path.parent or '.'})")])
-        base = _load(parent_path, os.path.relpath(parent_path), env, stack + (resolved,))
+            shown = parent if len(parent) <= 200 else quote_value(parent)
+            what = "not a regular file" if parent_path.exists() else "file not found"
+            raise ProfileError([Problem(where, "extends", f"{what}: {shown} (relative to {path.parent or '.'})")])
+        base = _load(parent_path, os.path.relpath(parent_path), ctx, stack + (resolved,), (where, parent))
         merged = base if merged is None else merge(merged, base)
     for p in [k for k in doc.values if k and k[0] == "extends"]:
         doc.values.pop(p)
@@ -294,4 +485,5 @@ def merge(base: Document, overlay: Document) -> Document:
     data = walk(base.data, overlay.data, ())
     keys = {k: v for k, v in keys.items() if v is not None}
     values = {k: v for k, v in values.items() if v is not None}
-    return Document(data, values, keys, base.files + [f for f in overlay.files if f not in base.files])
+    return Document(data, values, keys, base.files + [f for f in overlay.files if f not in base.files],
+                    base.env_texts + overlay.env_texts)

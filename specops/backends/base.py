@@ -8,11 +8,27 @@ and :class:`EngineInfo` always give the byte-identical plan.
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable
 
 from ..methods import Method
+from ..redact import MARK, Redactor, looks_secret, shell_quote, unmark
+
+__all__ = ["Backend", "EngineInfo", "LaunchPlan", "RenderError", "check_extra_args", "check_version_text",
+           "flag_of", "http_url", "looks_secret"]
+
+#: Engine versions as they may be written (profile ``engine.version``, ``--backend-version``): PEP 440-ish
+#: (``0.32.0``, ``0.11.0rc1``, ``0.8.5+cpu``), llama.cpp builds (``b9100``) and flag generations.
+VERSION_TEXT = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$")
+
+
+def check_version_text(text: str) -> str | None:
+    """Why ``text`` cannot be an engine version (without repeating it: it may be anything), else None."""
+    if isinstance(text, str) and VERSION_TEXT.match(text):
+        return None
+    return ("not a version: use letters, digits and . + _ - (at most 64 characters), e.g. 0.32.0, "
+            "b9100 or current")
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,11 @@ class LaunchPlan:
     secrets: tuple[str, ...] = field(default=(), repr=False)
     notes: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)  # for specops' own requests (e.g. llama /metrics)
+    #: Secret texts with their masked form (``x/sk-…`` → ``x/`` + MARK), for text that contains them.
+    masks: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
+    #: The printed form of :meth:`raw_dict` with each known secret position marked (see specops.redact),
+    #: set by :func:`specops.render.plan` for values interpolated from the environment; None: no such values.
+    display: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -66,32 +87,88 @@ class LaunchPlan:
     def metrics_url(self) -> str:
         return self.base_url + self.metrics_path
 
+    @cached_property
+    def _redactor(self) -> Redactor:
+        return Redactor(list(self.secrets) + [v for k, v in self.env if looks_secret(k)], self.masks)
+
+    @cached_property
+    def _known(self) -> dict[str, str]:
+        """Whole argv elements and environment values known to contain a secret → their printed form."""
+        shown = self._marked()
+        out: dict[str, str] = {}
+        for real, marked in zip(self.argv, shown["argv"]):
+            if MARK in marked:
+                out.setdefault(real, unmark(marked))
+        for key, value in self.env:
+            marked = shown["env"].get(key, value)
+            if MARK in marked:
+                out.setdefault(value, unmark(marked))
+        return out
+
     def redact(self, text: str) -> str:
-        """``text`` with every secret of this plan replaced by ``***``."""
-        for secret in sorted(self.secrets, key=len, reverse=True):
-            if secret:
-                text = text.replace(secret, "***")
-        return text
+        """``text`` (an argument, a value, an engine output line) with every secret of this plan as ``***``.
 
-    def shell(self) -> str:
-        """A POSIX shell line (environment assignments, then the command); secrets redacted."""
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
-        return self.redact((env + " " if env else "") + shlex.join(self.argv))
+        A text equal to an argument or environment value that holds a secret prints as that one does;
+        otherwise secrets are searched for (long ones only, see specops.redact), and URL passwords hidden.
+        """
+        known = self._known.get(text)
+        return known if known is not None else unmark(self._redactor.marked(text))
 
-    def to_dict(self) -> dict:
-        """A JSON-ready description; secrets redacted."""
+    def raw_dict(self) -> dict:
+        """Everything a printed form shows, unredacted (never print this)."""
         return {
             "backend": self.backend,
             "engine_version": self.engine_version,
             "method": self.method.value,
-            "argv": [self.redact(a) for a in self.argv],
-            "env": {k: self.redact(v) for k, v in self.env},
+            "argv": list(self.argv),
+            "env": dict(self.env),
             "url": self.base_url,
             "health_url": self.health_url,
             "metrics_url": self.metrics_url,
             "model_name": self.model_name,
             "notes": list(self.notes),
         }
+
+    def _marked(self) -> dict:
+        """:meth:`raw_dict` with every secret part replaced by MARK, each value on its own (before quoting)."""
+        base = self.display if self.display is not None else self.raw_dict()
+        mark = self._redactor.marked
+
+        def walk(value):
+            if isinstance(value, str):
+                return mark(value)
+            if isinstance(value, list):
+                return [walk(v) for v in value]
+            if isinstance(value, dict):
+                return {k: walk(v) for k, v in value.items()}
+            return value
+
+        out = {k: walk(v) for k, v in base.items() if k not in ("backend", "method")}
+        out["backend"], out["method"] = self.backend, self.method.value
+        out["env"] = {k: (MARK if looks_secret(k) and v else v) for k, v in out["env"].items()}
+        return {k: out[k] for k in base}
+
+    def shell(self) -> str:
+        """A POSIX shell line (environment assignments, then the command); secrets redacted.
+
+        Each value is redacted before it is quoted, so a secret with a quote in it cannot leak in pieces,
+        and ``***`` stands outside the quotes (``KEY=***``).
+        """
+        shown = self._marked()
+        env = " ".join(f"{k}={shell_quote(v)}" for k, v in shown["env"].items())
+        return (env + " " if env else "") + " ".join(shell_quote(a) for a in shown["argv"])
+
+    def to_dict(self) -> dict:
+        """A JSON-ready description; secrets redacted."""
+        def walk(value):
+            if isinstance(value, str):
+                return unmark(value)
+            if isinstance(value, list):
+                return [walk(v) for v in value]
+            if isinstance(value, dict):
+                return {k: walk(v) for k, v in value.items()}
+            return value
+        return walk(self._marked())
 
 
 class RenderError(ValueError):
@@ -158,11 +235,6 @@ def http_url(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"http://{host}:{port}"
-
-
-def looks_secret(env_name: str) -> bool:
-    """Environment variables whose values are redacted in every printed form."""
-    return bool(re.search(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL", env_name.upper()))
 
 
 def flag_of(arg: str) -> str | None:

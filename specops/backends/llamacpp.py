@@ -17,7 +17,7 @@ from ..hookspecs import hookimpl
 from ..methods import Method
 from ..paths import engines_dir
 from ..versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
-from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, looks_secret
+from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text, looks_secret
 
 #: specops method → llama-server ``--spec-type`` value, per flag generation (absent: not supported).
 SPEC_TYPE = {
@@ -110,6 +110,8 @@ class LlamaCppBackend(Backend):
 
     def engine_info(self, profile, version=None, *, probe=True):
         pinned, source = (version, "--backend-version") if version else (profile.engine.version, "profile engine.version")
+        if pinned and check_version_text(pinned):
+            raise SpecopsError(f"{source}: {check_version_text(pinned)}")
         if pinned and not (probe and profile.engine.executable):
             try:
                 llama_generation(pinned)

@@ -21,7 +21,7 @@ from ..paths import engines_dir
 from ..versions import (VLLM_DRAFT_MODEL_V1, VLLM_LEGACY_METHODS, VLLM_METHOD_SINCE, VLLM_METHOD_UNTIL,
                         VLLM_SPEC_CONFIG, VLLM_SPEC_CONFIG_ONLY, VLLM_V0_REMOVED, VLLM_V1_DEFAULT, Version,
                         vllm_field_problem)
-from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, looks_secret
+from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text, looks_secret
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: Fields of the speculative config that specops renders from dedicated profile fields.
@@ -88,6 +88,8 @@ class VllmBackend(Backend):
 
     def engine_info(self, profile, version=None, *, probe=True):
         pinned, source = (version, "--backend-version") if version else (profile.engine.version, "profile engine.version")
+        if pinned and check_version_text(pinned):
+            raise SpecopsError(f"{source}: {check_version_text(pinned)}")
         if pinned:
             try:
                 Version(pinned)

@@ -21,6 +21,21 @@ def echo_json(data) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
 
 
+def version_param(ctx, param, value):
+    """click callback: an engine version as ``--backend-version`` takes it (never echoed back when wrong)."""
+    if value is None:
+        return None
+    from ..backends.base import check_version_text
+    problem = check_version_text(value)
+    if problem:
+        raise click.BadParameter(problem)
+    return value
+
+
+#: ``--port``: a TCP port, 1–65535 (0 and booleans are no ports).
+port_type = click.IntRange(1, 65535)
+
+
 def duration_param(ctx, param, value):
     """click callback: ``30s``, ``10m``, ``1h30m`` or seconds → float seconds (None stays None)."""
     if value is None:

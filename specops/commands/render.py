@@ -7,7 +7,7 @@ from ..plugins import get_registry
 from ..render import FORMATS, format_plan, plan
 from ..methods import Method
 from ..profile import LoadedProfile
-from ._common import load, profile_argument
+from ._common import load, port_type, profile_argument, version_param
 
 
 def resolved(loaded: LoadedProfile, *, offline: bool, use_lock: bool) -> LoadedProfile:
@@ -30,12 +30,12 @@ def resolved(loaded: LoadedProfile, *, offline: bool, use_lock: bool) -> LoadedP
 @profile_argument
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="shell", show_default=True,
               help="shell: one paste-able line; json: argv, env and URLs; args: one argument per line.")
-@click.option("--backend-version", metavar="VERSION",
+@click.option("--backend-version", metavar="VERSION", callback=version_param,
               help="Render for this engine version (vLLM: 0.32.0; llama-server: a release build such as b9100 "
                    "or a flag generation: legacy, spec-type, spec-draft, current). Default: engine.version "
                    "in the profile, else probe the installed engine.")
 @click.option("--host", help="Bind address for the engine (default: server.host).")
-@click.option("--port", type=int, help="Port for the engine (default: server.port).")
+@click.option("--port", type=port_type, help="Port for the engine, 1-65535 (default: server.port).")
 @click.option("--offline", is_flag=True, help="Resolve `auto` from the lock file, HF cache and catalog only.")
 @click.option("--no-lock", is_flag=True, help="Ignore <profile>.lock.json (resolve `auto` afresh).")
 def render(profile, fmt, backend_version, host, port, offline, no_lock):

@@ -7,8 +7,9 @@ import click
 
 from ..errors import Location, Problem, ProfileError, SpecopsError
 from ..plugins import get_registry
-from ..profile import load_profile
-from ..yamlsource import parse
+from ..profile import LoadedProfile, load_profile
+from ..redact import MASK
+from ..yamlsource import parse, read_text
 from ._common import echo_json
 
 PROFILE_SUFFIXES = (".yaml", ".yml")
@@ -23,20 +24,30 @@ def collect(paths: list[str]) -> tuple[list[Path], set[Path]]:
     files: list[Path] = []
     for raw in paths:
         p = Path(raw)
-        if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.suffix in PROFILE_SUFFIXES and f.is_file())
+        if _safe(p.is_dir):
+            files += sorted(f for f in p.rglob("*") if f.suffix in PROFILE_SUFFIXES and _safe(f.is_file))
         else:
             files.append(p)
     bases: set[Path] = set()
     for f in files:
         for parent in _extends_of(f):
-            bases.add((f.parent / parent).resolve())
-    return files, {f for f in files if f.resolve() in bases}
+            resolved = _safe((f.parent / parent).resolve)
+            if resolved:
+                bases.add(resolved)
+    return files, {f for f in files if _safe(f.resolve) in bases}
+
+
+def _safe(call):
+    """``call()``, or None where the path cannot be used (a symlink loop, a NUL byte, no permission)."""
+    try:
+        return call()
+    except (OSError, ValueError, RuntimeError):
+        return None
 
 
 def _extends_of(path: Path) -> list[str]:
     try:
-        doc = parse(path.read_text(encoding="utf-8"), str(path), env=_AnyEnv())
+        doc = parse(read_text(path, str(path)), str(path), env=_AnyEnv())
     except (SpecopsError, OSError, UnicodeDecodeError):
         return []
     ext = doc.data.get("extends")
@@ -82,7 +93,8 @@ def validate(paths, fmt, do_resolve, offline):
         try:
             loaded = load_profile(path, registry=registry)
             p = loaded.profile
-            summary = {"name": p.name, "backend": p.backend, "method": p.speculative.method.value}
+            summary = {"name": _shown(loaded, ("name",), p.name), "backend": _shown(loaded, ("backend",), p.backend),
+                       "method": p.speculative.method.value}
             if do_resolve:
                 from ..resolve.check import check_loaded  # the resolver pulls in the Hub client: only when asked
                 for finding in check_loaded(loaded, offline=offline):
@@ -127,6 +139,11 @@ def validate(paths, fmt, do_resolve, offline):
         click.echo(f"{len(results) - bad} valid, {bad} invalid", err=True)
     if not all(r["ok"] for r in results):
         raise SystemExit(1)
+
+
+def _shown(loaded: LoadedProfile, path: tuple, value: str) -> str:
+    """``value`` as validate prints it: hidden when ``${VAR}`` took it from the environment."""
+    return MASK if any(t.path == path for t in loaded.document.env_texts) else value
 
 
 def _only_incomplete(exc: ProfileError) -> bool:
