@@ -386,7 +386,8 @@ def validate_document(doc: Document) -> Profile:
     try:
         profile = Profile.model_validate(doc.data)
     except ValidationError as exc:
-        problems += [_problem_from_pydantic(doc, err) for err in exc.errors()]
+        said = {p.field for p in problems}  # `port: false` is a boolean first, not a port below 1
+        problems += [p for p in (_problem_from_pydantic(doc, err) for err in exc.errors()) if p.field not in said]
     if problems:
         raise ProfileError(redact_problems(problems, doc.env_texts))
     return profile

@@ -93,7 +93,7 @@ def _probe_paths(profile: Profile, texts: list[EnvText]) -> list[EnvText]:
     """The interpolated texts still in ``profile`` at their paths (or moved there by a fallback step)."""
     out = []
     for t in texts:
-        if _get(profile, t.path) == t.text:
+        if _same(_get(profile, t.path), t.text):
             out.append(t)
         # a fallback step's draft becomes speculative.draft when the supervisor switches to it
         if len(t.path) == 4 and t.path[:2] == ("fallback", "chain") and t.path[3] == "draft":
@@ -128,6 +128,18 @@ def _probe_profile(profile: Profile, texts: list[EnvText]) -> tuple[Profile, dic
 
 
 _MISSING = object()
+
+
+def _same(value: Any, text: str) -> bool:
+    """Whether ``value`` in the profile is still what ``text`` became (pydantic turns "8000" into 8000)."""
+    if isinstance(value, str):
+        return value == text
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return float(text.strip()) == value
+    except ValueError:
+        return False
 
 
 def _get(node: Any, path: tuple) -> Any:
