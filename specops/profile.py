@@ -359,7 +359,7 @@ class LoadedProfile:
         Values that ``${VAR}`` took from the environment are hidden in the message.
         """
         problem = Problem(self.document.locate(path, key=key), format_path(path) if field is None else field, message)
-        return redact_problems([problem], self.document.env_texts)[0] if self.document.env_texts else problem
+        return redact_problems([problem], self.document.env_texts)[0]
 
 
 # ---------------------------------------------------------------------------------------------------

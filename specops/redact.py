@@ -177,8 +177,9 @@ def _related(a: str, b: str) -> bool:
 def redact_message(message: str, field: str, texts: Iterable[EnvText], format_path) -> str:
     """A problem message about ``field`` with every secret interpolated value hidden.
 
-    Long values are hidden anywhere; a short one only in a problem about its own field, and only where it
-    stands as a word of its own or quoted (``invalid value 'ab'``), never inside other words.
+    Long values are hidden anywhere; a short one only in a problem about its own field, and only where
+    the message quotes it (``invalid value 'ab'``, ``ngram.min (9)``), never inside other text: ``a`` in
+    "needs a draft" stays, or the message would give the value away.
     """
     texts = list(texts)
     if not texts:
@@ -190,8 +191,7 @@ def redact_message(message: str, field: str, texts: Iterable[EnvText], format_pa
         for value, masked in [(t.text, t.masked())] + [(v, MARK) for v in t.values]:
             if not value:
                 continue
-            for quote in ("'", '"'):
-                out = out.replace(quote + value + quote, quote + masked + quote)
+            for left, right in (("'", "'"), ('"', '"'), ("(", ")")):
+                out = out.replace(left + value + right, left + masked + right)
             out = out.replace(repr(value), repr(masked).replace("\\x00", MARK))
-            out = re.sub(r"(?<![\w.\-/])" + re.escape(value) + r"(?![\w\-/]|\.\w)", lambda _m: masked, out)
     return unmark(out)

@@ -46,7 +46,7 @@ def _plan(path: Path, env: dict):
 
 # --------------------------------------------------------------------------------------------- errors
 
-@pytest.mark.parametrize("token", ["hf_SECRETS_TEST_invalid_value_77", "ab", "x"])
+@pytest.mark.parametrize("token", ["hf_SECRETS_TEST_invalid_value_77", "ab", "x", "a", "e"])
 @pytest.mark.parametrize("fmt", ["text", "json", "github"])
 def test_an_interpolated_value_is_hidden_in_an_invalid_value_error(tmp_path, token, fmt):
     path = _write(tmp_path, VLLM + "model: {id: a/b}\nspeculative:\n  method: \"${HF_TOKEN}\"\n")
@@ -63,6 +63,13 @@ def test_render_error_hides_the_interpolated_value(tmp_path):
     res = run("render", path, env={"WEIGHTS": "SECRETS-TEST-dir-name"})
     assert res.code == 1 and "SECRETS-TEST" not in res.stderr
     assert "'./weights/***': llama.cpp needs a .gguf file" in res.stderr
+
+
+def test_a_short_value_is_hidden_where_the_message_quotes_it_and_nowhere_else(tmp_path):
+    path = _write(tmp_path, LLAMA + "model:\n  id: \"${M}\"\n")
+    res = run("validate", path, env={"M": "a"})
+    assert res.code == 1
+    assert "model.id: '***' is neither a local .gguf file nor a Hub repo id (org/name)" in res.stdout
 
 
 def test_extends_named_by_the_environment_is_hidden_in_errors(tmp_path):
