@@ -257,3 +257,10 @@ def test_a_bad_version_reaching_a_backend_is_refused_without_echo():
         with pytest.raises(SpecopsError) as info:
             get_registry().backend(name).engine_info(loaded.profile, "0.32.0; rm -rf /", probe=False)
         assert "rm -rf" not in str(info.value) and "not a version" in str(info.value)
+
+
+@pytest.mark.parametrize("command", ["render", "tune", "bench", "resolve"])
+def test_backend_version_options_refuse_what_is_no_version(command):
+    from support_cli import ROOT, run
+    res = run(command, str(ROOT / "profiles" / "llama31-8b-eagle3.yaml"), "--backend-version", "0.32.0; rm -rf /")
+    assert res.code == 2 and "not a version" in res.stderr and "rm -rf" not in res.stderr

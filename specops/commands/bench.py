@@ -6,7 +6,7 @@ import time
 
 import click
 
-from ._common import duration_param, echo_json, json_option, load, profile_argument
+from ._common import duration_param, echo_json, json_option, load, profile_argument, version_param
 
 
 def _levels(ctx, param, value):
@@ -76,7 +76,7 @@ class _Bar:
 @click.option("--ignore-eos", is_flag=True, help="Ask the engine to ignore end-of-sequence (fixed output lengths).")
 @click.option("--draft-cost", type=float, help="c for the model speedup column (default: the profile's "
               "fallback.draft_cost_ratio, else 0.05).")
-@click.option("--backend-version", metavar="VERSION", help="Expect this engine version.")
+@click.option("--backend-version", metavar="VERSION", callback=version_param, help="Expect this engine version.")
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Where results.json, summary.md "
               "and the plots go (default: ./specops-bench/<name>-<time>).")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")

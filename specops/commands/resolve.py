@@ -7,7 +7,7 @@ import click
 
 from ..errors import SpecopsError
 from ..methods import Method
-from ._common import echo_json, json_option, load
+from ._common import echo_json, json_option, load, version_param
 
 METHOD_CHOICES = [m.value for m in Method if m not in (Method.NONE, Method.SUFFIX)]
 SEVERITY_MARK = {"error": "error  ", "warning": "warning", "info": "info   "}
@@ -26,7 +26,7 @@ def _progress(msg: str) -> None:
 @click.option("--tp", "tensor_parallel_size", type=int, default=1, show_default=True, help="Target tensor parallel size.")
 @click.option("--quant", help="llama.cpp: GGUF quantisation of the draft (default Q4_K_M).")
 @click.option("--memory-gb", type=float, help="Memory budget per GPU (GiB) for the fit warning.")
-@click.option("--backend-version", help="Check method support against this engine version.")
+@click.option("--backend-version", callback=version_param, help="Check method support against this engine version.")
 @click.option("--offline", is_flag=True, help="Use only the lock, the HF cache and the catalog (also HF_HUB_OFFLINE=1).")
 @click.option("--all", "show_all", is_flag=True, help="Also print info findings for every candidate.")
 @json_option

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ._common import duration_param, echo_json, json_option, load, profile_argument
+from ._common import duration_param, echo_json, json_option, load, profile_argument, version_param
 
 
 
@@ -131,7 +131,7 @@ class _Progress:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Where the PNG goes (default: "
               "<profile>.tune.png beside the profile; with --dry-run only when given).")
 @click.option("--no-plot", is_flag=True, help="No PNG.")
-@click.option("--backend-version", metavar="VERSION", help="Expect this engine version.")
+@click.option("--backend-version", metavar="VERSION", callback=version_param, help="Expect this engine version.")
 @click.option("--offline", is_flag=True, help="Resolve drafts without the Hub (lock, HF cache, catalog).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @json_option
