@@ -13,6 +13,7 @@ printed form can hide it.
 """
 from __future__ import annotations
 
+import difflib
 import errno
 import os
 import re
@@ -82,6 +83,11 @@ def quote_value(value: str, limit: int = 40) -> str:
     """``repr(value)`` for a message, shortened: a 5000-digit number must not flood a CI log."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 4] + "…" + text[0]
+
+
+def _shown_path(text: str) -> str:
+    """A path from a profile as messages print it: as written, unless it is long or has odd characters."""
+    return text if len(text) <= 200 and text.isprintable() else quote_value(text)
 
 
 def redact_problems(problems: Iterable[Problem], texts: Iterable[EnvText]) -> list[Problem]:
@@ -356,6 +362,7 @@ def _parse_base(text: str, display: str, ctx: _LoadContext, where: Location | No
     def refuse(what: str, loc: Location | None = None, field_: str = "extends") -> ProfileError:
         return ProfileError([Problem(loc or where, field_, what)])
 
+    name = _shown_path(name)
     try:
         node = _compose(text, display)
     except ProfileError as exc:
@@ -373,7 +380,6 @@ def _parse_base(text: str, display: str, ctx: _LoadContext, where: Location | No
     if unknown and len(unknown) == len(keys):
         raise refuse(f"{name} is not a specops profile (none of its top-level keys is a profile field)")
     if unknown:
-        import difflib
         key = unknown[0]
         hint = (difflib.get_close_matches(key.value, sorted(fields), n=1, cutoff=0.6)
                 if isinstance(key, yaml.ScalarNode) else [])
@@ -438,9 +444,9 @@ def _extend(doc: Document, path: Path, ctx: _LoadContext, stack: tuple[Path, ...
             raise ProfileError([Problem(where, "extends", f"cannot use {quote_value(parent)} as a file path: "
                                                           f"{getattr(exc, 'strerror', None) or exc}")]) from None
         if not parent_is_file:
-            shown = parent if len(parent) <= 200 else quote_value(parent)
             what = "not a regular file" if parent_path.exists() else "file not found"
-            raise ProfileError([Problem(where, "extends", f"{what}: {shown} (relative to {path.parent or '.'})")])
+            raise ProfileError([Problem(where, "extends", f"{what}: {_shown_path(parent)} "
+                                                          f"(relative to {path.parent or '.'})")])
         base = _load(parent_path, os.path.relpath(parent_path), ctx, stack + (resolved,), (where, parent))
         merged = base if merged is None else merge(merged, base)
     for p in [k for k in doc.values if k and k[0] == "extends"]:
