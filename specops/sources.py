@@ -14,7 +14,10 @@ Three sources, all synchronous and short (run them in a thread from async code):
   read exactly like a scrape.
 
 Every failure to read (refused connection, timeout, HTTP error, text that is not an exposition, a query
-Prometheus rejects) raises :class:`SourceError`: the caller warns and decides nothing.
+Prometheus rejects) raises :class:`SourceError`: the caller warns and decides nothing. A source that
+cannot be built (a label name PromQL does not allow, a window that is not a finite number of seconds)
+raises :class:`SourceConfigError`, a one-line error for the CLI. URLs in messages are redacted
+(:func:`specops.urls.redact_url`: no userinfo, query values or token-like path segments).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import urllib.request
 from typing import Mapping
 
 from .errors import SpecopsError
+from .urls import redact_text, redact_url
 from .metrics import SOURCE_LLAMACPP_LOG, MetricsError, SpecCounters, normalize_prefix, parse_spec_counters, series_names
 from .window import NO_DATA, OK, SPEC_OFF, WindowStats
 
@@ -37,6 +41,10 @@ MAX_BYTES = 32 * 1024 * 1024
 
 class SourceError(SpecopsError):
     """The acceptance source could not be read now; says which source and why."""
+
+
+class SourceConfigError(SourceError, ValueError):
+    """A source that cannot be built as configured (bad label name, window that is not finite)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -51,6 +59,7 @@ class ScrapeSource:
     def __init__(self, url: str, prefix: str, model_name: str | None = None, timeout: float = 3.0,
                  headers: Mapping[str, str] | None = None):
         self.url = url
+        self.shown_url = redact_url(url)    # for messages: never the userinfo or query values
         self.headers = dict(headers or {})  # e.g. the API key llama-server wants on /metrics
         self.prefix = normalize_prefix(prefix)
         self.model_name = model_name
@@ -65,16 +74,16 @@ class ScrapeSource:
                 body = resp.read(MAX_BYTES + 1)
                 ctype = resp.headers.get("Content-Type", "")
         except urllib.error.HTTPError as exc:
-            raise SourceError(f"{self.url}: HTTP {exc.code} {exc.reason}") from None
+            raise SourceError(f"{self.shown_url}: HTTP {exc.code} {redact_text(str(exc.reason))[:200]}") from None
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise SourceError(f"{self.url}: {reason or type(exc).__name__}") from None
+            raise SourceError(f"{self.shown_url}: {redact_text(str(reason or type(exc).__name__))[:300]}") from None
         if len(body) > MAX_BYTES:
-            raise SourceError(f"{self.url}: response larger than {MAX_BYTES} bytes")
+            raise SourceError(f"{self.shown_url}: response larger than {MAX_BYTES} bytes")
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError:
-            raise SourceError(f"{self.url}: the response is not UTF-8 text") from None
+            raise SourceError(f"{self.shown_url}: the response is not UTF-8 text") from None
         return text, ctype.lower().startswith("application/openmetrics-text")
 
     def read(self) -> SpecCounters | None:
@@ -82,10 +91,10 @@ class ScrapeSource:
         try:
             return parse_spec_counters(text, self.prefix, self.model_name, openmetrics=openmetrics)
         except MetricsError as exc:
-            raise SourceError(f"{self.url}: {exc}") from None
+            raise SourceError(f"{self.shown_url}: {exc}") from None
 
     def __repr__(self) -> str:
-        return f"ScrapeSource({self.url!r}, {self.prefix!r}, model_name={self.model_name!r})"
+        return f"ScrapeSource({self.shown_url!r}, {self.prefix!r}, model_name={self.model_name!r})"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -98,11 +107,21 @@ def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
+def label_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a Prometheus label name (None when it can)."""
+    if not isinstance(name, str) or not _LABEL_NAME.match(name):
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else repr(name[:77] + "...")
+        return (f"invalid Prometheus label name {shown} in monitor.labels: use letters, digits and '_', "
+                f"not starting with a digit (e.g. model_name, job)")
+    return None
+
+
 def selector(labels: Mapping[str, str]) -> str:
     """``{a="1",b="2"}`` (sorted, escaped) from label matchers; ``""`` when there are none."""
     for name in labels:
-        if not _LABEL_NAME.match(name):
-            raise ValueError(f"invalid Prometheus label name {name!r}")
+        problem = label_name_problem(name)
+        if problem is not None:
+            raise SourceConfigError(problem)
     if not labels:
         return ""
     return "{" + ",".join(f"{k}={_quote(str(v))}" for k, v in sorted(labels.items())) + "}"
@@ -110,8 +129,14 @@ def selector(labels: Mapping[str, str]) -> str:
 
 def promql_duration(seconds: float) -> str:
     """A PromQL range: whole seconds as ``60s``, anything finer in milliseconds (``1500ms``)."""
-    if not seconds > 0:
-        raise ValueError(f"a PromQL range must be > 0 seconds, got {seconds!r}")
+    try:
+        ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) \
+            and seconds > 0
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise SourceConfigError(f"a PromQL range (fallback.window) must be a finite number of seconds > 0, "
+                                f"got {seconds!r}")
     ms = round(seconds * 1000)
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
@@ -139,12 +164,13 @@ class PromQLSource:
     def __init__(self, prometheus_url: str, prefix: str, labels: Mapping[str, str] | None = None,
                  window_s: float = 60.0, timeout: float = 3.0):
         self.prometheus_url = prometheus_url.rstrip("/")
+        self.shown_url = redact_url(self.prometheus_url)
         self.prefix = normalize_prefix(prefix)
         self.labels = dict(labels or {})
+        self._range = promql_duration(window_s)  # a clean error for 0, negative, NaN or infinite windows
         self.window_s = float(window_s)
         self.timeout = timeout
         self._sel = selector(self.labels)
-        self._range = promql_duration(self.window_s)
         target = {k: v for k, v in self.labels.items() if k in ("job", "instance")}
         self._up_sel = selector(target) if target else None
         self._client = None
@@ -201,11 +227,11 @@ class PromQLSource:
         try:
             result = self.client.custom_query(self.query(), params=params)
         except PrometheusApiClientException as exc:
-            raise SourceError(f"Prometheus {self.prometheus_url}: {exc}") from None
+            raise SourceError(f"Prometheus {self.shown_url}: {redact_text(str(exc))[:300]}") from None
         except requests.RequestException as exc:
-            raise SourceError(f"Prometheus {self.prometheus_url} unreachable: {type(exc).__name__}") from None
+            raise SourceError(f"Prometheus {self.shown_url} unreachable: {type(exc).__name__}") from None
         except ValueError as exc:  # a body that is not JSON
-            raise SourceError(f"Prometheus {self.prometheus_url}: bad answer ({exc})") from None
+            raise SourceError(f"Prometheus {self.shown_url}: bad answer ({redact_text(str(exc))[:200]})") from None
         values: dict[str, float] = {}
         per_pos: dict[int, float] = {}
         at = None
@@ -222,7 +248,7 @@ class PromQLSource:
                 elif name:
                     values[name] = value
         except (KeyError, TypeError, ValueError) as exc:
-            raise SourceError(f"Prometheus {self.prometheus_url}: unexpected answer ({exc!r})") from None
+            raise SourceError(f"Prometheus {self.shown_url}: unexpected answer ({redact_text(repr(exc))[:200]})") from None
         end = now if now is not None else at
         common = dict(window_s=self.window_s, end=end, start=(end - self.window_s) if end is not None else None,
                       source="promql", full="full" in values, resets=int(values.get("resets", 0)))
@@ -247,7 +273,7 @@ class PromQLSource:
                            f"{self._range})", **common)
 
     def __repr__(self) -> str:
-        return f"PromQLSource({self.prometheus_url!r}, {self.prefix!r}, {self.labels!r}, {self.window_s:g})"
+        return f"PromQLSource({self.shown_url!r}, {self.prefix!r}, {self.labels!r}, {self.window_s:g})"
 
 
 # ---------------------------------------------------------------------------------------------------

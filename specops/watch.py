@@ -7,23 +7,50 @@ reports and recommends, and can run a command or call a webhook on each decision
 
 Every notable decision goes to the event log, to specops' own ``/metrics`` and to the state file that
 ``specops status`` reads.
+
+Bounds: a read every :data:`MIN_INTERVAL` seconds at most (a smaller interval is raised to it, so a bad
+setting can never busy-loop the engine's ``/metrics``), a window of at most :data:`MAX_WINDOW`, and a
+webhook is an ``http``/``https`` URL with a host whose userinfo, query values and token-like path
+segments are never printed (:mod:`specops.urls`).
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
+import os
 import re
 import subprocess
+import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .errors import SpecopsError
 from .metrics import SpecCounters
 from .policy import Decision, Policy
 from .sources import LogLineSource, PromQLSource, ScrapeSource, SourceError, promql_labels
+from .urls import check_http_url, redact_text, redact_url, split_userinfo
 from .window import Sample, SampleBuffer, WindowStats
+
+#: The shortest time between two reads: a smaller ``monitor.interval`` / ``--interval`` is not allowed.
+MIN_INTERVAL = 0.1
+#: The longest time between two reads.
+MAX_INTERVAL = 3600.0
+#: The longest acceptance window.
+MAX_WINDOW = 86400.0
+#: Samples one window may hold (window / interval): more would only cost memory.
+MAX_WINDOW_SAMPLES = 100_000
+
+
+def watch_interval(seconds: float) -> float:
+    """The interval the watcher uses: at least :data:`MIN_INTERVAL`; raises SpecopsError unless finite."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds):
+        raise SpecopsError(f"monitor.interval must be a finite number of seconds, got {seconds!r}")
+    return min(max(float(seconds), MIN_INTERVAL), MAX_INTERVAL)
 
 #: Counters of generated tokens, for tokens/s in `specops status` (classic text format names).
 GENERATED = {"vllm:": re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M),
@@ -116,7 +143,8 @@ class AcceptanceReader:
         try:
             counters = self.backend.acceptance_counters(text, self._model_name, openmetrics)
         except ValueError as exc:
-            return Reading(WindowStats.unavailable(now, f"{self._scrape.url}: {exc}", self.window_s), tps)
+            return Reading(WindowStats.unavailable(now, f"{self._scrape.shown_url}: {redact_text(str(exc))}",
+                                                   self.window_s), tps)
         if counters is None and self.log is not None and self.log.lines:
             counters = self.log.read()  # llama-server builds without spec counters: the per-request log line
         self._buffer.add(Sample(now, counters))
@@ -226,7 +254,7 @@ class Watcher:
         self.publish = publish or (lambda: None)
         self.metrics = metrics
         self.clock = clock
-        self.interval = profile.monitor.interval
+        self.interval = watch_interval(profile.monitor.interval)
         self.attached = False
         self.sup = None  # the Supervisor under `specops up`; None when watching read-only
         #: read-only mode (`specops watch`): called with (decision, stats) instead of acting
@@ -361,24 +389,55 @@ class Watcher:
 
 # ---------------------------------------------------------------------- `specops watch`: read-only
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: D102 - a webhook is not followed
+        return None
+
+
+def check_webhook(url: str) -> str:
+    """``url`` when it can be a webhook (``http``/``https`` with a host); raises SpecopsError, URL redacted."""
+    try:
+        return check_http_url(url, "webhook")
+    except ValueError as exc:
+        raise SpecopsError(str(exc)) from None
+
+
 def notify(decision: Decision, stats: WindowStats, *, command: list[str] | None, webhook: str | None,
            say: Callable[[str], None], timeout: float = 10.0) -> None:
-    """Run ``command`` (decision JSON on stdin and in $SPECOPS_DECISION) and/or POST it to ``webhook``."""
+    """Run ``command`` (decision JSON on stdin and in $SPECOPS_DECISION) and/or POST it to ``webhook``.
+
+    The command is an argv list run without a shell; its stderr is kept to the last 200 bytes. The webhook
+    must be ``http``/``https``; credentials in it are sent as Basic auth, redirects are not followed, and
+    its URL is printed redacted."""
     payload = json.dumps({"decision": decision.to_dict(), "window": stats.to_dict()}, default=str)
     if command:
-        import os
         try:
-            res = subprocess.run(command, input=payload, text=True, capture_output=True, timeout=timeout,
-                                 env={**os.environ, "SPECOPS_DECISION": payload})
-            say(f"on-decision command exited {res.returncode}" + (f": {res.stderr.strip()[-200:]}" if res.returncode else ""))
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            say(f"warning: on-decision command failed: {exc}")
+            with tempfile.TemporaryFile() as err:
+                res = subprocess.run(command, input=payload, text=True, stdout=subprocess.DEVNULL, stderr=err,
+                                     timeout=timeout, env={**os.environ, "SPECOPS_DECISION": payload})
+                tail = ""
+                if res.returncode:
+                    err.seek(0, os.SEEK_END)
+                    err.seek(max(0, err.tell() - 200))
+                    tail = err.read().decode("utf-8", "replace").strip()
+            say(f"on-decision command exited {res.returncode}" + (f": {redact_text(tail)}" if tail else ""))
+        except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+            say(f"warning: on-decision command failed: {redact_text(str(exc))[:300]}")
     if webhook:
-        req = urllib.request.Request(webhook, data=payload.encode(), headers={"Content-Type": "application/json"})
+        shown = redact_url(webhook)
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            check_http_url(webhook, "webhook")
+            url, creds = split_userinfo(webhook)
+            headers = {"Content-Type": "application/json", "User-Agent": "specops"}
+            if creds is not None:
+                token = base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
+                headers["Authorization"] = f"Basic {token}"
+            req = urllib.request.Request(url, data=payload.encode(), headers=headers, method="POST")
+            opener = urllib.request.build_opener(_NoRedirect())
+            with opener.open(req, timeout=timeout) as resp:
                 say(f"webhook answered {resp.status}")
+        except urllib.error.HTTPError as exc:
+            say(f"warning: webhook {shown} answered HTTP {exc.code}")
         except (OSError, ValueError) as exc:
-            say(f"warning: webhook {webhook} failed: {exc}")
-
-
+            reason = getattr(exc, "reason", None) or exc
+            say(f"warning: webhook {shown} failed: {redact_text(str(reason))[:300]}")

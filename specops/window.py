@@ -19,6 +19,7 @@ acceptance is the engine's lifetime ratio and whose token counts are unknown (No
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -91,10 +92,26 @@ def _fields(c: SpecCounters) -> list[float]:
     return [c.draft_tokens, c.accepted, c.drafts or 0.0, *c.per_position]
 
 
+class WindowError(ValueError):
+    """A window length that cannot be used (not a finite number of seconds above zero)."""
+
+
+def check_window(window_s: object) -> float:
+    """``window_s`` as float seconds when it is finite and > 0; raises :class:`WindowError` (one line)."""
+    if isinstance(window_s, bool) or not isinstance(window_s, (int, float)):
+        raise WindowError(f"the window must be a number of seconds, not {type(window_s).__name__}")
+    try:
+        value = float(window_s)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value) or not value > 0:
+        raise WindowError(f"the window must be a finite number of seconds > 0, got {window_s!r}")
+    return value
+
+
 def window_stats(samples: Iterable[Sample], now: float, window_s: float) -> WindowStats:
     """Acceptance over ``(now - window_s, now]`` from ``samples`` (any order; samples after ``now`` ignored)."""
-    if not window_s > 0:
-        raise ValueError(f"window_s must be > 0, got {window_s!r}")
+    window_s = check_window(window_s)
     ordered = sorted((s for s in samples if s.t <= now), key=lambda s: s.t)
     if not ordered:
         return WindowStats(NO_DATA, window_s, reason="no samples yet")
@@ -171,6 +188,9 @@ class SampleBuffer:
 
     window_s: float
     _samples: list[Sample] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.window_s = check_window(self.window_s)
 
     def add(self, sample: Sample) -> None:
         if self._samples and sample.t < self._samples[-1].t:

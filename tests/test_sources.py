@@ -210,6 +210,52 @@ def test_selector_and_duration():
     assert promql_labels("llamacpp:", {"job": "j"}, "tiny") == {"job": "j"}
 
 
+def test_bad_labels_and_windows_are_clean_source_errors():
+    """A label name PromQL does not allow, or a window that is not a finite number of seconds, is a one-line
+    SourceConfigError (a SpecopsError, so the CLI prints it) — never an OverflowError or a traceback."""
+    from specops.errors import SpecopsError
+    from specops.sources import SourceConfigError
+    for labels in ({"bad-name": "x"}, {"1x": "y"}, {"": "z"}, {"a b": "c"}):
+        with pytest.raises(SourceConfigError) as exc:
+            PromQLSource("http://127.0.0.1:1", "vllm:", labels, 60)
+        assert isinstance(exc.value, SpecopsError) and "monitor.labels" in str(exc.value)
+    for window in (float("inf"), float("-inf"), float("nan"), 0, -5, 1e308 * 10):
+        with pytest.raises(SourceConfigError) as exc:
+            promql_duration(window)
+        assert "finite" in str(exc.value)
+        with pytest.raises(SourceConfigError):
+            PromQLSource("http://127.0.0.1:1", "vllm:", {}, window)
+    with pytest.raises(SourceConfigError):
+        promql_duration(10 ** 400)  # an int too large for a float
+
+
+def test_source_errors_never_show_credentials_or_query_values():
+    port = free_port()
+    src = ScrapeSource(f"http://user:s3cretpw@127.0.0.1:{port}/metrics?token=tok3n", "vllm:", timeout=1)
+    with pytest.raises(SourceError) as exc:
+        src.read()
+    assert "s3cretpw" not in str(exc.value) and "tok3n" not in str(exc.value)
+    assert "s3cretpw" not in repr(src)
+    prom = PromQLSource(f"http://user:s3cretpw@127.0.0.1:{port}/?key=tok3n", "vllm:", {}, 60, timeout=1)
+    try:
+        with pytest.raises(SourceError) as exc:
+            prom.read()
+    finally:
+        prom.close()
+    assert "s3cretpw" not in str(exc.value) and "tok3n" not in str(exc.value) and "***@127.0.0.1" in str(exc.value)
+    assert "s3cretpw" not in repr(prom)
+
+
+def test_watcher_reading_of_a_credentialed_url_is_redacted():
+    from specops.plugins import get_registry
+    from specops.watch import AcceptanceReader
+    reader = AcceptanceReader("scrape", get_registry().backend("llamacpp"), 5.0, 1.0)
+    reader.attach(f"http://u:s3cretpw@127.0.0.1:{free_port()}/metrics?sig=tok3n", None)
+    stats = reader.read_blocking(1.0).stats
+    assert stats.status == UNAVAILABLE
+    assert "s3cretpw" not in stats.reason and "tok3n" not in stats.reason
+
+
 # ---------------------------------------------------------------------------------------------------
 # a real Prometheus
 

@@ -125,6 +125,16 @@ def test_invalid_window():
         window_stats([], now=0, window_s=0)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), -1, 0, "60", None, True])
+def test_non_finite_windows_are_refused_with_one_line(bad):
+    from specops.window import WindowError
+    with pytest.raises(WindowError) as exc:
+        window_stats([], now=0, window_s=bad)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(WindowError):
+        SampleBuffer(window_s=bad)
+
+
 def test_sample_buffer_keeps_only_what_the_window_needs():
     buf = SampleBuffer(window_s=30)
     for t in range(0, 101, 5):
