@@ -228,3 +228,13 @@ def test_numbers_and_booleans_from_the_environment_still_convert(tmp_path):
         (8123, True, 0.5, 90.0)
     with pytest.raises(ProfileError, match="server.port"):
         load_profile(path, env={"PORT": "true", "T": "true", "MU": "0.5", "W": "90s"}, registry=get_registry())
+
+
+def test_events_and_logs_print_argv_and_env_as_the_render_does(tmp_path):
+    """The supervisor's start event redacts each argv element and env value with plan.redact."""
+    path = _write(tmp_path, LLAMA + "model:\n  id: \"org/${K}\"\n  quantization: Q4_K_M\nserver:\n  env:\n"
+                  "    HF_TOKEN: \"${TOKEN}\"\n")
+    p = _plan(path, {"K": "q", "TOKEN": "t"})
+    assert [p.redact(a) for a in p.argv] == p.printed_argv()
+    assert {k: p.redact(v) for k, v in p.env} == p.printed_env() == {"HF_TOKEN": "***"}
+    assert "org/***:Q4_K_M" in p.printed_argv()

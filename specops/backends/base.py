@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import Iterable
 
 from ..methods import Method
-from ..redact import MARK, Redactor, looks_secret, shell_quote, unmark
+from ..redact import MARK, MIN_SUBSTRING, Redactor, looks_secret, shell_quote, unmark
 
 __all__ = ["Backend", "EngineInfo", "LaunchPlan", "RenderError", "check_extra_args", "check_version_text",
            "flag_of", "http_url", "looks_secret"]
@@ -95,15 +95,15 @@ class LaunchPlan:
     def _known(self) -> dict[str, str]:
         """Whole argv elements and environment values known to contain a secret → their printed form."""
         shown = self._marked()
+        pairs = list(zip(self.argv, shown["argv"])) + [(v, shown["env"].get(k, v)) for k, v in self.env]
         out: dict[str, str] = {}
-        for real, marked in zip(self.argv, shown["argv"]):
+        for real, marked in pairs:
             if MARK in marked:
                 out.setdefault(real, unmark(marked))
-        for key, value in self.env:
-            marked = shown["env"].get(key, value)
-            if MARK in marked:
-                out.setdefault(value, unmark(marked))
-        return out
+        # a short text that is also printed plainly elsewhere (a secret `1` and `--tensor-parallel-size 1`)
+        # cannot be told apart by its text alone: print it as is rather than mask the plain one too
+        plain = {real for real, marked in pairs if MARK not in marked}
+        return {k: v for k, v in out.items() if len(k) >= MIN_SUBSTRING or k not in plain}
 
     def redact(self, text: str) -> str:
         """``text`` (an argument, a value, an engine output line) with every secret of this plan as ``***``.
@@ -113,6 +113,14 @@ class LaunchPlan:
         """
         known = self._known.get(text)
         return known if known is not None else unmark(self._redactor.marked(text))
+
+    def printed_argv(self) -> list[str]:
+        """The argv as every printed form shows it (secrets as ``***`` where they stand)."""
+        return self.to_dict()["argv"]
+
+    def printed_env(self) -> dict[str, str]:
+        """The extra environment as every printed form shows it."""
+        return self.to_dict()["env"]
 
     def raw_dict(self) -> dict:
         """Everything a printed form shows, unredacted (never print this)."""
