@@ -303,3 +303,15 @@ def test_capped_progress_stops_a_stream_past_the_cap():
     bar.update(60)
     with pytest.raises(FileTooLarge):
         bar.update(60)
+
+
+def test_terminal_escapes_from_the_hub_never_reach_the_output(fake_hub):
+    seed_llama31(fake_hub)
+    fake_hub.add_model("evil/ansi-eagle3", {"config.json": {**LLAMA31_8B, "num_hidden_layers": 1,
+                                                            "architectures": ["\x1b]0;pwn\x07LlamaForCausalLMEagle3"],
+                                                            "draft_vocab_size": 32000}},
+                       card_data={"base_model": [TARGET, "\x1b[2Jother/model"]}, downloads=10_000_000)
+    r = specops("resolve", TARGET, "--method", "eagle3", "--all")
+    assert r.returncode == 0, r.stderr
+    assert "evil/ansi-eagle3" in r.stdout
+    assert "\x1b" not in r.stdout + r.stderr and "\x07" not in r.stdout + r.stderr

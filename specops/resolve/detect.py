@@ -79,9 +79,18 @@ def _dict(v: Any) -> dict:
     return v if isinstance(v, dict) else {}
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def plain(v: Any, limit: int = 256) -> bool:
+    """A string fit to print and compare: at most ``limit`` characters, no control characters (a name from
+    a config or a model card could otherwise carry terminal escape sequences into specops' output)."""
+    return isinstance(v, str) and 0 < len(v) <= limit and not _CONTROL.search(v)
+
+
 def _strs(v: Any) -> list[str]:
-    """The strings of a list (a config field that should be a list of strings); [] for anything else."""
-    return [x for x in v if isinstance(x, str)] if isinstance(v, list) else []
+    """The plain strings of a list (a config field that should be a list of strings); [] for anything else."""
+    return [x for x in v if plain(x)] if isinstance(v, list) else []
 
 
 #: Keys of config.json that specops reads, with the JSON types each may have (None: null is allowed).
@@ -256,15 +265,15 @@ def declared_targets(config: dict | None, card_data: dict | None) -> list[Declar
     spec = cfg.get("speculators_config")
     if isinstance(spec, dict) and isinstance(spec.get("verifier"), dict):
         v = spec["verifier"].get("name_or_path")
-        if isinstance(v, str) and v:
+        if plain(v):
             out.append(Declared(v, "speculators verifier"))
     base = cfg.get("base_model_name_or_path")
-    if isinstance(base, str) and base and ("medusa_num_heads" in cfg or "medusa" in " ".join(_strs(cfg.get("architectures"))).lower()):
+    if plain(base) and ("medusa_num_heads" in cfg or "medusa" in " ".join(_strs(cfg.get("architectures"))).lower()):
         out.append(Declared(base, "medusa base_model_name_or_path"))
     card = card_data if isinstance(card_data, dict) else {}
     bases = card.get("base_model")
-    for b in ([bases] if isinstance(bases, str) else bases if isinstance(bases, list) else []):
-        if isinstance(b, str) and b:
+    for b in ([bases] if isinstance(bases, str) else bases if isinstance(bases, list) else [])[:32]:
+        if plain(b):
             out.append(Declared(b, "card base_model"))
     return out
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ LIST_EXPAND = ["config", "cardData", "downloads", "likes", "tags", "gated", "sha
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 #: The most specops downloads or reads of one small JSON file (config.json, tokenizer_config.json).
 MAX_JSON_BYTES = 1 << 20
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _truthy(v: str | None) -> bool:
@@ -75,7 +77,8 @@ class HubError(SpecopsError):
     def __init__(self, kind: str, line: str, repo: str | None = None):
         self.kind = kind
         self.repo = repo
-        super().__init__(line)
+        # one printable line: text the Hub sent (an error message, a name) never carries control characters
+        super().__init__(_CONTROL.sub(lambda m: repr(m.group(0))[1:-1], str(line))[:1000])
 
     @property
     def hub_is_down(self) -> bool:
