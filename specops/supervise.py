@@ -193,8 +193,8 @@ class Supervisor:
 
         self.engine = EngineProcess(self.plan, on_line=on_line, log_path=self.log_path)
         self._set(State.STARTING)
-        self.events.emit("start", method=step.method.value, argv=[self.plan.redact(a) for a in self.plan.argv],
-                         env={k: self.plan.redact(v) for k, v in self.plan.env}, url=self.plan.base_url)
+        shown = self.plan.to_dict()
+        self.events.emit("start", method=step.method.value, argv=shown["argv"], env=shown["env"], url=shown["url"])
         self.say(f"starting {self.plan.backend} {self.plan.engine_version} with method {step.method} "
                  f"on {self.plan.base_url}")
         t0 = time.monotonic()

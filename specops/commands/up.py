@@ -5,12 +5,12 @@ import click
 
 from ..plugins import get_registry
 from ..up import UpOptions, up_blocking
-from ._common import load, profile_argument
+from ._common import load, profile_argument, version_param
 
 
 @click.command()
 @profile_argument
-@click.option("--backend-version", metavar="VERSION", help="Expect this engine version (checked against the probe).")
+@click.option("--backend-version", metavar="VERSION", callback=version_param, help="Expect this engine version (checked against the probe).")
 @click.option("--quiet-engine", is_flag=True, help="Do not echo the engine's output (it still goes to the log file).")
 @click.option("--offline", is_flag=True, help="Resolve drafts from the lock file, HF cache and catalog only.")
 def up(profile, backend_version, quiet_engine, offline):
