@@ -315,3 +315,15 @@ def test_terminal_escapes_from_the_hub_never_reach_the_output(fake_hub):
     assert r.returncode == 0, r.stderr
     assert "evil/ansi-eagle3" in r.stdout
     assert "\x1b" not in r.stdout + r.stderr and "\x07" not in r.stdout + r.stderr
+
+
+def test_a_repo_listing_too_many_files_is_refused(fake_hub):
+    from specops.resolve.hub import MAX_SIBLINGS
+    seed_llama31(fake_hub)
+    files = {f"shard-{i:06d}.bin": 1 for i in range(MAX_SIBLINGS)}   # + config.json: one too many
+    fake_hub.add_model("evil/many-files-eagle3", {"config.json": LLAMA31_8B, **files})
+    profile = synthetic_profile(TARGET, method="eagle3")
+    profile = profile.model_copy(update={"speculative": profile.speculative.model_copy(
+        update={"draft": "evil/many-files-eagle3"})})
+    c = by_draft(resolve(profile), "evil/many-files-eagle3")
+    assert c.verdict == "refused" and f"it lists {MAX_SIBLINGS + 1} files" in c.reason

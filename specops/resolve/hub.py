@@ -38,6 +38,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 #: The most specops downloads or reads of one small JSON file (config.json, tokenizer_config.json).
 MAX_JSON_BYTES = 1 << 20
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+#: A repo listing more files than this is not a model repo specops will look into.
+MAX_SIBLINGS = 20_000
 
 
 def _truthy(v: str | None) -> bool:
@@ -143,6 +145,8 @@ def _meta_from_info(info) -> RepoMeta:
     if info.siblings is not None:
         if not isinstance(info.siblings, (list, tuple)):
             raise UnsafeName("its file list is not a list")
+        if len(info.siblings) > MAX_SIBLINGS:
+            raise UnsafeName(f"it lists {len(info.siblings)} files (specops looks at repos of at most {MAX_SIBLINGS})")
         siblings = []
         for sib in info.siblings:
             name = getattr(sib, "rfilename", None)
