@@ -23,6 +23,7 @@ from .errors import Problem, ProfileError
 from .paths import builtin_env
 from .methods import DEFAULT_K, NEEDS_DRAFT, Method, default_chain
 from .redact import secret_flag
+from .resolve.names import repo_file_problem
 from .yamlsource import Document, format_path, quote_value, redact_problems
 from . import yamlsource
 
@@ -62,6 +63,18 @@ def _version_text(value: str | None) -> str | None:
 VersionText = Annotated[str, AfterValidator(_version_text)]
 
 
+def _repo_file(value: str | None) -> str | None:
+    if value is not None:
+        problem = repo_file_problem(value)
+        if problem:
+            raise ValueError(f"not a safe file name inside a repo: {problem}")
+    return value
+
+
+#: A file inside a Hub repo (``model.file``, ``speculative.draft_file``): relative, no ``..``, no NUL.
+RepoFile = Annotated[str, AfterValidator(_repo_file)]
+
+
 class Section(BaseModel):
     """Base for every profile section: unknown keys are errors (a typo must never be ignored)."""
 
@@ -89,7 +102,7 @@ class ModelSpec(Section):
     id: str = Field(..., min_length=1, description="Hugging Face repo id (`org/name`), a local directory, "
                     "or for llama.cpp a local `.gguf` file or a GGUF repo id with `file`/`quantization`.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the target.")
-    file: str | None = Field(None, description="llama.cpp: the `.gguf` file inside a Hub repo.")
+    file: RepoFile | None = Field(None, description="llama.cpp: the `.gguf` file inside a Hub repo.")
     quantization: str | None = Field(None, description="vLLM `--quantization`; llama.cpp: which GGUF quant to pick "
                                      "from a Hub repo (e.g. `Q4_K_M`).")
     max_model_len: int | None = Field(None, gt=0, le=MAX_CONTEXT, description="Context length to serve (vLLM `--max-model-len`, "
@@ -152,7 +165,7 @@ class Speculative(Section):
     draft: str | None = Field(None, description="`auto` (resolved from the catalog and the Hub), a Hub repo id, "
                               "a local directory, or a local `.gguf` file. Not used by mtp/ngram/suffix/none.")
     draft_revision: str | None = Field(None, description="Hub revision of the draft.")
-    draft_file: str | None = Field(None, description="llama.cpp: the `.gguf` file inside the draft's Hub repo.")
+    draft_file: RepoFile | None = Field(None, description="llama.cpp: the `.gguf` file inside the draft's Hub repo.")
     num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_K, description="Draft tokens per step (k). Unset: 4 for "
                                                "EAGLE-family and draft models, 1 for MTP, 4 for n-gram.")
     num_speculative_tokens_min: int | None = Field(None, ge=0, le=MAX_K, description="llama.cpp `--spec-draft-n-min`.")
