@@ -14,6 +14,13 @@ to measure against a real engine instead (vLLM / llama-server), with ``--model``
     .venv/bin/python benchmarks/bench_proxy.py --engine-url http://127.0.0.1:8001 --model tiny \\
         --max-tokens 16 --stream-tokens 64 --token-delay 0
     .venv/bin/python benchmarks/bench_proxy.py --json out.json      # also write the results as JSON
+    .venv/bin/python benchmarks/bench_proxy.py --baseline HEAD~1 --loops asyncio uvloop   # before/after
+
+``--baseline REV`` runs a second proxy process from ``specops/proxy.py`` as it was at git revision REV (on
+asyncio's loop, as before), and ``--loops`` runs the current proxy once per event loop given; every proxy
+takes its turn in the same alternating rounds as the direct runs, so before and after are measured side by
+side under the same load. Each row reports the pooled p50/p99 and the median over rounds of each round's
+added p50 (robust to drift between rounds).
 """
 from __future__ import annotations
 
@@ -35,11 +42,22 @@ sys.path.insert(0, str(ROOT))
 
 # ------------------------------------------------------------------------------------------ proxy process
 
-async def _serve_proxy(upstream: str) -> None:
+def _proxy_class(module_path: str | None):
+    if not module_path:
+        from specops.proxy import Proxy
+        return Proxy
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("specops_proxy_baseline", module_path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod                # dataclasses look their module up while it loads
+    spec.loader.exec_module(mod)
+    return mod.Proxy
+
+
+async def _serve_proxy(upstream: str, module_path: str | None = None) -> None:
     import signal
 
-    from specops.proxy import Proxy
-
+    Proxy = _proxy_class(module_path)
     proxy = Proxy("127.0.0.1", 0, queue_size=256, queue_timeout=30, drain_timeout=10)
     await proxy.start()
     proxy.set_upstream(upstream)
@@ -157,59 +175,80 @@ async def _stream_round(session, url: str, body: bytes, concurrency: int, per_cl
     return tokens, time.perf_counter() - t0
 
 
-async def _bench(args, engine_url: str, proxy_url: str, stream_extra: dict, proxy_pid: int | None) -> dict:
+def _median(values: list[float]) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+
+
+async def _bench(args, engine_url: str, proxies: dict[str, tuple[str, int | None]], stream_extra: dict) -> dict:
+    """``proxies``: name -> (url, pid). Every proxy and the direct path take turns in each round."""
     import aiohttp
 
-    targets = {"direct": engine_url, "proxy": proxy_url}
+    targets = {"direct": engine_url, **{name: url for name, (url, _) in proxies.items()}}
+    names = list(targets)
     lat_body = json.dumps({"model": args.model, "prompt": "hello world", "max_tokens": args.max_tokens,
                            "temperature": 0}).encode()
     stream_body = json.dumps({"model": args.model, "prompt": "hello world", "max_tokens": args.stream_tokens,
                               "temperature": 0, "stream": True, **stream_extra}).encode()
-    results: dict = {"latency": {}, "throughput": {}}
+    results: dict = {"latency": [], "throughput": []}
     conn = aiohttp.TCPConnector(limit=0)
+
+    def order(rnd: int) -> list[str]:            # rotate who goes first, so drift hits all alike
+        k = rnd % len(names)
+        out = names[k:] + names[:k]
+        return out if rnd % 2 == 0 else out[::-1]
+
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
-        for name, base in targets.items():          # warm both paths (connections, caches)
+        for base in targets.values():           # warm every path (connections, caches)
             await _latency_round(session, base + "/v1/completions", lat_body, 4, 10)
         for service_ms, c in itertools.product(args.service_ms, args.concurrency):
             # the stand-in's service time per request (X-Test-First-Delay); a real engine has its own
             service = 0.0 if args.engine_url else service_ms
-            lat = {"direct": [], "proxy": []}
-            cpu0 = _cpu_seconds(proxy_pid)
+            lat: dict[str, list[float]] = {n: [] for n in names}
+            round_p50: dict[str, list[float]] = {n: [] for n in names}
+            cpu0 = {n: _cpu_seconds(pid) for n, (_, pid) in proxies.items()}
             n_req = args.requests if not service_ms else args.requests // 4
             per_client = max(8 if service_ms else 1, n_req // c)
             for rnd in range(args.rounds):
-                order = ("direct", "proxy") if rnd % 2 == 0 else ("proxy", "direct")
-                for name in order:
-                    lat[name] += await _latency_round(session, targets[name] + "/v1/completions", lat_body,
-                                                      c, per_client, service, seed=rnd)
-            cpu1 = _cpu_seconds(proxy_pid)
+                for name in order(rnd):
+                    got = await _latency_round(session, targets[name] + "/v1/completions", lat_body, c,
+                                               per_client, service, seed=rnd)
+                    lat[name] += got
+                    round_p50[name].append(_pct(got, 0.5))
+            cpu1 = {n: _cpu_seconds(pid) for n, (_, pid) in proxies.items()}
             d50, d99 = _pct(lat["direct"], 0.5), _pct(lat["direct"], 0.99)
-            p50, p99 = _pct(lat["proxy"], 0.5), _pct(lat["proxy"], 0.99)
-            results["latency"][f"{c}@{service_ms}ms"] = {
-                "clients": c, "service_ms": service_ms,
-                "n": len(lat["proxy"]), "direct_p50_ms": d50 * 1e3, "direct_p99_ms": d99 * 1e3,
-                "proxy_p50_ms": p50 * 1e3, "proxy_p99_ms": p99 * 1e3,
-                "added_p50_ms": (p50 - d50) * 1e3, "added_p99_ms": (p99 - d99) * 1e3,
-                "proxy_cpu_us_per_request": None if cpu0 is None or cpu1 is None
-                else (cpu1 - cpu0) / len(lat["proxy"]) * 1e6}
+            for name in proxies:
+                p50, p99 = _pct(lat[name], 0.5), _pct(lat[name], 0.99)
+                deltas = [a - b for a, b in zip(round_p50[name], round_p50["direct"])]
+                results["latency"].append({
+                    "proxy": name, "clients": c, "service_ms": service_ms, "n": len(lat[name]),
+                    "direct_p50_ms": d50 * 1e3, "direct_p99_ms": d99 * 1e3,
+                    "proxy_p50_ms": p50 * 1e3, "proxy_p99_ms": p99 * 1e3,
+                    "added_p50_ms": (p50 - d50) * 1e3, "added_p99_ms": (p99 - d99) * 1e3,
+                    "median_round_added_p50_ms": _median(deltas) * 1e3,
+                    "proxy_cpu_us_per_request": None if cpu0[name] is None or cpu1[name] is None
+                    else (cpu1[name] - cpu0[name]) / len(lat[name]) * 1e6})
         for c in args.concurrency:
-            tok = {"direct": [0, 0.0], "proxy": [0, 0.0]}
-            cpu0 = _cpu_seconds(proxy_pid)
+            tok = {n: [0, 0.0] for n in names}
+            cpu0 = {n: _cpu_seconds(pid) for n, (_, pid) in proxies.items()}
             per_client = max(2, args.stream_requests // c)
             for rnd in range(args.stream_rounds):
-                order = ("direct", "proxy") if rnd % 2 == 0 else ("proxy", "direct")
-                for name in order:
+                for name in order(rnd):
                     n, secs = await _stream_round(session, targets[name] + "/v1/completions", stream_body,
                                                   c, per_client)
                     tok[name][0] += n
                     tok[name][1] += secs
-            cpu1 = _cpu_seconds(proxy_pid)
+            cpu1 = {n: _cpu_seconds(pid) for n, (_, pid) in proxies.items()}
             dt = tok["direct"][0] / tok["direct"][1]
-            pt = tok["proxy"][0] / tok["proxy"][1]
-            results["throughput"][c] = {"direct_tok_s": dt, "proxy_tok_s": pt, "ratio": pt / dt,
-                                        "tokens": tok["proxy"][0],
-                                        "proxy_cpu_us_per_token": None if cpu0 is None or cpu1 is None
-                                        else (cpu1 - cpu0) / tok["proxy"][0] * 1e6}
+            for name in proxies:
+                pt = tok[name][0] / tok[name][1]
+                results["throughput"].append({
+                    "proxy": name, "clients": c, "direct_tok_s": dt, "proxy_tok_s": pt, "ratio": pt / dt,
+                    "tokens": tok[name][0], "proxy_cpu_us_per_token": None if cpu0[name] is None or
+                    cpu1[name] is None else (cpu1[name] - cpu0[name]) / tok[name][0] * 1e6})
     return results
 
 
@@ -217,24 +256,34 @@ def _us(v) -> str:
     return "n/a" if v is None else f"{v:.0f} us"
 
 
-def _report(args, res: dict, engine: str) -> str:
-    lines = [f"engine: {engine}", f"latency: non-streamed, max_tokens={args.max_tokens}, "
-             f"{args.rounds} alternating rounds of ~{args.requests} requests per mode "
+def _report(args, res: dict, engine: str, proxies: dict[str, str]) -> str:
+    w = max(5, *(len(n) for n in proxies))
+    lines = [f"engine: {engine}"] + [f"proxy {n}: {desc}" for n, desc in proxies.items()] + [
+             f"latency: non-streamed, max_tokens={args.max_tokens}, "
+             f"{args.rounds} alternating rounds of ~{args.requests} requests per path "
              f"(1/4 of that with a service time)",
-             f"{'clients':>7} {'service':>7} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} "
-             f"{'direct p99':>10} {'proxy p99':>10} {'added p99':>10} {'proxy CPU/req':>13}   (times in ms)"]
-    for r in res["latency"].values():
-        lines.append(f"{r['clients']:>7} {r['service_ms']:>7g} {r['direct_p50_ms']:10.3f} "
-                     f"{r['proxy_p50_ms']:10.3f} {r['added_p50_ms']:10.3f} "
+             f"{'proxy':<{w}} {'clients':>7} {'service':>7} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} "
+             f"{'med. round':>10} {'direct p99':>10} {'proxy p99':>10} {'added p99':>10} {'proxy CPU/req':>13}"
+             f"   (times in ms)"]
+    for r in res["latency"]:
+        lines.append(f"{r['proxy']:<{w}} {r['clients']:>7} {r['service_ms']:>7g} {r['direct_p50_ms']:10.3f} "
+                     f"{r['proxy_p50_ms']:10.3f} {r['added_p50_ms']:10.3f} {r['median_round_added_p50_ms']:10.3f} "
                      f"{r['direct_p99_ms']:10.3f} {r['proxy_p99_ms']:10.3f} {r['added_p99_ms']:10.3f} "
                      f"{_us(r['proxy_cpu_us_per_request']):>13}")
     lines += [f"throughput: streamed, {args.stream_tokens} tokens per request, token delay "
               f"{args.token_delay * 1e3:g} ms (stand-in engine only), {args.stream_rounds} alternating rounds",
-              f"{'clients':>7} {'direct tok/s':>13} {'proxy tok/s':>12} {'ratio':>7} {'proxy CPU/token':>15}"]
-    for c, r in res["throughput"].items():
-        lines.append(f"{c:>7} {r['direct_tok_s']:13.1f} {r['proxy_tok_s']:12.1f} {r['ratio']:7.3f} "
-                     f"{_us(r['proxy_cpu_us_per_token']):>15}")
+              f"{'proxy':<{w}} {'clients':>7} {'direct tok/s':>13} {'proxy tok/s':>12} {'ratio':>7} "
+              f"{'proxy CPU/token':>15}"]
+    for r in res["throughput"]:
+        lines.append(f"{r['proxy']:<{w}} {r['clients']:>7} {r['direct_tok_s']:13.1f} {r['proxy_tok_s']:12.1f} "
+                     f"{r['ratio']:7.3f} {_us(r['proxy_cpu_us_per_token']):>15}")
     return "\n".join(lines)
+
+
+def _default_loop() -> str:
+    """The loop `specops up` runs the proxy on."""
+    from specops.proxy import loop_factory
+    return "asyncio" if loop_factory() is None else "uvloop"
 
 
 def main(argv=None) -> int:
@@ -243,24 +292,37 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tiny-test-model", help="model name sent in requests")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--rounds", type=int, default=20, help="alternating direct/proxy latency rounds")
-    p.add_argument("--requests", type=int, default=120, help="latency requests per round per mode")
+    p.add_argument("--requests", type=int, default=120, help="latency requests per round per path")
     p.add_argument("--stream-rounds", type=int, default=6, help="alternating direct/proxy streaming rounds")
     p.add_argument("--service-ms", type=float, nargs="+", default=[0.0],
                    help="stand-in engine: fixed time per latency request, one run each (0: answer at once)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per latency request")
     p.add_argument("--stream-requests", type=int, default=4,
-                   help="streamed requests per round per mode (at least 2 per client)")
+                   help="streamed requests per round per path (at least 2 per client)")
     p.add_argument("--stream-tokens", type=int, default=128, help="tokens per streamed request")
     p.add_argument("--token-delay", type=float, default=0.005,
                    help="stand-in engine: seconds per streamed token (latency runs use 0)")
+    p.add_argument("--loops", nargs="+", choices=("asyncio", "uvloop"), default=None,
+                   help="event loop(s) to run the current proxy on, one proxy process each "
+                        "(default: the one `specops up` uses)")
+    p.add_argument("--baseline", metavar="REV",
+                   help="also run specops/proxy.py from git revision REV (asyncio loop), side by side")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--serve-proxy", help=argparse.SUPPRESS)  # internal: run the proxy process
+    p.add_argument("--serve-module", help=argparse.SUPPRESS)  # internal: the proxy module file to run
+    p.add_argument("--serve-loop", default="asyncio", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_proxy:
-        asyncio.run(_serve_proxy(args.serve_proxy))
+        if args.serve_loop == "uvloop":
+            import uvloop
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                runner.run(_serve_proxy(args.serve_proxy, args.serve_module))
+        else:
+            asyncio.run(_serve_proxy(args.serve_proxy, args.serve_module))
         return 0
 
     procs = []
+    tmp = None
     try:
         if args.engine_url:
             engine_url = args.engine_url.rstrip("/")
@@ -273,27 +335,52 @@ def main(argv=None) -> int:
             procs.append(proc)
             engine_url = f"http://127.0.0.1:{port}"
             engine_desc = "tests/support_upstream.py (stand-in, separate process)"
-        proc, pport = _spawn([sys.executable, str(Path(__file__).resolve()), "--serve-proxy", engine_url])
-        procs.append(proc)
-        proxy_pid = proc.pid
-        proxy_url = f"http://127.0.0.1:{pport}"
+        specs: list[tuple[str, str | None, str, str]] = []     # name, module file, loop, description
+        if args.baseline:
+            import tempfile
+            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+            src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:specops/proxy.py"],
+                                 capture_output=True, text=True, check=True).stdout
+            tmp = tempfile.NamedTemporaryFile("w", suffix="_proxy_baseline.py", delete=False)
+            tmp.write(src)
+            tmp.close()
+            specs.append((f"base-{rev}", tmp.name, "asyncio", f"specops/proxy.py at {rev}, asyncio loop"))
+        here = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip() or "?"
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "specops/proxy.py"],
+                               capture_output=True, text=True).stdout.strip()
+        for loop_name in args.loops or [_default_loop()]:
+            specs.append((f"new-{loop_name}", None, loop_name,
+                          f"specops/proxy.py of the work tree ({here}{'+changes' if dirty else ''}), {loop_name} loop"))
+        proxies: dict[str, tuple[str, int | None]] = {}
+        for name, module, loop_name, _ in specs:
+            argv = [sys.executable, str(Path(__file__).resolve()), "--serve-proxy", engine_url,
+                    "--serve-loop", loop_name]
+            if module:
+                argv += ["--serve-module", module]
+            proc, pport = _spawn(argv)
+            procs.append(proc)
+            proxies[name] = (f"http://127.0.0.1:{pport}", proc.pid)
         # the stand-in reads a per-request token delay from the body (a real engine ignores no such field,
         # so it is only sent to the stand-in)
         stream_extra = {} if args.engine_url else {"x_token_delay": args.token_delay}
         t0 = time.monotonic()
         load0 = os.getloadavg()[0]
-        res = asyncio.run(_bench(args, engine_url, proxy_url, stream_extra, proxy_pid))
+        res = asyncio.run(_bench(args, engine_url, proxies, stream_extra))
         res["loadavg_1m"] = [load0, os.getloadavg()[0]]
-        text = _report(args, res, engine_desc)
+        text = _report(args, res, engine_desc, {name: desc for name, _, _, desc in specs})
         print(text)
         print(f"total {time.monotonic() - t0:.1f}s, cpus={os.cpu_count()}, python {sys.version.split()[0]}, "
               f"1-min load average before/after {res['loadavg_1m'][0]:.2f}/{res['loadavg_1m'][1]:.2f}")
         if args.json:
             Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
-                                                            if k != "serve_proxy"}, "results": res}, indent=1))
+                                                            if not k.startswith("serve_")}, "results": res}, indent=1))
     finally:
         for proc in reversed(procs):
             _stop(proc)
+        if tmp is not None:
+            os.unlink(tmp.name)
     return 0
 
 

@@ -99,6 +99,7 @@ _FORWARDING = frozenset({"forwarded", "x-forwarded-for", "x-forwarded-host", "x-
                          "x-forwarded-port", "x-real-ip"})
 _REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect"} | _FORWARDING
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
+_RESPONSE_DROP_NAMES = tuple(sorted(_RESPONSE_DROP))
 
 _UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError, asyncio.TimeoutError)
 
@@ -1076,10 +1077,14 @@ class Proxy:
                 ctype = up.headers.get("Content-Type", "")
                 sse = ctype.startswith("text/event-stream")
                 clen = up.content_length
-                out_headers = CIMultiDict()
-                for k, v in up.headers.items():
-                    if k.lower() not in _RESPONSE_DROP:
-                        out_headers.add(k, v)
+                out_headers = CIMultiDict(up.headers)   # one C-level copy, then drop the few hop-by-hop ones
+                conn = out_headers.get("Connection")
+                if conn:
+                    for name in conn.split(","):
+                        out_headers.popall(name.strip(), None)
+                for name in _RESPONSE_DROP_NAMES:
+                    if name in out_headers:
+                        del out_headers[name]
 
                 if not sse and clen is not None and clen <= self.buffer_limit and request.method != "HEAD" \
                         and self._buffered + clen <= self.max_buffered_bytes:
