@@ -315,8 +315,7 @@ def main(argv=None) -> int:
     if args.serve_proxy:
         if args.serve_loop == "uvloop":
             import uvloop
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                runner.run(_serve_proxy(args.serve_proxy, args.serve_module))
+            uvloop.run(_serve_proxy(args.serve_proxy, args.serve_module))
         else:
             asyncio.run(_serve_proxy(args.serve_proxy, args.serve_module))
         return 0

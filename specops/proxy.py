@@ -77,6 +77,7 @@ from typing import Any, Callable
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -344,6 +345,9 @@ class _Connection(web.RequestHandler):
         """A request aiohttp could not parse (400, 413, 431...) or a bug in the handler (500)."""
         server = self._manager
         proxy = server.proxy if server is not None else None
+        if isinstance(exc, ConnectionError):     # the client went away: nothing to answer, nothing to report
+            log.debug("proxy: client %s went away: %s", request.remote, _describe(exc))
+            proxy = None
         if status >= 500:
             kind, text = "specops_internal_error", "specops: internal error"
         else:
@@ -860,7 +864,11 @@ class Proxy:
                                f"the {limit}-byte limit (proxy.max_body_size)", close=True, counter="too_large")
         content = request.content
         if content.is_eof():                # the usual case: the body came with the headers
-            body = content.read_nowait()
+            try:
+                body = content.read_nowait()
+            except HttpProcessingError as exc:
+                raise _ClientError(400, "invalid_request_error", f"specops: malformed request body "
+                                   f"({type(exc).__name__})", close=True, counter="malformed") from None
             if len(body) > limit:
                 raise _ClientError(413, "request_too_large", f"specops: the request body is over the "
                                    f"{limit}-byte limit (proxy.max_body_size)", close=True, counter="too_large")
@@ -890,6 +898,9 @@ class Proxy:
                 raise _ClientError(408, "request_timeout", f"specops: the request body did not arrive within "
                                    f"{self.body_timeout:g}s (proxy.body_timeout)", close=True,
                                    counter="body_timeout") from None
+            except HttpProcessingError as exc:
+                raise _ClientError(400, "invalid_request_error", f"specops: malformed request body "
+                                   f"({type(exc).__name__})", close=True, counter="malformed") from None
         except BaseException:
             self._buffered -= reserved
             raise
@@ -1103,7 +1114,11 @@ class Proxy:
                 resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out_headers)
                 if clen is not None:
                     resp.content_length = clen
-                await resp.prepare(request)
+                try:
+                    await resp.prepare(request)
+                except (ConnectionError, RuntimeError):
+                    self._c["client_disconnects"] += 1
+                    return resp              # closing the engine response (finally) cancels its request
                 flight.started = True
                 scan = self.on_timings is not None and sse
                 tail = b""

@@ -19,8 +19,15 @@ from support_upstream import Canary, Upstream, check_completion, raw_http, runni
 pytestmark = pytest.mark.timeout(60)
 
 
-def run(coro, timeout: float = 30.0):
+def run(coro, timeout: float = 30.0, loop: str = "asyncio"):
+    """Run one async test body, bounded in time, on asyncio's loop or on uvloop (what `specops up` uses)."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return uvloop.run(asyncio.wait_for(coro, timeout))
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +184,8 @@ def test_rejection_lines_are_rate_limited_with_a_count_of_the_rest(engine, caplo
 
 # ------------------------------------------------------------------------------------ slow clients
 
-def test_headers_that_do_not_arrive_in_time_close_the_connection(engine):
+@LOOPS
+def test_headers_that_do_not_arrive_in_time_close_the_connection(engine, loop):
     async def body():
         async with running_proxy(engine.url, header_timeout=0.5) as proxy:
             async def silent():
@@ -216,10 +224,11 @@ def test_headers_that_do_not_arrive_in_time_close_the_connection(engine):
             await _wait_until(lambda: proxy.stats()["connections"] == 0)
             async with aiohttp.ClientSession() as s, s.get(proxy.url + "/v1/models") as r:
                 assert r.status == 200                  # and the proxy serves on
-    run(body())
+    run(body(), loop=loop)
 
 
-def test_a_body_that_does_not_arrive_in_time_gets_408_and_never_reaches_the_engine(engine):
+@LOOPS
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_never_reaches_the_engine(engine, loop):
     async def body():
         async with running_proxy(engine.url, body_timeout=0.5) as proxy, aiohttp.ClientSession() as s:
             before = (await engine.astats(s))["started"]
@@ -231,7 +240,7 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_never_reaches_the_engi
             assert (await engine.astats(s))["started"] == before
             st = proxy.stats()
             assert st["rejected_body_timeout"] == 1 and st["buffered_bytes"] == 0
-    run(body())
+    run(body(), loop=loop)
 
 
 def test_a_huge_content_length_is_refused_at_once_without_reading(engine):
@@ -262,9 +271,35 @@ def test_a_chunked_body_over_the_limit_gets_413(engine):
     run(body())
 
 
+def test_malformed_bodies_get_a_400_or_a_408_never_a_500(engine, caplog):
+    async def body():
+        async with running_proxy(engine.url, body_timeout=0.5) as proxy:
+            head = b"POST /debug/echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            for rest in (b"zz\r\nabc\r\n0\r\n\r\n", b"3\r\nabcdef\r\n0\r\n\r\n", b"5\r\nab"):
+                r = await raw_http(proxy.port, head + rest)
+                assert r.status in (400, 408), (rest, r)
+                reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)   # the bad part later
+                writer.write(head + b"3\r\nabc\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.1)
+                writer.write(rest)
+                got = await asyncio.wait_for(reader.read(100), 5)
+                writer.close()
+                assert got.startswith((b"HTTP/1.1 400", b"HTTP/1.1 408")), got
+            for dup in (b"Content-Length: 5\r\nContent-Length: 6", b"Content-Length: 5\r\nTransfer-Encoding: chunked"):
+                r = await raw_http(proxy.port, b"POST /debug/echo HTTP/1.1\r\nHost: x\r\n" + dup + b"\r\n\r\nabcdef")
+                assert r.status == 400 and r.closed, r
+            await _wait_until(lambda: proxy.stats()["buffered_bytes"] == 0)
+            assert proxy.stats()["internal_errors"] == 0
+    with caplog.at_level(logging.DEBUG):
+        run(body())
+    _no_tracebacks(caplog)
+
+
 # ------------------------------------------------------------------------------------ floods
 
-def test_connections_past_the_cap_are_refused_promptly_and_the_cap_frees_up(engine):
+@LOOPS
+def test_connections_past_the_cap_are_refused_promptly_and_the_cap_frees_up(engine, loop):
     async def body():
         async with running_proxy(engine.url, max_connections=3, header_timeout=20) as proxy:
             held = [await asyncio.open_connection("127.0.0.1", proxy.port) for _ in range(3)]
@@ -285,7 +320,7 @@ def test_connections_past_the_cap_are_refused_promptly_and_the_cap_frees_up(engi
             await _wait_until(lambda: proxy.stats()["connections"] == 0)
             async with aiohttp.ClientSession() as s, s.get(proxy.url + "/v1/models") as resp:
                 assert resp.status == 200
-    run(body())
+    run(body(), loop=loop)
 
 
 def test_buffered_bodies_are_capped_across_requests_queued_ones_included(engine):
