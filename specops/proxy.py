@@ -940,7 +940,7 @@ class Proxy:
         deadline = loop.time() + self.queue_timeout
         while True:
             try:
-                gen = await self._acquire(deadline)
+                gen = self._gen if self._state == SERVING else await self._acquire(deadline)
             except _Rejected as rej:
                 c["rejected_" + rej.kind] += 1
                 if retried:

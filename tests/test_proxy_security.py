@@ -323,6 +323,39 @@ def test_connections_past_the_cap_are_refused_promptly_and_the_cap_frees_up(engi
     run(body(), loop=loop)
 
 
+def test_a_slowloris_flood_stays_under_the_cap_and_is_cleared_by_the_header_timeout(engine):
+    """2000 slowloris connections used to stay open for minutes; here 300 against a cap of 100."""
+    async def body():
+        async with running_proxy(engine.url, max_connections=100, header_timeout=1.0) as proxy:
+            peak = 0
+            conns = []
+            for i in range(300):
+                try:
+                    conns.append(await asyncio.open_connection("127.0.0.1", proxy.port))
+                except OSError:
+                    break
+                conns[-1][1].write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")   # never finished
+                peak = max(peak, proxy.stats()["connections"])
+            t0 = time.monotonic()
+            for _ in range(30):                         # keep trickling, as slowloris does
+                for _, w in conns:
+                    if not w.is_closing():
+                        w.write(b"X-a: b\r\n")
+                peak = max(peak, proxy.stats()["connections"])
+                if proxy.stats()["connections"] == 0:
+                    break
+                await asyncio.sleep(0.2)
+            cleared = time.monotonic() - t0
+            for _, w in conns:
+                w.close()
+            assert peak <= 100 and proxy.stats()["rejected_connections"] >= 150, (peak, proxy.stats())
+            await _wait_until(lambda: proxy.stats()["connections"] == 0, timeout=5)
+            assert cleared < 5.0
+            async with aiohttp.ClientSession() as s, s.get(proxy.url + "/v1/models") as r:
+                assert r.status == 200
+    run(body())
+
+
 def test_buffered_bodies_are_capped_across_requests_queued_ones_included(engine):
     """8 x 60 MiB bodies used to take the proxy from 56 to 740 MiB: past the cap the answer is 503."""
     async def body():
