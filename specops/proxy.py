@@ -326,13 +326,30 @@ class _Refuse(asyncio.Protocol):
 
 
 class _Connection(web.RequestHandler):
-    """aiohttp's connection handler, counted (for ``max_connections``) and with JSON, one-line errors."""
+    """aiohttp's connection handler, counted (for ``max_connections``), with JSON, one-line errors, and a
+    deadline for the first request's headers (aiohttp's keep-alive timer covers the later ones; only
+    recent aiohttp releases also start it when the connection opens)."""
 
-    def __init__(self, manager: "_Server", **kwargs):
+    def __init__(self, manager: "_Server", *, header_timeout: float | None = None, **kwargs):
         super().__init__(manager, **kwargs)
         self._specops_counted = True
+        self._specops_header_timeout = header_timeout
+        self.specops_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if self._specops_header_timeout:
+            self.specops_deadline = asyncio.get_running_loop().call_later(
+                self._specops_header_timeout, self._specops_no_request)
+
+    def _specops_no_request(self) -> None:
+        self.specops_deadline = None        # a request would have cancelled it: none came in time
+        self.force_close()
 
     def connection_lost(self, exc) -> None:
+        if self.specops_deadline is not None:
+            self.specops_deadline.cancel()
+            self.specops_deadline = None
         if self._specops_counted:
             self._specops_counted = False
             server = self._manager
@@ -369,10 +386,12 @@ class _Connection(web.RequestHandler):
 class _Server(web.Server):
     """aiohttp's low-level server with a cap on open client connections."""
 
-    def __init__(self, handler, *, proxy: "Proxy", max_connections: int | None, **kwargs):
+    def __init__(self, handler, *, proxy: "Proxy", max_connections: int | None, header_timeout: float | None,
+                 **kwargs):
         super().__init__(handler, **kwargs)
         self.proxy = proxy
         self.max_connections = max_connections
+        self.header_timeout = header_timeout
         self.open_connections = 0
         self._refusal = _error_body(503, "specops_too_many_connections",
                                     f"specops: too many open connections ({max_connections}); retry later")
@@ -384,7 +403,7 @@ class _Server(web.Server):
                                    self.open_connections)
             return _Refuse(self._refusal)
         self.open_connections += 1
-        return _Connection(self, loop=self._loop, **self._kwargs)
+        return _Connection(self, loop=self._loop, header_timeout=self.header_timeout, **self._kwargs)
 
 
 class Proxy:
@@ -526,7 +545,8 @@ class Proxy:
         # after it opened or after the previous response: the header timeout and the idle timeout at once
         server_log = _ServerLog(self._reject_log)
         self._server = server = _Server(
-            handler, proxy=self, max_connections=self.max_connections, request_factory=request_factory,
+            handler, proxy=self, max_connections=self.max_connections, header_timeout=self.header_timeout,
+            request_factory=request_factory,
             handler_cancellation=True, access_log=None, max_line_size=65536, max_field_size=65536,
             keepalive_timeout=self.header_timeout, lingering_time=_LINGER, logger=server_log)
         self._runner = web.ServerRunner(server, shutdown_timeout=1.0, handle_signals=False)
@@ -534,7 +554,8 @@ class Proxy:
         await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
         self.port = self._runner.addresses[0][1]
         if self.admin_port is not None:
-            admin = _Server(self._handle_admin_only, proxy=self, max_connections=64, handler_cancellation=True,
+            admin = _Server(self._handle_admin_only, proxy=self, max_connections=64,
+                            header_timeout=self.header_timeout, handler_cancellation=True,
                             access_log=None, keepalive_timeout=self.header_timeout, lingering_time=_LINGER,
                             logger=server_log)
             self._admin_runner = web.ServerRunner(admin, shutdown_timeout=1.0, handle_signals=False)
@@ -774,9 +795,17 @@ class Proxy:
                 self._wait_longest = waited
 
     async def _handle_public(self, request: web.BaseRequest) -> web.StreamResponse:
+        deadline = request.protocol.specops_deadline
+        if deadline is not None:            # the first request's headers came in time
+            deadline.cancel()
+            request.protocol.specops_deadline = None
         return await self._proxy(request)
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        deadline = request.protocol.specops_deadline
+        if deadline is not None:
+            deadline.cancel()
+            request.protocol.specops_deadline = None
         if request.raw_path.startswith(ADMIN_PREFIX):
             try:
                 self._check_target(request)
@@ -787,6 +816,10 @@ class Proxy:
         return await self._proxy(request)
 
     async def _handle_admin_only(self, request: web.BaseRequest) -> web.StreamResponse:
+        deadline = request.protocol.specops_deadline
+        if deadline is not None:
+            deadline.cancel()
+            request.protocol.specops_deadline = None
         try:
             self._check_target(request)
         except _ClientError as exc:

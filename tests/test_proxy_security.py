@@ -227,6 +227,33 @@ def test_headers_that_do_not_arrive_in_time_close_the_connection(engine, loop):
     run(body(), loop=loop)
 
 
+def test_the_first_request_deadline_does_not_rely_on_aiohttps_keepalive_timer(engine, monkeypatch):
+    """Before aiohttp 3.14 its keep-alive timer did not run until a first request: the proxy's own does."""
+    from aiohttp import web
+    monkeypatch.setattr(web.RequestHandler, "_process_keepalive", lambda self: None)
+
+    async def body():
+        async with running_proxy(engine.url, header_timeout=0.5) as proxy:
+            async def wait_closed(first: bytes) -> float:
+                t0 = time.monotonic()
+                reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+                try:
+                    writer.write(first)
+                    assert await asyncio.wait_for(reader.read(100), 5) == b""
+                finally:
+                    writer.close()
+                return time.monotonic() - t0
+            waits = await asyncio.gather(wait_closed(b""), wait_closed(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"))
+            assert all(0.3 <= w < 3.0 for w in waits), waits
+            async with aiohttp.ClientSession() as s:          # a request in time is not cut by it
+                async with s.get(proxy.url + "/v1/models") as r:
+                    assert r.status == 200
+                await asyncio.sleep(0.8)
+                async with s.get(proxy.url + "/v1/models") as r:
+                    assert r.status == 200
+    run(body())
+
+
 @LOOPS
 def test_a_body_that_does_not_arrive_in_time_gets_408_and_never_reaches_the_engine(engine, loop):
     async def body():
@@ -468,7 +495,7 @@ def test_forwarding_headers_are_the_proxys_own(engine):
 
 def test_profile_settings_reach_the_proxy_with_the_same_defaults():
     from specops import proxy as proxy_mod
-    from specops.profile import Profile, Proxy as ProxySettings
+    from specops.config.profile import Profile, Proxy as ProxySettings
     from specops.proxy import Proxy
 
     defaults = ProxySettings()
