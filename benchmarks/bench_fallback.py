@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specops.bench import machine  # noqa: E402
-from specops.workload import Prompt, run_workload  # noqa: E402
+from specops.perf.bench import machine  # noqa: E402
+from specops.perf.workload import Prompt, run_workload  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog and", "Once upon a time in a land far away",
            "def hello world return print self import", "It is the and of to in that for on with as"]
@@ -193,7 +193,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
-    from specops.fixtures import ensure_layerskip
+    from specops.devenv.testmodels import ensure_layerskip
 
     paths = ensure_layerskip("gguf", args.hidden, args.layers)
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}

@@ -103,7 +103,7 @@ def free_port() -> int:
 
 
 def watcher_cpu(intervals: list[float], idle: float) -> list[dict]:
-    from specops.fixtures import ensure_tiny_models
+    from specops.devenv.testmodels import ensure_tiny_models
 
     models = ensure_tiny_models(["gguf"])
     out = []
@@ -149,12 +149,12 @@ def tick_cost(ticks: int) -> dict:
     """CPU per watcher tick (scrape + parse + window) against a real llama-server, in this process."""
     import asyncio
 
-    from specops.fixtures import ensure_tiny_models
-    from specops.launch import launched
+    from specops.devenv.testmodels import ensure_tiny_models
+    from specops.perf.launch import launched
     from specops.plugins import get_registry
-    from specops.profile import load_profile
-    from specops.watch import AcceptanceReader
-    from specops.workload import Prompt, run_workload
+    from specops.config.profile import load_profile
+    from specops.watch.watcher import AcceptanceReader
+    from specops.perf.workload import Prompt, run_workload
 
     models = ensure_tiny_models(["gguf"])
     registry = get_registry()
@@ -189,7 +189,7 @@ def main() -> None:
     ap.add_argument("--ticks", type=int, default=200)
     ap.add_argument("--json")
     args = ap.parse_args()
-    from specops.bench import machine
+    from specops.perf.bench import machine
 
     m = machine()
     cold = cold_start(args.runs)

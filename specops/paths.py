@@ -5,7 +5,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import SpecopsError
+from specops.errors import SpecopsError
 
 
 def cache_dir() -> Path:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from . import hookspecs
-from .errors import SpecopsError
+from specops import hookspecs
+from specops.errors import SpecopsError
 
 #: Modules of the built-in plugins; registered from entry points like any other plugin, and directly only
 #: when specops runs from a source tree without its distribution metadata.

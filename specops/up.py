@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import ProfileError, SpecopsError
-from .instance import EventLog, InstancePaths, acquire, release, write_state
-from .profile import LoadedProfile
-from .backends.base import http_url
-from .render import plan as render_plan
-from .supervise import Supervisor
-from .watch import Watcher
+from specops.errors import ProfileError, SpecopsError
+from specops.run.instance import EventLog, InstancePaths, acquire, release, write_state
+from specops.config.profile import LoadedProfile
+from specops.backends.base import http_url
+from specops.backends.render import plan as render_plan
+from specops.run.supervise import Supervisor
+from specops.watch.watcher import Watcher
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -67,7 +67,7 @@ def resolve_for_launch(loaded: LoadedProfile, offline: bool, say: Callable[[str]
     why: the caller then starts at the next method of the chain instead of launching a draft that cannot
     work. With ``checks: warn`` the findings are printed and the engine decides.
     """
-    from .resolve import resolve_profile
+    from specops.resolve import resolve_profile
 
     enforce = loaded.profile.speculative.checks == "enforce"
     try:
@@ -122,7 +122,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
 
     proxy = None
     if use_proxy:
-        from .proxy import Proxy
+        from specops.proxy import Proxy
         proxy = Proxy.from_profile(profile, status_provider=lambda: sup.snapshot())
     sup = Supervisor(profile, render_step, events=events, say=console.say, on_engine_line=console.engine,
                      log_path=paths.engine_log, proxy=proxy, health_interval=opts.health_interval,
@@ -165,6 +165,6 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
 
 def up_blocking(loaded: LoadedProfile, registry, opts: UpOptions) -> int:
     if loaded.profile.proxy.enabled:        # the proxy's loop: uvloop when installed (SPECOPS_UVLOOP=0: asyncio's)
-        from .proxy import run_event_loop
+        from specops.proxy import run_event_loop
         return run_event_loop(run_up(loaded, registry, opts))
     return asyncio.run(run_up(loaded, registry, opts))

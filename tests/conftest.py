@@ -46,7 +46,7 @@ def clean_env(monkeypatch, tmp_path):
 @pytest.fixture(scope="session")
 def tiny_models() -> Path:
     """The folder of generated tiny models (HF and GGUF), made once per machine (cached)."""
-    from specops.fixtures import ensure_tiny_models
+    from specops.devenv.testmodels import ensure_tiny_models
     from specops.paths import tiny_models_dir
     ensure_tiny_models()
     return tiny_models_dir()

@@ -13,7 +13,8 @@ import hashlib
 from pathlib import Path
 
 from conftest import unavailable
-from specops import engines, fixtures
+from specops.devenv import engines
+from specops.devenv import testmodels as fixtures
 
 
 def need_vllm_python() -> Path:
@@ -31,7 +32,7 @@ def need_llama_server() -> Path:
 
 
 def tiny_model(name: str) -> Path:
-    """A tiny generated model by name (see specops.fixtures.TINY_MODELS); HF ones skip without vLLM."""
+    """A tiny generated model by name (see specops.devenv.testmodels.TINY_MODELS); HF ones skip without vLLM."""
     if name.startswith("hf-"):
         need_vllm_python()
     return fixtures.model_path(name)

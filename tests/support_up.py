@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from specops.process import group_members
+from specops.run.process import group_members
 
 SPECOPS = [sys.executable, "-m", "specops.cli"]
 

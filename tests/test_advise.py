@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from specops import advise as A
+from specops.perf import advise as A
 from specops.errors import SpecopsError
-from specops.window import WindowStats
+from specops.watch.window import WindowStats
 
 SPECOPS = [sys.executable, "-m", "specops.cli"]
 
@@ -210,7 +210,7 @@ def test_live_from_llama_server_metrics_and_instance(tmp_path):
     from specops.paths import tiny_models_dir
     from support_up import UpRun, free_port, http_json, write_profile
 
-    from specops.fixtures import ensure_tiny_models
+    from specops.devenv.testmodels import ensure_tiny_models
     ensure_tiny_models(["gguf"])
     models = tiny_models_dir()
     profile = write_profile(tmp_path / "adv.yaml", {
@@ -254,7 +254,7 @@ def test_live_from_llama_server_metrics_and_instance(tmp_path):
 @pytest.mark.timeout(180)
 def test_live_from_prometheus_scraping_llama_server(tmp_path):
     """A real Prometheus scraping a real llama-server: advise PROFILE --prometheus reads the increase."""
-    from specops.fixtures import ensure_tiny_models
+    from specops.devenv.testmodels import ensure_tiny_models
     from specops.paths import tiny_models_dir
     from support_prometheus import PrometheusServer, require_prometheus, wait_until
     from support_up import UpRun, free_port, http_json, write_profile

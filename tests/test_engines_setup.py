@@ -21,7 +21,8 @@ import pytest
 from conftest import unavailable
 from support_engines import mtimes, sha256_tree
 
-from specops import engines, fixtures
+from specops.devenv import engines
+from specops.devenv import testmodels as fixtures
 from specops.errors import SpecopsError
 
 # The real cache's engines, captured before any test points $SPECOPS_CACHE elsewhere.
@@ -235,7 +236,7 @@ def test_hf_models_need_the_vllm_venv(cache):
 
 
 @pytest.mark.parametrize("modules, forbidden", [
-    ("specops.engines, specops.fixtures", ("torch", "vllm", "transformers", "numpy", "gguf")),
+    ("specops.devenv.engines, specops.devenv.testmodels", ("torch", "vllm", "transformers", "numpy", "gguf")),
     ("specops.commands.engines", ("torch", "vllm", "transformers")),
 ])
 def test_control_plane_imports_no_engine(modules, forbidden):

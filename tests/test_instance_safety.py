@@ -19,8 +19,17 @@ from pathlib import Path
 import pytest
 
 from specops.errors import SpecopsError
-from specops.instance import (EventLog, InstancePaths, StateError, acquire, proc_starttime, read_state, release,
-                              self_identity, write_state)
+from specops.run.instance import (
+    EventLog,
+    InstancePaths,
+    StateError,
+    acquire,
+    proc_starttime,
+    read_state,
+    release,
+    self_identity,
+    write_state,
+)
 from support_cli import ROOT, run
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,7 +37,7 @@ pytestmark = pytest.mark.timeout(60)
 INSTANCE = r"""
 import signal, sys, time
 from pathlib import Path
-from specops.instance import InstancePaths, acquire, release, write_state
+from specops.run.instance import InstancePaths, acquire, release, write_state
 
 paths = InstancePaths(Path(sys.argv[1]))
 acquire(paths)
@@ -397,7 +406,7 @@ def test_engine_log_is_private_and_only_our_group_is_signalled(tmp_path, loose_u
 
     from specops.backends.base import LaunchPlan
     from specops.methods import Method
-    from specops.process import EngineProcess, group_members
+    from specops.run.process import EngineProcess, group_members
 
     plan = LaunchPlan(backend="fake", engine_version="0", method=Method("none"),
                       argv=(sys.executable, "-c", "import time; print('up', flush=True); time.sleep(50)"),

@@ -5,8 +5,14 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from specops.metrics import (MetricsError, SpecCounters, normalize_prefix, parse_spec_counters,
-                             series_names, spec_counters_from_families)
+from specops.backends.counters import (
+    MetricsError,
+    SpecCounters,
+    normalize_prefix,
+    parse_spec_counters,
+    series_names,
+    spec_counters_from_families,
+)
 from support_prometheus import llamacpp_text, vllm_one, vllm_v1_text
 
 V0_TEXT = """\

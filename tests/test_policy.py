@@ -6,11 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specops.methods import Method
-from specops.metrics import SpecCounters
-from specops.policy import HOLD, KEEP, RETRY, SWITCH, Decision, Policy, PolicyConfig, step_k
-from specops.profile import ChainStep, Profile
-from specops.speedup import expected_speedup
-from specops.window import NO_DATA, OK, SPEC_OFF, Sample, SampleBuffer, WindowStats
+from specops.backends.counters import SpecCounters
+from specops.watch.policy import HOLD, KEEP, RETRY, SWITCH, Decision, Policy, PolicyConfig, step_k
+from specops.config.profile import ChainStep, Profile
+from specops.perf.speedup import expected_speedup
+from specops.watch.window import NO_DATA, OK, SPEC_OFF, Sample, SampleBuffer, WindowStats
 
 EAGLE = ChainStep(method=Method.EAGLE3, draft="org/eagle3-head", num_speculative_tokens=4)
 NGRAM = ChainStep(method=Method.NGRAM)

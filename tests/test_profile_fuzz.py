@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from specops.errors import ProfileError, SpecopsError
 from specops.plugins import get_registry
-from specops.profile import Profile, load_profile
+from specops.config.profile import Profile, load_profile
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -156,7 +156,7 @@ def test_mutated_profiles_load_and_render_without_crashing(workdir, mutations, v
     if isinstance(outcome, SpecopsError):
         return
     # it loaded: the renderer must either produce a plan or refuse with a SpecopsError
-    from specops.render import FORMATS, format_plan, plan
+    from specops.backends.render import FORMATS, format_plan, plan
     backend = outcome.profile.backend
     if (backend == "vllm") != (version[0].isdigit()):
         version = "0.32.0" if backend == "vllm" else "current"

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from specops.errors import ProfileError
-from specops.profile import load_profile
+from specops.config.profile import load_profile
 
 VALID = "name: m\nbackend: vllm\nmodel:\n  id: a/b\n"
 

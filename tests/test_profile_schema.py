@@ -12,7 +12,7 @@ import re
 import pytest
 
 from conftest import unavailable
-from specops import yamlsource
+from specops.config import yamlsource
 from specops.paths import builtin_env
 from support_cli import ROOT, ready_made_profiles, run
 

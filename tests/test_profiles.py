@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specops.profile import load_profile
+from specops.config.profile import load_profile
 from support_cli import PROFILES, ROOT, ready_made_profiles, run
 
 READY = ready_made_profiles()

@@ -62,7 +62,7 @@ def _backend(name: str) -> str:
     path, data = PROFILE_DATA[name]
     if "backend" in data:
         return data["backend"]
-    from specops.profile import load_profile
+    from specops.config.profile import load_profile
     return load_profile(path, env={"SPECOPS_API_KEY": SECRET}).profile.backend
 
 
@@ -84,7 +84,7 @@ def _cases() -> list[tuple[str, str, str | None, str]]:
 
 
 def _pinned_through_extends(path: Path) -> str | None:
-    from specops.profile import load_profile
+    from specops.config.profile import load_profile
     return load_profile(path, env={"SPECOPS_API_KEY": SECRET}).profile.engine.version
 
 
@@ -191,7 +191,7 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
 
 
 def _effective(name: str):
-    from specops.profile import load_profile
+    from specops.config.profile import load_profile
     return load_profile(PROFILE_DATA[name][0], env={"SPECOPS_API_KEY": SECRET}).profile
 
 
@@ -205,7 +205,7 @@ def test_goldens_never_contain_the_secret():
 
 def test_vllm_speculative_config_matches_profile_and_version():
     """Parse --speculative-config the way each vLLM generation does and compare with the profile."""
-    from specops.versions import VLLM_SPEC_FIELDS, Version
+    from specops.backends.versions import VLLM_SPEC_FIELDS, Version
 
     checked = 0
     for golden, name, plan in _successful_renders():
@@ -302,7 +302,7 @@ def test_matrix_refusals_say_why():
 
 
 def test_medusa_and_mlp_speculator_are_pinned_below_their_removal():
-    from specops.versions import VLLM_METHOD_UNTIL, Version
+    from specops.backends.versions import VLLM_METHOD_UNTIL, Version
 
     for name in PROFILE_DATA:
         profile = _effective(name)

@@ -5,8 +5,8 @@ import ast
 import json
 
 from specops.plugins import get_registry
-from specops.profile import load_profile
-from specops.render import plan
+from specops.config.profile import load_profile
+from specops.backends.render import plan
 
 
 def _plan(tmp_path, body: str, version: str):

@@ -9,12 +9,19 @@ from fakehub import (DEEPSEEK_V3, EAGLE3_LLAMA31_8B, EAGLE_LLAMA31_8B, LLAMA31_8
                      speculators_eagle3)
 from specops.methods import Method
 from specops.resolve.catalog import load_catalog, parse_catalog
-from specops.resolve.detect import (declared_targets, detect_method, facts_from_config, name_info, names_match,
-                                    same_family_smaller, same_model)
+from specops.resolve.detect import (
+    declared_targets,
+    detect_method,
+    facts_from_config,
+    name_info,
+    names_match,
+    same_family_smaller,
+    same_model,
+)
 from specops.resolve.ggufinfo import pick_file, quant_of
 from specops.resolve.memory import GIB, Weights, estimate, from_files, from_safetensors
 from specops.errors import SpecopsError
-from specops.profile import Profile
+from specops.config.profile import Profile
 
 
 # ------------------------------------------------------------------------------------------ detection

@@ -18,12 +18,18 @@ from fakehub import (BIG_CONFIG_BYTES, LLAMA31_8B, QWEN25_05B, QWEN25_7B, UNSAFE
                      seed_hostile, seed_llama31, seed_unsafe_gguf)
 from specops.errors import ProfileError, SpecopsError
 from specops.methods import Method
-from specops.profile import load_profile
+from specops.config.profile import load_profile
 from specops.resolve import lock_profile, resolve, resolve_profile, synthetic_profile
 from specops.resolve.detect import config_problems, declared_targets, detect_method, facts_from_config
 from specops.resolve.hub import MAX_JSON_BYTES, FileTooLarge, Hub, _capped_progress
-from specops.resolve.names import (UnsafeName, check_repo_file, is_commit_sha, is_repo_id, is_safe_repo_file,
-                                   revision_problem)
+from specops.reponames import (
+    UnsafeName,
+    check_repo_file,
+    is_commit_sha,
+    is_repo_id,
+    is_safe_repo_file,
+    revision_problem,
+)
 
 pytestmark = pytest.mark.timeout(180)
 

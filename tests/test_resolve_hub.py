@@ -16,7 +16,7 @@ from fakehub import (DEEPSEEK_V3, EAGLE3_LLAMA31_8B, LLAMA31_8B, MEDUSA_VICUNA_7
                      speculators_eagle3)
 from specops.errors import ProfileError
 from specops.methods import Method
-from specops.profile import Profile, load_profile
+from specops.config.profile import Profile, load_profile
 from specops.resolve import resolve, resolve_profile, synthetic_profile
 from specops.resolve.hub import Hub
 

@@ -8,7 +8,7 @@ import pytest
 from fakehub import EAGLE3_LLAMA31_8B, fake_hub, seed_llama31  # noqa: F401
 from specops.errors import SpecopsError
 from specops.methods import Method
-from specops.profile import load_profile
+from specops.config.profile import load_profile
 from specops.resolve import check_loaded, lock_path, lock_profile, resolve_profile
 
 pytestmark = pytest.mark.timeout(120)

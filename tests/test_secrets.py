@@ -15,8 +15,8 @@ import pytest
 
 from specops.errors import ProfileError
 from specops.plugins import get_registry
-from specops.profile import load_profile
-from specops.render import format_plan, plan
+from specops.config.profile import load_profile
+from specops.backends.render import format_plan, plan
 from support_cli import run
 
 KEY = "sk-live-SECRETS-TEST-9c1f"
@@ -167,7 +167,7 @@ def test_fallback_step_draft_from_the_environment_stays_hidden_after_a_switch(tm
     path = _write(tmp_path, VLLM + "model: {id: a/b}\nspeculative: {method: eagle3, draft: org/e3}\n"
                   "fallback:\n  chain:\n    - {method: draft_model, draft: \"org/${D}\"}\n    - none\n")
     loaded = load_profile(path, env={"D": "q"}, registry=get_registry())
-    from specops.profile import LoadedProfile
+    from specops.config.profile import LoadedProfile
     switched = LoadedProfile(loaded.profile.at_step(1), loaded.document, loaded.path)
     text = format_plan(plan(switched, get_registry(), probe=False), "json")
     assert '\\"model\\":\\"org/***\\"' in text and "org/q" not in text

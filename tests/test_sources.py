@@ -7,12 +7,20 @@ import threading
 import pytest
 
 from specops.methods import Method
-from specops.metrics import SpecCounters
-from specops.policy import KEEP, SWITCH, Policy, PolicyConfig
-from specops.profile import ChainStep
-from specops.sources import (ACCEPTANCE_LINE, LogLineSource, PromQLSource, ScrapeSource, SourceError,
-                             promql_duration, promql_labels, selector)
-from specops.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, Sample, SampleBuffer, WindowStats, window_stats
+from specops.backends.counters import SpecCounters
+from specops.watch.policy import KEEP, SWITCH, Policy, PolicyConfig
+from specops.config.profile import ChainStep
+from specops.watch.sources import (
+    ACCEPTANCE_LINE,
+    LogLineSource,
+    PromQLSource,
+    ScrapeSource,
+    SourceError,
+    promql_duration,
+    promql_labels,
+    selector,
+)
+from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, Sample, SampleBuffer, WindowStats, window_stats
 from support_prometheus import (PrometheusServer, StaticExporter, free_port, llamacpp_text, require_prometheus,
                                 vllm_one, vllm_v1_text, wait_until)
 
@@ -214,7 +222,7 @@ def test_bad_labels_and_windows_are_clean_source_errors():
     """A label name PromQL does not allow, or a window that is not a finite number of seconds, is a one-line
     SourceConfigError (a SpecopsError, so the CLI prints it) — never an OverflowError or a traceback."""
     from specops.errors import SpecopsError
-    from specops.sources import SourceConfigError
+    from specops.watch.sources import SourceConfigError
     for labels in ({"bad-name": "x"}, {"1x": "y"}, {"": "z"}, {"a b": "c"}):
         with pytest.raises(SourceConfigError) as exc:
             PromQLSource("http://127.0.0.1:1", "vllm:", labels, 60)
@@ -248,7 +256,7 @@ def test_source_errors_never_show_credentials_or_query_values():
 
 def test_watcher_reading_of_a_credentialed_url_is_redacted():
     from specops.plugins import get_registry
-    from specops.watch import AcceptanceReader
+    from specops.watch.watcher import AcceptanceReader
     reader = AcceptanceReader("scrape", get_registry().backend("llamacpp"), 5.0, 1.0)
     reader.attach(f"http://u:s3cretpw@127.0.0.1:{free_port()}/metrics?sig=tok3n", None)
     stats = reader.read_blocking(1.0).stats

@@ -7,8 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specops.speedup import (acceptance_rate, alpha_from_acceptance_rate, best_k, expected_speedup,
-                             expected_tokens_per_step, speedup_from_length)
+from specops.perf.speedup import (
+    acceptance_rate,
+    alpha_from_acceptance_rate,
+    best_k,
+    expected_speedup,
+    expected_tokens_per_step,
+    speedup_from_length,
+)
 
 alphas = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
 ks = st.integers(min_value=0, max_value=16)

@@ -11,13 +11,33 @@ import pytest
 
 from specops.errors import SpecopsError
 from specops.methods import Method
-from specops.metrics import SpecCounters
+from specops.backends.counters import SpecCounters
 from specops.plugins import get_registry
-from specops.profile import load_profile
-from specops.tune import (UNSET_VALUE, BudgetTooSmall, LevelResult, MethodChoice, Round, Setting, SettingResult,
-                          TuneOptions, TuneResult, Tuner, comment_line, coverage_order, current_setting,
-                          desired_changes, edit_yaml, format_table, parse_ints, parse_pairs, plan_settings, plot,
-                          tune_record_path, write_back)
+from specops.config.profile import load_profile
+from specops.perf.tune import (
+    UNSET_VALUE,
+    BudgetTooSmall,
+    LevelResult,
+    MethodChoice,
+    Round,
+    Setting,
+    SettingResult,
+    TuneOptions,
+    TuneResult,
+    Tuner,
+    comment_line,
+    coverage_order,
+    current_setting,
+    desired_changes,
+    edit_yaml,
+    format_table,
+    parse_ints,
+    parse_pairs,
+    plan_settings,
+    plot,
+    tune_record_path,
+    write_back,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,7 +171,7 @@ class FakeSession:
         return SpecCounters(draft_tokens=self.drafted, accepted=self.accepted, drafts=self.drafts)
 
     async def acceptance_since(self, before):
-        from specops.launch import acceptance_between
+        from specops.perf.launch import acceptance_between
         return acceptance_between(before, await self.counters())
 
 
@@ -508,7 +528,7 @@ def test_a_fresh_lock_gets_the_record_and_stays_fresh(tmp_path):
 
 
 def test_a_change_that_would_not_validate_changes_nothing(tmp_path, monkeypatch):
-    import specops.tune as tune
+    import specops.perf.tune as tune
     path = tmp_path / "chat.yaml"
     path.write_text(LLAMA)
     loaded = load_profile(path)
@@ -544,7 +564,7 @@ def repo_profiles():
 def test_every_shipped_profile_takes_a_new_k_with_a_two_line_diff(path):
     """Only the k line (and specops' comment, and a `speculative:` header an overlay lacks) may change."""
     import difflib
-    from specops.tune import base_data_of
+    from specops.perf.tune import base_data_of
     text = path.read_text()
     new, notes = edit_yaml(text, {("speculative", "num_speculative_tokens"): 7}, base_data=base_data_of(path),
                            comment="specops tune 2026-01-01: x", comment_at=("speculative", "num_speculative_tokens"))
@@ -597,7 +617,7 @@ def test_per_batch_size_is_written_with_the_low_load_best(tmp_path):
 
 
 def test_method_choices_and_concurrency_levels(tmp_path):
-    from specops.tune import concurrency_levels, method_choices
+    from specops.perf.tune import concurrency_levels, method_choices
     path = tmp_path / "chat.yaml"
     path.write_text(LLAMA)
     loaded = load_profile(path)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from specops.paths import tiny_models_dir
-from specops.profile import load_profile
+from specops.config.profile import load_profile
 from support_cli import run
 from support_engines import need_llama_server
 
@@ -42,7 +42,7 @@ FAST = ["--max-tokens", "48", "--rounds", "4", "--min-rounds", "3", "-q"]
 @pytest.fixture(scope="module")
 def models():
     need_llama_server()
-    from specops.fixtures import ensure_tiny_models
+    from specops.devenv.testmodels import ensure_tiny_models
     ensure_tiny_models(("gguf",))
     return tiny_models_dir()
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from specops.process import group_members
+from specops.run.process import group_members
 from support_up import UpRun, free_port, http_json, http_text, write_profile
 
 pytestmark = pytest.mark.engines

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from specops.process import group_members
+from specops.run.process import group_members
 from support_up import UpRun, free_port, http_json, http_text, write_profile
 from test_fallback_llamacpp import Traffic
 

@@ -273,7 +273,7 @@ def test_bad_label_name_reaching_watch_is_a_clean_error(tmp_path):
 
 def test_check_bounds_refuses_what_a_profile_object_may_hold():
     from specops.commands.watch import _check_bounds
-    from specops.profile import Profile
+    from specops.config.profile import Profile
     base = Profile.model_validate({"name": "w", "backend": "vllm", "model": {"id": "x/y"},
                                    "speculative": {"method": "ngram"},
                                    "monitor": {"source": "promql", "prometheus_url": "http://127.0.0.1:1"}})

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from specops.engines import llama_server_bin
+from specops.devenv.engines import llama_server_bin
 from specops.paths import tiny_models_dir
 from support_prometheus import PrometheusServer
 from support_up import SPECOPS, free_port
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.engines, pytest.mark.prometheus]
 
 @pytest.fixture(scope="module")
 def noisy_engine(tmp_path_factory):
-    from specops.fixtures import ensure_tiny_models
+    from specops.devenv.testmodels import ensure_tiny_models
     ensure_tiny_models(["gguf"])
     models = tiny_models_dir()
     port = free_port()

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specops.metrics import SpecCounters
-from specops.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, Sample, SampleBuffer, WindowStats, window_stats
+from specops.backends.counters import SpecCounters
+from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, Sample, SampleBuffer, WindowStats, window_stats
 
 
 def c(tokens, accepted, drafts=None, per_pos=(), **kw) -> SpecCounters:
@@ -127,7 +127,7 @@ def test_invalid_window():
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), -1, 0, "60", None, True])
 def test_non_finite_windows_are_refused_with_one_line(bad):
-    from specops.window import WindowError
+    from specops.watch.window import WindowError
     with pytest.raises(WindowError) as exc:
         window_stats([], now=0, window_s=bad)
     assert "\n" not in str(exc.value)

@@ -7,8 +7,16 @@ import json
 import pytest
 
 from specops.errors import SpecopsError
-from specops.workload import (BUILTIN_SETS, Prompt, RequestResult, WorkloadResult, load_prompts, median, percentile,
-                              run_workload)
+from specops.perf.workload import (
+    BUILTIN_SETS,
+    Prompt,
+    RequestResult,
+    WorkloadResult,
+    load_prompts,
+    median,
+    percentile,
+    run_workload,
+)
 
 
 # ------------------------------------------------------------------------------------ prompt sets
@@ -85,11 +93,11 @@ def test_derived_numbers_by_hand():
 
 @pytest.fixture(scope="module")
 def llama():
-    """A real llama-server (tiny target + same-weights draft) launched by specops.launch for this module."""
-    from specops.fixtures import ensure_tiny_models
-    from specops.launch import launched
+    """A real llama-server (tiny target + same-weights draft) launched by specops.perf.launch for this module."""
+    from specops.devenv.testmodels import ensure_tiny_models
+    from specops.perf.launch import launched
     from specops.plugins import get_registry
-    from specops.profile import load_profile
+    from specops.config.profile import load_profile
 
     models = ensure_tiny_models(["gguf"])
     import tempfile

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterable
 
-from ..methods import Method
-from ..redact import MARK, MIN_SUBSTRING, Redactor, looks_secret, shell_quote, unmark
+from specops.methods import Method
+from specops.redact import MARK, MIN_SUBSTRING, Redactor, looks_secret, shell_quote, unmark
 
 __all__ = ["Backend", "EngineInfo", "LaunchPlan", "RenderError", "check_extra_args", "check_version_text",
            "flag_of", "http_url", "looks_secret"]
@@ -68,7 +68,7 @@ class LaunchPlan:
     #: Secret texts with their masked form (``x/sk-…`` → ``x/`` + MARK), for text that contains them.
     masks: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
     #: The printed form of :meth:`raw_dict` with each known secret position marked (see specops.redact),
-    #: set by :func:`specops.render.plan` for values interpolated from the environment; None: no such values.
+    #: set by :func:`specops.backends.render.plan` for values interpolated from the environment; None: no such values.
     display: dict | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -215,13 +215,13 @@ class Backend:
         raise NotImplementedError
 
     def acceptance_counters(self, metrics_text: str, model_name: str | None = None, openmetrics: bool = False):
-        """Spec-decode counters (a :class:`specops.metrics.SpecCounters`) from this engine's /metrics text.
+        """Spec-decode counters (a :class:`specops.backends.counters.SpecCounters`) from this engine's /metrics text.
 
         ``None`` means the engine exposes no speculative series (speculation off or stats disabled), which
         is not a failure. Raises ``ValueError`` for text that is not a Prometheus exposition. The default
         reads the ``<metric_prefix>spec_decode_*`` counters; a backend with other metrics overrides this.
         """
-        from ..metrics import parse_spec_counters  # prometheus_client: only when watching
+        from specops.backends.counters import parse_spec_counters  # prometheus_client: only when watching
         return parse_spec_counters(metrics_text, self.metric_prefix, model_name, openmetrics=openmetrics)
 
     def launch_problem(self, line: str) -> str | None:

@@ -1,7 +1,7 @@
 """The llama.cpp backend: renders ``llama-server`` flags for the build that is installed.
 
 llama-server renamed its speculative flags in 2026 and exits on a removed one, so the flags come from
-the probed binary's ``--help`` (or a pinned flag generation; see :mod:`specops.versions`). Facts:
+the probed binary's ``--help`` (or a pinned flag generation; see :mod:`specops.backends.versions`). Facts:
 ../shared/DESIGN.md §5.
 """
 from __future__ import annotations
@@ -12,12 +12,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ..errors import SpecopsError
-from ..hookspecs import hookimpl
-from ..methods import Method
-from ..paths import engines_dir
-from ..versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
-from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text, looks_secret
+from specops.errors import SpecopsError
+from specops.hookspecs import hookimpl
+from specops.methods import Method
+from specops.paths import engines_dir
+from specops.backends.versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
+from specops.backends.base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text, looks_secret
 
 #: specops method → llama-server ``--spec-type`` value, per flag generation (absent: not supported).
 SPEC_TYPE = {

@@ -3,7 +3,7 @@
 ≥ 0.8.3 takes one ``--speculative-config`` JSON with ``method`` always explicit (EAGLE-1 heads carry no
 marker, and vLLM otherwise guesses from the repo name); 0.8.2 parses the same option as a Python literal;
 ≤ 0.8.1 only knows separate ``--speculative-*`` flags. Facts: ../shared/DESIGN.md §4; gates in
-:mod:`specops.versions`.
+:mod:`specops.backends.versions`.
 """
 from __future__ import annotations
 
@@ -14,14 +14,23 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ..errors import SpecopsError
-from ..hookspecs import hookimpl
-from ..methods import Method
-from ..paths import engines_dir
-from ..versions import (VLLM_DRAFT_MODEL_V1, VLLM_LEGACY_METHODS, VLLM_METHOD_SINCE, VLLM_METHOD_UNTIL,
-                        VLLM_SPEC_CONFIG, VLLM_SPEC_CONFIG_ONLY, VLLM_V0_REMOVED, VLLM_V1_DEFAULT, Version,
-                        vllm_field_problem)
-from .base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text, looks_secret
+from specops.errors import SpecopsError
+from specops.hookspecs import hookimpl
+from specops.methods import Method
+from specops.paths import engines_dir
+from specops.backends.versions import (
+    VLLM_DRAFT_MODEL_V1,
+    VLLM_LEGACY_METHODS,
+    VLLM_METHOD_SINCE,
+    VLLM_METHOD_UNTIL,
+    VLLM_SPEC_CONFIG,
+    VLLM_SPEC_CONFIG_ONLY,
+    VLLM_V0_REMOVED,
+    VLLM_V1_DEFAULT,
+    Version,
+    vllm_field_problem,
+)
+from specops.backends.base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text, looks_secret
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: Fields of the speculative config that specops renders from dedicated profile fields.

@@ -5,8 +5,8 @@ import json
 
 import click
 
-from ..plugins import get_registry
-from ..profile import LoadedProfile, load_profile
+from specops.plugins import get_registry
+from specops.config.profile import LoadedProfile, load_profile
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
 profile_argument = click.argument("profile", type=click.Path(dir_okay=False, path_type=str))
@@ -25,7 +25,7 @@ def version_param(ctx, param, value):
     """click callback: an engine version as ``--backend-version`` takes it (never echoed back when wrong)."""
     if value is None:
         return None
-    from ..backends.base import check_version_text
+    from specops.backends.base import check_version_text
     problem = check_version_text(value)
     if problem:
         raise click.BadParameter(problem)
@@ -40,7 +40,7 @@ def duration_param(ctx, param, value):
     """click callback: ``30s``, ``10m``, ``1h30m`` or seconds → float seconds (None stays None)."""
     if value is None:
         return None
-    from ..durations import parse_duration
+    from specops.config.durations import parse_duration
     try:
         return parse_duration(value)
     except ValueError as exc:

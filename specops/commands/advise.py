@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import click
 
-from ..errors import SpecopsError
-from ._common import duration_param, echo_json, json_option
+from specops.errors import SpecopsError
+from specops.commands._common import duration_param, echo_json, json_option
 
 
 
@@ -58,8 +58,8 @@ def advise(profile, alpha, rate, mean_length, instance, metrics_url, prometheus,
       specops advise examples/llamacpp-cpu-draft.yaml          # live, from the running instance
       specops advise --metrics-url http://127.0.0.1:8000/metrics --window 30s -k 3
     """
-    from .. import advise as adv_mod
-    from ..speedup import DEFAULT_DRAFT_COST
+    from specops.perf import advise as adv_mod
+    from specops.perf.speedup import DEFAULT_DRAFT_COST
 
     given = [n for n, v in (("--alpha", alpha), ("--acceptance-rate", rate), ("--mean-length", mean_length),
                             ("--instance", instance), ("--metrics-url", metrics_url),
@@ -68,7 +68,7 @@ def advise(profile, alpha, rate, mean_length, instance, metrics_url, prometheus,
         raise click.UsageError(f"give the acceptance one way, not {' and '.join(given)}")
     prof = None
     if profile:
-        from ._common import load
+        from specops.commands._common import load
         prof = load(profile).profile
     if not given:
         if prof is None:
@@ -95,7 +95,7 @@ def advise(profile, alpha, rate, mean_length, instance, metrics_url, prometheus,
         stats, state = adv_mod.read_instance(instance, state_dir or (prof.supervisor.state_dir if prof else None))
         if prof is None and state.get("profile"):
             try:
-                from ._common import load
+                from specops.commands._common import load
                 prof = load(state["profile"]).profile
                 backend = prof.backend
             except (SpecopsError, OSError):
@@ -104,14 +104,14 @@ def advise(profile, alpha, rate, mean_length, instance, metrics_url, prometheus,
         acc = adv_mod.from_window(stats, k or running_k, f"instance {instance}, method {state.get('method')}, "
                                   f"window {stats.window_s:g}s")
     elif metrics_url is not None:
-        from ..plugins import get_registry
+        from specops.plugins import get_registry
         stats, found = adv_mod.read_scrape(metrics_url, get_registry(), served, window or 0.0, backend)
         backend = backend or getattr(found, "name", None)
         what = f"increase over {window:g}s" if window else "lifetime totals"
         acc = adv_mod.from_window(stats, k or profile_k, f"{metrics_url}, {what}")
     else:
-        from ..plugins import get_registry
-        from ..sources import promql_labels
+        from specops.plugins import get_registry
+        from specops.watch.sources import promql_labels
         be = get_registry().backend(backend or "vllm")
         labels = promql_labels(be.metric_prefix, dict(prof.monitor.labels) if prof else {}, served)
         win = window or (prof.fallback.window if prof else 60.0)

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from ._common import duration_param, echo_json, json_option, load, profile_argument, version_param
+from specops.commands._common import duration_param, echo_json, json_option, load, profile_argument, version_param
 
 
 def _levels(ctx, param, value):
@@ -101,8 +101,8 @@ def bench(profile, prompt_sets, concurrency, requests, duration, max_tokens, rou
       specops bench examples/llamacpp-cpu-draft.yaml -c 1,2,4 -n 8
       specops bench profiles/llama31-8b-eagle3.yaml -p code,my-traffic.jsonl --rounds 3
     """
-    from ..bench import BenchConfig, run_bench_blocking, write_outputs
-    from ..plugins import get_registry
+    from specops.perf.bench import BenchConfig, run_bench_blocking, write_outputs
+    from specops.plugins import get_registry
 
     loaded = load(profile)
     name = loaded.profile.name

@@ -5,9 +5,9 @@ import time
 
 import click
 
-from .. import engines as eng
-from ..errors import SpecopsError
-from ._common import echo_json, json_option
+from specops.devenv import engines as eng
+from specops.errors import SpecopsError
+from specops.commands._common import echo_json, json_option
 
 
 @click.group()
@@ -142,7 +142,7 @@ def path(name, ensure):
     if ensure and not name.startswith("model:"):
         raise SpecopsError("--ensure only applies to model:NAME")
     if ensure:
-        from .. import fixtures
+        from specops.devenv import testmodels as fixtures
 
         t0 = time.monotonic()
         model = fixtures.model_path(name[len("model:"):], ensure=True,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import click
 
-from ..plugins import get_registry
-from ._common import echo_json, json_option
+from specops.plugins import get_registry
+from specops.commands._common import echo_json, json_option
 
 
 @click.command()

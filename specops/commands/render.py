@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import click
 
-from ..plugins import get_registry
-from ..render import FORMATS, format_plan, plan
-from ..methods import Method
-from ..profile import LoadedProfile
-from ._common import load, port_type, profile_argument, version_param
+from specops.plugins import get_registry
+from specops.backends.render import FORMATS, format_plan, plan
+from specops.methods import Method
+from specops.config.profile import LoadedProfile
+from specops.commands._common import load, port_type, profile_argument, version_param
 
 
 def resolved(loaded: LoadedProfile, *, offline: bool, use_lock: bool) -> LoadedProfile:
@@ -16,10 +16,10 @@ def resolved(loaded: LoadedProfile, *, offline: bool, use_lock: bool) -> LoadedP
     needs = spec.method is Method.AUTO or spec.draft == "auto"
     if not needs and not use_lock:
         return loaded
-    from ..resolve.lock import lock_path
+    from specops.resolve.lock import lock_path
     if not needs and not lock_path(loaded.path).is_file():
         return loaded
-    from ..resolve import resolve_profile
+    from specops.resolve import resolve_profile
     res = resolve_profile(loaded, offline=offline, use_lock=use_lock)
     for note in res.notes:
         click.echo(f"note: {note}", err=True)

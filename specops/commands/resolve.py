@@ -5,9 +5,9 @@ import os
 
 import click
 
-from ..errors import SpecopsError
-from ..methods import Method
-from ._common import echo_json, json_option, load, version_param
+from specops.errors import SpecopsError
+from specops.methods import Method
+from specops.commands._common import echo_json, json_option, load, version_param
 
 METHOD_CHOICES = [m.value for m in Method if m not in (Method.NONE, Method.SUFFIX)]
 SEVERITY_MARK = {"error": "error  ", "warning": "warning", "info": "info   "}
@@ -46,7 +46,7 @@ def resolve(target, method, backend, max_model_len, tensor_parallel_size, quant,
       specops resolve Qwen/Qwen2.5-7B-Instruct-GGUF --backend llamacpp --quant Q8_0
       specops resolve profiles/llama31-8b-eagle3.yaml --offline
     """
-    from ..resolve.resolver import resolve as run_resolve, resolve_profile, synthetic_profile
+    from specops.resolve.resolver import resolve as run_resolve, resolve_profile, synthetic_profile
 
     progress = None if as_json else _progress
     if target.endswith((".yaml", ".yml")) and os.path.isfile(target):
@@ -96,8 +96,8 @@ def lock(profile, offline, check_only, as_json):
       specops lock profiles/llama31-8b-auto.yaml
       specops lock --check profiles/llama31-8b-auto.yaml      # in CI: fail when the lock is stale
     """
-    from ..resolve.lock import lock_path, read_lock, stale_reason
-    from ..resolve.resolver import lock_profile
+    from specops.resolve.lock import lock_path, read_lock, stale_reason
+    from specops.resolve.resolver import lock_profile
 
     loaded = load(profile)
     if check_only:

@@ -5,7 +5,7 @@ import json
 
 import click
 
-from ..profile import schema as profile_schema
+from specops.config.profile import schema as profile_schema
 
 
 @click.command()

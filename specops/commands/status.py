@@ -9,11 +9,18 @@ import urllib.request
 
 import click
 
-from ..durations import format_duration
-from ..errors import SpecopsError
-from ..instance import (InstancePaths, StateError, find_instances, owner_problem, read_state, remove_stale_state,
-                        signal_process)
-from ._common import echo_json, json_option
+from specops.config.durations import format_duration
+from specops.errors import SpecopsError
+from specops.run.instance import (
+    InstancePaths,
+    StateError,
+    find_instances,
+    owner_problem,
+    read_state,
+    remove_stale_state,
+    signal_process,
+)
+from specops.commands._common import echo_json, json_option
 
 #: The most of /specops/status read from a live instance.
 MAX_LIVE_BYTES = 4 << 20
@@ -21,7 +28,7 @@ MAX_LIVE_BYTES = 4 << 20
 
 def _instances(name: str | None, state_dir: str | None) -> list[InstancePaths]:
     if name and (name.endswith((".yaml", ".yml")) and os.path.isfile(name)):
-        from ._common import load
+        from specops.commands._common import load
         p = load(name).profile
         return [InstancePaths.for_profile(p.name, p.supervisor.state_dir)]
     found = find_instances(state_dir)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ._common import duration_param, echo_json, json_option, load, profile_argument, version_param
+from specops.commands._common import duration_param, echo_json, json_option, load, profile_argument, version_param
 
 
 
@@ -16,8 +16,8 @@ from ._common import duration_param, echo_json, json_option, load, profile_argum
 def _ints(ctx, param, value):
     if value is None:
         return None
-    from ..errors import SpecopsError
-    from ..tune import parse_ints
+    from specops.errors import SpecopsError
+    from specops.perf.tune import parse_ints
     try:
         return parse_ints(value, "--k")
     except SpecopsError as exc:
@@ -27,8 +27,8 @@ def _ints(ctx, param, value):
 def _pairs(ctx, param, value):
     if value is None:
         return None
-    from ..errors import SpecopsError
-    from ..tune import parse_pairs
+    from specops.errors import SpecopsError
+    from specops.perf.tune import parse_pairs
     try:
         return parse_pairs(value)
     except SpecopsError as exc:
@@ -154,10 +154,10 @@ def tune(profile, workload, budget, k_values, methods, ngram_pairs, ngram_types,
       specops tune profiles/gitops/prod/llama31-8b-chat.yaml -w code,traffic.jsonl --dry-run
       specops tune profile.yaml --methods draft_model,ngram,none --budget 30m
     """
-    from ..errors import SpecopsError
-    from ..paths import state_dir
-    from ..plugins import get_registry
-    from ..tune import TuneConfig, format_table, plot as draw, prepare, run_sweep, tune_plot_path, write_back
+    from specops.errors import SpecopsError
+    from specops.paths import state_dir
+    from specops.plugins import get_registry
+    from specops.perf.tune import TuneConfig, format_table, plot as draw, prepare, run_sweep, tune_plot_path, write_back
 
     registry = get_registry()
     loaded = load(profile)
@@ -243,5 +243,5 @@ def _grid_edge(result, settings) -> str | None:
 
 
 def _fmt(seconds: float) -> str:
-    from ..durations import format_duration
+    from specops.config.durations import format_duration
     return format_duration(seconds)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import click
 
-from ..plugins import get_registry
-from ..up import UpOptions, up_blocking
-from ._common import load, profile_argument, version_param
+from specops.plugins import get_registry
+from specops.up import UpOptions, up_blocking
+from specops.commands._common import load, profile_argument, version_param
 
 
 @click.command()

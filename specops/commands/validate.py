@@ -5,12 +5,12 @@ from pathlib import Path
 
 import click
 
-from ..errors import Location, Problem, ProfileError, SpecopsError
-from ..plugins import get_registry
-from ..profile import LoadedProfile, load_profile
-from ..redact import MASK
-from ..yamlsource import parse, read_text
-from ._common import echo_json
+from specops.errors import Location, Problem, ProfileError, SpecopsError
+from specops.plugins import get_registry
+from specops.config.profile import LoadedProfile, load_profile
+from specops.redact import MASK
+from specops.config.yamlsource import parse, read_text
+from specops.commands._common import echo_json
 
 PROFILE_SUFFIXES = (".yaml", ".yml")
 
@@ -96,7 +96,7 @@ def validate(paths, fmt, do_resolve, offline):
             summary = {"name": _shown(loaded, ("name",), p.name), "backend": _shown(loaded, ("backend",), p.backend),
                        "method": p.speculative.method.value}
             if do_resolve:
-                from ..resolve.check import check_loaded  # the resolver pulls in the Hub client: only when asked
+                from specops.resolve.check import check_loaded  # the resolver pulls in the Hub client: only when asked
                 for finding in check_loaded(loaded, offline=offline):
                     target = problems if finding.severity == "error" else warnings
                     target.append(loaded.problem(finding.path, finding.message))

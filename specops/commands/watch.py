@@ -17,18 +17,18 @@ import time
 
 import click
 
-from ..errors import SpecopsError
-from ..instance import EventLog
-from ..plugins import get_registry
-from ..policy import Policy
-from ..profile import Profile
-from ..urls import check_http_url, redact_text, redact_url
-from ..watch import MAX_INTERVAL, MAX_WINDOW, MAX_WINDOW_SAMPLES, MIN_INTERVAL
-from ._common import load
+from specops.errors import SpecopsError
+from specops.run.instance import EventLog
+from specops.plugins import get_registry
+from specops.watch.policy import Policy
+from specops.config.profile import Profile
+from specops.urls import check_http_url, redact_text, redact_url
+from specops.watch.watcher import MAX_INTERVAL, MAX_WINDOW, MAX_WINDOW_SAMPLES, MIN_INTERVAL
+from specops.commands._common import load
 
 
 def _fmt(seconds: float) -> str:
-    from ..durations import format_duration
+    from specops.config.durations import format_duration
     return format_duration(seconds)
 
 
@@ -37,7 +37,7 @@ def _duration(low: float, high: float, *, low_open: bool):
     def callback(ctx, param, value):
         if value is None:
             return None
-        from ..durations import parse_duration
+        from specops.config.durations import parse_duration
         text = str(value).strip()
         try:
             seconds = float(text)  # plain numbers first: "-1", "nan", "1e400" get a precise message
@@ -95,7 +95,7 @@ def _check_bounds(profile: Profile, say=None) -> Profile:
     """The profile with the window, interval and labels the watch will use (from the profile and the
     options), or a one-line error: a profile may hold values that the options' checks never saw. An
     interval below :data:`MIN_INTERVAL` is raised to it (as under ``specops up``), with a warning."""
-    from ..sources import label_name_problem
+    from specops.watch.sources import label_name_problem
     fb, mon = profile.fallback, profile.monitor
     window, interval = fb.window, mon.interval
     if not isinstance(window, (int, float)) or not math.isfinite(window) or not 0 < window <= MAX_WINDOW:
@@ -150,7 +150,7 @@ def _profile_for_url(url: str, backend: str, model_name: str | None, method: str
 
 
 def _detect_backend(metrics_url: str, timeout: float) -> str:
-    from ..sources import ScrapeSource, SourceError
+    from specops.watch.sources import ScrapeSource, SourceError
     try:
         text, _ = ScrapeSource(metrics_url, "vllm:", None, timeout).fetch()
     except SourceError as exc:
@@ -234,7 +234,7 @@ def watch(target, backend, model_name, method, engine_url, window, interval, min
 
 
 async def _watch(profile: Profile, base: str, model_name: str | None, command, webhook, once: bool, as_json: bool):
-    from ..watch import AcceptanceReader, Watcher, notify
+    from specops.watch.watcher import AcceptanceReader, Watcher, notify
 
     backend = get_registry().backend(profile.backend)
     m = profile.monitor

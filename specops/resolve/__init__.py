@@ -11,11 +11,11 @@ Importing this package is cheap: ``huggingface_hub`` and ``gguf`` load only when
 """
 from __future__ import annotations
 
-from .check import Finding, check_loaded
-from .discover import Candidate
-from .hub import HubError
-from .lock import lock_path
-from .resolver import Resolution, lock_profile, resolve, resolve_profile, synthetic_profile
+from specops.resolve.check import Finding, check_loaded
+from specops.resolve.discover import Candidate
+from specops.resolve.hub import HubError
+from specops.resolve.lock import lock_path
+from specops.resolve.resolver import Resolution, lock_profile, resolve, resolve_profile, synthetic_profile
 
 __all__ = ["Candidate", "Finding", "HubError", "Resolution", "check_loaded", "lock_path", "lock_profile", "resolve",
            "resolve_profile", "synthetic_profile"]

@@ -11,7 +11,7 @@ speculators verifier / Medusa base > card base_model / base_model tag > name), t
 """
 from __future__ import annotations
 
-from ..methods import RANK, Method
+from specops.methods import RANK, Method
 
 #: Method groups of the auto policy, tried in this order.
 AUTO_GROUPS = {Method.EAGLE3: 0, Method.EAGLE: 0, Method.MTP: 1, Method.DRAFT_MODEL: 2, Method.NGRAM: 3}

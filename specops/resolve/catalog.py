@@ -14,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import SpecopsError
-from ..methods import Method
-from .detect import ConfigFacts
+from specops.errors import SpecopsError
+from specops.methods import Method
+from specops.resolve.detect import ConfigFacts
 
 SELF = "self"
 

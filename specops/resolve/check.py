@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..methods import NEEDS_DRAFT, Method
-from .catalog import Catalog, CatalogEntry
-from .detect import HEAD_METHODS, looks_like_full_model, same_model
-from .ggufinfo import MAX_VOCAB_DIFFERENCE, compare_vocab
-from .memory import estimate
+from specops.methods import NEEDS_DRAFT, Method
+from specops.resolve.catalog import Catalog, CatalogEntry
+from specops.resolve.detect import HEAD_METHODS, looks_like_full_model, same_model
+from specops.resolve.ggufinfo import MAX_VOCAB_DIFFERENCE, compare_vocab
+from specops.resolve.memory import estimate
 
 DRAFT = ("speculative", "draft")
 METHOD = ("speculative", "method")
@@ -54,8 +54,7 @@ def backend_findings(method: Method, profile, backend_obj) -> list[Finding]:
     if not version:
         return out
     if profile.backend == "vllm":
-        from ..versions import (VLLM_DRAFT_MODEL_V1, VLLM_METHOD_SINCE, VLLM_METHOD_UNTIL, VLLM_V0_REMOVED,
-                                Version)
+        from specops.backends.versions import VLLM_DRAFT_MODEL_V1, VLLM_METHOD_SINCE, VLLM_METHOD_UNTIL, VLLM_V0_REMOVED, Version
         try:
             v = Version(version)
         except ValueError:
@@ -69,8 +68,8 @@ def backend_findings(method: Method, profile, backend_obj) -> list[Finding]:
             out.append(Finding("error", "backend", f"vLLM {version} cannot run a separate draft model "
                                f"(V1 supports it from {VLLM_DRAFT_MODEL_V1})", METHOD))
     elif profile.backend == "llamacpp":
-        from ..backends.llamacpp import SPEC_TYPE
-        from ..versions import llama_generation
+        from specops.backends.llamacpp import SPEC_TYPE
+        from specops.backends.versions import llama_generation
         try:
             gen = llama_generation(version)
         except ValueError:
@@ -341,7 +340,7 @@ def check_loaded(loaded, *, offline: bool = False) -> list[Finding]:
     Resolves ``auto`` the way ``render`` would (a fresh lock is verified against the Hub / cache, a stale
     one is reported), and never raises for a failed check: errors come back as findings.
     """
-    from .resolver import resolve_profile
+    from specops.resolve.resolver import resolve_profile
     res = resolve_profile(loaded, offline=offline, use_lock=True, verify=True, raise_errors=False)
     notes = [Finding("warning", "lock", n, ("speculative",)) for n in res.notes if n.startswith("lock is stale")]
     return notes + [f for f in res.findings if f.severity in ("error", "warning")]

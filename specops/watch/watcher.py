@@ -1,7 +1,7 @@
 """The watcher: read acceptance every ``monitor.interval``, window it, ask the policy, act on its decision.
 
-The watcher is the effectful shell around the pure parts: :mod:`specops.sources` reads, :mod:`specops.window`
-windows, :mod:`specops.policy` decides. Under ``specops up`` it acts through the supervisor (a switch
+The watcher is the effectful shell around the pure parts: :mod:`specops.watch.sources` reads, :mod:`specops.watch.window`
+windows, :mod:`specops.watch.policy` decides. Under ``specops up`` it acts through the supervisor (a switch
 there means: hold the proxy, drain, stop, start the next method, release). Under ``specops watch`` it only
 reports and recommends, and can run a command or call a webhook on each decision.
 
@@ -29,12 +29,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import SpecopsError
-from .metrics import SpecCounters
-from .policy import Decision, Policy
-from .sources import LogLineSource, PromQLSource, ScrapeSource, SourceError, promql_labels
-from .urls import check_http_url, redact_text, redact_url, split_userinfo
-from .window import Sample, SampleBuffer, WindowStats
+from specops.errors import SpecopsError
+from specops.backends.counters import SpecCounters
+from specops.watch.policy import Decision, Policy
+from specops.watch.sources import LogLineSource, PromQLSource, ScrapeSource, SourceError, promql_labels
+from specops.urls import check_http_url, redact_text, redact_url, split_userinfo
+from specops.watch.window import Sample, SampleBuffer, WindowStats
 
 #: The shortest time between two reads: a smaller ``monitor.interval`` / ``--interval`` is not allowed.
 MIN_INTERVAL = 0.1
@@ -268,7 +268,7 @@ class Watcher:
     @classmethod
     def attach(cls, profile, sup, *, events, say, proxy, status, publish) -> "Watcher":
         """Watch the engine ``sup`` supervises; switches go through ``sup.request_switch``."""
-        from .plugins import get_registry
+        from specops.plugins import get_registry
         backend = get_registry().backend(profile.backend)
         prefix = backend.metric_prefix
         live = LiveCounters() if (proxy is not None and prefix == "llamacpp:") else None

@@ -14,8 +14,8 @@ much earlier), so it is measured, not assumed. The pieces, pure first:
   up, and measured in rounds at the profile's concurrency; once it has ``min_rounds`` and even its best
   round is ``margin`` below the best median so far, it is clearly worse and stops early; the others get up
   to ``max_rounds``. Rounds are sized from the time budget; a setting that would not fit is skipped. The
-  engine work goes through a :class:`Driver` (the real one starts engines through :mod:`specops.launch`
-  and sends :mod:`specops.workload` requests; tests use a scripted one).
+  engine work goes through a :class:`Driver` (the real one starts engines through :mod:`specops.perf.launch`
+  and sends :mod:`specops.perf.workload` requests; tests use a scripted one).
 - :class:`TuneResult`: medians per setting and concurrency, acceptance and mean acceptance length, the
   winner (best median at the profile's concurrency), the best per concurrency and, for vLLM versions that
   take it, a ``num_speculative_tokens_per_batch_size`` proposal when the best k differs with load.
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncContextManager, Callable, Iterable, Protocol, Sequence
 
-from .durations import format_duration
-from .errors import ProfileError, SpecopsError
-from .methods import NEEDS_DRAFT, RANK, Method
+from specops.config.durations import format_duration
+from specops.errors import ProfileError, SpecopsError
+from specops.methods import NEEDS_DRAFT, RANK, Method
 
 RECORD_VERSION = 1
 #: The k values tried when the user gives none (plus the profile's own k).
@@ -195,7 +195,7 @@ def plan_settings(current: Setting, choices: Sequence[MethodChoice], backend: st
         if m is Method.NONE:
             settings = [Setting(Method.NONE)]
         elif m is Method.NGRAM and backend == "llamacpp":
-            from .backends.llamacpp import NGRAM_TYPES
+            from specops.backends.llamacpp import NGRAM_TYPES
 
             types = list(ngram_types or NGRAM_TYPES)
             settings = [Setting(Method.NGRAM, ngram_type=t) for t in types]
@@ -308,7 +308,7 @@ class LevelResult:
         return _median(self.samples)
 
     def set_acceptance(self, stats) -> None:
-        """Acceptance over the rounds from the engine's counters (a :class:`specops.window.WindowStats`).
+        """Acceptance over the rounds from the engine's counters (a :class:`specops.watch.window.WindowStats`).
 
         Falls back to the per-response timings the rounds carry (llama-server) when the engine's counters
         gave no number.
@@ -409,7 +409,7 @@ class TuneResult:
         if backend != "vllm" or len(self.levels) < 2:
             return None
         if engine_version:
-            from .versions import Version, vllm_field_problem
+            from specops.backends.versions import Version, vllm_field_problem
             try:
                 if vllm_field_problem("num_speculative_tokens_per_batch_size", Version(engine_version)):
                     return None
@@ -472,10 +472,10 @@ class Session(Protocol):
         """One measured round: the round's prompts from ``concurrency`` clients."""
 
     async def counters(self):
-        """The engine's spec-decode counters now (:class:`specops.metrics.SpecCounters`), or None."""
+        """The engine's spec-decode counters now (:class:`specops.backends.counters.SpecCounters`), or None."""
 
     async def acceptance_since(self, before):
-        """Acceptance since ``before`` (a :class:`specops.window.WindowStats`)."""
+        """Acceptance since ``before`` (a :class:`specops.watch.window.WindowStats`)."""
 
 
 class Driver(Protocol):
@@ -859,7 +859,7 @@ def _chain_item(step) -> Any:
 
 
 def format_changes(changes: dict[tuple, Any]) -> list[str]:
-    from .yamlsource import format_path
+    from specops.config.yamlsource import format_path
     return [f"{format_path(p)}: {'(removed)' if v is UNSET_VALUE else json.dumps(v)}" for p, v in changes.items()]
 
 
@@ -1169,8 +1169,8 @@ def _transplant(original: str, rt_before: str, rt_after: str) -> str | None:
 
 def base_data_of(path: str | Path, env: dict | None = None) -> dict:
     """The merged data of the files ``path`` extends (``{}`` when it extends nothing)."""
-    from . import yamlsource
-    from .paths import builtin_env
+    from specops.config import yamlsource
+    from specops.paths import builtin_env
     env = {**builtin_env(), **(os.environ if env is None else env)}
     p = Path(path)
     doc = yamlsource.parse(yamlsource.read_text(p, str(path)), str(path), env)
@@ -1230,7 +1230,7 @@ def _field_rank(path: tuple) -> tuple:
 def build_record(result: TuneResult, *, profile_path: str, backend: str, engine_version: str | None,
                  workload: dict, changes: dict[tuple, Any], date: str, per_batch: dict | None,
                  written_to: str, written: Setting | None = None) -> dict:
-    from . import __version__
+    from specops import __version__
     return {
         "tune_version": RECORD_VERSION,
         "date": date,
@@ -1259,8 +1259,8 @@ def write_back(loaded, resolved_profile, result: TuneResult, registry, *, engine
     beside the profile before it replaces the profile; on any problem nothing is changed. ``dry_run``
     does all of that and writes nothing.
     """
-    from .profile import LoadedProfile, load_profile
-    from .resolve.lock import digest, dumps, inputs_of, lock_path, read_lock, stale_reason
+    from specops.config.profile import LoadedProfile, load_profile
+    from specops.resolve.lock import digest, dumps, inputs_of, lock_path, read_lock, stale_reason
 
     date = date or today()
     path = Path(loaded.path)
@@ -1328,7 +1328,7 @@ def write_back(loaded, resolved_profile, result: TuneResult, registry, *, engine
                     f"{p.field}: {p.message}" for p in exc.problems)) from None
             new_loaded = LoadedProfile(checked.profile, checked.document, str(path))
             if engine is not None:
-                from .render import plan as render_plan
+                from specops.backends.render import plan as render_plan
                 try:
                     render_plan(LoadedProfile(winner_profile(new_loaded.profile, resolved_profile), checked.document,
                                               str(path)), registry, engine=engine)
@@ -1386,12 +1386,12 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# the real engines: specops.launch starts them, specops.workload measures them
+# the real engines: specops.perf.launch starts them, specops.perf.workload measures them
 
 def load_workload(spec: str | None, max_tokens: int | None = None):
     """Prompts for the rounds: built-in set names and/or JSONL files, comma-separated, interleaved so the
     first prompts of a round cover every set. Default: every built-in set. Returns (prompts, description)."""
-    from .workload import BUILTIN_SETS, Prompt, load_prompts
+    from specops.perf.workload import BUILTIN_SETS, Prompt, load_prompts
 
     names = [x.strip() for x in (spec or ",".join(BUILTIN_SETS)).split(",") if x.strip()]
     if not names:
@@ -1411,7 +1411,7 @@ def default_requests_per_round(concurrency: int) -> int:
 
 
 class EngineDriver:
-    """Launches ``setting.apply(resolved)`` with :func:`specops.launch.launched` for each setting."""
+    """Launches ``setting.apply(resolved)`` with :func:`specops.perf.launch.launched` for each setting."""
 
     def __init__(self, loaded, resolved, registry, engine, prompts, *, requests_per_round=default_requests_per_round,
                  offline: bool = False, log_path: Path | None = None, ready_timeout: float | None = None,
@@ -1431,7 +1431,7 @@ class EngineDriver:
 
     @contextlib.asynccontextmanager
     async def session(self, setting: Setting):
-        from .launch import launched
+        from specops.perf.launch import launched
 
         async with launched(self.loaded, self.registry, profile=setting.apply(self.resolved), engine=self.engine,
                             offline=self.offline, log_path=self.log_path, ready_timeout=self.ready_timeout) as eng:
@@ -1443,7 +1443,7 @@ class _EngineSession:
         self.eng, self.driver = eng, driver
 
     async def warmup(self, concurrency: int) -> None:
-        from .workload import Prompt, run_workload
+        from specops.perf.workload import Prompt, run_workload
 
         prompts = [Prompt(p.text, min(p.max_tokens, 16), p.temperature, p.set)
                    for p in self.driver.round_prompts(concurrency)]  # the round's prompts: caches primed alike
@@ -1453,7 +1453,7 @@ class _EngineSession:
             raise SpecopsError(f"warm-up requests to {self.eng.base_url} failed: {res.errors[0].error}")
 
     async def run(self, concurrency: int) -> Round:
-        from .workload import run_workload
+        from specops.perf.workload import run_workload
 
         prompts = self.driver.round_prompts(concurrency)
         res = await run_workload(self.eng.base_url, self.eng.model_name, prompts, concurrency=concurrency,
@@ -1528,7 +1528,7 @@ def method_choices(loaded, resolved, registry, methods: str | None, *, offline: 
 
 
 def _fitting_candidates(profile, offline: bool):
-    from .resolve import resolve
+    from specops.resolve import resolve
     prof = profile.model_copy(update={"speculative": profile.speculative.model_copy(
         update={"method": Method.AUTO, "draft": None, "draft_revision": None, "draft_file": None})})
     res = resolve(prof, offline=offline)
@@ -1536,7 +1536,7 @@ def _fitting_candidates(profile, offline: bool):
 
 
 def _resolved_draft(profile, method: Method, offline: bool) -> str:
-    from .resolve import resolve
+    from specops.resolve import resolve
     prof = profile.model_copy(update={"speculative": profile.speculative.model_copy(
         update={"method": method, "draft": "auto", "draft_revision": None, "draft_file": None})})
     res = resolve(prof, offline=offline)
@@ -1605,7 +1605,7 @@ class TunePlan:
 
 def prepare(loaded, registry, cfg: TuneConfig) -> TunePlan:
     """Resolve the profile as ``up`` would, probe the engine, and plan the sweep (no engine is started)."""
-    from .up import resolve_for_launch
+    from specops.up import resolve_for_launch
 
     notes: list[str] = []
     resolved_loaded, refused = resolve_for_launch(loaded, cfg.offline, notes.append)
@@ -1623,7 +1623,7 @@ def prepare(loaded, registry, cfg: TuneConfig) -> TunePlan:
                            "methods with --methods fitting (or e.g. --methods ngram,none)")
     types = cfg.ngram_types
     if types is None and resolved.backend == "llamacpp":
-        from .backends.llamacpp import NGRAM_TYPES
+        from specops.backends.llamacpp import NGRAM_TYPES
         known = (engine.flag_values or {}).get("--spec-type")
         types = [t for t in NGRAM_TYPES if not known or t in known]
     if cfg.k_values and not any(has_k(c.method, resolved.backend) for c in choices):
@@ -1645,7 +1645,7 @@ def _rendered_ngram_type(loaded, registry, engine) -> str | None:
     """The --spec-type llama-server gets for the profile as it is (the default n-gram type of this build)."""
     if loaded.profile.backend != "llamacpp" or loaded.profile.speculative.method is not Method.NGRAM:
         return None
-    from .render import plan as render_plan
+    from specops.backends.render import plan as render_plan
     argv = render_plan(loaded, registry, engine=engine).argv
     return argv[argv.index("--spec-type") + 1] if "--spec-type" in argv else None
 

@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .errors import SpecopsError
+from specops.errors import SpecopsError
 
-PROMPTS_DIR = Path(__file__).with_name("data") / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 #: The built-in prompt sets, in the order reports show them.
 BUILTIN_SETS = ("code", "summarize", "chat", "creative")
 DEFAULT_MAX_TOKENS = 128

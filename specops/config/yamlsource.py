@@ -24,8 +24,8 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from .errors import Location, Problem, ProfileError
-from .redact import EnvText, public_vars, redact_message
+from specops.errors import Location, Problem, ProfileError
+from specops.redact import EnvText, public_vars, redact_message
 
 Path_ = tuple  # a field path: ("speculative", "ngram", "min") or ("fallback", "chain", 1)
 
@@ -328,7 +328,7 @@ def profile_roots(path: Path, env: Mapping[str, str] | None = None) -> tuple[Pat
 
 
 def _profile_fields() -> frozenset[str]:
-    from .profile import Profile  # here: profile imports this module
+    from specops.config.profile import Profile  # here: profile imports this module
     return frozenset(Profile.model_fields) | {"extends"}
 
 

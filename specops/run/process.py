@@ -20,9 +20,9 @@ from typing import Callable
 
 import aiohttp
 
-from .backends.base import LaunchPlan
-from .errors import SpecopsError
-from .instance import open_log, proc_starttime, proc_state
+from specops.backends.base import LaunchPlan
+from specops.errors import SpecopsError
+from specops.run.instance import open_log, proc_starttime, proc_state
 
 PR_SET_PDEATHSIG = 1
 

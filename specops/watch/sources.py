@@ -2,10 +2,10 @@
 
 Three sources, all synchronous and short (run them in a thread from async code):
 
-- :class:`ScrapeSource` — GET the engine's ``/metrics`` and parse it (:mod:`specops.metrics`); gives
-  running totals, to be windowed by :mod:`specops.window`.
+- :class:`ScrapeSource` — GET the engine's ``/metrics`` and parse it (:mod:`specops.backends.counters`); gives
+  running totals, to be windowed by :mod:`specops.watch.window`.
 - :class:`PromQLSource` — ask Prometheus for the increases over the window, with the profile's label
-  matchers, so one Prometheus can serve many deployments; gives a :class:`~specops.window.WindowStats`
+  matchers, so one Prometheus can serve many deployments; gives a :class:`~specops.watch.window.WindowStats`
   directly. Its acceptance equals ``sum(rate(accepted[w])) / sum(rate(draft_tokens[w]))`` (see
   :meth:`PromQLSource.acceptance_query`): ``increase`` is ``rate`` times the window, so the ratio is the
   same, and the increases also give the token counts the policy's ``min_draft_tokens`` needs.
@@ -28,10 +28,10 @@ import urllib.error
 import urllib.request
 from typing import Mapping
 
-from .errors import SpecopsError
-from .urls import redact_text, redact_url
-from .metrics import SOURCE_LLAMACPP_LOG, MetricsError, SpecCounters, normalize_prefix, parse_spec_counters, series_names
-from .window import NO_DATA, OK, SPEC_OFF, WindowStats
+from specops.errors import SpecopsError
+from specops.urls import redact_text, redact_url
+from specops.backends.counters import SOURCE_LLAMACPP_LOG, MetricsError, SpecCounters, normalize_prefix, parse_spec_counters, series_names
+from specops.watch.window import NO_DATA, OK, SPEC_OFF, WindowStats
 
 #: What a scrape asks for: the classic text format (OpenMetrics from prometheus_client ≥ 0.23 may
 #: escape ':' in names; vLLM and llama-server serve the classic format anyway).

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import __version__
-from .errors import SpecopsError
-from .methods import Method
-from .profile import LoadedProfile
-from .speedup import DEFAULT_DRAFT_COST
-from .workload import BUILTIN_SETS, Prompt, load_prompts
+from specops import __version__
+from specops.errors import SpecopsError
+from specops.methods import Method
+from specops.config.profile import LoadedProfile
+from specops.perf.speedup import DEFAULT_DRAFT_COST
+from specops.perf.workload import BUILTIN_SETS, Prompt, load_prompts
 
 SPEC, BASE = "spec", "base"
 DEFAULT_LEVELS = (1, 2, 4, 8)
@@ -135,7 +135,7 @@ class _Progress:
 async def run_bench(loaded: LoadedProfile, registry, cfg: BenchConfig, *, say: Say = lambda m: None,
                     progress: _Progress | None = None) -> dict:
     """Run the comparison and return the report (a JSON-ready dict; see :func:`summarize`)."""
-    from .launch import launched, profile_for_step, without_speculation
+    from specops.perf.launch import launched, profile_for_step, without_speculation
 
     cfg.check()
     progress = progress or _Progress()
@@ -233,7 +233,7 @@ async def run_bench(loaded: LoadedProfile, registry, cfg: BenchConfig, *, say: S
 
 async def _warmup(eng, sets: dict[str, list[Prompt]], cfg: BenchConfig, extra) -> None:
     """A few short requests before measuring: first-request costs (allocation, compilation) excluded."""
-    from .workload import run_workload
+    from specops.perf.workload import run_workload
 
     if cfg.warmup < 1:
         return
@@ -245,7 +245,7 @@ async def _warmup(eng, sets: dict[str, list[Prompt]], cfg: BenchConfig, extra) -
 
 
 async def _run_cell(eng, prompts: list[Prompt], level: int, cfg: BenchConfig, extra, on_progress) -> dict:
-    from .workload import run_workload
+    from specops.perf.workload import run_workload
 
     before = await eng.counters()
     res = await run_workload(eng.base_url, eng.model_name, prompts, concurrency=level,
@@ -276,7 +276,7 @@ def summarize(cells: list[dict], meta: dict) -> dict:
     Every speedup is a ratio of tokens/s: the median over rounds of the speculative cell's tokens/s over
     the median of the baseline's. Aggregates (per level, per set) add tokens and wall time first.
     """
-    from .speedup import speedup_from_length
+    from specops.perf.speedup import speedup_from_length
 
     c = meta.get("settings", {}).get("draft_cost_ratio")
     sets = list(dict.fromkeys(cell["set"] for cell in cells))

@@ -18,12 +18,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .backends.base import EngineInfo, LaunchPlan, RenderError
-from .errors import ProfileError, SpecopsError
-from .methods import NEEDS_DRAFT
-from .profile import LoadedProfile, Profile
-from .redact import MARK, EnvText, redact_message
-from .yamlsource import format_path
+from specops.backends.base import EngineInfo, LaunchPlan, RenderError
+from specops.errors import ProfileError, SpecopsError
+from specops.methods import NEEDS_DRAFT
+from specops.config.profile import LoadedProfile, Profile
+from specops.redact import MARK, EnvText, redact_message
+from specops.config.yamlsource import format_path
 
 FORMATS = ("shell", "json", "args")
 

@@ -1,7 +1,7 @@
 """Reading speculative-decoding counters out of an engine's ``/metrics`` text.
 
 Engines expose running totals; acceptance over a window comes from their differences
-(:mod:`specops.window`). This module only turns one exposition into one :class:`SpecCounters`:
+(:mod:`specops.watch.window`). This module only turns one exposition into one :class:`SpecCounters`:
 
 - **vLLM V1** (``vllm:``): counters ``spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
   ``..._num_accepted_tokens_total`` and ``..._num_accepted_tokens_per_pos_total{position}``, labelled

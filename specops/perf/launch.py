@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from .backends.base import EngineInfo, LaunchPlan
-from .errors import SpecopsError
-from .methods import Method
-from .metrics import SpecCounters
-from .process import EngineProcess
-from .profile import ChainStep, LoadedProfile, Profile
-from .window import Sample, WindowStats, window_stats
+from specops.backends.base import EngineInfo, LaunchPlan
+from specops.errors import SpecopsError
+from specops.methods import Method
+from specops.backends.counters import SpecCounters
+from specops.run.process import EngineProcess
+from specops.config.profile import ChainStep, LoadedProfile, Profile
+from specops.watch.window import Sample, WindowStats, window_stats
 
 
 @dataclass
@@ -83,7 +83,7 @@ class LaunchedEngine:
 async def read_counters(metrics_url: str, backend, model_name: str | None, *, headers: dict | None = None,
                         timeout: float = 5.0) -> SpecCounters | None:
     """GET ``metrics_url`` and read it with ``backend.acceptance_counters`` (raises SpecopsError)."""
-    from .sources import ScrapeSource, SourceError
+    from specops.watch.sources import ScrapeSource, SourceError
 
     src = ScrapeSource(metrics_url, backend.metric_prefix, model_name, timeout, headers)
     try:
@@ -131,7 +131,7 @@ def _resolved(loaded: LoadedProfile, profile: Profile, offline: bool) -> Profile
     spec = profile.speculative
     if spec.method is not Method.AUTO and spec.draft != "auto":
         return profile
-    from .resolve import resolve_profile
+    from specops.resolve import resolve_profile
 
     res = resolve_profile(LoadedProfile(profile, loaded.document, loaded.path), offline=offline)
     return res.profile
@@ -145,14 +145,14 @@ async def launched(loaded: LoadedProfile, registry, *, step_index: int = 0, prof
                    stop_timeout: float | None = None) -> AsyncIterator[LaunchedEngine]:
     """Start the engine for ``loaded`` (chain step ``step_index``, or ``profile`` instead) and yield it ready.
 
-    Renders with :func:`specops.render.plan` (probing the installed engine unless ``engine`` is given),
+    Renders with :func:`specops.backends.render.plan` (probing the installed engine unless ``engine`` is given),
     binds ``host:port`` (default: loopback and a free port), waits for the health URL (default timeout:
     the profile's ``engine.ready_timeout``) and stops the whole process group on exit, whatever happens.
     Raises :class:`SpecopsError` with the engine's last lines when it never becomes ready, or when it
     starts without the speculation it was asked for (llama-server keeps serving without a bad draft).
     """
-    from .render import plan as render_plan
-    from .up import free_port
+    from specops.backends.render import plan as render_plan
+    from specops.up import free_port
 
     prof = profile if profile is not None else profile_for_step(loaded.profile, step_index)
     prof = _resolved(loaded, prof, offline)

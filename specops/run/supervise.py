@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
-from .backends.base import LaunchPlan
-from .durations import format_duration
-from .errors import SpecopsError
-from .instance import EventLog
-from .process import EngineProcess, ExitInfo
-from .profile import ChainStep, Profile
+from specops.backends.base import LaunchPlan
+from specops.config.durations import format_duration
+from specops.errors import SpecopsError
+from specops.run.instance import EventLog
+from specops.run.process import EngineProcess, ExitInfo
+from specops.config.profile import ChainStep, Profile
 
 STABLE_AFTER_S = 30.0  # ready this long → the restart back-off starts again from its first value
 

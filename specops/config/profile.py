@@ -3,7 +3,7 @@
 These classes are the single source of truth for the profile: validation, defaults, the JSON Schema
 (`specops schema`) and the field reference in the README all come from them. Cross-field rules that
 need to point at a precise field live in :func:`semantic_problems` so every error carries a field path
-that :mod:`specops.yamlsource` maps back to file:line:column.
+that :mod:`specops.config.yamlsource` maps back to file:line:column.
 """
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from typing import Annotated, Any, Literal, Mapping, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 
-from .backends.base import check_version_text
-from .durations import MAX_DURATION, parse_duration
-from .errors import Problem, ProfileError
-from .paths import builtin_env
-from .methods import DEFAULT_K, NEEDS_DRAFT, Method, default_chain
-from .redact import secret_flag
-from .resolve.names import repo_file_problem
-from .yamlsource import Document, format_path, quote_value, redact_problems
-from . import yamlsource
+from specops.backends.base import check_version_text
+from specops.config.durations import MAX_DURATION, parse_duration
+from specops.errors import Problem, ProfileError
+from specops.paths import builtin_env
+from specops.methods import DEFAULT_K, NEEDS_DRAFT, Method, default_chain
+from specops.redact import secret_flag
+from specops.reponames import repo_file_problem
+from specops.config.yamlsource import Document, format_path, quote_value, redact_problems
+from specops.config import yamlsource
 
 Duration = Annotated[
     float,
@@ -384,7 +384,7 @@ def load_profile(path: str | Path, env: Mapping[str, str] | None = None, *, regi
     profile = validate_document(doc)
     loaded = LoadedProfile(profile, doc, str(path))
     if registry is None:
-        from .plugins import get_registry
+        from specops.plugins import get_registry
         registry = get_registry()
     problems = semantic_problems(loaded, registry)
     if problems:

@@ -1,12 +1,12 @@
 """``specops advise``: what the performance model (DESIGN §8) says about a draft, from one acceptance number.
 
-The arithmetic lives in :mod:`specops.speedup`; this module decides *which* number goes in and says so:
+The arithmetic lives in :mod:`specops.perf.speedup`; this module decides *which* number goes in and says so:
 
 - ``alpha`` — the per-token acceptance probability α of the model (each draft token accepted with
   probability α, drafting stops at the first rejection);
 - ``acceptance_rate`` — what engines report, accepted / drafted. At k draft tokens it equals
   (α + … + α^k) / k, which is *lower* than α for k > 1; α is recovered with
-  :func:`specops.speedup.alpha_from_acceptance_rate` at the k it was measured at;
+  :func:`specops.perf.speedup.alpha_from_acceptance_rate` at the k it was measured at;
 - ``mean_length`` — the measured mean acceptance length τ = 1 + accepted / drafts (tokens per target
   pass). It needs no model at the k it was measured at; α for other k follows from its rate (τ − 1) / k.
 
@@ -24,9 +24,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .errors import SpecopsError
-from .speedup import (DEFAULT_DRAFT_COST, acceptance_rate, alpha_from_acceptance_rate, best_k, expected_speedup,
-                      expected_tokens_per_step, speedup_from_length)
+from specops.errors import SpecopsError
+from specops.perf.speedup import (
+    DEFAULT_DRAFT_COST,
+    acceptance_rate,
+    alpha_from_acceptance_rate,
+    best_k,
+    expected_speedup,
+    expected_tokens_per_step,
+    speedup_from_length,
+)
 
 #: Below this α the draft usually costs more than it gains (published rule of thumb).
 LOW_ALPHA = 0.6
@@ -99,7 +106,7 @@ def from_mean_length(length: float, k: int, source: str = "--mean-length", **mea
 
 
 def from_window(stats, k: int | None, source: str) -> AcceptanceInput:
-    """A live reading (:class:`specops.window.WindowStats`): the mean length when drafts are counted, else
+    """A live reading (:class:`specops.watch.window.WindowStats`): the mean length when drafts are counted, else
     the rate. ``k`` is the configured k; without it the measured mean draft length (rounded) is used."""
     if stats.status != "ok" or stats.acceptance is None:
         why = stats.reason or stats.status
@@ -315,8 +322,8 @@ def format_advice(adv: Advice) -> str:
 
 def read_instance(name: str, state_dir: str | None = None):
     """The acceptance window of a running ``specops up`` instance → (WindowStats, state dict)."""
-    from .instance import InstancePaths, pid_alive, read_state
-    from .window import WindowStats
+    from specops.run.instance import InstancePaths, pid_alive, read_state
+    from specops.watch.window import WindowStats
 
     paths = InstancePaths.for_profile(name, state_dir)
     state = read_state(paths)
@@ -341,9 +348,9 @@ def read_scrape(url: str, registry, model_name: str | None = None, window: float
     ``window`` seconds between two scrapes. The backend is detected from the series when not named."""
     import time
 
-    from .launch import acceptance_between
-    from .sources import ScrapeSource, SourceError
-    from .window import Sample, window_stats
+    from specops.perf.launch import acceptance_between
+    from specops.watch.sources import ScrapeSource, SourceError
+    from specops.watch.window import Sample, window_stats
 
     backends = [registry.backend(backend_name)] if backend_name else list(registry.backends.values())
 
@@ -378,7 +385,7 @@ def read_prometheus(url: str, prefix: str, labels: dict, window: float):
     """Acceptance over ``window`` from Prometheus (``sum(increase(...))`` per series, as the watcher does)."""
     import time
 
-    from .sources import PromQLSource, SourceError
+    from specops.watch.sources import PromQLSource, SourceError
 
     src = PromQLSource(url, prefix, labels, window)
     try:

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from .metrics import SpecCounters
+from specops.backends.counters import SpecCounters
 
 OK = "ok"
 NO_DATA = "no-data"

@@ -1,6 +1,6 @@
 """The README's profile reference, generated from the pydantic models (a test keeps the README in sync).
 
-Run ``python -m specops.docs`` to print it, or ``python -m specops.docs --write README.md`` to replace the
+Run ``python -m specops.config.docs`` to print it, or ``python -m specops.config.docs --write README.md`` to replace the
 section between the ``<!-- profile-reference:start -->`` and ``<!-- profile-reference:end -->`` markers.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from .durations import format_duration
-from .profile import Profile
+from specops.config.durations import format_duration
+from specops.config.profile import Profile
 
 START = "<!-- profile-reference:start -->"
 END = "<!-- profile-reference:end -->"

@@ -1,0 +1,1 @@
+"""Performance tools beside the runtime: speedup model, workloads, advise, bench and tune."""
