@@ -12,7 +12,7 @@ the same moments and drift on a shared machine hits them alike:
 
 Reported per phase: tokens/s of each, the managed deployment against the best static configuration for
 that phase and against static speculation, plus when the managed one switched. Engine: llama-server on
-the layer-skip fixture (DESIGN §9, hidden 768, 16 layers), where greedy speculation gives ~2.5x and
+the layer-skip fixture (specops.devenv.testmodels, hidden 768, 16 layers), where greedy speculation gives ~2.5x and
 high-temperature speculation ~0.75x on this machine.
 
     .venv/bin/python benchmarks/bench_fallback.py

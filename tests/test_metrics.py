@@ -81,7 +81,7 @@ def test_real_prometheus_client_exposition_parses():
     om = generate_openmetrics(reg, escaping="allow-utf-8").decode()
     assert om.rstrip().endswith("# EOF")
     assert parse_spec_counters(om, "vllm:", "m", openmetrics=True) == c
-    # DESIGN §7 trap: with the default escaping prometheus_client >= 0.23 writes `vllm_...` samples under
+    # prometheus/client_python#1177: with the default escaping prometheus_client >= 0.23 writes `vllm_...` samples under
     # `vllm:...` families; that is refused loudly, never read as "no series"
     escaped = generate_openmetrics(reg).decode()
     assert "vllm_spec_decode_num_drafts_total" in escaped

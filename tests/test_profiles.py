@@ -19,8 +19,8 @@ def _load(path: Path, **env):
 
 LOADED = {p: _load(p).profile for p in READY}
 
-#: Published (target, draft, method) pairs from DESIGN.md §6 that a profile may use.
-DESIGN_PAIRS = {
+#: Published (target, draft, method) pairs (from the drafts' model cards and the EAGLE/vLLM docs) that a profile may use.
+PUBLISHED_PAIRS = {
     ("meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE-LLaMA3.1-Instruct-8B", "eagle"),
     ("meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "eagle3"),
     ("meta-llama/Llama-3.1-8B-Instruct", "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3", "eagle3"),
@@ -66,7 +66,7 @@ def test_drafts_are_published_pairs():
     for path, p in LOADED.items():
         method = p.speculative.method.value
         if method in ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model"):
-            assert (p.model.id, p.speculative.draft, method) in DESIGN_PAIRS, path
+            assert (p.model.id, p.speculative.draft, method) in PUBLISHED_PAIRS, path
         elif method == "mtp":
             assert p.model.id in MTP_TARGETS and p.speculative.draft is None, path
 

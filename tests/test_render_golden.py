@@ -2,7 +2,7 @@
 
 The goldens are what a GitOps reviewer sees in a diff, so they must be *right*, not only stable: besides
 the byte comparison, the tests below parse every rendered command and check it against the engine facts
-(DESIGN.md §4–5): the speculative config is valid for the engine version, removed llama-server flags never
+(the vLLM and llama-server facts in specops.backends.versions): the speculative config is valid for the engine version, removed llama-server flags never
 appear, secrets never leak.
 
 Update after an intended change with::

