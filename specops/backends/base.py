@@ -16,7 +16,7 @@ from specops.methods import Method
 from specops.redact import MARK, MIN_SUBSTRING, Redactor, looks_secret, shell_quote, unmark
 
 __all__ = ["Backend", "EngineInfo", "LaunchPlan", "RenderError", "check_extra_args", "check_version_text",
-           "flag_of", "http_url", "looks_secret"]
+           "counter_total", "flag_of", "http_url", "looks_secret"]
 
 #: Engine versions as they may be written (profile ``engine.version``, ``--backend-version``): PEP 440-ish
 #: (``0.32.0``, ``0.11.0rc1``, ``0.8.5+cpu``), llama.cpp builds (``b9100``) and flag generations.
@@ -201,6 +201,12 @@ class Backend:
     install_hint: str = ""
     #: Prefix of the engine's Prometheus series (``vllm:``, ``llamacpp:``).
     metric_prefix: str = ""
+    #: True when responses carry per-request speculative ``timings`` the proxy can add up live (llama.cpp),
+    #: so the window stays current during long generations; False: acceptance only from the engine's metrics.
+    live_timings: bool = False
+    #: True when the engine logs per-request acceptance lines (llama-server) that can stand in for missing
+    #: spec-decode counters; False: its log is not read for acceptance.
+    log_acceptance: bool = False
 
     def check_profile(self, profile) -> Iterable[tuple[tuple, str]]:
         """Backend-specific rules: yield ``(field_path, message)`` for each problem."""
@@ -224,6 +230,14 @@ class Backend:
         from specops.backends.counters import parse_spec_counters  # prometheus_client: only when watching
         return parse_spec_counters(metrics_text, self.metric_prefix, model_name, openmetrics=openmetrics)
 
+    def generated_tokens(self, metrics_text: str) -> float | None:
+        """Total generated tokens in this engine's /metrics text (for tokens/s in ``specops status``).
+
+        None: the backend knows no such counter (the default, safe for any engine); a backend that knows
+        one returns its sum over all series, 0.0 when the text has none yet.
+        """
+        return None
+
     def launch_problem(self, line: str) -> str | None:
         """Why an engine output line shows the speculative method did not take effect, else None.
 
@@ -234,6 +248,12 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+def counter_total(metrics_text: str, name: str) -> float:
+    """The sum of every sample of the counter ``name`` (any labels) in classic-format /metrics text."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)", re.M)
+    return float(sum(float(v) for v in pattern.findall(metrics_text)))
 
 
 def http_url(host: str, port: int) -> str:

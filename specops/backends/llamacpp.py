@@ -17,7 +17,8 @@ from specops.hookspecs import hookimpl
 from specops.methods import Method
 from specops.paths import engines_dir
 from specops.backends.versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
-from specops.backends.base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text, looks_secret
+from specops.backends.base import (Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text,
+                                   counter_total, looks_secret)
 
 #: specops method → llama-server ``--spec-type`` value, per flag generation (absent: not supported).
 SPEC_TYPE = {
@@ -49,12 +50,17 @@ class LlamaCppBackend(Backend):
     methods = frozenset({Method.DRAFT_MODEL, Method.EAGLE3, Method.MTP, Method.NGRAM, Method.NONE})
     parallel_layout = False  # -dev takes any number of GPUs; -sm/-ts decide how layers are split
     metric_prefix = "llamacpp:"
+    live_timings = True     # with timings_per_token the proxy sees acceptance chunk by chunk
+    log_acceptance = True   # builds without spec_decode counters still log `draft acceptance = …`
     install_hint = ("llama-server not found: put it on PATH, set engine.executable, "
                     "or run `specops engines setup llamacpp` to build it from source")
 
     #: llama-server logs these and keeps serving *without* speculation (e.g. a draft with another vocab).
     SPEC_FAILED = re.compile(r"failed to initiali[sz]e speculative decoding|target and draft vocabs are not compatible"
                              r"|draft model vocab type must match|failed to load draft model")
+
+    def generated_tokens(self, metrics_text):
+        return counter_total(metrics_text, "llamacpp:tokens_predicted_total")
 
     def launch_problem(self, line):
         m = self.SPEC_FAILED.search(line)

@@ -30,7 +30,8 @@ from specops.backends.versions import (
     Version,
     vllm_field_problem,
 )
-from specops.backends.base import Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text, looks_secret
+from specops.backends.base import (Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text,
+                                   counter_total, looks_secret)
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: Fields of the speculative config that specops renders from dedicated profile fields.
@@ -58,6 +59,9 @@ class VllmBackend(Backend):
     metric_prefix = "vllm:"
     install_hint = ("vLLM not found: `pip install vllm` (GPU) or `specops engines setup vllm` (CPU build), "
                     "or point engine.python at a virtualenv that has it")
+
+    def generated_tokens(self, metrics_text):
+        return counter_total(metrics_text, "vllm:generation_tokens_total")
 
     # ------------------------------------------------------------------ profile checks
     def check_profile(self, p):
