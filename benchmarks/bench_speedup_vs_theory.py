@@ -41,7 +41,7 @@ from specops.perf.bench import machine  # noqa: E402
 from specops.perf.launch import acceptance_between, launched  # noqa: E402
 from specops.plugins import get_registry  # noqa: E402
 from specops.config.profile import load_profile  # noqa: E402
-from specops.perf.speedup import alpha_from_acceptance_rate, expected_speedup, speedup_from_length  # noqa: E402
+from specops.speedup import alpha_from_acceptance_rate, expected_speedup, speedup_from_length  # noqa: E402
 from specops.perf.workload import Prompt, run_workload  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specops.perf.speedup import (
+from specops.speedup import (
     acceptance_rate,
     alpha_from_acceptance_rate,
     best_k,

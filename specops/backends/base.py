@@ -14,22 +14,10 @@ from typing import Iterable
 
 from specops.methods import Method
 from specops.redact import MARK, MIN_SUBSTRING, Redactor, looks_secret, shell_quote, unmark
+from specops.config.profile import check_version_text  # re-exported for backends
 
 __all__ = ["Backend", "EngineInfo", "LaunchPlan", "RenderError", "check_extra_args", "check_version_text",
            "counter_total", "flag_of", "http_url", "looks_secret"]
-
-#: Engine versions as they may be written (profile ``engine.version``, ``--backend-version``): PEP 440-ish
-#: (``0.32.0``, ``0.11.0rc1``, ``0.8.5+cpu``), llama.cpp builds (``b9100``) and flag generations.
-VERSION_TEXT = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$")
-
-
-def check_version_text(text: str) -> str | None:
-    """Why ``text`` cannot be an engine version (without repeating it: it may be anything), else None."""
-    if isinstance(text, str) and VERSION_TEXT.match(text):
-        return None
-    return ("not a version: use letters, digits and . + _ - (at most 64 characters), e.g. 0.32.0, "
-            "b9100 or current")
-
 
 @dataclass(frozen=True)
 class EngineInfo:

@@ -25,7 +25,7 @@ def version_param(ctx, param, value):
     """click callback: an engine version as ``--backend-version`` takes it (never echoed back when wrong)."""
     if value is None:
         return None
-    from specops.backends.base import check_version_text
+    from specops.config.profile import check_version_text
     problem = check_version_text(value)
     if problem:
         raise click.BadParameter(problem)

@@ -59,7 +59,7 @@ def advise(profile, alpha, rate, mean_length, instance, metrics_url, prometheus,
       specops advise --metrics-url http://127.0.0.1:8000/metrics --window 30s -k 3
     """
     from specops.perf import advise as adv_mod
-    from specops.perf.speedup import DEFAULT_DRAFT_COST
+    from specops.speedup import DEFAULT_DRAFT_COST
 
     given = [n for n, v in (("--alpha", alpha), ("--acceptance-rate", rate), ("--mean-length", mean_length),
                             ("--instance", instance), ("--metrics-url", metrics_url),

@@ -17,7 +17,6 @@ from typing import Annotated, Any, Literal, Mapping, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 
-from specops.backends.base import check_version_text
 from specops.config.durations import MAX_DURATION, parse_duration
 from specops.errors import Problem, ProfileError
 from specops.paths import builtin_env
@@ -50,6 +49,19 @@ MAX_SHARE = 1_000_000.0         # tensor_split shares, GiB per GPU
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Prometheus label names (``monitor.labels``).
 LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+#: Engine versions as they may be written (profile ``engine.version``, ``--backend-version``): PEP 440-ish
+#: (``0.32.0``, ``0.11.0rc1``, ``0.8.5+cpu``), llama.cpp builds (``b9100``) and flag generations.
+VERSION_TEXT = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$")
+
+
+def check_version_text(text: str) -> str | None:
+    """Why ``text`` cannot be an engine version (without repeating it: it may be anything), else None."""
+    if isinstance(text, str) and VERSION_TEXT.match(text):
+        return None
+    return ("not a version: use letters, digits and . + _ - (at most 64 characters), e.g. 0.32.0, "
+            "b9100 or current")
 
 
 def _version_text(value: str | None) -> str | None:

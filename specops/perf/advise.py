@@ -1,12 +1,12 @@
 """``specops advise``: what the performance model (DESIGN §8) says about a draft, from one acceptance number.
 
-The arithmetic lives in :mod:`specops.perf.speedup`; this module decides *which* number goes in and says so:
+The arithmetic lives in :mod:`specops.speedup`; this module decides *which* number goes in and says so:
 
 - ``alpha`` — the per-token acceptance probability α of the model (each draft token accepted with
   probability α, drafting stops at the first rejection);
 - ``acceptance_rate`` — what engines report, accepted / drafted. At k draft tokens it equals
   (α + … + α^k) / k, which is *lower* than α for k > 1; α is recovered with
-  :func:`specops.perf.speedup.alpha_from_acceptance_rate` at the k it was measured at;
+  :func:`specops.speedup.alpha_from_acceptance_rate` at the k it was measured at;
 - ``mean_length`` — the measured mean acceptance length τ = 1 + accepted / drafts (tokens per target
   pass). It needs no model at the k it was measured at; α for other k follows from its rate (τ − 1) / k.
 
@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from specops.errors import SpecopsError
-from specops.perf.speedup import (
+from specops.speedup import (
     DEFAULT_DRAFT_COST,
     acceptance_rate,
     alpha_from_acceptance_rate,

@@ -31,7 +31,7 @@ from specops import __version__
 from specops.errors import SpecopsError
 from specops.methods import Method
 from specops.config.profile import LoadedProfile
-from specops.perf.speedup import DEFAULT_DRAFT_COST
+from specops.speedup import DEFAULT_DRAFT_COST
 from specops.perf.workload import BUILTIN_SETS, Prompt, load_prompts
 
 SPEC, BASE = "spec", "base"
@@ -276,7 +276,7 @@ def summarize(cells: list[dict], meta: dict) -> dict:
     Every speedup is a ratio of tokens/s: the median over rounds of the speculative cell's tokens/s over
     the median of the baseline's. Aggregates (per level, per set) add tokens and wall time first.
     """
-    from specops.perf.speedup import speedup_from_length
+    from specops.speedup import speedup_from_length
 
     c = meta.get("settings", {}).get("draft_cost_ratio")
     sets = list(dict.fromkeys(cell["set"] for cell in cells))

@@ -36,7 +36,7 @@ from typing import Any, Mapping, Sequence
 
 from specops.methods import DEFAULT_K, Method
 from specops.config.profile import ChainStep
-from specops.perf.speedup import (
+from specops.speedup import (
     DEFAULT_DRAFT_COST,
     alpha_from_acceptance_rate,
     expected_speedup,
