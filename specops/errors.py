@@ -5,6 +5,8 @@ does not fit) raises a subclass of :class:`SpecopsError`; the CLI prints it and 
 """
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import dataclass
 
 
@@ -39,7 +41,7 @@ class Problem:
         field = f"{self.field}: " if self.field else ""
         return f"{where}{field}{self.message}"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         loc = self.location
         return {
             "file": loc.file if loc else None,

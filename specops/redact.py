@@ -22,7 +22,7 @@ import json
 import re
 import shlex
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 MASK = "***"
 MARK = "\x00"
@@ -81,7 +81,7 @@ def public_vars(env: Mapping[str, str] | None) -> frozenset[str]:
 class EnvText:
     """A profile string into which ``${VAR}`` put secret text: the text and where each value landed."""
 
-    path: tuple
+    path: tuple[str | int, ...]
     text: str
     spans: tuple[tuple[int, int, str], ...]  # (start, end, variable name); only non-empty, non-public values
 
@@ -139,13 +139,13 @@ class Redactor:
 def redact_patterns(text: str) -> str:
     """Passwords in URLs and values of secret-named ``NAME=value`` / ``--flag=value``, as :data:`MARK`."""
     if "@" in text:
-        def url(m: re.Match) -> str:
+        def url(m: re.Match[str]) -> str:
             if m.group(3) is None:  # https://TOKEN@host: the whole userinfo may be the secret
-                return m.group(1) + (MARK if m.group(2) else "") + "@"
+                return str(m.group(1)) + (MARK if m.group(2) else "") + "@"
             return f"{m.group(1)}{m.group(2)}:{MARK if m.group(3) else ''}@"
         text = _URL_USERINFO.sub(url, text)
     if "=" in text:
-        def assign(m: re.Match) -> str:
+        def assign(m: re.Match[str]) -> str:
             name = m.group(1)
             secret = secret_flag(name) if name.startswith("-") else _secret_word_name(name)
             return f"{name}={MARK}" if secret and m.group(2) != MARK else m.group(0)
@@ -174,7 +174,8 @@ def _related(a: str, b: str) -> bool:
     return long == short or long.startswith(short + ".") or long.startswith(short + "[")
 
 
-def redact_message(message: str, field: str, texts: Iterable[EnvText], format_path) -> str:
+def redact_message(message: str, field: str, texts: Iterable[EnvText],
+                   format_path: Callable[[tuple[str | int, ...]], str]) -> str:
     """A problem message about ``field`` with every secret interpolated value hidden.
 
     Long values are hidden anywhere; a short one only in a problem about its own field, and only where

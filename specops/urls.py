@@ -68,8 +68,8 @@ def redact_text(text: str) -> str:
     """``text`` with every URL in it redacted (see :func:`redact_url`)."""
     if not isinstance(text, str) or "://" not in text:
         return text
-    def one(m: re.Match) -> str:
-        url = m.group(0)
+    def one(m: re.Match[str]) -> str:
+        url: str = m.group(0)
         core = url.rstrip(".,;:!?)]}")  # punctuation that ends a sentence, not the URL
         return redact_url(core) + url[len(core):]
     return _URL_IN_TEXT.sub(one, text)
