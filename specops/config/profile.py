@@ -282,7 +282,7 @@ class Monitor(Section):
                                    "follow Prometheus: letters, digits, `_`, not starting with a digit.")
 
 
-class Supervisor(Section):
+class SupervisorSettings(Section):
     """Process supervision: restarts, crash loops, stopping."""
 
     restart_backoff: Duration = Field(1.0, description="First wait before restarting a crashed engine (doubles).")
@@ -294,7 +294,7 @@ class Supervisor(Section):
     state_dir: str | None = Field(None, description="Where state and logs live. Unset: ~/.local/state/specops.")
 
 
-class Proxy(Section):
+class ProxySettings(Section):
     """The front proxy that keeps the public address stable across restarts and switches."""
 
     enabled: bool = Field(True, description="Serve `server.port` through specops (false: the engine binds it).")
@@ -335,8 +335,8 @@ class Profile(Section):
     server: Server = Field(default_factory=Server)
     fallback: Fallback = Field(default_factory=Fallback)
     monitor: Monitor = Field(default_factory=Monitor)
-    supervisor: Supervisor = Field(default_factory=Supervisor)
-    proxy: Proxy = Field(default_factory=Proxy)
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
+    proxy: ProxySettings = Field(default_factory=ProxySettings)
 
     @property
     def chain(self) -> list[ChainStep]:
