@@ -495,7 +495,7 @@ def test_forwarding_headers_are_the_proxys_own(engine):
 
 def test_profile_settings_reach_the_proxy_with_the_same_defaults():
     from specops import proxy as proxy_mod
-    from specops.config.profile import Profile, Proxy as ProxySettings
+    from specops.config.profile import Profile, ProxySettings
     from specops.proxy import Proxy
 
     defaults = ProxySettings()
