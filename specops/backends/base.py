@@ -195,6 +195,33 @@ class Backend:
     #: True when the engine logs per-request acceptance lines (llama-server) that can stand in for missing
     #: spec-decode counters; False: its log is not read for acceptance.
     log_acceptance: bool = False
+    #: The engine's name in messages (``vLLM``, ``llama.cpp``); empty: the backend's ``name``.
+    display_name: str = ""
+    #: What the engine loads: ``"hf"`` (Hugging Face repos/directories) or ``"gguf"`` (GGUF files, llama.cpp);
+    #: decides which drafts the resolver finds, fetches and accepts.
+    model_format: str = "hf"
+    #: How many tokens a separate draft model's vocabulary may differ from the target's (llama.cpp: 128,
+    #: comparing token text); 0: the vocabularies must be equal.
+    draft_vocab_tolerance: int = 0
+    #: True when the engine labels its series with ``model_name`` (vLLM), so a query may select the served
+    #: model by it; False: adding that label would match nothing.
+    model_name_label: bool = False
+    #: True when ``speculative.per_batch_size`` reaches the engine (k shrinks as the batch grows), so
+    #: ``specops advise`` may propose a schedule for high concurrency.
+    per_batch_k: bool = False
+
+    @property
+    def engine_name(self) -> str:
+        """:attr:`display_name`, or the backend's name when it sets none."""
+        return self.display_name or self.name
+
+    def method_version_problem(self, method: Method, version: str) -> str | None:
+        """Why engine ``version`` (as a profile pins it) cannot run ``method``, else None (also when unsure).
+
+        Lets ``specops validate --resolve`` refuse a pin before anything is rendered; the default knows no
+        version gates, and render() still refuses what it cannot express.
+        """
+        return None
 
     def check_profile(self, profile) -> Iterable[tuple[tuple, str]]:
         """Backend-specific rules: yield ``(field_path, message)`` for each problem."""
@@ -233,6 +260,26 @@ class Backend:
         error and carries on); the supervisor treats such a line, seen before ready, as a failed launch.
         """
         return None
+
+    # ---- what `specops tune` asks of an engine (capabilities; the defaults suit an engine without quirks)
+    #: Seconds the engine typically takes to become ready, before a start was measured (sizes a tune budget).
+    launch_prior_s: float = 30.0
+
+    def k_applies(self, method: Method) -> bool:
+        """Whether ``method`` takes a number of draft tokens (k) on this engine."""
+        return method is not Method.NONE
+
+    def ngram_variants(self, engine: EngineInfo | None = None) -> tuple[str, ...]:
+        """N-gram drafters the engine selects by name (for ``engine``: those its build knows); empty: tuned by k."""
+        return ()
+
+    def ngram_variant_of(self, plan: LaunchPlan) -> str | None:
+        """The n-gram drafter a rendered plan runs (the engine's default when the profile names none)."""
+        return None
+
+    def takes_per_batch_size(self, engine_version: str | None) -> bool:
+        """Whether this engine (at ``engine_version``; None: unknown) takes a k per batch-size range."""
+        return False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

@@ -50,6 +50,9 @@ class LlamaCppBackend(Backend):
     methods = frozenset({Method.DRAFT_MODEL, Method.EAGLE3, Method.MTP, Method.NGRAM, Method.NONE})
     parallel_layout = False  # -dev takes any number of GPUs; -sm/-ts decide how layers are split
     metric_prefix = "llamacpp:"
+    display_name = "llama.cpp"
+    model_format = "gguf"
+    draft_vocab_tolerance = 128   # common/speculative.cpp: SPEC_VOCAB_MAX_SIZE_DIFFERENCE
     live_timings = True     # with timings_per_token the proxy sees acceptance chunk by chunk
     log_acceptance = True   # builds without spec_decode counters still log `draft acceptance = …`
     install_hint = ("llama-server not found: put it on PATH, set engine.executable, "
@@ -59,12 +62,38 @@ class LlamaCppBackend(Backend):
     SPEC_FAILED = re.compile(r"failed to initiali[sz]e speculative decoding|target and draft vocabs are not compatible"
                              r"|draft model vocab type must match|failed to load draft model")
 
+    def method_version_problem(self, method, version):
+        try:
+            gen = llama_generation(version)
+        except ValueError:
+            return None
+        if method not in SPEC_TYPE.get(gen, {}):
+            return f"llama-server flag generation {gen!r} (profile pins {version}) has no --spec-type for {method}"
+        return None
+
     def generated_tokens(self, metrics_text):
         return counter_total(metrics_text, "llamacpp:tokens_predicted_total")
 
     def launch_problem(self, line):
         m = self.SPEC_FAILED.search(line)
         return f"llama-server runs without speculation: {line[m.start():].strip()[:200]}" if m else None
+
+    # ------------------------------------------------------------------ what `specops tune` sweeps
+    launch_prior_s = 3.0  # llama-server on tiny models is ready in < 1 s
+
+    def k_applies(self, method):
+        """Draft methods take k; the n-gram drafters size their drafts with their own flags."""
+        return method not in (Method.NONE, Method.NGRAM)
+
+    def ngram_variants(self, engine=None):
+        """The ``--spec-type`` n-gram drafters (those the probed build lists, when it lists any)."""
+        known = (engine.flag_values or {}).get("--spec-type") if engine is not None else None
+        return tuple(t for t in NGRAM_TYPES if not known or t in known)
+
+    def ngram_variant_of(self, plan):
+        """The ``--spec-type`` value the plan passes."""
+        argv = plan.argv
+        return argv[argv.index("--spec-type") + 1] if "--spec-type" in argv else None
 
     # ------------------------------------------------------------------ profile checks
     def check_profile(self, p):

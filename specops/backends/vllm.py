@@ -57,11 +57,40 @@ class VllmBackend(Backend):
     name = "vllm"
     methods = frozenset(m for m in Method if m is not Method.AUTO)
     metric_prefix = "vllm:"
+    display_name = "vLLM"
+    model_name_label = True   # every series carries model_name
+    per_batch_k = True        # num_speculative_tokens_per_batch_size
     install_hint = ("vLLM not found: `pip install vllm` (GPU) or `specops engines setup vllm` (CPU build), "
                     "or point engine.python at a virtualenv that has it")
 
+    def method_version_problem(self, method, version):
+        try:
+            v = Version(version)
+        except ValueError:
+            return None
+        since, until = VLLM_METHOD_SINCE.get(method.value), VLLM_METHOD_UNTIL.get(method.value)
+        if since is not None and v < since:
+            return f"method {method} needs vLLM >= {since} (profile pins {version})"
+        if until is not None and v >= until:
+            return f"vLLM {until} removed method {method} (profile pins {version})"
+        if method is Method.DRAFT_MODEL and VLLM_V0_REMOVED <= v < VLLM_DRAFT_MODEL_V1:
+            return f"vLLM {version} cannot run a separate draft model (V1 supports it from {VLLM_DRAFT_MODEL_V1})"
+        return None
+
     def generated_tokens(self, metrics_text):
         return counter_total(metrics_text, "vllm:generation_tokens_total")
+
+    # ------------------------------------------------------------------ what `specops tune` sweeps
+    launch_prior_s = 60.0
+
+    def takes_per_batch_size(self, engine_version):
+        """``num_speculative_tokens_per_batch_size`` exists from vLLM 0.24 (an unknown version: assumed)."""
+        if not engine_version:
+            return True
+        try:
+            return vllm_field_problem("num_speculative_tokens_per_batch_size", Version(engine_version)) is None
+        except ValueError:
+            return False
 
     # ------------------------------------------------------------------ profile checks
     def check_profile(self, p):

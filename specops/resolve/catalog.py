@@ -70,11 +70,13 @@ class ModelFacts:
 
 class Catalog:
     def __init__(self, entries: list[CatalogEntry], models: dict[str, ModelFacts], aliases: dict[str, str],
-                 version: str = "1"):
+                 version: str = "1", default_backends: tuple[str, ...] = ()):
         self.entries = entries
         self.models = {k.lower(): v for k, v in models.items()}
         self.aliases = {k.lower(): v for k, v in aliases.items()}
         self.version = version
+        #: ``backends`` of an entry that names none (the shipped catalog's ``default_backends``).
+        self.default_backends = default_backends
 
     def canonical(self, repo: str) -> str:
         return self.aliases.get(repo.lower(), repo)
@@ -105,7 +107,7 @@ class Catalog:
         return f
 
 
-def _entry(raw: dict, where: str) -> CatalogEntry:
+def _entry(raw: dict, where: str, default_backends: tuple[str, ...] = ()) -> CatalogEntry:
     if not isinstance(raw, dict):
         raise SpecopsError(f"{where}: a catalog entry must be a mapping")
     missing = [k for k in ("target", "draft", "method", "source") if not raw.get(k)]
@@ -124,18 +126,21 @@ def _entry(raw: dict, where: str) -> CatalogEntry:
         raise SpecopsError(f"{where}: unknown catalog keys {', '.join(sorted(unknown))}")
     return CatalogEntry(
         target=str(raw["target"]), draft=str(raw["draft"]), method=method,
-        backends=tuple(raw.get("backends") or ("vllm",)), source=str(raw["source"]),
+        backends=tuple(raw.get("backends") or default_backends), source=str(raw["source"]),
         also=tuple(raw.get("also") or ()), context=raw.get("context"), files=dict(raw.get("files") or {}),
         caveats=tuple(raw.get("caveats") or ()),
     )
 
 
-def parse_catalog(text: str, origin: str) -> Catalog:
+def parse_catalog(text: str, origin: str, default_backends: tuple[str, ...] = ()) -> Catalog:
+    """A catalog file; entries without ``backends`` get its ``default_backends`` (else ``default_backends``)."""
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise SpecopsError(f"{origin}: not valid YAML: {exc}") from None
-    entries = [_entry(raw, f"{origin}: entries[{i}]") for i, raw in enumerate(data.get("entries") or [])]
+    default_backends = tuple(str(b) for b in data.get("default_backends") or default_backends)
+    entries = [_entry(raw, f"{origin}: entries[{i}]", default_backends)
+               for i, raw in enumerate(data.get("entries") or [])]
     models = {}
     for repo, raw in (data.get("models") or {}).items():
         try:
@@ -143,7 +148,7 @@ def parse_catalog(text: str, origin: str) -> Catalog:
         except TypeError as exc:
             raise SpecopsError(f"{origin}: models.{repo}: {exc}") from None
     return Catalog(entries, models, {str(k): str(v) for k, v in (data.get("aliases") or {}).items()},
-                   str(data.get("version", "1")))
+                   str(data.get("version", "1")), default_backends)
 
 
 @functools.lru_cache(maxsize=4)
@@ -152,11 +157,11 @@ def _load(extra: str) -> Catalog:
     base = parse_catalog(text, "specops/data/catalog.yaml")
     for path in [p for p in extra.split(os.pathsep) if p]:
         try:
-            more = parse_catalog(Path(path).expanduser().read_text(encoding="utf-8"), path)
+            more = parse_catalog(Path(path).expanduser().read_text(encoding="utf-8"), path, base.default_backends)
         except OSError as exc:
             raise SpecopsError(f"SPECOPS_CATALOG: cannot read {path}: {exc.strerror}") from None
         base = Catalog(more.entries + base.entries, {**base.models, **more.models},
-                       {**base.aliases, **more.aliases}, base.version)
+                       {**base.aliases, **more.aliases}, base.version, base.default_backends)
     return base
 
 

@@ -1,10 +1,11 @@
 """Compatibility checks between a draft and its target: each a :class:`Finding` with a one-line reason.
 
-The checks are pure functions over :class:`~specops.resolve.models.ModelView` s and the profile: vocab size
-(vLLM: equal; llama.cpp: within 128, same token text), hidden size, EAGLE-3 aux layer ids, the draft's
-trained context against the served one, draft TP, tokenizer identity, MTP layers, which target a head was
-trained for, that the draft really is what the method needs, backend and engine-version support, and
-weight memory. Errors refuse the launch; warnings are printed; infos explain what was (not) compared.
+The checks are pure functions over :class:`~specops.resolve.models.ModelView` s, the profile and the
+backend's capabilities: vocab size (equal, or within the backend's ``draft_vocab_tolerance`` with the same
+token text), hidden size, EAGLE-3 aux layer ids, the draft's trained context against the served one, draft
+TP, tokenizer identity, MTP layers, which target a head was trained for, that the draft really is what the
+method needs, backend and engine-version support, and weight memory. Errors refuse the launch; warnings
+are printed; infos explain what was (not) compared.
 
 :func:`check_loaded` is what ``specops validate --resolve`` calls.
 """
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specops.backends.base import Backend
 from specops.methods import NEEDS_DRAFT, Method
 from specops.resolve.catalog import Catalog, CatalogEntry
 from specops.resolve.detect import HEAD_METHODS, looks_like_full_model, same_model
-from specops.resolve.ggufinfo import MAX_VOCAB_DIFFERENCE, compare_vocab
+from specops.resolve.ggufinfo import compare_vocab
 from specops.resolve.memory import estimate
 
 DRAFT = ("speculative", "draft")
@@ -51,32 +53,11 @@ def backend_findings(method: Method, profile, backend_obj) -> list[Finding]:
                            f"(supported: {', '.join(sorted(m.value for m in backend_obj.methods))})", METHOD))
         return out
     version = profile.engine.version
-    if not version:
+    if not version or backend_obj is None:
         return out
-    if profile.backend == "vllm":
-        from specops.backends.versions import VLLM_DRAFT_MODEL_V1, VLLM_METHOD_SINCE, VLLM_METHOD_UNTIL, VLLM_V0_REMOVED, Version
-        try:
-            v = Version(version)
-        except ValueError:
-            return out
-        since, until = VLLM_METHOD_SINCE.get(method.value), VLLM_METHOD_UNTIL.get(method.value)
-        if since is not None and v < since:
-            out.append(Finding("error", "backend", f"method {method} needs vLLM >= {since} (profile pins {version})", METHOD))
-        elif until is not None and v >= until:
-            out.append(Finding("error", "backend", f"vLLM {until} removed method {method} (profile pins {version})", METHOD))
-        elif method is Method.DRAFT_MODEL and VLLM_V0_REMOVED <= v < VLLM_DRAFT_MODEL_V1:
-            out.append(Finding("error", "backend", f"vLLM {version} cannot run a separate draft model "
-                               f"(V1 supports it from {VLLM_DRAFT_MODEL_V1})", METHOD))
-    elif profile.backend == "llamacpp":
-        from specops.backends.llamacpp import SPEC_TYPE
-        from specops.backends.versions import llama_generation
-        try:
-            gen = llama_generation(version)
-        except ValueError:
-            return out
-        if method not in SPEC_TYPE.get(gen, {}):
-            out.append(Finding("error", "backend", f"llama-server flag generation {gen!r} (profile pins {version}) "
-                               f"has no --spec-type for {method}", METHOD))
+    problem = backend_obj.method_version_problem(method, version)
+    if problem:
+        out.append(Finding("error", "backend", problem, METHOD))
     return out
 
 
@@ -84,6 +65,7 @@ def compat_findings(method: Method, draft, target, profile, *, catalog: Catalog,
                     entry: CatalogEntry | None = None, explicit: bool = False) -> list[Finding]:
     """All checks for running ``draft`` (a ModelView, None for MTP / n-gram) with ``target``."""
     out = backend_findings(method, profile, backend_obj)
+    be = backend_obj if backend_obj is not None else _unknown_backend(profile.backend)
     if method is Method.MTP:
         out += _mtp(target)
     if method in NEEDS_DRAFT and draft is not None:
@@ -91,16 +73,23 @@ def compat_findings(method: Method, draft, target, profile, *, catalog: Catalog,
         if draft.fatal is None:
             out += _method(method, draft, profile)
             out += _identity(method, draft, target, catalog)
-            out += _vocab(method, draft, target, profile)
+            out += _vocab(method, draft, target, profile, be)
             out += _hidden(method, draft, target)
             out += _aux_layers(method, draft, target)
             out += _context(method, draft, target, profile, entry)
             out += _tokenizer(method, draft, target)
-            out += _gguf(method, draft, profile)
+            out += _gguf(method, draft, profile, be)
     out += _tp(method, profile)
     if method is not Method.NONE and (draft is None or draft.fatal is None):
-        out += _memory(method, draft, target, profile)
+        out += _memory(method, draft, target, profile, be)
     return out
+
+
+def _unknown_backend(name: str) -> Backend:
+    """A backend with the safe defaults, for a profile whose backend is not installed."""
+    be = Backend()
+    be.name = name
+    return be
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -179,31 +168,33 @@ def _target_names(target, catalog) -> list[str]:
     return names
 
 
-def _vocab(method, draft, target, profile) -> list[Finding]:
+def _vocab(method, draft, target, profile, be) -> list[Finding]:
     dv, tv = draft.facts.vocab, target.facts.vocab
-    if profile.backend == "llamacpp" and method is Method.DRAFT_MODEL:
+    tolerance = be.draft_vocab_tolerance if method is Method.DRAFT_MODEL else 0
+    if tolerance:
+        engine = be.engine_name
         if draft.gguf_vocab is not None and target.gguf_vocab is not None:
             issues = compare_vocab(target.gguf_vocab, draft.gguf_vocab)
             if issues:
                 return [Finding(sev, "vocab", msg) for sev, msg in issues]
-            return [Finding("info", "vocab", f"GGUF vocabularies compatible for llama.cpp "
+            return [Finding("info", "vocab", f"GGUF vocabularies compatible for {engine} "
                             f"({draft.gguf_vocab.size} vs {target.gguf_vocab.size} tokens, same token text from id 5)")]
         if dv is None or tv is None:
             return [Finding("info", "vocab", "vocab not checked: " + _unknown(dv, tv))]
         diff = abs(dv - tv)
-        if diff > MAX_VOCAB_DIFFERENCE:
+        if diff > tolerance:
             return [Finding("error", "vocab", f"vocab sizes {dv} (draft) and {tv} (target) are {diff} apart; "
-                            f"llama.cpp allows at most {MAX_VOCAB_DIFFERENCE}")]
+                            f"{engine} allows at most {tolerance}")]
         if diff:
-            return [Finding("info", "vocab", f"vocab sizes {dv} and {tv} differ by {diff}: llama.cpp accepts up to "
-                            f"{MAX_VOCAB_DIFFERENCE} (token text is compared when the GGUF files are local)")]
+            return [Finding("info", "vocab", f"vocab sizes {dv} and {tv} differ by {diff}: {engine} accepts up to "
+                            f"{tolerance} (token text is compared when the GGUF files are local)")]
         return []
     if dv is None or tv is None:
         return [Finding("info", "vocab", "vocab not checked: " + _unknown(dv, tv))]
     out = []
     if dv != tv:
         hetero = bool(profile.speculative.options.get("use_heterogeneous_vocab")) and method is Method.DRAFT_MODEL
-        engine = "vLLM" if profile.backend == "vllm" else profile.backend
+        engine = be.engine_name
         if hetero:
             out.append(Finding("warning", "vocab", f"vocab_size differs ({dv} draft vs {tv} target); allowed by "
                                f"use_heterogeneous_vocab"))
@@ -298,11 +289,11 @@ def _short(digest: str) -> str:
     return f"{kind}:{h[:10]}"
 
 
-def _gguf(method, draft, profile) -> list[Finding]:
+def _gguf(method, draft, profile, be) -> list[Finding]:
     out = []
-    if profile.backend == "llamacpp":
+    if be.model_format == "gguf":
         if draft.kind == "hub" and not draft.gguf_file:
-            out.append(Finding("error", "gguf", f"llama.cpp needs a GGUF draft: {draft.ref}: "
+            out.append(Finding("error", "gguf", f"{be.engine_name} needs a GGUF draft: {draft.ref}: "
                                f"{draft.gguf_why or 'the repo has no .gguf file'}"))
         elif draft.gguf_why and "not in the repo" in draft.gguf_why:
             out.append(Finding("warning", "gguf", f"{draft.ref}: {draft.gguf_why}; using {draft.gguf_file}",
@@ -323,9 +314,9 @@ def _mtp(target) -> list[Finding]:
                     f"num_nextn_predict_layers / mtp_num_hidden_layers); pick another method", METHOD)]
 
 
-def _memory(method, draft, target, profile) -> list[Finding]:
+def _memory(method, draft, target, profile, be) -> list[Finding]:
     est = estimate(profile, target.weights, draft.weights if draft is not None else None,
-                   has_draft=method in NEEDS_DRAFT)
+                   has_draft=method in NEEDS_DRAFT, parallel_layout=be.parallel_layout)
     if est.per_gpu_bytes is None:
         return []
     if est.over_budget:

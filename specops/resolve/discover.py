@@ -121,11 +121,16 @@ def family_search(target_id: str) -> tuple[str | None, str | None]:
 
 
 def discover(target, profile, methods: list[Method], *, hub: Hub, catalog: Catalog, notes: list[str],
-             use_hub: bool = True) -> list[Candidate]:
-    """Candidates for ``target`` (a ModelView) among ``methods``, unranked."""
+             use_hub: bool = True, gguf: bool | None = None) -> list[Candidate]:
+    """Candidates for ``target`` (a ModelView) among ``methods``, unranked.
+
+    ``gguf``: whether the backend loads GGUF files (its ``model_format``); None: the profile's backend's.
+    """
     pool = _Pool()
     tid = target.ref
-    llamacpp = profile.backend == "llamacpp"
+    if gguf is None:
+        from specops.plugins import get_registry
+        gguf = getattr(get_registry().backends.get(profile.backend), "model_format", "hf") == "gguf"
     for e in catalog.for_target(tid):
         if e.method in methods:
             pool.add(e.method, e.draft_repo, "catalog", entry=e)
@@ -135,20 +140,20 @@ def discover(target, profile, methods: list[Method], *, hub: Hub, catalog: Catal
         pool.add(Method.NGRAM, None, "built-in")
     if use_hub and not target.is_local and hub.down is None and not hub.offline:
         try:
-            _hub_discovery(pool, target, methods, hub, catalog, llamacpp)
+            _hub_discovery(pool, target, methods, hub, catalog, gguf)
         except HubError as exc:
             notes.append(f"Hub discovery stopped: {exc}; candidates come from the catalog"
                          + (" and what was found before" if pool.items else ""))
     return list(pool.items.values())
 
 
-def _hub_discovery(pool: _Pool, target, methods, hub: Hub, catalog: Catalog, llamacpp: bool) -> None:
+def _hub_discovery(pool: _Pool, target, methods, hub: Hub, catalog: Catalog, gguf: bool) -> None:
     tid = target.ref
     head_methods = [m for m in methods if m in SEARCHES]
     if head_methods:
         for meta in hub.list_models(filter=f"base_model:{tid}"):
             method, why = detect_method(meta.config, meta.id)
-            if method in head_methods and _fits_backend(meta, llamacpp):
+            if method in head_methods and _fits_backend(meta, gguf):
                 pool.add(method, meta.id, "base_model tag", meta=meta)
         terms: list[str] = []
         for m in head_methods:
@@ -156,7 +161,7 @@ def _hub_discovery(pool: _Pool, target, methods, hub: Hub, catalog: Catalog, lla
         for term in terms:
             for meta in hub.list_models(search=term):
                 method, why = detect_method(meta.config, meta.id)
-                if method not in head_methods or not _fits_backend(meta, llamacpp):
+                if method not in head_methods or not _fits_backend(meta, gguf):
                     continue
                 card_base = _card_bases(meta)
                 if any(same_model(b, tid, catalog.aliases) for b in card_base):
@@ -168,9 +173,9 @@ def _hub_discovery(pool: _Pool, target, methods, hub: Hub, catalog: Catalog, lla
         if author and prefix:
             for meta in hub.list_models(author=author, search=prefix):
                 info = name_info(meta.id)
-                if meta.id.lower() == tid.lower() or not _fits_backend(meta, llamacpp):
+                if meta.id.lower() == tid.lower() or not _fits_backend(meta, gguf):
                     continue
-                if info.quantized and not llamacpp:
+                if info.quantized and not gguf:
                     continue
                 if same_family_smaller(tid, meta.id):
                     pool.add(Method.DRAFT_MODEL, meta.id, "same family", meta=meta)
@@ -181,7 +186,7 @@ def _card_bases(meta: RepoMeta) -> list[str]:
     return [base] if isinstance(base, str) else [b for b in base if isinstance(b, str)] if isinstance(base, list) else []
 
 
-def _fits_backend(meta: RepoMeta, llamacpp: bool) -> bool:
-    """llama.cpp needs GGUF repos; vLLM needs non-GGUF ones."""
+def _fits_backend(meta: RepoMeta, gguf: bool) -> bool:
+    """A GGUF backend (llama.cpp) needs GGUF repos; the others (vLLM) need non-GGUF ones."""
     is_gguf = "gguf" in (meta.tags or []) or short_name(meta.id).lower().endswith("gguf")
-    return is_gguf if llamacpp else not is_gguf
+    return is_gguf if gguf else not is_gguf

@@ -97,17 +97,22 @@ class MemoryEstimate:
         return f"weights: target {g(self.target)}{draft} → {per} per GPU{budget} ({self.layout})"
 
 
-def estimate(profile, target: Weights | None, draft: Weights | None, *, has_draft: bool = True) -> MemoryEstimate:
+def estimate(profile, target: Weights | None, draft: Weights | None, *, has_draft: bool = True,
+             parallel_layout: bool | None = None) -> MemoryEstimate:
     """Per-GPU weight share under the profile's layout.
 
-    vLLM: the target is split over tensor × pipeline parallel ranks; a draft with
-    ``draft_tensor_parallel_size`` equal to the target's TP is split the same way, otherwise (TP 1) it sits
-    whole on the first GPU. llama.cpp: the target is split by ``tensor_split`` (or evenly) over
-    ``devices``; the draft sits whole on one device.
+    A backend with ``parallel_layout`` (vLLM): the target is split over tensor × pipeline parallel ranks; a
+    draft with ``draft_tensor_parallel_size`` equal to the target's TP is split the same way, otherwise (TP
+    1) it sits whole on the first GPU. Without it (llama.cpp): the target is split by ``tensor_split`` (or
+    evenly) over ``devices``; the draft sits whole on one device. ``parallel_layout`` None: the profile's
+    backend's (True when it is not installed).
     """
     g = profile.gpus
     budget = g.memory_gb
-    if profile.backend == "llamacpp":
+    if parallel_layout is None:
+        from specops.plugins import get_registry
+        parallel_layout = getattr(get_registry().backends.get(profile.backend), "parallel_layout", True)
+    if not parallel_layout:
         n = max(1, len(g.devices or []) or 1)
         if g.tensor_split and len(g.tensor_split) == n and sum(g.tensor_split) > 0:
             share = max(g.tensor_split) / sum(g.tensor_split)

@@ -72,6 +72,11 @@ def _backend(profile):
     return get_registry().backends.get(profile.backend)
 
 
+def _gguf(backend_obj) -> bool:
+    """Whether the backend loads GGUF files (so targets and drafts are looked up as GGUF repos/files)."""
+    return getattr(backend_obj, "model_format", "hf") == "gguf"
+
+
 def resolve_profile(loaded, *, offline: bool = False, use_lock: bool = True, verify: bool = False,
                     raise_errors: bool = True, hub: Hub | None = None,
                     progress: Callable[[str], None] | None = None) -> Resolution:
@@ -160,9 +165,9 @@ def resolve(profile, *, offline: bool = False, hub: Hub | None = None, catalog: 
         res.findings = backend_findings(requested, profile, backend_obj)
         return res
 
-    llamacpp = profile.backend == "llamacpp"
+    gguf = _gguf(backend_obj)
     target = load_model(profile.model.id, hub=hub, catalog=catalog, revision=profile.model.revision,
-                        gguf=llamacpp, quant=profile.model.quantization, file=profile.model.file)
+                        gguf=gguf, quant=profile.model.quantization, file=profile.model.file)
     res.target = target
     _target_notes(res, target, hub)
     if target.fatal is not None:
@@ -180,7 +185,7 @@ def resolve(profile, *, offline: bool = False, hub: Hub | None = None, catalog: 
         return res
 
     methods = methods_for(requested, backend_obj.methods if backend_obj else None)
-    candidates = discover(target, profile, methods, hub=hub, catalog=catalog, notes=res.notes)
+    candidates = discover(target, profile, methods, hub=hub, catalog=catalog, notes=res.notes, gguf=gguf)
     res.notes.extend(w for w in hub.warnings if w not in res.notes)  # Hub answers left out as unusable
     candidates.sort(key=lambda c: sort_key(c, requested))
     checked = 0
@@ -239,9 +244,8 @@ def _evaluate(c: Candidate, profile, target, catalog, hub, backend_obj, *, expli
     spec = profile.speculative
     view = None
     if c.method in NEEDS_DRAFT and c.draft:
-        llamacpp = profile.backend == "llamacpp"
         view = load_model(c.draft, hub=hub, catalog=catalog,
-                          revision=spec.draft_revision if explicit else None, gguf=llamacpp,
+                          revision=spec.draft_revision if explicit else None, gguf=_gguf(backend_obj),
                           quant=spec.draft_quantization, file=spec.draft_file if explicit else None,
                           tokenizer=c.method is Method.DRAFT_MODEL)
         c.view, c.revision, c.file = view, view.revision, view.gguf_file
@@ -254,7 +258,7 @@ def _evaluate(c: Candidate, profile, target, catalog, hub, backend_obj, *, expli
             c.downloads, c.likes = max(c.downloads, view.meta.downloads), max(c.likes, view.meta.likes)
     c.findings = compat_findings(c.method, view, target, profile, catalog=catalog, backend_obj=backend_obj,
                                  entry=c.entry, explicit=explicit)
-    if c.entry is not None and profile.backend not in c.entry.backends:
+    if c.entry is not None and c.entry.backends and profile.backend not in c.entry.backends:
         c.findings.append(Finding("info", "catalog", f"the catalog lists this pair for {', '.join(c.entry.backends)}"))
     sev = {f.severity for f in c.findings}
     c.verdict = "refused" if "error" in sev else "warning" if "warning" in sev else "ok"
@@ -272,7 +276,7 @@ def _with_choice(profile, c: Candidate, *, keep_revision: bool):
         "method": c.method,
         "draft": c.draft if needs else None,
         "draft_revision": (spec.draft_revision if keep_revision and spec.draft_revision else c.revision) if needs else None,
-        "draft_file": (spec.draft_file or c.file) if needs and profile.backend == "llamacpp" else None,
+        "draft_file": (spec.draft_file or c.file) if needs and _gguf(_backend(profile)) else None,
     }
     return profile.model_copy(update={"speculative": spec.model_copy(update=update)})
 
