@@ -283,7 +283,7 @@ class _ServerLog:
             text = msg % args if args else str(msg)
         except (TypeError, ValueError):
             text = str(msg)
-        self._reject("proxy: %s%s", _shown(text, 200), f": {_shown(_describe(exc), 200)}" if exc else "")
+        self._reject("proxy: %s%s", _shown(text, 200), f": {_shown(_brief(exc), 200)}" if exc else "")
         if exc is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("proxy: traceback of the line above", exc_info=exc)
 
@@ -373,7 +373,7 @@ class _Connection(web.RequestHandler):
             proxy._c["rejected_malformed" if status < 500 else "internal_errors"] += 1
             proxy._reject_log("proxy: %d %s from %s: %s", status, "malformed request" if status < 500 else
                               "internal error", request.remote or "-",
-                              _shown(_describe(exc) if exc else message, 160))
+                              _shown(_brief(exc) if exc else message, 160))
             if exc is not None and status >= 500 and log.isEnabledFor(logging.DEBUG):
                 log.debug("proxy: traceback of the internal error", exc_info=exc)
         if request.writer.output_size > 0:
@@ -1317,6 +1317,16 @@ def run_event_loop(main):
             return runner.run(main)
     import uvloop                                   # pragma: no cover - Python 3.10
     return uvloop.run(main)
+
+
+def _brief(exc: BaseException) -> str:
+    """An exception in one short line: its type and the first line of its message (aiohttp's parse errors
+    add the offending request line and a caret below it)."""
+    text = getattr(exc, "message", None)
+    if not isinstance(text, str):
+        text = str(exc)
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return f"{type(exc).__name__}: {first.rstrip(':')}" if first else type(exc).__name__
 
 
 def _describe(exc: BaseException) -> str:

@@ -182,6 +182,54 @@ def test_rejection_lines_are_rate_limited_with_a_count_of_the_rest(engine, caplo
         run(body())
 
 
+_CONSOLE_PROXY = """
+import asyncio, signal, sys
+from specops.proxy import Proxy
+
+async def main():
+    proxy = Proxy("127.0.0.1", 0, queue_size=8, queue_timeout=5, drain_timeout=1, body_timeout=0.3,
+                  max_body_size=4096, log_rejects_per_s=100)
+    await proxy.start()
+    proxy.set_upstream(sys.argv[1])
+    print("LISTENING", proxy.port, flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await proxy.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_the_console_shows_one_line_per_rejection_and_never_a_traceback(engine):
+    """Like `specops up`: no logging configured, so whatever the proxy logs reaches stderr as is."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _CONSOLE_PROXY, engine.url], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline().split()[1])
+        hostile = [_request("CONNECT @127.0.0.1:1 HTTP/1.1"), _request("GET http://127.0.0.1:1/ HTTP/1.1"),
+                   _request("OPTIONS * HTTP/1.1"), _request("GET @x/ HTTP/1.1"), b"\x16\x03\x01\x00\xa5\x01" + b"\x00" * 60,
+                   b"GARBAGE\r\n\r\n", _request("GET /\x7f\x00 HTTP/1.1"),
+                   _request("POST /v1/completions HTTP/1.1", "Content-Length: 1000000000", body=b"{"),
+                   _request("POST /v1/completions HTTP/1.1", "Content-Length: 100", body=b"{"),
+                   _request("POST /debug/echo HTTP/1.1", "Transfer-Encoding: chunked", body=b"zz\r\n")]
+
+        async def send_all():
+            for data in hostile:
+                await raw_http(port, data, close_wait=0.3)
+        run(send_all())
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert "Traceback" not in err, err
+    assert len(hostile) - 2 <= len(lines) <= len(hostile), err     # one line each (a few may be one parse error)
+    assert all(ln.startswith("proxy: ") and len(ln) < 400 for ln in lines), err
+
+
 # ------------------------------------------------------------------------------------ slow clients
 
 @LOOPS
