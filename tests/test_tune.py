@@ -528,7 +528,7 @@ def test_a_fresh_lock_gets_the_record_and_stays_fresh(tmp_path):
 
 
 def test_a_change_that_would_not_validate_changes_nothing(tmp_path, monkeypatch):
-    import specops.perf.tune as tune
+    import specops.perf.tune.writeback as tune
     path = tmp_path / "chat.yaml"
     path.write_text(LLAMA)
     loaded = load_profile(path)
@@ -676,3 +676,17 @@ def test_requests_the_engine_refuses_stop_the_sweep_at_once():
                                            r"refused the requests: 1 of 4 requests failed: HTTP 400: .*--max-tokens"):
         race([dm(1), dm(2), dm(4)], drv, clock)
     assert drv.launched == [dm(1)]                                     # not three times the same failure
+
+
+def test_a_profile_with_per_batch_size_is_written_without_it_and_says_so(tmp_path):
+    vllm = ("name: chat\nbackend: vllm\nengine:\n  version: 0.32.0\nmodel:\n  id: org/target\nspeculative:\n"
+            "  method: draft_model\n  draft: org/draft\n  num_speculative_tokens: 3\n"
+            "  per_batch_size: [[1, 4, 3], [5, 8, 1]]\nserver:\n  parallel: 8\n")
+    path = tmp_path / "v.yaml"
+    path.write_text(vllm)
+    loaded = load_profile(path)
+    res = result_with({1: {vdm(4): 100.0, vdm(3): 90.0}}, levels=(1,), current=vdm(3))
+    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={},
+                     dry_run=True, date="2026-01-02")
+    assert "speculative.per_batch_size is set and overrides k for the batch sizes it lists" in out.notes[0]
+    assert out.changes == ["speculative.num_speculative_tokens: 4"] and path.read_text() == vllm

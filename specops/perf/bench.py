@@ -21,7 +21,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from specops.errors import SpecopsError
 from specops.methods import Method
 from specops.config.profile import LoadedProfile
 from specops.speedup import DEFAULT_DRAFT_COST
+from specops.perf.stats import median
 from specops.perf.workload import BUILTIN_SETS, Prompt, load_prompts
 
 SPEC, BASE = "spec", "base"
@@ -111,11 +111,6 @@ def machine() -> dict:
         pass
     return {"cpu": cpu, "cores": cores, "memory_gib": mem, "platform": platform.platform(),
             "python": platform.python_version()}
-
-
-def _median(values):
-    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return statistics.median(vals) if vals else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -292,8 +287,8 @@ def summarize(cells: list[dict], meta: dict) -> dict:
     for s in sets:
         for lv in levels:
             sp, bs = pick(s, lv, SPEC), pick(s, lv, BASE)
-            spec_tps = _median([x["tokens_per_s"] for x in sp])
-            base_tps = _median([x["tokens_per_s"] for x in bs])
+            spec_tps = median([x["tokens_per_s"] for x in sp])
+            base_tps = median([x["tokens_per_s"] for x in bs])
             drafted = sum(x.get("draft_tokens") or 0 for x in sp)
             accepted = sum(x.get("accepted") or 0 for x in sp)
             drafts = sum(x.get("drafts") or 0 for x in sp)
@@ -307,12 +302,12 @@ def summarize(cells: list[dict], meta: dict) -> dict:
                 "set": s, "concurrency": lv, "spec_tokens_per_s": spec_tps, "base_tokens_per_s": base_tps,
                 "speedup": ratio(spec_tps, base_tps), "acceptance": acceptance, "mean_acceptance_length": mal,
                 "mean_draft_length": draft_len, "model_speedup": model,
-                "spec_ttft_ms": _median([x["ttft_ms"]["median"] for x in sp]),
-                "base_ttft_ms": _median([x["ttft_ms"]["median"] for x in bs]),
-                "spec_itl_ms": _median([x["itl_ms"]["median"] for x in sp]),
-                "base_itl_ms": _median([x["itl_ms"]["median"] for x in bs]),
-                "spec_tpot_ms": _median([x["tpot_ms"]["median"] for x in sp]),
-                "base_tpot_ms": _median([x["tpot_ms"]["median"] for x in bs]),
+                "spec_ttft_ms": median([x["ttft_ms"]["median"] for x in sp]),
+                "base_ttft_ms": median([x["ttft_ms"]["median"] for x in bs]),
+                "spec_itl_ms": median([x["itl_ms"]["median"] for x in sp]),
+                "base_itl_ms": median([x["itl_ms"]["median"] for x in bs]),
+                "spec_tpot_ms": median([x["tpot_ms"]["median"] for x in sp]),
+                "base_tpot_ms": median([x["tpot_ms"]["median"] for x in bs]),
                 "errors": sum(x["errors"] for x in sp + bs),
             })
 

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from specops.errors import SpecopsError
+from specops.perf.stats import median, percentile
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 #: The built-in prompt sets, in the order reports show them.
@@ -116,24 +115,6 @@ def _prompt_from(row: Any, default_set: str, where: str) -> Prompt:
 
 # ---------------------------------------------------------------------------------------------------
 # results
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100, linear interpolation); None for no values."""
-    vals = sorted(v for v in values if v is not None and not math.isnan(v))
-    if not vals:
-        return None
-    if len(vals) == 1:
-        return vals[0]
-    pos = (len(vals) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(vals) - 1)
-    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
-
-
-def median(values: Sequence[float]) -> float | None:
-    vals = [v for v in values if v is not None and not math.isnan(v)]
-    return statistics.median(vals) if vals else None
-
 
 @dataclass
 class RequestResult:

@@ -1,0 +1,207 @@
+"""One ``specops tune`` run, start to end (the CLI is a thin layer over this): what to sweep, from the
+profile and the options (:func:`prepare`), then the race on the real engine (:func:`run_sweep`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specops.errors import SpecopsError
+from specops.methods import NEEDS_DRAFT, Method
+from specops.perf.tune.driver import EngineDriver, default_requests_per_round, load_workload
+from specops.perf.tune.race import Event, Tuner, TuneOptions
+from specops.perf.tune.results import TuneResult
+from specops.perf.tune.settings import MethodChoice, Setting, current_setting, plan_settings
+from specops.resolve.prelaunch import resolve_for_launch
+
+
+@dataclass
+class TuneConfig:
+    """What ``specops tune`` was asked for (parsed CLI options)."""
+
+    workload: str | None = None
+    max_tokens: int | None = None
+    budget_s: float = 600.0
+    k_values: list[int] | None = None
+    methods: str | None = None
+    ngram_pairs: list[tuple[int, int]] | None = None
+    ngram_types: list[str] | None = None
+    concurrency: str | None = None
+    min_rounds: int = 3
+    max_rounds: int = 7
+    margin: float = 0.05
+    requests_per_round: int | None = None
+    backend_version: str | None = None
+    offline: bool = False
+    ready_timeout: float | None = None
+    ignore_eos: bool = False
+    prune: bool = True
+
+
+@dataclass
+class TunePlan:
+    """Everything decided before the first engine starts."""
+
+    resolved: Any
+    engine: Any
+    current: Setting
+    choices: list[MethodChoice]
+    settings: list[Setting]
+    levels: tuple[int, ...]
+    prompts: list
+    workload: dict
+    notes: list[str] = field(default_factory=list)
+
+
+def prepare(loaded, registry, cfg: TuneConfig) -> TunePlan:
+    """Resolve the profile as ``up`` would, probe the engine, and plan the sweep (no engine is started)."""
+    notes: list[str] = []
+    resolved_loaded, refused = resolve_for_launch(loaded, cfg.offline, notes.append)
+    if refused:
+        raise SpecopsError(f"the profile's draft is refused by the checks: {refused}; fix it (or tune another "
+                           "method with --methods) first")
+    resolved = resolved_loaded.profile
+    backend = registry.backend(resolved.backend)
+    engine = backend.engine_info(resolved, cfg.backend_version, probe=True)
+    current = current_setting(resolved, _rendered_ngram_variant(resolved_loaded, registry, engine))
+    choices = method_choices(loaded, resolved, registry, cfg.methods, offline=cfg.offline)
+    if [c.method for c in choices] == [Method.NONE]:
+        raise SpecopsError(f"{loaded.path} runs without speculation (method none): nothing to tune; compare "
+                           "methods with --methods fitting (or e.g. --methods ngram,none)")
+    _check_options(cfg, backend, choices, notes)
+    types = cfg.ngram_types
+    if types is None and backend.ngram_variants():
+        types = list(backend.ngram_variants(engine))
+    settings = plan_settings(current, choices, backend, k_values=cfg.k_values, ngram_pairs=cfg.ngram_pairs,
+                             ngram_types=types, ngram_default=(resolved.speculative.ngram.min,
+                                                               resolved.speculative.ngram.max))
+    levels = concurrency_levels(resolved, cfg.concurrency)
+    prompts, workload = load_workload(cfg.workload, cfg.max_tokens)
+    workload.update(requests_per_round=cfg.requests_per_round or "max(4, 2 x concurrency)",
+                    ignore_eos=cfg.ignore_eos)
+    return TunePlan(resolved, engine, current, choices, settings, levels, prompts, workload, notes)
+
+
+def _check_options(cfg: TuneConfig, backend, choices: list[MethodChoice], notes: list[str]) -> None:
+    """Options that do not apply: --k without a method that takes k (a note), --ngram pairs where n-gram
+    drafters are picked by name (refused)."""
+    if cfg.k_values and not any(backend.k_applies(c.method) for c in choices):
+        notes.append(f"--k is ignored: {', '.join(c.method.value for c in choices)} on {backend.name} take no k")
+    if cfg.ngram_pairs and backend.ngram_variants():
+        raise SpecopsError("--ngram (min:max) is vLLM's prompt_lookup_min/max; llama-server's n-gram drafters "
+                           "are swept by type (--ngram-types)")
+
+
+def _rendered_ngram_variant(loaded, registry, engine) -> str | None:
+    """The n-gram drafter the engine runs for the profile as it is (the default of this build, when the
+    profile names none); None unless the profile runs n-gram on an engine that picks drafters by name."""
+    backend = registry.backend(loaded.profile.backend)
+    if loaded.profile.speculative.method is not Method.NGRAM or not backend.ngram_variants():
+        return None
+    from specops.backends.render import plan as render_plan
+    return backend.ngram_variant_of(render_plan(loaded, registry, engine=engine))
+
+
+async def run_sweep(loaded, registry, plan: TunePlan, cfg: TuneConfig, *, on_event: Event | None = None,
+                    log_path: Path | None = None) -> TuneResult:
+    """Measure ``plan`` on the real engine."""
+    rpr = (lambda c: cfg.requests_per_round) if cfg.requests_per_round else default_requests_per_round
+    driver = EngineDriver(loaded, plan.resolved, registry, plan.engine, plan.prompts, requests_per_round=rpr,
+                          offline=cfg.offline, log_path=log_path, ready_timeout=cfg.ready_timeout,
+                          extra_body={"ignore_eos": True} if cfg.ignore_eos else None)
+    opts = TuneOptions(budget_s=cfg.budget_s, levels=plan.levels, min_rounds=cfg.min_rounds,
+                       max_rounds=cfg.max_rounds, margin=cfg.margin, prune=cfg.prune)
+    return await Tuner(plan.settings, driver, opts, current=plan.current, on_event=on_event).run()
+
+
+# ---------------------------------------------------------------------------------------------------
+# which methods, which concurrency levels
+
+def method_choices(loaded, resolved, registry, methods: str | None, *, offline: bool = False) -> list[MethodChoice]:
+    """The methods to sweep: the profile's (default); ``chain``: it and its fallback chain; ``fitting``: those
+    the resolver finds fitting (checked drafts, plus n-gram and none); or a comma list of method names
+    (drafts from the profile, its chain, or the resolver)."""
+    backend = registry.backend(resolved.backend)
+    spec = resolved.speculative
+    primary = MethodChoice(spec.method, spec.draft if spec.method in NEEDS_DRAFT else None)
+    if not methods:
+        return [primary]
+    if methods.strip() == "chain":
+        return [primary] + [MethodChoice(st.method, st.draft) for st in resolved.chain
+                            if st.method in backend.methods and st.method is not spec.method]
+    if methods.strip() in ("fitting", "auto"):
+        return _fitting_choices(primary, resolved, backend, offline)
+    return _named_choices(methods, resolved, backend, offline)
+
+
+def _fitting_choices(primary: MethodChoice, resolved, backend, offline: bool) -> list[MethodChoice]:
+    out = [primary]
+    for c in _fitting_candidates(resolved, offline):
+        if c.method not in {x.method for x in out} and c.method in backend.methods:
+            out.append(MethodChoice(c.method, c.draft))
+    for m in (Method.NGRAM, Method.NONE):
+        if m in backend.methods and m not in {x.method for x in out}:
+            out.append(MethodChoice(m))
+    return out
+
+
+def _named_choices(methods: str, resolved, backend, offline: bool) -> list[MethodChoice]:
+    """``--methods a,b``: each method (that the backend runs) with its draft; the profile's method first."""
+    spec = resolved.speculative
+    chain = {st.method: st for st in resolved.chain}
+    out = []
+    for name in filter(None, (x.strip() for x in methods.split(","))):
+        try:
+            m = Method(name)
+        except ValueError:
+            raise SpecopsError(f"--methods: unknown method {name!r} (one of {', '.join(x.value for x in Method)}, "
+                               "or `chain`, or `fitting`)") from None
+        if m is Method.AUTO or m not in backend.methods:
+            raise SpecopsError(f"--methods: backend {resolved.backend} cannot run {name} (it runs "
+                               f"{', '.join(sorted(x.value for x in backend.methods))})")
+        draft = None
+        if m in NEEDS_DRAFT:
+            if m is spec.method and spec.draft:
+                draft = spec.draft
+            elif m in chain and chain[m].draft:
+                draft = chain[m].draft
+            else:
+                draft = _resolved_draft(resolved, m, offline)
+        out.append(MethodChoice(m, draft))
+    out.sort(key=lambda c: c.method is not spec.method)
+    return list(dict.fromkeys(out))
+
+
+def _fitting_candidates(profile, offline: bool):
+    from specops.resolve import resolve
+    prof = profile.model_copy(update={"speculative": profile.speculative.model_copy(
+        update={"method": Method.AUTO, "draft": None, "draft_revision": None, "draft_file": None})})
+    res = resolve(prof, offline=offline)
+    return [c for c in res.candidates if c.verdict in ("ok", "warning")]
+
+
+def _resolved_draft(profile, method: Method, offline: bool) -> str:
+    from specops.resolve import resolve
+    prof = profile.model_copy(update={"speculative": profile.speculative.model_copy(
+        update={"method": method, "draft": "auto", "draft_revision": None, "draft_file": None})})
+    res = resolve(prof, offline=offline)
+    if res.choice is None or not res.choice.draft:
+        why = "; ".join(f.message for f in res.errors) or "no candidate passed the checks"
+        raise SpecopsError(f"--methods: no draft for {method} ({why}); add it to the fallback chain with its draft")
+    return res.choice.draft
+
+
+def concurrency_levels(profile, text: str | None) -> tuple[int, ...]:
+    """The levels to measure, the one the choice is made for first: ``server.parallel`` (what the profile
+    declares it serves), then 1; or the ``--concurrency`` list as given (its first is the choice's)."""
+    if text:
+        vals = []
+        for part in filter(None, (x.strip() for x in text.split(","))):
+            if not part.isdigit() or int(part) < 1:
+                raise SpecopsError(f"--concurrency: {part!r} is not an integer >= 1")
+            vals.append(int(part))
+        if not vals:
+            raise SpecopsError("--concurrency: no levels")
+        return tuple(dict.fromkeys(vals))
+    p = profile.server.parallel or 1
+    return (p, 1) if p > 1 else (1,)

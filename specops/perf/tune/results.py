@@ -1,0 +1,218 @@
+"""What ``specops tune`` measured: rounds, per-concurrency results, per-setting results, and the winner.
+
+:class:`TuneResult` holds medians per setting and concurrency, acceptance and mean acceptance length, the
+winner (best median at the profile's concurrency), the best per concurrency and, for engines that take
+it, a ``per_batch_size`` proposal when the best k differs with load.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specops.methods import Method
+from specops.perf.stats import median
+from specops.perf.tune.settings import Setting, backend_of
+
+
+def rounded(v: float | None, nd: int = 3) -> float | None:
+    """``v`` rounded to ``nd`` digits (None stays None), for the record."""
+    return None if v is None else round(v, nd)
+
+
+@dataclass
+class Round:
+    """One measured batch of requests at one concurrency."""
+
+    tokens_per_s: float
+    output_tokens: int
+    requests: int
+    errors: int = 0
+    wall_s: float = 0.0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    first_error: str | None = None
+    draft_tokens: int | None = None   # from per-response timings (llama-server), when reported
+    accepted: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"tokens_per_s": round(self.tokens_per_s, 3), "output_tokens": self.output_tokens,
+                "requests": self.requests, "errors": self.errors, "wall_s": round(self.wall_s, 3),
+                "ttft_ms": rounded(self.ttft_ms), "tpot_ms": rounded(self.tpot_ms)}
+
+
+@dataclass
+class LevelResult:
+    """The rounds of one setting at one concurrency, and acceptance over all of them."""
+
+    concurrency: int
+    rounds: list[Round] = field(default_factory=list)
+    acceptance: float | None = None
+    mean_acceptance_length: float | None = None
+    draft_tokens: float | None = None
+    accepted: float | None = None
+    drafts: float | None = None
+
+    @property
+    def samples(self) -> list[float]:
+        return [r.tokens_per_s for r in self.rounds]
+
+    @property
+    def median(self) -> float | None:
+        return median(self.samples)
+
+    def set_acceptance(self, stats) -> None:
+        """Acceptance over the rounds from the engine's counters (a :class:`specops.watch.window.WindowStats`).
+
+        Falls back to the per-response timings the rounds carry (llama-server) when the engine's counters
+        gave no number.
+        """
+        if stats is not None and getattr(stats, "acceptance", None) is not None and not stats.coarse:
+            self.acceptance, self.mean_acceptance_length = stats.acceptance, stats.mean_acceptance_length
+            self.draft_tokens, self.accepted, self.drafts = stats.draft_tokens, stats.accepted, stats.drafts
+            return
+        dt = sum(r.draft_tokens or 0 for r in self.rounds)
+        da = sum(r.accepted or 0 for r in self.rounds)
+        if dt > 0:
+            self.draft_tokens, self.accepted, self.acceptance = float(dt), float(da), da / dt
+
+    def to_dict(self) -> dict:
+        return {"concurrency": self.concurrency, "median_tokens_per_s": rounded(self.median),
+                "rounds": [round(x, 3) for x in self.samples],
+                "requests": sum(r.requests for r in self.rounds),
+                "output_tokens": sum(r.output_tokens for r in self.rounds),
+                "ttft_ms_median": rounded(median(r.ttft_ms for r in self.rounds)),
+                "tpot_ms_median": rounded(median(r.tpot_ms for r in self.rounds)),
+                "acceptance": rounded(self.acceptance, 4),
+                "mean_acceptance_length": rounded(self.mean_acceptance_length),
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted, "drafts": self.drafts}
+
+
+@dataclass
+class SettingResult:
+    """What happened to one setting: ``measured``, ``pruned`` (clearly worse), ``failed`` or ``skipped``."""
+
+    setting: Setting
+    status: str = "pending"
+    reason: str = ""
+    levels: dict[int, LevelResult] = field(default_factory=dict)
+    launch_s: float | None = None
+    seconds: float = 0.0
+
+    def median(self, level: int) -> float | None:
+        lr = self.levels.get(level)
+        return lr.median if lr else None
+
+    def rounds(self, level: int) -> int:
+        lr = self.levels.get(level)
+        return len(lr.rounds) if lr else 0
+
+    def to_dict(self) -> dict:
+        return {**self.setting.to_dict(), "status": self.status, "reason": self.reason,
+                "launch_s": rounded(self.launch_s), "seconds": round(self.seconds, 3),
+                "levels": {str(c): lr.to_dict() for c, lr in self.levels.items()}}
+
+
+@dataclass
+class TuneResult:
+    """Every setting's result; the winner is the best median at the profile's concurrency."""
+
+    results: list[SettingResult]
+    levels: tuple[int, ...]            # the profile's concurrency first, then the others
+    current: Setting
+    min_rounds: int
+    budget_s: float
+    elapsed_s: float = 0.0
+
+    @property
+    def primary(self) -> int:
+        return self.levels[0]
+
+    def eligible(self, level: int | None = None) -> list[SettingResult]:
+        """Results with at least ``min_rounds`` rounds at ``level`` (and not failed), best median first."""
+        level = self.primary if level is None else level
+        ok = [r for r in self.results if r.status in ("measured", "pruned") and r.rounds(level) >= self.min_rounds]
+        return sorted(ok, key=lambda r: -(r.median(level) or 0.0))
+
+    def best_at(self, level: int) -> SettingResult | None:
+        ranked = self.eligible(level)
+        return ranked[0] if ranked else None
+
+    @property
+    def winner(self) -> SettingResult | None:
+        return self.best_at(self.primary)
+
+    def result_for(self, setting: Setting) -> SettingResult | None:
+        return next((r for r in self.results if r.setting == setting), None)
+
+    def reference(self) -> tuple[str, float] | None:
+        """What the ratio column compares to: ``none`` when it was measured, else the current setting."""
+        for name, s in (("none", Setting(Method.NONE)), ("current", self.current)):
+            r = self.result_for(s)
+            if r is not None and r.rounds(self.primary) >= self.min_rounds and r.median(self.primary):
+                return name, r.median(self.primary)
+        return None
+
+    def per_batch_size(self, backend, engine_version: str | None, parallel: int | None) -> dict | None:
+        """A ``num_speculative_tokens_per_batch_size`` proposal when the best k falls with load (vLLM).
+
+        ``backend`` is a backend name or object; None unless it takes a k per batch size at
+        ``engine_version``. Only from measured facts: the best setting at each concurrency must be the
+        winner's method or ``none`` (k 0); the ranges split between measured concurrencies at their
+        geometric mean. Returns ``{"value": [[start, end, k], ...], "why": ...}`` or None.
+        """
+        if len(self.levels) < 2 or not backend_of(backend).takes_per_batch_size(engine_version):
+            return None
+        levels = sorted(self.levels)
+        best = {c: self.best_at(c) for c in levels}
+        method = _one_method(best)
+        if method is None:
+            return None
+        ks = [0 if best[c].setting.method is Method.NONE else best[c].setting.k for c in levels]
+        if len(set(ks)) == 1 or ks != sorted(ks, reverse=True):
+            return None  # the same k everywhere, or more drafting under more load: nothing to express
+        why = ", ".join(f"concurrency {c}: best {best[c].setting.label} ({best[c].median(c):.1f} tok/s)"
+                        for c in levels)
+        value = _k_ranges(levels, ks, max(parallel or 0, levels[-1]))
+        return {"value": value, "method": method.value, "k": max(ks), "why": why}
+
+    def to_dict(self) -> dict:
+        w = self.winner
+        ref = self.reference()
+        return {"levels": list(self.levels), "primary_concurrency": self.primary, "min_rounds": self.min_rounds,
+                "budget_s": self.budget_s, "elapsed_s": round(self.elapsed_s, 3),
+                "current": self.current.to_dict(), "winner": w.setting.to_dict() if w else None,
+                "reference": {"what": ref[0], "tokens_per_s": round(ref[1], 3)} if ref else None,
+                "best_per_concurrency": {str(c): (b.setting.label if (b := self.best_at(c)) else None)
+                                         for c in self.levels},
+                "results": [r.to_dict() for r in self.results]}
+
+
+def _one_method(best: dict[int, SettingResult | None]) -> Method | None:
+    """The one speculative method the best settings of every level share (``none`` aside), else None."""
+    if any(b is None for b in best.values()):
+        return None
+    methods = {b.setting.method for b in best.values()} - {Method.NONE}
+    if len(methods) != 1:
+        return None
+    method = methods.pop()
+    if method is Method.NGRAM:  # ngram min/max would have to agree as well: keep it simple
+        pairs = {(b.setting.ngram_min, b.setting.ngram_max) for b in best.values() if b.setting.method is method}
+        if len(pairs) != 1:
+            return None
+    return method
+
+
+def _k_ranges(levels: list[int], ks: list[int], top: int) -> list[list[int]]:
+    """``[[start, end, k], ...]`` from the best k per measured level, split at geometric means, merged."""
+    ranges: list[list[int]] = []
+    for i, c in enumerate(levels):
+        start = 1 if i == 0 else ranges[-1][1] + 1
+        end = top if i == len(levels) - 1 else max(start, int(math.floor(math.sqrt(c * levels[i + 1]))))
+        ranges.append([start, end, ks[i]])
+    merged: list[list[int]] = []
+    for r in ranges:
+        if merged and merged[-1][2] == r[2]:
+            merged[-1][1] = r[1]
+        else:
+            merged.append(r)
+    return merged
