@@ -206,9 +206,9 @@ class Backend:
     #: True when the engine labels its series with ``model_name`` (vLLM), so a query may select the served
     #: model by it; False: adding that label would match nothing.
     model_name_label: bool = False
-    #: True when ``speculative.per_batch_size`` reaches the engine (k shrinks as the batch grows), so
-    #: ``specops advise`` may propose a schedule for high concurrency.
-    per_batch_k: bool = False
+    #: What ``specops advise`` tells an operator about high concurrency when the engine takes no k per batch
+    #: size (see :meth:`takes_per_batch_size`); empty: nothing.
+    concurrency_note: str = ""
 
     @property
     def engine_name(self) -> str:

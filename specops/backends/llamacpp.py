@@ -53,6 +53,8 @@ class LlamaCppBackend(Backend):
     display_name = "llama.cpp"
     model_format = "gguf"
     draft_vocab_tolerance = 128   # common/speculative.cpp: SPEC_VOCAB_MAX_SIZE_DIFFERENCE
+    concurrency_note = ("llama-server has no per-batch-size k: under high concurrency keep "
+                        "num_speculative_tokens small or serve fewer parallel slots")
     live_timings = True     # with timings_per_token the proxy sees acceptance chunk by chunk
     log_acceptance = True   # builds without spec_decode counters still log `draft acceptance = …`
     install_hint = ("llama-server not found: put it on PATH, set engine.executable, "

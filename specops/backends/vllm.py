@@ -59,7 +59,6 @@ class VllmBackend(Backend):
     metric_prefix = "vllm:"
     display_name = "vLLM"
     model_name_label = True   # every series carries model_name
-    per_batch_k = True        # num_speculative_tokens_per_batch_size
     install_hint = ("vLLM not found: `pip install vllm` (GPU) or `specops engines setup vllm` (CPU build), "
                     "or point engine.python at a virtualenv that has it")
 

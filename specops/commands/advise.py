@@ -112,7 +112,8 @@ def advise(profile, alpha, rate, mean_length, instance, metrics_url, prometheus,
     else:
         from specops.plugins import get_registry
         from specops.watch.sources import promql_labels
-        be = get_registry().backend(backend or "vllm")
+        from specops.backends import DEFAULT_BACKEND
+        be = get_registry().backend(backend or DEFAULT_BACKEND)
         labels = promql_labels(be.metric_prefix, dict(prof.monitor.labels) if prof else {}, served)
         win = window or (prof.fallback.window if prof else 60.0)
         stats = adv_mod.read_prometheus(prometheus, be.metric_prefix, labels, win)
@@ -135,8 +136,9 @@ def advise(profile, alpha, rate, mean_length, instance, metrics_url, prometheus,
 def _served_name(prof) -> str | None:
     if prof.model.served_name:
         return prof.model.served_name
-    if prof.backend == "llamacpp":
-        return None  # llama-server labels nothing
+    from specops.plugins import get_registry
+    if not getattr(get_registry().backends.get(prof.backend), "model_name_label", False):
+        return None  # the engine labels nothing with model_name (llama-server)
     return prof.model.id
 
 

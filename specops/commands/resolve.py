@@ -5,6 +5,7 @@ import os
 
 import click
 
+from specops.backends import DEFAULT_BACKEND
 from specops.errors import SpecopsError
 from specops.methods import Method
 from specops.commands._common import echo_json, json_option, load, version_param
@@ -66,7 +67,7 @@ def resolve(target, method, backend, max_model_len, tensor_parallel_size, quant,
         else:
             res = resolve_profile(loaded, offline=offline, use_lock=False, raise_errors=False, progress=progress)
     else:
-        profile = synthetic_profile(target, backend=backend or "vllm", method=method or "auto",
+        profile = synthetic_profile(target, backend=backend or DEFAULT_BACKEND, method=method or "auto",
                                     max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                                     quant=quant, memory_gb=memory_gb, engine_version=backend_version)
         res = run_resolve(profile, offline=offline, progress=progress)

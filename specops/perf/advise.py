@@ -255,19 +255,26 @@ def advise(acc: AcceptanceInput, *, k: int = DEFAULT_K, c: float = DEFAULT_DRAFT
                         f"Measure at your concurrency with `specops bench`.")
     high = max(batch_size, max_batch or 0) >= HIGH_CONCURRENCY
     if high and adv.best_k > 0:
-        if backend in (None, "vllm"):
+        be = _backend(backend)
+        if be is not None and be.takes_per_batch_size(None):
             adv.per_batch_size = per_batch_size_schedule(adv.best_k, max_batch)
-            adv.notes.append("for vLLM under high concurrency, draft less as the batch grows: "
+            adv.notes.append(f"for {be.engine_name} under high concurrency, draft less as the batch grows: "
                              f"num_speculative_tokens: {adv.best_k} with speculative.per_batch_size: "
                              f"{adv.per_batch_size} (vLLM's num_speculative_tokens_per_batch_size: inclusive "
                              "[start_bs, end_bs, k] ranges, each k capped at num_speculative_tokens) is a "
                              "starting point")
-        elif backend == "llamacpp":
-            adv.notes.append("llama-server has no per-batch-size k: under high concurrency keep "
-                             "num_speculative_tokens small or serve fewer parallel slots")
+        elif be is not None and be.concurrency_note:
+            adv.notes.append(be.concurrency_note)
     if batch_size > 1:
         adv.notes.append(f"batch size {batch_size}: expect less than the {adv.speedup:.2f}x above")
     return adv
+
+
+def _backend(name: str | None):
+    """The installed backend ``name`` (None: the default backend), or None when it is not installed."""
+    from specops.backends import DEFAULT_BACKEND
+    from specops.plugins import get_registry
+    return get_registry().backends.get(name or DEFAULT_BACKEND)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from specops.backends import DEFAULT_BACKEND
 from specops.errors import ProfileError, SpecopsError
 from specops.methods import NEEDS_DRAFT, Method
 from specops.resolve.auto import choose, methods_for, sort_key
@@ -288,7 +289,7 @@ def _memory_of(profile, target: ModelView, c: Candidate) -> MemoryEstimate | Non
     return estimate(profile, target.weights, draft_w, has_draft=c.method in NEEDS_DRAFT)
 
 
-def synthetic_profile(target: str, *, backend: str = "vllm", method: str = "auto", max_model_len: int | None = None,
+def synthetic_profile(target: str, *, backend: str = DEFAULT_BACKEND, method: str = "auto", max_model_len: int | None = None,
                       tensor_parallel_size: int = 1, quant: str | None = None, memory_gb: float | None = None,
                       engine_version: str | None = None):
     """A minimal profile for ``specops resolve TARGET``."""
