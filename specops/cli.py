@@ -2,7 +2,7 @@
 
 Commands live in ``specops/commands/<name>.py`` and are imported only when invoked, so ``specops
 validate`` and ``specops render`` stay fast on a CI runner (no HTTP client, no Prometheus client, no
-engine is imported for them). Every foreseeable failure is a :class:`SpecopsError`: printed as clear
+engine is imported for them). Plugins add commands through the ``register_commands`` hook. Every foreseeable failure is a :class:`SpecopsError`: printed as clear
 lines on stderr with exit code 1 (2 for usage errors), never as a traceback.
 """
 from __future__ import annotations
@@ -36,17 +36,30 @@ COMMANDS = {
 
 
 class LazyGroup(click.Group):
-    """A group whose subcommands are imported on first use."""
+    """A group whose subcommands are imported on first use.
+
+    Commands that plugins add (the ``register_commands`` hook) are collected only when the commands are
+    listed (``--help``) or a name is not a built-in one, so a built-in command never waits for them.
+    """
+
+    _plugin_commands: dict | None = None  # command name -> origin, once the plugins were asked
 
     def list_commands(self, ctx):
-        return [name for name in COMMANDS if self._spec(name)]
+        return [name for name in COMMANDS if self._spec(name)] + sorted(self.plugin_commands())
 
     def get_command(self, ctx, name):
         spec = self._spec(name)
         if spec is None:
-            return None
+            return self.commands.get(name) if name in self.plugin_commands() else None
         module, _, attr = spec.partition(":")
         return getattr(importlib.import_module(f"specops.commands.{module}"), attr)
+
+    def plugin_commands(self) -> dict:
+        """Plugin command name -> the plugin (and distribution) that added it."""
+        if self._plugin_commands is None:
+            from specops.plugins import register_commands
+            self._plugin_commands = register_commands(self, frozenset(COMMANDS))
+        return self._plugin_commands
 
     @staticmethod
     def _spec(name):

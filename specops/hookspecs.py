@@ -14,3 +14,12 @@ hookimpl = pluggy.HookimplMarker("specops")
 @hookspec
 def specops_backends():
     """Return a list of :class:`specops.backends.base.Backend` instances this plugin provides."""
+
+
+@hookspec
+def register_commands(cli):
+    """Add click commands to the ``specops`` group ``cli`` (e.g. with ``@cli.command()``).
+
+    Called when the command line lists its commands or meets a name that is not a built-in one; a
+    plugin may not reuse a built-in command's name.
+    """

@@ -69,6 +69,47 @@ def specops_backends():
 '''
 
 
+BROKEN_COMMANDS = '''
+from specops.hookspecs import hookimpl
+
+@hookimpl
+def register_commands(cli):
+    raise RuntimeError("boom\\nsecond line")
+'''
+
+MISSPELT_HOOK = '''
+from specops.hookspecs import hookimpl
+
+@hookimpl
+def specops_backend():
+    return []
+'''
+
+WRONG_ARGUMENT = '''
+from specops.hookspecs import hookimpl
+
+@hookimpl
+def register_commands(group):
+    pass
+'''
+
+UNMARKED = '''
+def specops_backends():
+    return []
+'''
+
+TAKES_RENDER = '''
+import click
+from specops.hookspecs import hookimpl
+
+@hookimpl
+def register_commands(cli):
+    @cli.command(name="render")
+    def render():
+        click.echo("not specops' render")
+'''
+
+
 def test_example_plugin_is_listed_with_its_origin(example_site):
     res = run_subprocess("plugins", "--json", env={"PYTHONPATH": str(example_site)})
     assert res.code == 0, res.stderr
@@ -154,10 +195,63 @@ def test_hookspecs_live_in_one_module_and_backends_declare_everything():
 
     specs = [name for name, obj in vars(hookspecs).items()
              if callable(obj) and hasattr(obj, "specops_spec")]
-    assert specs == ["specops_backends"]
+    assert specs == ["specops_backends", "register_commands"]
     for name, backend in get_registry().backends.items():
         assert backend.name == name and backend.methods
         assert backend.health_path.startswith("/") and backend.metrics_path.startswith("/")
         for method in ("engine_info", "render", "check_profile", "acceptance_counters"):
             assert callable(getattr(backend, method)), (name, method)
         assert "probe" in inspect.signature(backend.engine_info).parameters
+
+
+def test_example_plugin_adds_a_command(example_site):
+    env = {"PYTHONPATH": str(example_site)}
+    res = run_subprocess("sglang-algorithms", "--json", env=env)
+    assert res.code == 0, res.stderr
+    assert json.loads(res.stdout) == {"draft_model": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3",
+                                      "ngram": "NGRAM"}
+    listed = run_subprocess("--help", env=env)
+    assert listed.code == 0 and "sglang-algorithms" in listed.stdout
+    # built-in commands are unchanged, and without the plugin the name is unknown as before
+    assert run_subprocess("plugins", env=env).code == 0
+    gone = run_subprocess("sglang-algorithms")
+    assert gone.code == 2 and "No such command 'sglang-algorithms'" in gone.stderr
+
+
+def test_a_failing_register_commands_is_a_one_line_error(tmp_path):
+    broken = _fake_dist(tmp_path / "broken", "specops-broken", "broken_cmds", BROKEN_COMMANDS, "broken")
+    env = {"PYTHONPATH": str(broken)}
+    res = run_subprocess("--help", env=env)
+    assert res.code == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == ("error: plugin broken (specops-broken 0.0.1): register_commands failed: "
+                                  "RuntimeError: boom second line")
+    # plugin commands are collected only when needed: the built-in ones still work
+    ok = run_subprocess("validate", "profiles/llama31-8b-eagle3.yaml", env=env)
+    assert ok.code == 0, ok.stderr
+
+
+@pytest.mark.parametrize("source,message", [
+    (MISSPELT_HOOK, "error: plugin bad (specops-bad 0.0.1): unknown hook 'specops_backend' "
+                    "(specops hooks: specops_backends, register_commands)"),
+    (WRONG_ARGUMENT, "error: plugin bad (specops-bad 0.0.1): Plugin 'bad' for hook 'register_commands' "
+                     "hookimpl definition: register_commands(group)"),
+    (UNMARKED, "error: plugin bad (specops-bad 0.0.1): specops_backends lacks the @hookimpl marker"),
+])
+def test_hooks_are_checked_against_their_specs(tmp_path, source, message):
+    bad = _fake_dist(tmp_path / "bad", "specops-bad", "bad_plugin", source, "bad")
+    res = run_subprocess("plugins", env={"PYTHONPATH": str(bad)})
+    assert res.code == 1 and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(message), res.stderr
+
+
+def test_a_plugin_cannot_take_a_builtin_command(tmp_path):
+    taker = _fake_dist(tmp_path / "taker", "specops-taker", "taker", TAKES_RENDER, "taker")
+    res = run_subprocess("--help", env={"PYTHONPATH": str(taker)})
+    assert res.code == 1
+    assert res.stderr.strip() == "error: plugin taker (specops-taker 0.0.1): command 'render' is one of specops' own"
+
+
+def test_the_example_plugin_uses_specops_secret_rule():
+    source = (EXAMPLE / "specops_example_backend" / "__init__.py").read_text(encoding="utf-8")
+    assert "from specops.redact import looks_secret" in source and "TOKEN|KEY" not in source

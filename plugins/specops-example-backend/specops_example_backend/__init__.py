@@ -1,17 +1,21 @@
 """An example specops backend plugin: SGLang.
 
 specops finds this module through the ``specops`` entry-point group (see pyproject.toml) and calls its
-``specops_backends`` hook, exactly as it does for the built-in vllm and llamacpp backends.
+``specops_backends`` hook, exactly as it does for the built-in vllm and llamacpp backends, and its
+``register_commands`` hook, which adds ``specops sglang-algorithms``.
 """
 from __future__ import annotations
 
-import re
+import json
 import subprocess
+
+import click
 
 from specops.backends.base import Backend, EngineInfo, LaunchPlan, RenderError
 from specops.errors import SpecopsError
 from specops.hookspecs import hookimpl
 from specops.methods import Method
+from specops.redact import looks_secret
 
 #: specops method -> SGLang ``--speculative-algorithm``.
 ALGORITHM = {Method.EAGLE: "EAGLE", Method.EAGLE3: "EAGLE3", Method.DRAFT_MODEL: "STANDALONE",
@@ -25,6 +29,9 @@ class SglangBackend(Backend):
     health_path = "/health"
     metrics_path = "/metrics"
     install_hint = "SGLang not found: `pip install sglang` in the Python that engine.python points at"
+    # capabilities (see specops.backends.base.Backend); the others keep their defaults
+    display_name = "SGLang"
+    model_name_label = True  # SGLang labels its series with model_name
 
     def check_profile(self, p):
         if p.model.id.endswith(".gguf"):
@@ -82,7 +89,7 @@ class SglangBackend(Backend):
         if g.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, g.devices))
         env_items = tuple(sorted(env.items()))
-        secrets += [v for k, v in env_items if re.search(r"TOKEN|KEY|SECRET|PASSWORD", k.upper())]
+        secrets += [v for k, v in env_items if looks_secret(k)]  # specops' own rule, as its printed forms use
         return LaunchPlan(backend=self.name, engine_version=engine.version, method=spec.method, argv=tuple(argv),
                           env=env_items, host=host, port=port, health_path=self.health_path,
                           metrics_path=self.metrics_path, model_name=p.model.served_name or p.model.id,
@@ -99,4 +106,18 @@ def specops_backends():
     return [SglangBackend()]
 
 
-__all__ = ["SglangBackend", "specops_backends"]
+@hookimpl
+def register_commands(cli):
+    @cli.command(name="sglang-algorithms")
+    @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+    def sglang_algorithms(as_json):
+        """Which --speculative-algorithm each specops method renders for SGLang (example plugin)."""
+        rows = {m.value: ALGORITHM[m] for m in sorted(ALGORITHM, key=lambda m: m.value)}
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+            return
+        for method, algorithm in rows.items():
+            click.echo(f"{method:<12} {algorithm}")
+
+
+__all__ = ["SglangBackend", "register_commands", "specops_backends"]
