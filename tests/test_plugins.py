@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -255,3 +256,20 @@ def test_a_plugin_cannot_take_a_builtin_command(tmp_path):
 def test_the_example_plugin_uses_specops_secret_rule():
     source = (EXAMPLE / "specops_example_backend" / "__init__.py").read_text(encoding="utf-8")
     assert "from specops.redact import looks_secret" in source and "TOKEN|KEY" not in source
+
+
+#: A backend name as a whole string literal (``"llamacpp"``, ``'vllm:'``), or an import of a built-in backend.
+NAME_CHECK = re.compile(r"""["'](vllm|llamacpp):?["']|specops\.backends\.(vllm|llamacpp)\b"""
+                        r"""|from specops\.backends import .*\b(vllm|llamacpp)\b""")
+
+
+def test_backend_facts_are_capabilities_not_name_comparisons():
+    """What differs between engines is asked of the backend object, so a plugin's backend gets all of it."""
+    pkg = ROOT / "specops"
+    files = [*(pkg / "resolve").glob("*.py"), pkg / "perf" / "advise.py", pkg / "cli.py",
+             # engines: the CPU engines specops sets up for tests (devenv), not backends
+             *[p for p in (pkg / "commands").glob("*.py") if p.stem not in ("engines", "tune", "up", "status", "watch")]]
+    offenders = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+                 for path in files for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                 if NAME_CHECK.search(line)]
+    assert offenders == []

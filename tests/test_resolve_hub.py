@@ -397,3 +397,66 @@ def test_a_hub_that_does_not_answer_is_cut_off_by_the_deadline(fake_hub, monkeyp
     # the per-request read timeout or the per-call deadline, whichever fires first
     assert any("did not answer in time" in n and "SPECOPS_HUB_TIMEOUT" in n for n in res.notes), res.notes
     assert res.choice is not None and "catalog" in res.choice.signals
+
+
+# ------------------------------------------------------------------------------------------ capabilities
+
+def _register(monkeypatch, backend):
+    from specops.plugins import get_registry
+    monkeypatch.setitem(get_registry().backends, backend.name, backend)
+
+
+def test_the_resolver_reads_backend_capabilities_not_names(fake_hub, monkeypatch):
+    """A third-party backend with llama.cpp's capabilities is resolved like llama.cpp; one with the defaults
+    like an engine that serves Hugging Face repos and needs equal vocabularies."""
+    from specops.backends.base import Backend
+
+    class GgufEngine(Backend):
+        name, display_name = "ggufish", "GGUFish"
+        methods = frozenset({Method.DRAFT_MODEL, Method.NONE})
+        model_format, draft_vocab_tolerance, parallel_layout = "gguf", 128, False
+
+    class PlainEngine(Backend):
+        name = "plain"
+        methods = frozenset({Method.DRAFT_MODEL, Method.NONE})
+
+    _register(monkeypatch, GgufEngine())
+    _register(monkeypatch, PlainEngine())
+    _seed_qwen(fake_hub)
+    gguf = resolve(Profile.model_validate({"name": "g", "backend": "ggufish",
+                                           "model": {"id": "Qwen/Qwen2.5-7B-Instruct-GGUF"},
+                                           "speculative": {"method": "draft_model",
+                                                           "draft": "Qwen/Qwen2.5-0.5B-Instruct-GGUF"}}))
+    assert not gguf.errors
+    assert gguf.profile.speculative.draft_file == "qwen2.5-0.5b-instruct-q4_k_m.gguf"
+    assert any(f.check == "vocab" and "differ by 128: GGUFish accepts up to 128" in f.message for f in gguf.findings)
+    assert "device(s)" in gguf.memory.layout                                       # not parallel_layout
+    plain = resolve(Profile.model_validate({"name": "p", "backend": "plain",
+                                            "model": {"id": "Qwen/Qwen2.5-7B-Instruct"},
+                                            "speculative": {"method": "draft_model",
+                                                            "draft": "Qwen/Qwen2.5-0.5B-Instruct"}}))
+    assert any(f.check == "vocab" and f.severity == "error" and
+               "vocab_size 151936 != target's 152064: plain needs equal vocabularies" in f.message
+               for f in plain.findings), plain.findings
+    assert plain.profile.speculative.draft_file is None
+
+
+def test_pinned_versions_are_checked_by_the_backend(monkeypatch):
+    from specops.backends.base import Backend
+    from specops.resolve.check import backend_findings
+
+    class Pinned(Backend):
+        name = "pinned"
+        methods = frozenset({Method.EAGLE3, Method.NONE})
+
+        def method_version_problem(self, method, version):
+            return f"{method} needs pinned >= 2 (profile pins {version})" if version == "1" else None
+
+    p = Profile.model_validate({"name": "v", "backend": "pinned", "model": {"id": "a/b"}, "engine": {"version": "1"},
+                                "speculative": {"method": "eagle3", "draft": "c/d"}})
+    assert [f.message for f in backend_findings(Method.EAGLE3, p, Pinned())] == [
+        "eagle3 needs pinned >= 2 (profile pins 1)"]
+    class Ungated(Backend):
+        methods = Pinned.methods
+
+    assert backend_findings(Method.EAGLE3, p, Ungated()) == []                      # the default knows no gates
