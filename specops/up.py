@@ -1,32 +1,35 @@
 """``specops up``: resolve, render, launch, supervise, watch, and serve through the proxy until stopped.
 
-This module wires the parts together; each part lives in its own module (render, process, supervise,
-watch, proxy) and knows nothing of the others beyond the small interfaces used here.
+This module wires the parts together, explicitly and once: it builds the fallback decider (the policy),
+the watcher, the proxy and the supervisor, and connects them with what each takes at construction —
+the supervisor reports typed events (:mod:`specops.run.events`) to its listeners (the console, the
+decider, the watcher, the state writer) and asks the decider where to go when a step cannot run; the
+watcher acts through a switch order to the supervisor; the proxy gets the live timings sink, the metrics
+registry and the status provider. No part replaces another's methods or attributes, and the state file
+is written from the parts' snapshots.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
 
-from specops.errors import ProfileError, SpecopsError
-from specops.run.instance import EventLog, InstancePaths, acquire, release, write_state
-from specops.config.profile import LoadedProfile
 from specops.backends.base import http_url
 from specops.backends.render import plan as render_plan
+from specops.config.profile import LoadedProfile
+from specops.errors import SpecopsError
+from specops.resolve.prelaunch import resolve_for_launch
+from specops.run.events import EngineLine, SwitchOrder
+from specops.run.instance import EventLog, InstancePaths, acquire, release, write_state
+from specops.run.start import free_port
 from specops.run.supervise import Supervisor
-from specops.watch.watcher import Watcher
+from specops.watch.decide import FallbackDecider
+from specops.watch.watcher import AcceptanceReader, LiveCounters, SpecopsMetrics, Watcher
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["Console", "UpOptions", "free_port", "resolve_for_launch", "run_up", "up_blocking"]
 
 
 @dataclass
@@ -60,30 +63,6 @@ class Console:
             pass
 
 
-def resolve_for_launch(loaded: LoadedProfile, offline: bool, say: Callable[[str], None]) -> tuple[LoadedProfile, str | None]:
-    """Apply the resolver (draft/method `auto`, the lock file, the compatibility checks).
-
-    Returns the profile to launch and, when the checks refuse the primary draft (``checks: enforce``),
-    why: the caller then starts at the next method of the chain instead of launching a draft that cannot
-    work. With ``checks: warn`` the findings are printed and the engine decides.
-    """
-    from specops.resolve import resolve_profile
-
-    enforce = loaded.profile.speculative.checks == "enforce"
-    try:
-        resolution = resolve_profile(loaded, offline=offline, raise_errors=enforce)
-    except ProfileError as exc:
-        return loaded, "; ".join(p.message for p in exc.problems)
-    for note in resolution.notes:
-        say(note)
-    for finding in resolution.findings:
-        if finding.severity in ("warning", "error"):
-            say(f"{finding.severity}: {finding.message}")
-    if resolution.profile is loaded.profile:
-        return loaded, None
-    return LoadedProfile(resolution.profile, loaded.document, loaded.path), None
-
-
 async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Console | None = None) -> int:
     """Run one deployment until SIGINT/SIGTERM (exit 0) or until no method of the chain can run (1)."""
     profile = loaded.profile
@@ -109,26 +88,46 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
         return render_plan(LoadedProfile(profile.at_step(index), loaded.document, loaded.path), registry, engine=engine,
                            host=engine_host, port=engine_port)
 
-    state_extra: dict = {}
+    decider = FallbackDecider.from_profile(profile, events=events, say=console.say)
+    metrics = SpecopsMetrics()
+    live = LiveCounters() if (use_proxy and backend.live_timings) else None
+    reader = AcceptanceReader.for_profile(profile, backend, live=live)
 
-    def write(s: Supervisor) -> None:
+    def status() -> dict:
+        """Supervision, decisions and the watcher's window: the state file's core and ``/specops/status``."""
+        return {**sup.snapshot(), **decider.snapshot(), **watcher.snapshot()}
+
+    def write() -> None:
         write_state(paths, {
             "name": profile.name, "profile": os.path.abspath(loaded.path), "pid": os.getpid(),
             "backend": profile.backend, "url": public_url, "proxy": use_proxy,
             "admin_url": proxy.admin_url if proxy is not None else None,
             "engine_log": str(paths.engine_log), "events": str(paths.events), "updated_at": time.time(),
-            **s.snapshot(), **state_extra,
+            **status(),
         })
 
+    def on_supervisor_event(event) -> None:
+        if isinstance(event, EngineLine):
+            console.engine(event.line)
+        else:
+            write()
+
+    watcher = Watcher(profile, reader, decider, say=console.say, metrics=metrics, on_tick=write,
+                      act=lambda d: sup.request_switch(SwitchOrder(d.to_index, d.reason, d.to_dict())))
     proxy = None
     if use_proxy:
         from specops.proxy import Proxy
-        proxy = Proxy.from_profile(profile, status_provider=lambda: sup.snapshot())
-    sup = Supervisor(profile, render_step, events=events, say=console.say, on_engine_line=console.engine,
+        proxy = Proxy.from_profile(profile, status_provider=lambda: {**sup.snapshot(), **decider.snapshot()},
+                                   on_timings=live.add if live is not None else None,
+                                   metrics_registry=metrics.registry)
+    # the order of listeners matters: the decider tells the policy which step runs before the watcher
+    # starts its window, and the state is written last, with what both know
+    sup = Supervisor(profile, render_step, events=events, say=console.say, decider=decider,
+                     listeners=(decider.on_event, watcher.on_event, on_supervisor_event),
                      log_path=paths.engine_log, proxy=proxy, health_interval=opts.health_interval,
-                     on_change=write, launch_problem=backend.launch_problem)
+                     launch_problem=backend.launch_problem)
     if refused:
-        sup.skip_primary(f"refused before launch: {refused}")
+        sup.refuse_primary(refused)
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -137,8 +136,8 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
                 engine_version=engine.version, engine=engine.source, url=public_url)
     console.say(f"{profile.name}: {backend.name} {engine.version} ({engine.source}); "
                 f"chain {' → '.join(s.method.value for s in sup.steps)}; state in {paths.root}")
-    watcher = None
     rc = 1
+    watching = False
     try:
         if proxy is not None:
             try:
@@ -146,17 +145,17 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
             except OSError as exc:
                 raise SpecopsError(f"cannot serve {public_url}: {exc.strerror or exc} (server.host/server.port)") from None
             console.say(f"serving {public_url} (engine on {engine_host}:{engine_port})")
-        watcher = Watcher.attach(profile, sup, events=events, say=console.say, proxy=proxy, status=state_extra,
-                                 publish=lambda: write(sup))
+        watcher.start()
+        watching = True
         rc = await sup.run()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        if watcher is not None:
+        if watching:
             await watcher.stop()
         if proxy is not None:
             await proxy.stop()
-        write(sup)
+        write()
         events.emit("down", state=sup.state.value, exit_code=rc)
         release(paths)
     console.say("stopped" if rc == 0 else "gave up: no method of the chain could run")

@@ -234,6 +234,7 @@ def watch(target, backend, model_name, method, engine_url, window, interval, min
 
 
 async def _watch(profile: Profile, base: str, model_name: str | None, command, webhook, once: bool, as_json: bool):
+    from specops.watch.decide import FallbackDecider
     from specops.watch.watcher import AcceptanceReader, Watcher, notify
 
     backend = get_registry().backend(profile.backend)
@@ -243,14 +244,14 @@ async def _watch(profile: Profile, base: str, model_name: str | None, command, w
     reader.attach(base + backend.metrics_path, model_name,
                   {"Authorization": f"Bearer {api_key}"} if api_key else None)
     say = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
-    watcher = Watcher(profile, reader, Policy.from_profile(profile), events=EventLog(None), say=say)
 
     def on_decision(decision, stats):
         say(f"recommendation: switch {decision.from_method} → {decision.to_method} [{decision.rule}]: {decision.reason}")
         if command or webhook:
             notify(decision, stats, command=command, webhook=webhook, say=say)
 
-    watcher.on_recommend = on_decision
+    decider = FallbackDecider(Policy.from_profile(profile), events=EventLog(None), say=say)
+    watcher = Watcher(profile, reader, decider, say=say, on_recommend=on_decision)
     if once:
         now = time.monotonic()
         await asyncio.to_thread(reader.read_blocking, now)

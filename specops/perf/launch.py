@@ -26,8 +26,10 @@ from specops.backends.base import EngineInfo, LaunchPlan
 from specops.errors import SpecopsError
 from specops.methods import Method
 from specops.backends.counters import SpecCounters
-from specops.run.process import EngineProcess
 from specops.config.profile import ChainStep, LoadedProfile, Profile
+from specops.resolve.prelaunch import resolve_for_launch
+from specops.run.process import EngineProcess
+from specops.run.start import EngineStart, free_port
 from specops.watch.window import Sample, WindowStats, window_stats
 
 
@@ -126,74 +128,58 @@ def with_k(profile: Profile, k: int) -> Profile:
     return profile.model_copy(update={"speculative": spec})
 
 
-def _resolved(loaded: LoadedProfile, profile: Profile, offline: bool) -> Profile:
-    """Resolve ``auto`` (method or draft) the way ``specops up`` does; other profiles pass unchanged."""
-    spec = profile.speculative
-    if spec.method is not Method.AUTO and spec.draft != "auto":
-        return profile
-    from specops.resolve import resolve_profile
-
-    res = resolve_profile(LoadedProfile(profile, loaded.document, loaded.path), offline=offline)
-    return res.profile
-
-
 @contextlib.asynccontextmanager
 async def launched(loaded: LoadedProfile, registry, *, step_index: int = 0, profile: Profile | None = None,
                    host: str = "127.0.0.1", port: int | None = None, ready_timeout: float | None = None,
                    log_path: str | Path | None = None, engine: EngineInfo | None = None,
                    on_line: Callable[[str], None] | None = None, offline: bool = False,
-                   stop_timeout: float | None = None) -> AsyncIterator[LaunchedEngine]:
+                   stop_timeout: float | None = None,
+                   say: Callable[[str], None] | None = None) -> AsyncIterator[LaunchedEngine]:
     """Start the engine for ``loaded`` (chain step ``step_index``, or ``profile`` instead) and yield it ready.
 
-    Renders with :func:`specops.backends.render.plan` (probing the installed engine unless ``engine`` is given),
-    binds ``host:port`` (default: loopback and a free port), waits for the health URL (default timeout:
-    the profile's ``engine.ready_timeout``) and stops the whole process group on exit, whatever happens.
+    A profile that leaves the method or draft ``auto`` is resolved first with
+    :func:`specops.resolve.prelaunch.resolve_for_launch` (``say`` gets its notes). Renders with
+    :func:`specops.backends.render.plan` (probing the installed engine unless ``engine`` is given), binds
+    ``host:port`` (default: loopback and a free port), starts and waits for the health URL with
+    :class:`specops.run.start.EngineStart` (default timeout: the profile's ``engine.ready_timeout``) and
+    stops the whole process group on exit, whatever happens.
     Raises :class:`SpecopsError` with the engine's last lines when it never becomes ready, or when it
     starts without the speculation it was asked for (llama-server keeps serving without a bad draft).
     """
     from specops.backends.render import plan as render_plan
-    from specops.up import free_port
 
     prof = profile if profile is not None else profile_for_step(loaded.profile, step_index)
-    prof = _resolved(loaded, prof, offline)
+    resolved, refused = resolve_for_launch(LoadedProfile(prof, loaded.document, loaded.path), offline,
+                                           say or (lambda msg: None), only_auto=True)
+    if refused:
+        raise SpecopsError(f"{prof.backend} ({prof.speculative.method}): the draft is refused by the checks: {refused}")
+    prof = resolved.profile
     backend = registry.backend(prof.backend)
     port = port or free_port(host)
     the_plan = render_plan(LoadedProfile(prof, loaded.document, loaded.path), registry, engine=engine,
                            host=host, port=port)
     lines: list[str] = []
-    problems: list[str] = []
 
     def take(line: str) -> None:
         lines.append(line)
         if len(lines) > 400:
             del lines[:200]
-        problem = backend.launch_problem(line)
-        if problem and not problems:
-            problems.append(problem)
         if on_line is not None:
             on_line(line)
 
-    proc = EngineProcess(the_plan, on_line=take, log_path=Path(log_path) if log_path else None)
+    start = EngineStart(the_plan, on_line=take, launch_problem=backend.launch_problem,
+                        log_path=Path(log_path) if log_path else None)
+    proc = start.process
     timeout = ready_timeout if ready_timeout is not None else prof.engine.ready_timeout
-    t0 = time.monotonic()
     try:
-        await proc.start()
-        ready = await proc.wait_ready(timeout, interval=0.1)
-        if ready:
-            await asyncio.sleep(0.05)  # let the reader catch lines printed just before ready
-        if not ready or problems:
-            if problems:
-                why = problems[0]
-            elif proc.exit is not None:
-                why = f"engine {proc.exit.describe()} before it was ready"
-            else:
-                why = f"engine not ready after {timeout:g}s"
-            tail = "\n".join(f"    {line}" for line in list(proc.last_lines)[-12:])
-            raise SpecopsError(f"{prof.backend} ({prof.speculative.method}) on {the_plan.base_url}: {why}"
+        result = await start.run(timeout, interval=0.1)
+        if not result.ready:
+            tail = "\n".join(f"    {line}" for line in result.last_lines)
+            raise SpecopsError(f"{prof.backend} ({prof.speculative.method}) on {the_plan.base_url}: {result.reason}"
                                + (f"; last engine lines:\n{tail}" if tail else ""))
         yield LaunchedEngine(plan=the_plan, process=proc, base_url=the_plan.base_url,
                              metrics_url=the_plan.metrics_url, model_name=the_plan.model_name, profile=prof,
-                             backend=backend, ready_s=time.monotonic() - t0, lines=lines)
+                             backend=backend, ready_s=result.seconds, lines=lines)
     finally:
         stop = stop_timeout if stop_timeout is not None else prof.supervisor.stop_timeout
         try:

@@ -1,102 +1,128 @@
-"""The supervisor: one engine at a time, as an explicit state machine, moving down the fallback chain.
+"""The supervisor: one engine at a time, as a guarded state machine, moving down the fallback chain.
 
 States use the vocabulary operators know from supervisord::
 
     stopped → starting → ready → stopping → stopped
                  │          │
                  │          └─(engine died)→ backoff → starting          (restart, same method)
-                 └─(never ready / exit before ready / crash loop)→ starting (next method of the chain)
-    no method left → fatal
+                 └─(never ready / exit before ready / crash loop)→ starting (the step the decider names)
+    no step left → fatal
 
-A switch asked for by the watcher goes through the same path: hold the proxy, drain in-flight requests,
-stop the engine gracefully, start the next plan, wait until ready, release the proxy. Every transition
-and every decision goes to the event log with its reason.
+Only the transitions in :data:`TRANSITIONS` are allowed; any other raises :class:`IllegalTransition`.
+
+The supervisor reports facts and executes orders; it decides nothing about the chain. When a step cannot
+run it reports a :class:`~specops.run.events.StepFailed` (launch failed, crash loop, refused before launch)
+to the ``decider`` it was built with and runs the step the returned
+:class:`~specops.run.events.FallbackOrder` names (or goes FATAL). A switch asked for while serving
+(:meth:`Supervisor.request_switch`) goes: hold the proxy, drain in-flight requests, stop the engine
+gracefully, start the next plan, wait until ready, release the proxy. Everything it does goes to the event
+log with its reason, and as typed events to its ``listeners``.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from specops.backends.base import LaunchPlan
 from specops.config.durations import format_duration
+from specops.config.profile import ChainStep, Profile
 from specops.errors import SpecopsError
+from specops.run.events import (
+    CrashLoop,
+    EngineExited,
+    EngineLine,
+    EngineReady,
+    EngineStarting,
+    FailureDecider,
+    LaunchFailed,
+    Listener,
+    RefusedBeforeLaunch,
+    State,
+    StateChanged,
+    StepChanged,
+    StepFailed,
+    SupervisorEvent,
+    SwitchOrder,
+)
 from specops.run.instance import EventLog
 from specops.run.process import EngineProcess, ExitInfo
-from specops.config.profile import ChainStep, Profile
+from specops.run.start import EngineStart, StartOutcome
+
+__all__ = ["IllegalTransition", "STABLE_AFTER_S", "ServeOutcome", "State", "Supervisor", "TRANSITIONS"]
 
 STABLE_AFTER_S = 30.0  # ready this long → the restart back-off starts again from its first value
 
-
-class State(str, Enum):
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    STOPPING = "stopping"
-    BACKOFF = "backoff"
-    FATAL = "fatal"
-
-    def __str__(self) -> str:
-        return self.value
+#: Every allowed state change (a "change" to the same state is no change and always allowed).
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.STOPPED: frozenset({State.STARTING, State.FATAL}),
+    State.STARTING: frozenset({State.READY, State.STOPPING, State.STOPPED, State.FATAL}),
+    State.READY: frozenset({State.STOPPING, State.BACKOFF, State.STARTING, State.STOPPED, State.FATAL}),
+    State.STOPPING: frozenset({State.STOPPED, State.STARTING, State.BACKOFF, State.FATAL}),
+    State.BACKOFF: frozenset({State.STARTING, State.STOPPED, State.FATAL}),
+    State.FATAL: frozenset(),
+}
 
 
-@dataclass
-class SwitchRequest:
-    index: int
-    reason: str
-    decision: dict = field(default_factory=dict)
+class IllegalTransition(RuntimeError):
+    """A state change the state machine does not allow (a bug in the supervisor, never a user error)."""
+
+    def __init__(self, current: State, wanted: State):
+        super().__init__(f"illegal supervisor transition {current} → {wanted}")
+        self.current, self.wanted = current, wanted
+
+
+class ServeOutcome(Enum):
+    """How serving a ready engine ended."""
+
+    STOP = "stop"            # specops is stopping
+    SWITCHED = "switched"    # a switch was executed: the loop starts the new step
+    EXITED = "exited"        # the engine died while serving
 
 
 class Supervisor:
     """Runs the engine for ``profile``'s chain of methods until asked to stop or no method is left.
 
     ``render(step_index) -> LaunchPlan`` builds the plan for a step (the caller closes over backend,
-    engine version and internal port). ``proxy`` (optional) is held and released around restarts.
+    engine version and internal port). ``decider`` says where to go when a step cannot run.
+    ``listeners`` receive every :mod:`specops.run.events` event. ``proxy`` (optional) is held and released
+    around restarts. ``clock`` is the monotonic clock (crash-loop window, back-off reset, switch timings).
     """
 
     def __init__(self, profile: Profile, render: Callable[[int], LaunchPlan], *, events: EventLog,
-                 say: Callable[[str], None], on_engine_line: Callable[[str], None] | None = None,
+                 say: Callable[[str], None], decider: FailureDecider, listeners: Iterable[Listener] = (),
                  log_path=None, proxy: Any = None, health_interval: float = 0.25,
-                 on_change: Callable[["Supervisor"], None] | None = None,
-                 launch_problem: Callable[[str], str | None] | None = None):
+                 launch_problem: Callable[[str], str | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.profile = profile
         self.steps = profile.steps
         self.render = render
         self.events = events
         self.say = say
-        self.on_engine_line = on_engine_line or (lambda line: None)
+        self.decider = decider
+        self.listeners: tuple[Listener, ...] = tuple(listeners)
         self.log_path = log_path
         self.proxy = proxy
         self.health_interval = health_interval
-        self.on_change = on_change or (lambda s: None)
         self.launch_problem = launch_problem or (lambda line: None)
-        self.ready_listeners: list[Callable[[Supervisor], None]] = []
-        #: Where to go when step i cannot run (launch failure, crash loop): an index, or None for FATAL.
-        #: Default: the next step. The watcher sets it so a failed retry goes back where it came from.
-        self.next_after_failure: Callable[[int], int | None] = \
-            lambda i: i + 1 if i + 1 < len(self.steps) else None
+        self.clock = clock
 
         self.state = State.STOPPED
         self.index = 0
         self.engine: EngineProcess | None = None
         self.plan: LaunchPlan | None = None
         self.restarts = 0
-        self.switches = 0
         self.started_at = time.time()
         self.ready_since: float | None = None
-        self.last_decision: dict | None = None
         self.exit_times: list[float] = []
         self.backoff = profile.supervisor.restart_backoff
         self.last_switch_timing: dict | None = None
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
-        self._switch: SwitchRequest | None = None
+        self._switch: SwitchOrder | None = None
         self._switch_marks: tuple[float, float, float] | None = None  # switch began, drained, old engine stopped
         self._ready_mono = 0.0
-        self._launch_failure = ""
-        self._crash_reason = ""
 
     # ------------------------------------------------------------------ public control
     @property
@@ -109,20 +135,21 @@ class Supervisor:
             self._stop.set()
             self._wake.set()
 
-    def skip_primary(self, why: str) -> None:
-        """Start at the first fallback step: the primary method cannot run (e.g. its draft was refused)."""
-        self._fall_back(1, why, "refused before launch")
+    def refuse_primary(self, why: str) -> bool:
+        """The primary step cannot run (e.g. its draft was refused before launch): report it to the decider
+        and go where it says. False when it says there is nowhere to go (the supervisor is then FATAL)."""
+        return self._after_failure(RefusedBeforeLaunch(self.index, self.step.method, f"refused before launch: {why}"))
 
-    def request_switch(self, index: int, reason: str, decision: dict | None = None) -> bool:
-        """Ask to move to chain step ``index`` (called by the watcher). False if not possible now."""
-        if self.state is not State.READY or not (0 <= index < len(self.steps)) or index == self.index:
+    def request_switch(self, order: SwitchOrder) -> bool:
+        """Ask to move to chain step ``order.index`` (the watcher's decision). False if not possible now."""
+        if self.state is not State.READY or not (0 <= order.index < len(self.steps)) or order.index == self.index:
             return False
-        self._switch = SwitchRequest(index, reason, decision or {})
+        self._switch = order
         self._wake.set()
         return True
 
     def snapshot(self) -> dict:
-        """What `specops status` shows about supervision."""
+        """What `specops status` shows about supervision (the decisions are the decider's to show)."""
         plan = self.plan
         return {
             "state": self.state.value,
@@ -133,10 +160,8 @@ class Supervisor:
             "engine_url": plan.base_url if plan else None,
             "engine_version": plan.engine_version if plan else None,
             "restarts": self.restarts,
-            "switches": self.switches,
             "ready_since": self.ready_since,
             "started_at": self.started_at,
-            "last_decision": self.last_decision,
             "last_switch_timing": self.last_switch_timing,
         }
 
@@ -144,19 +169,24 @@ class Supervisor:
     async def run(self) -> int:
         """Supervise until stopped (exit code 0) or no method of the chain can run (1)."""
         try:
+            if self.state is State.FATAL:  # refused before launch, and nothing to fall back to
+                return 1
             while not self._stop.is_set():
-                if not await self._start_current():
-                    if not await self._advance("launch failed"):
+                started = await self._start_current()
+                if started is StartOutcome.STOPPED:
+                    break
+                if isinstance(started, LaunchFailed):
+                    if not self._after_failure(started):
                         return 1
                     continue
                 outcome = await self._serve()
-                if outcome == "stop":
+                if outcome is ServeOutcome.STOP:
                     break
-                if outcome == "switch":
+                if outcome is ServeOutcome.SWITCHED:
                     continue
-                # the engine died while serving
-                if self._crash_loop():
-                    if not await self._advance(self._crash_reason):
+                crash = self._crash_loop()
+                if crash is not None:
+                    if not self._after_failure(crash):
                         return 1
                     continue
                 if not await self._backoff():
@@ -167,157 +197,149 @@ class Supervisor:
             if self.state is not State.FATAL:
                 self._set(State.STOPPED)
 
+    # ------------------------------------------------------------------ state and events
     def _set(self, state: State) -> None:
-        if state is not self.state:
-            self.events.emit("state", state=state.value, previous=self.state.value, method=self.step.method.value)
-            self.state = state
-        self.on_change(self)
+        """Enter ``state``; raises :class:`IllegalTransition` unless :data:`TRANSITIONS` allows it."""
+        previous = self.state
+        if state is previous:
+            return
+        if state not in TRANSITIONS[previous]:
+            raise IllegalTransition(previous, state)
+        self.events.emit("state", state=state.value, previous=previous.value, method=self.step.method.value)
+        self.state = state
+        self._emit(StateChanged(previous, state, self.index, self.step.method, self.restarts))
 
-    async def _start_current(self) -> bool:
+    def _emit(self, event: SupervisorEvent) -> None:
+        for listener in self.listeners:
+            listener(event)
+
+    def _move_to(self, index: int, reason: str, *, requested: bool, decision=None) -> None:
+        old = self.index
+        self.index = index
+        self._emit(StepChanged(old, index, self.steps[old].method, self.steps[index].method, reason, requested,
+                               dict(decision or {})))
+
+    def _on_engine_line(self, line: str) -> None:
+        self._emit(EngineLine(line))
+
+    # ------------------------------------------------------------------ starting
+    async def _start_current(self) -> StartOutcome | LaunchFailed:
         step = self.step
         try:
             self.plan = self.render(self.index)
         except SpecopsError as exc:
-            self._launch_failure = f"cannot render {step.method}: {exc}"
-            self.say(self._launch_failure)
+            why = f"cannot render {step.method}: {exc}"
+            self.say(why)
             self.events.emit("render-failed", method=step.method.value, reason=str(exc))
-            return False
-        problems: list[str] = []
-
-        def on_line(line: str) -> None:
-            if self.state is State.STARTING and not problems:
-                problem = self.launch_problem(line)
-                if problem:
-                    problems.append(problem)
-            self.on_engine_line(line)
-
-        self.engine = EngineProcess(self.plan, on_line=on_line, log_path=self.log_path)
+            return LaunchFailed(self.index, step.method, why)
+        start = EngineStart(self.plan, on_line=self._on_engine_line, launch_problem=self.launch_problem,
+                            log_path=self.log_path)
+        self.engine = start.process
         self._set(State.STARTING)
         shown = self.plan.to_dict()
         self.events.emit("start", method=step.method.value, argv=shown["argv"], env=shown["env"], url=shown["url"])
+        self._emit(EngineStarting(self.index, step.method, self.plan))
         self.say(f"starting {self.plan.backend} {self.plan.engine_version} with method {step.method} "
                  f"on {self.plan.base_url}")
-        t0 = time.monotonic()
-        await self.engine.start()
-        last_report = [0.0]
-
-        def progress(elapsed: float) -> None:
-            if elapsed - last_report[0] >= 10:
-                last_report[0] = elapsed
-                last = self.engine.last_lines[-1] if self.engine.last_lines else "(no output yet)"
-                self.say(f"waiting for {self.plan.health_url}: {elapsed:.0f}s, last engine line: {last[-160:]}")
-
-        timeout = self.profile.engine.ready_timeout
-        ready_task = asyncio.create_task(self.engine.wait_ready(timeout, self.health_interval, progress))
-        stop_task = asyncio.create_task(self._stop.wait())
-        await asyncio.wait({ready_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        stop_task.cancel()
-        if self._stop.is_set():
-            ready_task.cancel()
-            return True  # _serve sees the stop at once
-        if ready_task.result():
-            await asyncio.sleep(0.02)  # let the output reader catch up with lines printed just before ready
-            problems += [p for p in map(self.launch_problem, self.engine.last_lines) if p and not problems]
-        if ready_task.result() and problems:
-            why = problems[0]
-        elif ready_task.result():
-            elapsed = time.monotonic() - t0
-            self.ready_since = time.time()
-            self._ready_mono = time.monotonic()
-            self.events.emit("ready", method=step.method.value, seconds=round(elapsed, 3), url=self.plan.base_url)
-            self._set(State.READY)
-            self.say(f"ready in {elapsed:.1f}s: {self.plan.backend} {self.plan.engine_version}, "
-                     f"method {step.method}" + (f" (k={self.profile.at_step(self.index).speculative.k})"
-                                                 if step.method.value not in ("none",) else ""))
-            if self.proxy is not None:
-                self.proxy.release(self.plan.base_url)
-            if self._switch_marks is not None:
-                t0, t1, t2 = self._switch_marks
-                self.last_switch_timing = {"drain_s": round(t1 - t0, 3), "stop_s": round(t2 - t1, 3),
-                                           "start_to_ready_s": round(time.monotonic() - t2, 3),
-                                           "total_s": round(time.monotonic() - t0, 3)}
-                self.events.emit("switch-complete", method=step.method.value, **self.last_switch_timing)
-                self._switch_marks = None
-            for listener in list(self.ready_listeners):
-                listener(self)
-            return True
-        elif self.engine.exit is not None:
-            why = f"engine {self.engine.exit.describe()} before it was ready"
-        else:
-            why = f"engine not ready after {format_duration(timeout)} (engine.ready_timeout)"
-        self._launch_failure = why
-        tail = list(self.engine.last_lines)[-12:]
-        self.events.emit("launch-failed", method=step.method.value, reason=why, last_lines=tail)
+        result = await start.run(self.profile.engine.ready_timeout, interval=self.health_interval, stop=self._stop,
+                                 say=self.say, timeout_hint=" (engine.ready_timeout)")
+        if result.outcome is StartOutcome.STOPPED:
+            return StartOutcome.STOPPED
+        if result.outcome is StartOutcome.READY:
+            self._on_ready(result.seconds)
+            return StartOutcome.READY
+        why = result.reason
+        self.events.emit("launch-failed", method=step.method.value, reason=why, last_lines=list(result.last_lines))
         self.say(f"{step.method}: {why}; last engine lines:")
-        for line in tail:
+        for line in result.last_lines:
             self.say(f"    {line}")
         await self._stop_engine(why)
-        return False
+        return LaunchFailed(self.index, step.method, why)
 
-    async def _serve(self) -> str:
-        """Wait while ready: returns 'stop', 'switch' (done, next step started by the loop) or 'exited'."""
+    def _on_ready(self, seconds: float) -> None:
+        step, plan = self.step, self.plan
+        assert plan is not None
+        self.ready_since = time.time()
+        self._ready_mono = self.clock()
+        self.events.emit("ready", method=step.method.value, seconds=round(seconds, 3), url=plan.base_url)
+        self._set(State.READY)
+        self.say(f"ready in {seconds:.1f}s: {plan.backend} {plan.engine_version}, "
+                 f"method {step.method}" + (f" (k={self.profile.at_step(self.index).speculative.k})"
+                                             if step.method.value not in ("none",) else ""))
+        if self.proxy is not None:
+            self.proxy.release(plan.base_url)
+        if self._switch_marks is not None:
+            t0, t1, t2 = self._switch_marks
+            now = self.clock()
+            self.last_switch_timing = {"drain_s": round(t1 - t0, 3), "stop_s": round(t2 - t1, 3),
+                                       "start_to_ready_s": round(now - t2, 3), "total_s": round(now - t0, 3)}
+            self.events.emit("switch-complete", method=step.method.value, **self.last_switch_timing)
+            self._switch_marks = None
+        self._emit(EngineReady(self.index, step.method, plan, seconds))
+
+    # ------------------------------------------------------------------ serving
+    async def _serve(self) -> ServeOutcome:
+        """Wait while ready, until a stop, a switch (executed here) or the engine's exit."""
         assert self.engine is not None
         exit_task = asyncio.create_task(self.engine.wait_exit())
         try:
             while True:
                 self._wake.clear()
                 if self._stop.is_set():
-                    return "stop"
+                    return ServeOutcome.STOP
                 if self._switch is not None:
                     await self._do_switch(self._switch)
                     self._switch = None
-                    return "switch"
+                    return ServeOutcome.SWITCHED
                 wake_task = asyncio.create_task(self._wake.wait())
                 done, _ = await asyncio.wait({exit_task, wake_task}, return_when=asyncio.FIRST_COMPLETED)
                 wake_task.cancel()
                 if exit_task in done and not self._stop.is_set() and self._switch is None:
                     info: ExitInfo = exit_task.result()
-                    self.exit_times.append(time.monotonic())
+                    self.exit_times.append(self.clock())
                     if self.proxy is not None:
                         self.proxy.upstream_failed()
                     tail = list(self.engine.last_lines)[-12:]
                     self.events.emit("exit", method=self.step.method.value, how=info.describe(), last_lines=tail)
                     self.say(f"engine {info.describe()} while serving")
-                    if time.monotonic() - self._ready_mono >= STABLE_AFTER_S:
+                    self._emit(EngineExited(self.index, self.step.method, info.describe()))
+                    if self.clock() - self._ready_mono >= STABLE_AFTER_S:
                         self.backoff = self.profile.supervisor.restart_backoff
                     await self._stop_engine("engine exited")  # reap any worker left in its group
-                    return "exited"
+                    return ServeOutcome.EXITED
         finally:
             exit_task.cancel()
 
-    async def _do_switch(self, req: SwitchRequest) -> None:
+    async def _do_switch(self, order: SwitchOrder) -> None:
         old = self.step.method
-        target = self.steps[req.index].method
+        target = self.steps[order.index].method
         self._set(State.STOPPING)
-        self.say(f"switching {old} → {target}: {req.reason}")
-        t0 = time.monotonic()
+        self.say(f"switching {old} → {target}: {order.reason}")
+        t0 = self.clock()
         drained = None
         if self.proxy is not None:
             self.proxy.hold()
             drained = await self.proxy.drain(self.profile.proxy.drain_timeout)
-        t1 = time.monotonic()
+        t1 = self.clock()
         await self._stop_engine(f"switch to {target}")
-        t2 = time.monotonic()
-        self.index = req.index
-        self.switches += 1
-        self.last_decision = {**req.decision, "reason": req.reason, "from": old.value, "to": target.value,
-                              "at": time.time()}
-        self.events.emit("switch", **{"from": old.value, "to": target.value, "reason": req.reason,
-                                      "decision": req.decision, "drain_s": round(t1 - t0, 3),
+        t2 = self.clock()
+        self.events.emit("switch", **{"from": old.value, "to": target.value, "reason": order.reason,
+                                      "decision": dict(order.decision), "drain_s": round(t1 - t0, 3),
                                       "stop_s": round(t2 - t1, 3),
                                       "drained": getattr(drained, "__dict__", drained)})
+        self._move_to(order.index, order.reason, requested=True, decision=order.decision)
         self._switch_marks = (t0, t1, t2)
 
-    def _crash_loop(self) -> bool:
+    # ------------------------------------------------------------------ failures
+    def _crash_loop(self) -> CrashLoop | None:
         s = self.profile.supervisor
-        now = time.monotonic()
+        now = self.clock()
         recent = [t for t in self.exit_times if now - t <= s.crash_loop_window]
         self.exit_times = recent
         if len(recent) >= s.crash_loop_exits:
-            self._crash_reason = (f"crash loop: {len(recent)} exits within "
-                                  f"{format_duration(s.crash_loop_window)}")
-            return True
-        return False
+            return CrashLoop(self.index, self.step.method, f"crash loop: {len(recent)} exits within "
+                             f"{format_duration(s.crash_loop_window)}")
+        return None
 
     async def _backoff(self) -> bool:
         """Wait before restarting the same method; False when a stop arrived meanwhile."""
@@ -333,33 +355,20 @@ class Supervisor:
         except asyncio.TimeoutError:
             return True
 
-    async def _advance(self, reason: str) -> bool:
-        """Move to the next method of the chain; False (and FATAL) when there is none."""
-        failed = self.step.method
-        why = self._launch_failure if reason == "launch failed" else reason
-        target = self.next_after_failure(self.index)
-        if target is None:
-            self.last_decision = {"action": "fatal", "from": failed.value, "reason": why, "at": time.time()}
-            self.events.emit("decision", action="fatal", **{"from": failed.value}, reason=why,
-                             rule="chain exhausted")
+    def _after_failure(self, failure: StepFailed) -> bool:
+        """Report ``failure`` to the decider and execute its order; False (and FATAL) when nothing is left."""
+        order = self.decider.decide_after_failure(failure)
+        if order.target is None:
             self._set(State.FATAL)
-            self.say(f"no method left to try after {failed}: {why}")
+            self.say(f"no method left to try after {failure.method}: {failure.reason}")
             return False
+        if not 0 <= order.target < len(self.steps):
+            raise ValueError(f"fallback order names step {order.target}, outside the chain (0..{len(self.steps) - 1})")
         self.exit_times = []
         self.backoff = self.profile.supervisor.restart_backoff
-        self._fall_back(target, why, "launch failure" if reason == "launch failed" else "crash loop")
+        self._move_to(order.target, failure.reason, requested=False)
+        self.say(f"falling back {failure.method} → {self.step.method}: {failure.reason}")
         return True
-
-    def _fall_back(self, target: int, why: str, rule: str) -> None:
-        """Move to step ``target`` because the current one cannot run; the decision is logged and shown."""
-        failed, self.index = self.step.method, target
-        nxt = self.step.method
-        self.last_decision = {"action": "switch", "from": failed.value, "to": nxt.value, "reason": why,
-                              "rule": rule, "at": time.time()}
-        self.events.emit("decision", action="switch", **{"from": failed.value, "to": nxt.value}, reason=why,
-                         rule=rule)
-        self.switches += 1
-        self.say(f"falling back {failed} → {nxt}: {why}")
 
     async def _stop_engine(self, why: str) -> None:
         engine = self.engine

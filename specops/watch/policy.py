@@ -32,6 +32,7 @@ Every :class:`Decision` carries the rule that produced it, a sentence, and the n
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any, Mapping, Sequence
 
 from specops.methods import DEFAULT_K, Method
@@ -45,10 +46,23 @@ from specops.speedup import (
 )
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
 
-KEEP = "keep"
-SWITCH = "switch"
-RETRY = "retry"
-HOLD = "hold"
+
+class Action(str, Enum):
+    """What a decision says to do; ``.value`` is the word in events, JSON and metrics labels."""
+
+    KEEP = "keep"        # stay on the current method
+    SWITCH = "switch"    # move to another step of the chain
+    RETRY = "retry"      # go back to the primary method after a back-off
+    HOLD = "hold"        # the evidence says switch, but nothing may be done (watch-only, chain end, flap guard)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+KEEP, SWITCH, RETRY, HOLD = Action.KEEP, Action.SWITCH, Action.RETRY, Action.HOLD
 
 FLAP_PERIOD_S = 3600.0
 
@@ -106,7 +120,7 @@ def step_k(step: ChainStep) -> int:
 class Decision:
     """One verdict of the policy: what to do, the rule that says so, why in words, and the numbers."""
 
-    action: str                         # keep | switch | retry | hold
+    action: Action
     rule: str
     reason: str
     at: float
@@ -116,6 +130,10 @@ class Decision:
     to_step: ChainStep | None = None
     numbers: Mapping[str, Any] = field(default_factory=dict)
     warning: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.action, Action):
+            object.__setattr__(self, "action", Action(self.action))
 
     @property
     def from_method(self) -> Method:
@@ -136,7 +154,7 @@ class Decision:
         return self.action != KEEP or self.warning is not None
 
     def to_dict(self) -> dict:
-        return {"action": self.action, "rule": self.rule, "reason": self.reason, "at": self.at,
+        return {"action": self.action.value, "rule": self.rule, "reason": self.reason, "at": self.at,
                 "from": self.from_method.value, "from_index": self.from_index,
                 "to": self.to_method.value if self.to_method is not None else None, "to_index": self.to_index,
                 "numbers": dict(self.numbers), "warning": self.warning}
@@ -191,7 +209,7 @@ class Policy:
     def cooldown_until(self) -> float | None:
         return self.switch_times[-1] + self.config.cooldown_s if self.switch_times else None
 
-    def _decision(self, action: str, rule: str, reason: str, now: float, numbers: Mapping | None = None,
+    def _decision(self, action: Action, rule: str, reason: str, now: float, numbers: Mapping | None = None,
                   to: int | None = None, warning: str | None = None) -> Decision:
         return Decision(action=action, rule=rule, reason=reason, at=now, from_index=self.index,
                         from_step=self.current, to_index=to, to_step=self.steps[to] if to is not None else None,

@@ -1,12 +1,14 @@
 """The watcher: read acceptance every ``monitor.interval``, window it, ask the policy, act on its decision.
 
 The watcher is the effectful shell around the pure parts: :mod:`specops.watch.sources` reads, :mod:`specops.watch.window`
-windows, :mod:`specops.watch.policy` decides. Under ``specops up`` it acts through the supervisor (a switch
-there means: hold the proxy, drain, stop, start the next method, release). Under ``specops watch`` it only
-reports and recommends, and can run a command or call a webhook on each decision.
+windows, :mod:`specops.watch.policy` decides (through :mod:`specops.watch.decide`, which also logs every
+decision). Under ``specops up`` it acts with the ``act`` callable it is given (a switch order to the
+supervisor: hold the proxy, drain, stop, start the next method, release) and follows the supervisor
+through its events (:meth:`Watcher.on_event`). Under ``specops watch`` it only reports and recommends,
+and can run a command or call a webhook on each decision.
 
-Every notable decision goes to the event log, to specops' own ``/metrics`` and to the state file that
-``specops status`` reads.
+Every notable decision goes to the event log, to specops' own ``/metrics`` and, through
+:meth:`Watcher.snapshot` and the decider's snapshot, to the state file that ``specops status`` reads.
 
 Bounds: a read every :data:`MIN_INTERVAL` seconds at most (a smaller interval is raised to it, so a bad
 setting can never busy-loop the engine's ``/metrics``), a window of at most :data:`MAX_WINDOW`, and a
@@ -20,7 +22,6 @@ import base64
 import json
 import math
 import os
-import re
 import subprocess
 import tempfile
 import time
@@ -29,8 +30,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from specops.errors import SpecopsError
 from specops.backends.counters import SpecCounters
+from specops.errors import SpecopsError
+from specops.run.events import EngineLine, EngineReady, State, StateChanged
+from specops.watch.decide import FallbackDecider
 from specops.watch.policy import Decision, Policy
 from specops.watch.sources import LogLineSource, PromQLSource, ScrapeSource, SourceError, promql_labels
 from specops.urls import check_http_url, redact_text, redact_url, split_userinfo
@@ -51,11 +54,6 @@ def watch_interval(seconds: float) -> float:
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds):
         raise SpecopsError(f"monitor.interval must be a finite number of seconds, got {seconds!r}")
     return min(max(float(seconds), MIN_INTERVAL), MAX_INTERVAL)
-
-#: Counters of generated tokens, for tokens/s in `specops status` (classic text format names).
-GENERATED = {"vllm:": re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M),
-             "llamacpp:": re.compile(r"^llamacpp:tokens_predicted_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)}
-
 
 class LiveCounters:
     """Spec-decode totals added up from per-response ``timings`` the proxy sees (llama.cpp).
@@ -104,6 +102,15 @@ class AcceptanceReader:
     _live_buffer: SampleBuffer | None = None
     _generated: list = field(default_factory=list)
     _model_name: str | None = None
+
+    @classmethod
+    def for_profile(cls, profile, backend, *, live: LiveCounters | None = None) -> "AcceptanceReader":
+        """The reader ``specops up`` uses: the profile's ``monitor`` source and window; ``live`` when the proxy
+        feeds per-request timings (``backend.live_timings``), and the engine's own acceptance log lines when
+        the backend writes them (``backend.log_acceptance``)."""
+        m = profile.monitor
+        return cls(m.source, backend, profile.fallback.window, m.timeout, m.prometheus_url, dict(m.labels),
+                   live=live, log=LogLineSource() if backend.log_acceptance else None)
 
     def attach(self, metrics_url: str, model_name: str | None, headers: dict | None = None) -> None:
         """A new engine (or method): start a fresh window, so one window never mixes two methods."""
@@ -166,10 +173,9 @@ class AcceptanceReader:
         return self.backend.metric_prefix
 
     def _tokens_per_s(self, text: str, now: float) -> float | None:
-        pattern = GENERATED.get(self.prefix)
-        if pattern is None:
+        total = self.backend.generated_tokens(text)
+        if total is None:
             return None
-        total = sum(float(v) for v in pattern.findall(text))
         self._generated.append((now, total))
         self._generated = [(t, v) for t, v in self._generated if now - t <= self.window_s] or [(now, total)]
         (t0, v0), (t1, v1) = self._generated[0], self._generated[-1]
@@ -233,101 +239,86 @@ class SpecopsMetrics:
             self.method.labels(m).set(1 if m == method else 0)
 
     def set_state(self, state: str) -> None:
-        for s in ("stopped", "starting", "ready", "stopping", "backoff", "fatal"):
-            self.state.labels(s).set(1 if s == state else 0)
+        for s in State:
+            self.state.labels(s.value).set(1 if s.value == state else 0)
 
 
 class Watcher:
-    """The loop: every interval read → window → policy → act. ``act(decision) -> bool`` performs a switch."""
+    """The loop: every interval read → window → decide → act.
 
-    def __init__(self, profile, reader: AcceptanceReader, policy: Policy, *, events, say: Callable[[str], None],
-                 act: Callable[[Decision], bool] | None = None, status: dict | None = None,
-                 publish: Callable[[], None] | None = None, metrics: SpecopsMetrics | None = None,
+    Decisions come from ``decider`` (a :class:`~specops.watch.decide.FallbackDecider`: the policy, the
+    decision log). ``act(decision) -> bool`` performs a switch (under ``specops up``: a
+    :class:`~specops.run.events.SwitchOrder` to the supervisor; False when it cannot take it now); without
+    ``act`` the watcher only recommends, through ``on_recommend(decision, stats)``. ``on_tick()`` runs after
+    each handled reading (``specops up`` writes its state file then). Under ``specops up`` the watcher is
+    a supervisor listener (:meth:`on_event`): it reads only while an engine is ready, and starts a fresh
+    window for each new engine. :meth:`snapshot` is what it shows in ``specops status``.
+    """
+
+    def __init__(self, profile, reader: AcceptanceReader, decider: FallbackDecider, *, say: Callable[[str], None],
+                 act: Callable[[Decision], bool] | None = None,
+                 on_recommend: Callable[[Decision, WindowStats], None] | None = None,
+                 on_tick: Callable[[], None] | None = None, metrics: SpecopsMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.profile = profile
         self.reader = reader
-        self.policy = policy
-        self.events = events
+        self.decider = decider
         self.say = say
         self.act = act
-        self.status = status if status is not None else {}
-        self.publish = publish or (lambda: None)
+        self.on_recommend = on_recommend
+        self.on_tick = on_tick or (lambda: None)
         self.metrics = metrics
         self.clock = clock
         self.interval = watch_interval(profile.monitor.interval)
-        self.attached = False
-        self.sup = None  # the Supervisor under `specops up`; None when watching read-only
-        #: read-only mode (`specops watch`): called with (decision, stats) instead of acting
-        self.on_recommend: Callable[[Decision, WindowStats], None] | None = None
+        self.attached = False        # the reader follows an engine (under `up`: since the first EngineReady)
+        self.serving = False         # under `up`: the supervisor is READY
         self.last_decision: Decision | None = None
         self.decided_at: dict = {}
+        self._status: dict = {}
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
 
-    # ------------------------------------------------------------------ wiring into `specops up`
-    @classmethod
-    def attach(cls, profile, sup, *, events, say, proxy, status, publish) -> "Watcher":
-        """Watch the engine ``sup`` supervises; switches go through ``sup.request_switch``."""
-        from specops.plugins import get_registry
-        backend = get_registry().backend(profile.backend)
-        prefix = backend.metric_prefix
-        live = LiveCounters() if (proxy is not None and prefix == "llamacpp:") else None
-        log = LogLineSource() if prefix == "llamacpp:" else None
-        m = profile.monitor
-        reader = AcceptanceReader(m.source, backend, profile.fallback.window, m.timeout, m.prometheus_url,
-                                  dict(m.labels), live=live, log=log)
-        metrics = SpecopsMetrics()
-        w = cls(profile, reader, Policy.from_profile(profile), events=events, say=say, status=status,
-                publish=publish, metrics=metrics)
-        w.sup = sup
+    @property
+    def policy(self) -> Policy:
+        return self.decider.policy
 
-        def act(decision: Decision) -> bool:
-            return sup.request_switch(decision.to_index, decision.reason, decision.to_dict())
+    def snapshot(self) -> dict:
+        """The last window read and tokens/s (empty before the first reading), for the state file."""
+        return dict(self._status)
 
-        w.act = act
+    # ------------------------------------------------------------------ the supervisor's events
+    def on_event(self, event) -> None:
+        """A supervisor listener: follow the engine (lines, ready, state changes)."""
+        if isinstance(event, EngineLine):
+            if self.reader.log is not None:
+                self.reader.log.feed(event.line)
+        elif isinstance(event, EngineReady):
+            self._on_engine_ready(event)
+        elif isinstance(event, StateChanged):
+            self.serving = event.state is State.READY
+            if self.metrics is not None:
+                self.metrics.set_state(event.state.value)
+                self.metrics.restarts.set(event.restarts)
 
-        def next_after_failure(index: int) -> int | None:
-            d = w.policy.on_failed_start(index, w.clock())
-            if d.warning:
-                say(f"warning: {d.warning}")
-            return d.to_index if d.acts else None
-
-        sup.next_after_failure = next_after_failure
-        if live is not None:
-            proxy.on_timings = live.add
-        if proxy is not None:
-            proxy.metrics_registry = metrics.registry
-        if log is not None:
-            previous = sup.on_engine_line
-
-            def on_line(line: str) -> None:
-                log.feed(line)
-                previous(line)
-            sup.on_engine_line = on_line
-        sup.ready_listeners.append(w._on_engine_ready)
-        previous_change = sup.on_change
-
-        def on_change(s) -> None:
-            metrics.set_state(s.state.value)
-            metrics.restarts.set(s.restarts)
-            previous_change(s)
-        sup.on_change = on_change
-        w._task = asyncio.get_running_loop().create_task(w._loop())
-        return w
-
-    def _on_engine_ready(self, sup) -> None:
+    def _on_engine_ready(self, event: EngineReady) -> None:
         now = self.clock()
         decision = self.last_decision
-        if decision is not None and decision.acts and self.metrics is not None and decision.to_index == sup.index:
+        if decision is not None and decision.acts and self.metrics is not None and decision.to_index == event.index:
             self.metrics.switch_seconds.observe(max(0.0, now - self.decided_at.get(id(decision), now)))
-        self.policy.on_switched(sup.index, now)
-        self.reader.attach(sup.plan.metrics_url, sup.plan.model_name, sup.plan.auth_headers)
+        plan = event.plan
+        self.reader.attach(plan.metrics_url, plan.model_name, plan.auth_headers)
         self.attached = True
+        self.serving = True
         if self.metrics is not None:
             self.metrics.new_engine()
-            self.metrics.set_method(sup.step.method.value, [s.method.value for s in sup.steps])
+            self.metrics.set_method(event.method.value, [s.method.value for s in self.profile.steps])
 
     # ------------------------------------------------------------------ the loop
+    def start(self) -> None:
+        """Run :meth:`_loop` in the background (under ``specops up``) until :meth:`stop`."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
     async def _loop(self) -> None:
         while not self._stopping.is_set():
             try:
@@ -335,8 +326,7 @@ class Watcher:
                 break
             except asyncio.TimeoutError:
                 pass
-            sup = self.sup
-            if sup is not None and (sup.state.value != "ready" or not self.attached):
+            if not (self.serving and self.attached):
                 continue
             await self.tick()
 
@@ -347,37 +337,30 @@ class Watcher:
 
     def handle(self, reading: Reading, now: float) -> Decision:
         stats = reading.stats
-        decision = self.policy.observe(stats, now)
+        decision = self.decider.observe(stats, now)
         if self.metrics is not None:
             self.metrics.observe(reading)
-        self.status["acceptance"] = stats.to_dict()
-        self.status["tokens_per_s"] = reading.tokens_per_s
-        self.status["policy"] = self.policy.snapshot(now)
-        if decision.warning:
-            self.say(f"warning: {decision.warning}")
-        if decision.notable:
-            self.events.emit("decision", **decision.to_dict(), window=stats.to_dict())
-            if self.metrics is not None:
-                self.metrics.decisions.labels(decision.action, decision.rule).inc()
+            if decision.notable:
+                self.metrics.decisions.labels(decision.action.value, decision.rule).inc()
+        self._status = {"acceptance": stats.to_dict(), "tokens_per_s": reading.tokens_per_s}
         if decision.acts:
             self.last_decision = decision
             self.decided_at[id(decision)] = now
             if self.act is None:  # watch-only: recommend, and let the next fresh low window recommend again
                 if self.on_recommend is not None:
                     self.on_recommend(decision, stats)
-                self.policy.cancel_pending()
-                self.publish()
+                self.decider.not_executed(decision)
+                self.on_tick()
                 return decision
             self.say(f"decision: {decision.action} {decision.from_method} → {decision.to_method} "
                      f"[{decision.rule}] {decision.reason}")
-            accepted = self.act(decision)
-            if accepted:
+            if self.act(decision):
                 if self.metrics is not None:
                     self.metrics.fallbacks.labels(decision.from_method.value, decision.to_method.value,
                                                   decision.rule).inc()
             else:
-                self.policy.cancel_pending()
-        self.publish()
+                self.decider.not_executed(decision)
+        self.on_tick()
         return decision
 
     async def stop(self) -> None:

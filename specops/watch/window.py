@@ -21,14 +21,28 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Iterable, Sequence
 
 from specops.backends.counters import SpecCounters
 
-OK = "ok"
-NO_DATA = "no-data"
-SPEC_OFF = "spec-off"
-UNAVAILABLE = "unavailable"
+
+class WindowStatus(str, Enum):
+    """What a window can say; ``.value`` is the word in events, JSON and ``specops status``."""
+
+    OK = "ok"                    # a verdict is possible: drafted tokens in the window
+    NO_DATA = "no-data"          # idle, or too few samples
+    SPEC_OFF = "spec-off"        # the engine exposes no speculative series
+    UNAVAILABLE = "unavailable"  # the source could not be read
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+OK, NO_DATA, SPEC_OFF, UNAVAILABLE = WindowStatus.OK, WindowStatus.NO_DATA, WindowStatus.SPEC_OFF, WindowStatus.UNAVAILABLE
 
 _ZERO = SpecCounters(draft_tokens=0.0, accepted=0.0)
 
@@ -45,7 +59,7 @@ class Sample:
 class WindowStats:
     """What one window says about acceptance, with every number the policy needs to explain itself."""
 
-    status: str
+    status: WindowStatus
     window_s: float
     start: float | None = None                 # time of the baseline sample
     end: float | None = None                   # time of the newest sample
@@ -80,7 +94,7 @@ class WindowStats:
 
     def to_dict(self) -> dict:
         return {
-            "status": self.status, "window_s": self.window_s, "start": self.start, "end": self.end,
+            "status": getattr(self.status, "value", self.status), "window_s": self.window_s, "start": self.start, "end": self.end,
             "acceptance": self.acceptance, "mean_acceptance_length": self.mean_acceptance_length,
             "draft_tokens": self.draft_tokens, "accepted": self.accepted, "drafts": self.drafts,
             "per_position": list(self.per_position), "resets": self.resets, "full": self.full,

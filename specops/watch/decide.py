@@ -1,0 +1,96 @@
+"""The one place fallbacks are decided and recorded.
+
+:class:`FallbackDecider` owns the deployment's :class:`~specops.watch.policy.Policy` and is the only
+object that turns what happened into a decision:
+
+- a window of acceptance (the watcher calls :meth:`FallbackDecider.observe` each tick): keep, switch,
+  retry or hold, by the policy's rules;
+- a step that cannot run (the supervisor calls :meth:`FallbackDecider.decide_after_failure` with a launch
+  failure, a crash loop or a refusal before launch): the next step of the chain, back to where a failed
+  retry came from, or nothing (FATAL).
+
+It writes every notable decision to the event log (``decision`` events, with the fields the log has always
+had), keeps the last decision and counts the switches the supervisor executed (it listens to the
+supervisor's :class:`~specops.run.events.StepChanged`/:class:`~specops.run.events.EngineReady` events),
+and shows all of it in :meth:`FallbackDecider.snapshot` for ``specops status``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from specops.run.events import EngineReady, FallbackOrder, StepChanged, StepFailed, SupervisorEvent
+from specops.watch.policy import Decision, Policy
+from specops.watch.window import WindowStats
+
+#: The ``rule`` of a failure decision that leaves no step to run.
+CHAIN_EXHAUSTED = "chain exhausted"
+
+
+class FallbackDecider:
+    """Decides with ``policy``; logs to ``events``; speaks warnings through ``say``.
+
+    ``clock`` is the policy's (monotonic) clock; ``wall`` stamps ``last_decision`` for ``specops status``.
+    """
+
+    def __init__(self, policy: Policy, *, events: Any, say: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+        self.policy = policy
+        self.events = events
+        self.say = say
+        self.clock = clock
+        self.wall = wall
+        self.switches = 0
+        self.last_decision: dict | None = None
+
+    @classmethod
+    def from_profile(cls, profile: Any, **kwargs) -> "FallbackDecider":
+        return cls(Policy.from_profile(profile), **kwargs)
+
+    # ------------------------------------------------------------------ the supervisor's failures
+    def decide_after_failure(self, failure: StepFailed) -> FallbackOrder:
+        """Where to go when ``failure.index`` cannot run: the policy's verdict, logged as a decision."""
+        d = self.policy.on_failed_start(failure.index, self.clock())
+        if d.warning:
+            self.say(f"warning: {d.warning}")
+        if d.acts and d.to_index is not None:
+            record = {"action": "switch", "from": failure.method.value, "to": d.to_method.value,
+                      "reason": failure.reason, "rule": failure.rule}
+            self.last_decision = {**record, "at": self.wall()}
+            self.events.emit("decision", **record, policy_rule=d.rule)
+            return FallbackOrder(d.to_index, failure.reason)
+        record = {"action": "fatal", "from": failure.method.value, "reason": failure.reason}
+        self.last_decision = {**record, "at": self.wall()}
+        self.events.emit("decision", **record, rule=CHAIN_EXHAUSTED, policy_rule=d.rule)
+        return FallbackOrder(None, failure.reason)
+
+    # ------------------------------------------------------------------ the watcher's windows
+    def observe(self, stats: WindowStats, now: float) -> Decision:
+        """The policy's decision for one window; notable ones go to the event log with the window."""
+        decision = self.policy.observe(stats, now)
+        if decision.warning:
+            self.say(f"warning: {decision.warning}")
+        if decision.notable:
+            self.events.emit("decision", **decision.to_dict(), window=stats.to_dict())
+        return decision
+
+    def not_executed(self, decision: Decision) -> None:
+        """The decided switch was not executed (the supervisor could not take it, or watching read-only):
+        the streak stands, so the next fresh low window decides again."""
+        self.policy.cancel_pending()
+
+    # ------------------------------------------------------------------ what the supervisor did
+    def on_event(self, event: SupervisorEvent) -> None:
+        """A supervisor listener: counts executed switches and tells the policy which step runs."""
+        if isinstance(event, StepChanged):
+            self.switches += 1
+            if event.requested:
+                self.last_decision = {**event.decision, "reason": event.reason, "from": event.from_method.value,
+                                      "to": event.to_method.value, "at": self.wall()}
+        elif isinstance(event, EngineReady):
+            self.policy.on_switched(event.index, self.clock())
+
+    def snapshot(self, now: float | None = None) -> dict:
+        """For the state file and ``/specops/status``: switches, the last decision, the policy's state."""
+        return {"switches": self.switches, "last_decision": self.last_decision,
+                "policy": self.policy.snapshot(self.clock() if now is None else now)}
