@@ -11,8 +11,6 @@ import click
 from specops.commands._common import duration_param, echo_json, json_option, load, profile_argument, version_param
 
 
-
-
 def _ints(ctx, param, value):
     if value is None:
         return None
