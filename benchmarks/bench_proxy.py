@@ -16,7 +16,7 @@ to measure against a real engine instead (vLLM / llama-server), with ``--model``
     .venv/bin/python benchmarks/bench_proxy.py --json out.json      # also write the results as JSON
     .venv/bin/python benchmarks/bench_proxy.py --baseline HEAD~1 --loops asyncio uvloop   # before/after
 
-``--baseline REV`` runs a second proxy process from ``specops/proxy.py`` as it was at git revision REV (on
+``--baseline REV`` runs a second proxy process from ``specops/proxy`` as it was at git revision REV (on
 asyncio's loop, as before), and ``--loops`` runs the current proxy once per event loop given; every proxy
 takes its turn in the same alternating rounds as the direct runs, so before and after are measured side by
 side under the same load. Each row reports the pooled p50/p99 and the median over rounds of each round's
@@ -47,11 +47,34 @@ def _proxy_class(module_path: str | None):
         from specops.proxy import Proxy
         return Proxy
     import importlib.util
-    spec = importlib.util.spec_from_file_location("specops_proxy_baseline", module_path)
+    package = [os.path.dirname(module_path)] if os.path.basename(module_path) == "__init__.py" else None
+    spec = importlib.util.spec_from_file_location("specops_proxy_baseline", module_path,
+                                                  submodule_search_locations=package)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod                # dataclasses look their module up while it loads
     spec.loader.exec_module(mod)
     return mod.Proxy
+
+
+def _baseline_module(rev: str, into: str) -> tuple[str, str]:
+    """The proxy as it was at ``rev``, written under ``into``: (the file to load, what it is). Before the
+    proxy became a package it was one file, ``specops/proxy.py``; since then the package's modules import
+    each other relatively, so the copy loads as a package of its own."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              check=True).stdout
+
+    listed = git("ls-tree", "-r", "--name-only", rev, "specops/proxy/").splitlines()
+    names = [n for n in listed if n.endswith(".py")]
+    if not names:
+        path = os.path.join(into, "proxy_baseline.py")
+        Path(path).write_text(git("show", f"{rev}:specops/proxy.py"))
+        return path, "specops/proxy.py"
+    package = Path(into, "specops_proxy_baseline")
+    package.mkdir()
+    for name in names:
+        (package / name.rpartition("/")[2]).write_text(git("show", f"{rev}:{name}"))
+    return str(package / "__init__.py"), "specops/proxy/"
 
 
 async def _serve_proxy(upstream: str, module_path: str | None = None) -> None:
@@ -306,7 +329,8 @@ def main(argv=None) -> int:
                    help="event loop(s) to run the current proxy on, one proxy process each "
                         "(default: the one `specops up` uses)")
     p.add_argument("--baseline", metavar="REV",
-                   help="also run specops/proxy.py from git revision REV (asyncio loop), side by side")
+                   help="also run specops/proxy (a package, or proxy.py before it was one) from git "
+                        "revision REV (asyncio loop), side by side")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--serve-proxy", help=argparse.SUPPRESS)  # internal: run the proxy process
     p.add_argument("--serve-module", help=argparse.SUPPRESS)  # internal: the proxy module file to run
@@ -339,19 +363,16 @@ def main(argv=None) -> int:
             import tempfile
             rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline],
                                  capture_output=True, text=True, check=True).stdout.strip()
-            src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:specops/proxy.py"],
-                                 capture_output=True, text=True, check=True).stdout
-            tmp = tempfile.NamedTemporaryFile("w", suffix="_proxy_baseline.py", delete=False)
-            tmp.write(src)
-            tmp.close()
-            specs.append((f"base-{rev}", tmp.name, "asyncio", f"specops/proxy.py at {rev}, asyncio loop"))
+            tmp = tempfile.mkdtemp(prefix="proxy_baseline_")
+            module, where = _baseline_module(rev, tmp)
+            specs.append((f"base-{rev}", module, "asyncio", f"{where} at {rev}, asyncio loop"))
         here = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip() or "?"
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "specops/proxy.py"],
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "specops/proxy"],
                                capture_output=True, text=True).stdout.strip()
         for loop_name in args.loops or [_default_loop()]:
             specs.append((f"new-{loop_name}", None, loop_name,
-                          f"specops/proxy.py of the work tree ({here}{'+changes' if dirty else ''}), {loop_name} loop"))
+                          f"specops/proxy of the work tree ({here}{'+changes' if dirty else ''}), {loop_name} loop"))
         proxies: dict[str, tuple[str, int | None]] = {}
         for name, module, loop_name, _ in specs:
             argv = [sys.executable, str(Path(__file__).resolve()), "--serve-proxy", engine_url,
@@ -379,7 +400,8 @@ def main(argv=None) -> int:
         for proc in reversed(procs):
             _stop(proc)
         if tmp is not None:
-            os.unlink(tmp.name)
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

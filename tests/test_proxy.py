@@ -475,6 +475,37 @@ def test_without_retry_an_unstarted_failure_is_a_502():
 
 # ------------------------------------------------------------------------------------------ status & metrics
 
+def test_states_are_an_enum_and_only_the_table_s_changes_happen():
+    from specops.proxy import TRANSITIONS, IllegalTransition, Proxy, ProxyState
+
+    assert [s.value for s in ProxyState] == ["idle", "serving", "held", "down", "stopped"]
+    assert set(TRANSITIONS) == set(ProxyState) and not TRANSITIONS[ProxyState.STOPPED]
+
+    async def body():
+        proxy = Proxy("127.0.0.1", 0, queue_size=1, queue_timeout=1, drain_timeout=1)
+        assert proxy.state is ProxyState.IDLE and proxy.stats()["state"] == "idle"
+        proxy.hold()
+        assert proxy.state == "held" and f"{proxy.state}" == str(proxy.state) == "held"
+        proxy.set_upstream("http://127.0.0.1:1")
+        assert proxy.state is ProxyState.SERVING
+        with pytest.raises(IllegalTransition, match="serving → idle"):
+            proxy._set_state(ProxyState.IDLE)
+        assert proxy.state is ProxyState.SERVING
+        proxy.upstream_failed()
+        assert proxy.state == "down"
+        await proxy.stop()
+        with pytest.raises(IllegalTransition):
+            proxy._set_state(ProxyState.SERVING)
+        with pytest.raises(RuntimeError, match="the proxy is stopped"):
+            proxy.release()
+        proxy.hold()                        # no-ops once stopped
+        proxy.upstream_failed()
+        assert proxy.state is ProxyState.STOPPED
+        assert json.loads(json.dumps(proxy.stats()))["state"] == "stopped"
+        assert 'specops_proxy_state{state="stopped"} 1.0' in proxy.metrics_text().decode()
+    run(body())
+
+
 def test_status_and_metrics_endpoints(engine):
     from prometheus_client import CollectorRegistry, Counter
 

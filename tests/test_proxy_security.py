@@ -127,15 +127,15 @@ def test_origin_form_targets_only_ever_reach_the_engine(engine):
 
 
 def test_upstream_url_is_built_from_parts():
-    from specops.proxy import _Generation, _upstream_url
+    from specops.proxy.forward import Generation, upstream_url
 
-    gen = _Generation(1, "http://[::1]:8001/")
-    assert str(_upstream_url(gen, "/v1/x%2Fy?a=1&b=%20")) == "http://[::1]:8001/v1/x%2Fy?a=1&b=%20"
-    url = _upstream_url(_Generation(2, "http://127.0.0.1:8001"), "//evil.example:1/x")
+    gen = Generation(1, "http://[::1]:8001/")
+    assert str(upstream_url(gen, "/v1/x%2Fy?a=1&b=%20")) == "http://[::1]:8001/v1/x%2Fy?a=1&b=%20"
+    url = upstream_url(Generation(2, "http://127.0.0.1:8001"), "//evil.example:1/x")
     assert (url.host, url.port, url.raw_path) == ("127.0.0.1", 8001, "//evil.example:1/x")
     for bad in ("@127.0.0.1:1", "http://127.0.0.1:1/", "*", ""):
         with pytest.raises(ValueError):
-            _upstream_url(gen, bad)
+            upstream_url(gen, bad)
 
 
 # ------------------------------------------------------------------------------------ logging

@@ -1,0 +1,296 @@
+"""A client request's way through the proxy: admin routes, the client-facing checks, the wait queue,
+the engine, and what happens when the engine fails.
+
+Guarantees, in order of strength:
+
+- A request that has not received a response byte when its engine fails (connection refused, engine
+  died, drain timeout) is retried once on the next engine; the client only sees a longer wait.
+- A stream that breaks after it started ends with an explicit SSE error event and no ``[DONE]`` (see
+  :mod:`specops.proxy.forward`).
+- Past ``queue_size`` waiting requests, or after ``queue_timeout`` in the queue, the answer is 503 with
+  ``Retry-After``.
+
+When a request fails before any byte and the engine still accepts connections, the failure was a pooled
+connection the engine had just closed: the request is resent at once (``reconnects``), without using its
+retry. When the engine does not accept connections, the proxy stops forwarding (state ``down``, new
+requests queue) until the supervisor releases an engine, or the same URL answers its health check again.
+
+:class:`RequestPath` is the part of :class:`~specops.proxy.server.Proxy` that serves requests; it works
+on the proxy's state, counters and engine generations, which :mod:`specops.proxy.server` owns.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import sys
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from .errors import ClientError, Rejected, Unstarted, error_body, shown
+from .forward import Flight, Generation, request_headers
+from .limits import (
+    UNAUTHENTICATED,
+    cancel_header_deadline,
+    check_key,
+    check_target,
+    read_body,
+)
+from .states import ProxyState
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # pragma: no cover - aiohttp depends on async-timeout on 3.10
+    from async_timeout import timeout as _timeout
+
+if TYPE_CHECKING:                           # pragma: no cover
+    from .server import Proxy
+
+log = logging.getLogger("specops.proxy")
+
+ADMIN_PREFIX = "/specops/"
+
+SERVING, DOWN, STOPPED = ProxyState.SERVING, ProxyState.DOWN, ProxyState.STOPPED
+
+
+class RequestPath:
+    """Serving requests: mixed into :class:`~specops.proxy.server.Proxy` (``self`` is the proxy)."""
+
+    # ------------------------------------------------------------------------------------ entry points
+
+    async def _handle_public(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
+        """The public port when the admin endpoints have their own port: every request is forwarded."""
+        cancel_header_deadline(request)
+        return await self._proxy(request)
+
+    async def _handle(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
+        """The public port, admin endpoints included (they need the API key like any request)."""
+        cancel_header_deadline(request)
+        if request.raw_path.startswith(ADMIN_PREFIX):
+            try:
+                check_target(request)
+                check_key(request, self._key)
+            except ClientError as exc:
+                return self._refuse(request, exc)
+            return await self._handle_admin(request)
+        return await self._proxy(request)
+
+    async def _handle_admin_only(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
+        """The loopback admin port: ``/specops/status`` and ``/specops/metrics``, no key."""
+        cancel_header_deadline(request)
+        try:
+            check_target(request)
+        except ClientError as exc:
+            return self._refuse(request, exc)
+        if request.path.startswith(ADMIN_PREFIX):
+            return await self._handle_admin(request)
+        return web.json_response({"error": {"message": "admin listener: only /specops/status and "
+                                            "/specops/metrics", "type": "not_found", "code": 404}}, status=404)
+
+    async def _handle_admin(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
+        path = request.path.rstrip("/")
+        if path == "/specops/status":
+            return web.Response(text=json.dumps(self.status(), indent=1, default=str),
+                                content_type="application/json")
+        if path == "/specops/metrics":
+            from prometheus_client import CONTENT_TYPE_LATEST
+            return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.json_response({"error": {"message": f"unknown specops endpoint {shown(request.path)}",
+                                            "type": "not_found", "code": 404}}, status=404)
+
+    # ------------------------------------------------------------------------------------ refusals
+
+    def _refuse(self: Proxy, request: web.BaseRequest, exc: ClientError) -> web.Response:
+        """Answer a request the proxy refused on its own, and log one (rate-limited) line about it."""
+        self._c["rejected_" + exc.counter] += 1
+        self._reject_log("proxy: %d %s from %s: %s %s", exc.status, exc.kind, request.remote or "-",
+                         shown(request.method, 16), shown(request.raw_path))
+        headers = {"Retry-After": self._retry_after()} if exc.status == 503 else \
+            {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        resp = web.Response(status=exc.status, body=error_body(exc.status, exc.kind, str(exc)),
+                            content_type="application/json", headers=headers)
+        if exc.close:
+            resp.force_close()
+        return resp
+
+    def _retry_after(self: Proxy) -> str:
+        if self.retry_after is not None:
+            return str(max(1, math.ceil(self.retry_after)))
+        return str(max(1, min(30, math.ceil(self.queue_timeout / 4 or 1))))
+
+    def _reject(self: Proxy, status: int, kind: str, message: str) -> web.Response:
+        return web.Response(status=status, body=error_body(status, kind, message),
+                            content_type="application/json",
+                            headers={"Retry-After": self._retry_after()} if status == 503 else None)
+
+    # ------------------------------------------------------------------------------------ forwarding
+
+    async def _proxy(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
+        """Check the request (target, key, body limits), then forward it."""
+        self._c["requests"] += 1
+        reserved = 0
+        try:
+            try:
+                check_target(request)
+                if self._key is not None and (request.method, request.raw_path) not in UNAUTHENTICATED:
+                    check_key(request, self._key)
+                body, reserved = await read_body(request, self._budget, self.max_body_size, self.body_timeout)
+            except ClientError as exc:
+                return self._refuse(request, exc)
+            return await self._forward(request, body)
+        finally:
+            if reserved:
+                self._budget.held -= reserved
+
+    async def _forward(self: Proxy, request: web.BaseRequest, body: bytes) -> web.StreamResponse:
+        """Send to the engine, waiting in the queue when none serves; reconnect or retry once after a
+        failure before any byte (see the module docstring)."""
+        c = self._c
+        loop = asyncio.get_running_loop()
+        headers = request_headers(request, body)
+        retried = reconnected = False
+        deadline = loop.time() + self.queue_timeout
+        while True:
+            try:
+                gen = self._gen if self._state is SERVING else await self._acquire(deadline)
+            except Rejected as rej:
+                c["rejected_" + rej.kind] += 1
+                if retried:
+                    c["upstream_errors"] += 1
+                return self._reject(503, "specops_" + rej.kind, "specops: " + str(rej))
+            flight = Flight(gen)
+            resp, failure = await self._attempt(request, body, headers, flight)
+            if failure is None:
+                c["completed"] += 1
+                if retried:
+                    c["retried_ok"] += 1
+                return resp
+            alive = None
+            if failure.stale and not reconnected and flight.cut_reason is None and gen is self._gen \
+                    and self._state is SERVING:
+                alive = await self._reachable(gen.url)
+                if alive:                   # a pooled connection the engine had closed: just reconnect
+                    reconnected = True
+                    c["reconnects"] += 1
+                    continue
+            if retried or not self.retry_unstarted or self._state is STOPPED:
+                c["upstream_errors"] += 1
+                status = 503 if self._state is STOPPED else 502
+                return self._reject(status, "specops_upstream_error",
+                                    f"specops: the engine failed before answering: {failure.reason}")
+            retried = True
+            c["retried"] += 1
+            log.info("proxy: retrying %s %s after: %s", request.method, shown(request.raw_path), failure.reason)
+            await self._after_unstarted_failure(flight, failure.reason, alive)
+            deadline = loop.time() + self.queue_timeout
+
+    async def _attempt(self: Proxy, request: web.BaseRequest, body: bytes, headers,
+                       flight: Flight) -> tuple[web.StreamResponse | None, Unstarted | None]:
+        """One exchange, counted in flight on its generation (so drain can wait for it or cut it)."""
+        gen = flight.gen
+        gen.inflight.add(flight)
+        self._inflight += 1
+        try:
+            return await self._forwarder.exchange(request, body, headers, flight), None
+        except Unstarted as exc:
+            return None, exc
+        finally:
+            self._inflight -= 1
+            gen.inflight.discard(flight)
+            if flight.cut_reason is None:
+                gen.finished += 1
+            if not gen.inflight and gen.idle is not None:
+                gen.idle.set()
+
+    async def _acquire(self: Proxy, deadline: float) -> Generation:
+        """The generation to send to: at once when serving, else after a bounded wait in the queue."""
+        if self._state is SERVING:
+            return self._gen
+        if self._state is STOPPED:
+            raise Rejected("stopped", "specops is shutting down")
+        if self._waiting >= self.queue_size:
+            raise Rejected("queue_full", f"the engine is switching and the wait queue is full "
+                                         f"({self.queue_size} requests)")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        self._waiting += 1
+        try:
+            while self._state is not SERVING:
+                if self._state is STOPPED:
+                    raise Rejected("stopped", "specops is shutting down")
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise Rejected("queue_timeout", f"the engine did not come back within the "
+                                                    f"{self.queue_timeout:g}s queue timeout")
+                try:
+                    async with _timeout(left):
+                        await self._open.wait()
+                except asyncio.TimeoutError:
+                    pass
+            return self._gen
+        finally:
+            self._waiting -= 1
+            waited = loop.time() - t0
+            self._c["waited"] += 1
+            self._wait_total += waited
+            self._wait_longest = max(self._wait_longest, waited)
+
+    # ------------------------------------------------------------------------------ engine failures
+
+    async def _after_unstarted_failure(self: Proxy, flight: Flight, reason: str, alive: bool | None) -> None:
+        """Decide where the retry goes: the same engine if it is alive, else wait for the next one."""
+        gen = flight.gen
+        if flight.cut_reason is not None or gen is not self._gen or self._state is not SERVING:
+            return                          # a switch/failure is already being handled: _acquire waits
+        if alive is None:
+            alive = await self._reachable(gen.url)
+        if alive:
+            return                          # a transient error (e.g. a stale keep-alive connection)
+        if gen is self._gen and self._state is SERVING:
+            self._set_state(DOWN)
+            self._event("upstream_unreachable", url=gen.url, reason=reason)
+            self._start_recovery(gen)
+
+    async def _reachable(self: Proxy, url: str) -> bool:
+        u = URL(url)
+        try:
+            async with _timeout(min(1.0, self.connect_timeout)):
+                _, writer = await asyncio.open_connection(u.host, u.port)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        writer.close()
+        return True
+
+    def _start_recovery(self: Proxy, gen: Generation) -> None:
+        """Self-detected failure: reopen on the same URL once its health endpoint answers 200 again.
+
+        The supervisor normally calls release()/set_upstream() first; this only keeps a proxy whose engine
+        came back by itself from waiting forever.
+        """
+        self._stop_recovery()
+        self._recover_task = asyncio.get_running_loop().create_task(self._recover(gen))
+
+    def _stop_recovery(self: Proxy) -> None:
+        task, self._recover_task = self._recover_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    async def _recover(self: Proxy, gen: Generation) -> None:
+        url = gen.url + self.health_path
+        while self._state is DOWN and self._gen is gen:
+            await asyncio.sleep(self.recover_interval)
+            try:
+                async with self._forwarder.session.get(url, headers={"Connection": "close"},
+                                                       timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                    ok = r.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                ok = False
+            if ok and self._state is DOWN and self._gen is gen:
+                self._recover_task = None
+                self._event("upstream_recovered", url=gen.url)
+                self._new_generation(gen.url)
+                return

@@ -1,0 +1,388 @@
+"""What the public port accepts: it may face untrusted clients.
+
+- Only origin-form request targets (``/path?query``) are forwarded, and the engine URL is built from its
+  parts (the engine's scheme and host:port, then the client's path and query; see
+  :func:`specops.proxy.forward.upstream_url`), never by pasting the client's target after the engine's
+  address: ``CONNECT`` is answered 405, absolute-form (``GET http://host/...``), ``*`` and any target that
+  does not start with ``/`` (or holds a ``#``) 400, so a client can never make the proxy open a connection
+  anywhere but its engine (:func:`check_target`).
+- With ``api_key`` (the profile's ``server.api_key``) every request except ``GET``/``HEAD /health`` (for
+  load balancers; the engines leave it open too) must carry ``Authorization: Bearer <key>``, checked in
+  constant time before the body is read, queued or forwarded: 401 otherwise (:func:`check_key`).
+  ``/specops/status`` and ``/specops/metrics`` on the public port need the key too; the separate loopback
+  admin port does not.
+- Limits, each answered with a JSON error like every other rejection: the request headers must arrive
+  within ``header_timeout`` of the connection opening or of the previous response (an idle keep-alive
+  connection is closed after it as well; :class:`Connection`), the body within ``body_timeout`` (408 and
+  the connection closed; :func:`read_body`); a body over ``max_body_size`` is refused from its
+  Content-Length without reading it (413); past ``max_connections`` open client connections a new one
+  gets a 503 and is closed at once (:class:`Server`, :class:`Refuse`); the bodies held by the proxy (read,
+  queued or being forwarded, and the small engine answers it buffers) may add up to
+  ``max_buffered_bytes``: past it a request gets 503 with ``Retry-After`` (:class:`BufferBudget`).
+- A rejected or malformed request logs one line (a warning on ``specops.proxy``), never a traceback;
+  past ``log_rejects_per_s`` lines a second the rest are counted and the count is added to the next line
+  (:class:`RejectLog`, :class:`ServerLog`).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import sys
+import time
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from .errors import ClientError, brief, describe, error_body, shown
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # pragma: no cover - aiohttp depends on async-timeout on 3.10
+    from async_timeout import timeout as _timeout
+
+log = logging.getLogger("specops.proxy")
+
+# Defaults of the client-facing limits; the profile's `proxy` section has the same defaults and documents them.
+DEFAULT_MAX_BODY_SIZE = 16 * 1024 * 1024
+DEFAULT_MAX_BUFFERED_BYTES = 128 * 1024 * 1024
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_BODY_TIMEOUT = 60.0
+
+#: a request whose body was not read is closed after this much reading-and-discarding (aiohttp: 10 s)
+LINGER = 1.0
+#: (method, target) pairs served without the API key
+UNAUTHENTICATED = frozenset({("GET", "/health"), ("HEAD", "/health")})
+
+
+# ------------------------------------------------------------------------------------------ rejection log
+
+class RejectLog:
+    """One warning line per rejected request, at most ``per_s`` a second; the rest are counted and the
+    count is added to the next line that is printed (and to ``Proxy.stats()['log_suppressed']``)."""
+
+    def __init__(self, logger: logging.Logger, per_s: float):
+        self.logger = logger
+        self.per_s = per_s
+        self.window = -1.0
+        self.lines = 0
+        self.pending = 0                    # suppressed since the last printed line
+        self.suppressed = 0                 # suppressed in all
+
+    def __call__(self, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.window >= 1.0:
+            self.window = now
+            self.lines = 0
+        if self.lines >= self.per_s:
+            self.pending += 1
+            self.suppressed += 1
+            return
+        self.lines += 1
+        if self.pending:
+            msg += " (%d similar lines suppressed before this one)"
+            args += (self.pending,)
+            self.pending = 0
+        self.logger.warning(msg, *args)
+
+
+class ServerLog:
+    """The logger handed to aiohttp's server: its errors become one rate-limited line, never a traceback
+    (the traceback goes to debug level, for whoever is chasing a bug)."""
+
+    def __init__(self, reject: RejectLog):
+        self._reject = reject
+
+    def debug(self, msg, *args, **kw) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(msg, *args, **kw)
+
+    info = debug
+
+    def _line(self, msg, *args, exc_info=None, **kw) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1] if exc_info else None
+        try:
+            text = msg % args if args else str(msg)
+        except (TypeError, ValueError):
+            text = str(msg)
+        self._reject("proxy: %s%s", shown(text, 200), f": {shown(brief(exc), 200)}" if exc else "")
+        if exc is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug("proxy: traceback of the line above", exc_info=exc)
+
+    warning = error = exception = critical = _line
+
+    def isEnabledFor(self, level: int) -> bool:
+        return log.isEnabledFor(level)
+
+
+# ------------------------------------------------------------------------- connections and their deadlines
+
+# answered to a connection past max_connections, before anything is read from it
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
+
+
+class Refuse(asyncio.Protocol):
+    """A connection past ``max_connections``: a 503 at once, then closed (after the request arrives,
+    or 0.5 s, so the client reads the answer rather than a reset)."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.write(_REFUSED % (len(self.body), self.body))
+        self.timer = asyncio.get_running_loop().call_later(0.5, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.transport = None
+
+
+class Connection(web.RequestHandler):
+    """aiohttp's connection handler, counted (for ``max_connections``), with JSON, one-line errors, and a
+    deadline for the first request's headers (aiohttp's keep-alive timer covers the later ones; only
+    recent aiohttp releases also start it when the connection opens)."""
+
+    def __init__(self, manager: Server, *, header_timeout: float | None = None, **kwargs):
+        super().__init__(manager, **kwargs)
+        self._specops_counted = True
+        self._specops_header_timeout = header_timeout
+        self.specops_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if self._specops_header_timeout:
+            self.specops_deadline = asyncio.get_running_loop().call_later(
+                self._specops_header_timeout, self._specops_no_request)
+
+    def _specops_no_request(self) -> None:
+        self.specops_deadline = None        # a request would have cancelled it: none came in time
+        self.force_close()
+
+    def connection_lost(self, exc) -> None:
+        if self.specops_deadline is not None:
+            self.specops_deadline.cancel()
+            self.specops_deadline = None
+        if self._specops_counted:
+            self._specops_counted = False
+            server = self._manager
+            if server is not None:
+                server.open_connections -= 1
+        super().connection_lost(exc)
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """A request aiohttp could not parse (400, 413, 431...) or a bug in the handler (500)."""
+        server = self._manager
+        if isinstance(exc, ConnectionError):     # the client went away: nothing to answer, nothing to report
+            log.debug("proxy: client %s went away: %s", request.remote, describe(exc))
+        elif server is not None:
+            server.report_error(request, status, exc, message)
+        if status >= 500:
+            kind, text = "specops_internal_error", "specops: internal error"
+        else:
+            kind, text = "invalid_request_error", f"malformed HTTP request ({type(exc).__name__ if exc else status})"
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response had started: no error response can follow")
+        resp = web.Response(status=status, body=error_body(status, kind, text), content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+def cancel_header_deadline(request: web.BaseRequest) -> None:
+    """The request's headers came in time: the connection's first-request deadline is over."""
+    deadline = request.protocol.specops_deadline
+    if deadline is not None:
+        deadline.cancel()
+        request.protocol.specops_deadline = None
+
+
+class Server(web.Server):
+    """aiohttp's low-level server with a cap on open client connections.
+
+    ``counters`` is the proxy's counter dict (``rejected_connections``, ``rejected_malformed``,
+    ``internal_errors`` are counted here); ``reject_log`` gets one line per refusal.
+    """
+
+    def __init__(self, handler, *, counters: dict, reject_log: RejectLog, max_connections: int | None,
+                 header_timeout: float | None, **kwargs):
+        super().__init__(handler, **kwargs)
+        self.counters = counters
+        self.reject_log = reject_log
+        self.max_connections = max_connections
+        self.header_timeout = header_timeout
+        self.open_connections = 0
+        self._refusal = error_body(503, "specops_too_many_connections",
+                                   f"specops: too many open connections ({max_connections}); retry later")
+
+    def __call__(self) -> asyncio.Protocol:     # the protocol factory: one call per accepted connection
+        if self.max_connections is not None and self.open_connections >= self.max_connections:
+            self.counters["rejected_connections"] += 1
+            self.reject_log("proxy: refused a connection: %d connections are open (max_connections)",
+                            self.open_connections)
+            return Refuse(self._refusal)
+        self.open_connections += 1
+        return Connection(self, loop=self._loop, header_timeout=self.header_timeout, **self._kwargs)
+
+    def report_error(self, request, status: int, exc: BaseException | None, message: str | None) -> None:
+        """Count and log (one line) a request aiohttp could not parse, or a bug in the handler."""
+        self.counters["rejected_malformed" if status < 500 else "internal_errors"] += 1
+        self.reject_log("proxy: %d %s from %s: %s", status, "malformed request" if status < 500 else
+                        "internal error", request.remote or "-", shown(brief(exc) if exc else message, 160))
+        if exc is not None and status >= 500 and log.isEnabledFor(logging.DEBUG):
+            log.debug("proxy: traceback of the internal error", exc_info=exc)
+
+
+def raise_fd_limit(wanted: int) -> None:
+    """Raise the soft open-files limit towards ``wanted`` (never above the hard limit, never lower it), so
+    ``max_connections`` client connections, each with an engine connection, fit."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            if new > soft:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ImportError, ValueError, OSError):      # pragma: no cover - not on Linux, or not allowed
+        pass
+
+
+# ------------------------------------------------------------------------------------- request checks
+
+def check_target(request: web.BaseRequest) -> None:
+    """Only origin-form targets (``/path?query``) are served: nothing else can name another host."""
+    target = request.raw_path           # the request-target exactly as the client sent it
+    if request.method == "CONNECT":
+        raise ClientError(405, "method_not_allowed", "specops: CONNECT is not supported: this is a "
+                          "reverse proxy for one engine", close=True, counter="method")
+    if target[:1] != "/" or "#" in target:
+        raise ClientError(400, "invalid_request_error", "specops: the request target must be a path "
+                          "starting with '/' (no absolute URL, authority, '*' or fragment)", close=True,
+                          counter="bad_target")
+
+
+def check_key(request: web.BaseRequest, key: bytes | None) -> None:
+    """``key`` is ``b"Bearer <api_key>"`` (None: no key needed); compared in constant time."""
+    if key is None:
+        return
+    got = request.headers.get("Authorization")
+    if got is not None:
+        raw = got.strip().encode("utf-8", "surrogateescape")
+        if raw[:7].lower() == b"bearer ":          # the scheme is case-insensitive (RFC 9110 §11.1)
+            raw = b"Bearer " + raw[7:].lstrip()
+        if hmac.compare_digest(raw, key):
+            return
+    raise ClientError(401, "authentication_error", "specops: a valid API key is required "
+                      "(Authorization: Bearer <key>)", close=request.body_exists, counter="unauthorized")
+
+
+# ------------------------------------------------------------------------------------------- bodies
+
+class BufferBudget:
+    """The bytes of request bodies (and buffered engine answers) the proxy holds now, against
+    ``max_buffered_bytes``."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int):
+        self.held = 0
+        self.limit = limit
+
+    def reserve(self, n: int) -> None:
+        """Hold ``n`` more bytes, or refuse the request (503, retry later) when they do not fit."""
+        if n and self.held + n > self.limit:
+            raise ClientError(503, "specops_buffer_full", f"specops: the proxy holds too many request bodies "
+                              f"now ({self.held} bytes; proxy.max_buffered_bytes {self.limit}); retry later",
+                              close=True, counter="buffer_full")
+        self.held += n
+
+    def fits(self, n: int) -> bool:
+        return self.held + n <= self.limit
+
+
+def _too_large(limit: int, size: int | None = None) -> ClientError:
+    what = f"the request body ({size} bytes) is over the" if size is not None else "the request body is over the"
+    return ClientError(413, "request_too_large", f"specops: {what} {limit}-byte limit (proxy.max_body_size)",
+                       close=True, counter="too_large")
+
+
+def _malformed(exc: Exception) -> ClientError:
+    return ClientError(400, "invalid_request_error", f"specops: malformed request body ({type(exc).__name__})",
+                       close=True, counter="malformed")
+
+
+async def read_body(request: web.BaseRequest, budget: BufferBudget, limit: int,
+                    body_timeout: float) -> tuple[bytes, int]:
+    """The whole request body and the bytes it reserved of ``budget`` (give them back).
+
+    Refused without reading when the Content-Length is over ``limit`` (``max_body_size``) or the
+    reservation does not fit; a body that does not arrive within ``body_timeout`` is a 408.
+    """
+    if not request.body_exists:
+        return b"", 0
+    clen = request.content_length
+    if clen is not None and clen > limit:
+        raise _too_large(limit, clen)
+    content = request.content
+    if content.is_eof():                # the usual case: the body came with the headers
+        try:
+            body = content.read_nowait()
+        except HttpProcessingError as exc:
+            raise _malformed(exc) from None
+        if len(body) > limit:
+            raise _too_large(limit)
+        budget.reserve(len(body))
+        return body, len(body)
+    incoming = _Incoming(clen or 0)
+    budget.reserve(incoming.reserved)
+    try:
+        try:
+            async with _timeout(body_timeout):
+                await incoming.read(content, budget, limit)
+        except asyncio.TimeoutError:
+            raise ClientError(408, "request_timeout", f"specops: the request body did not arrive within "
+                              f"{body_timeout:g}s (proxy.body_timeout)", close=True,
+                              counter="body_timeout") from None
+        except HttpProcessingError as exc:
+            raise _malformed(exc) from None
+    except BaseException:
+        budget.held -= incoming.reserved
+        raise
+    chunks = incoming.chunks
+    return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), incoming.reserved
+
+
+class _Incoming:
+    """A body that did not come with the headers, read as it arrives."""
+
+    __slots__ = ("chunks", "reserved")
+
+    def __init__(self, reserved: int):
+        self.chunks: list[bytes] = []
+        self.reserved = reserved            # of the budget: the Content-Length, or what came (chunked)
+
+    async def read(self, content, budget: BufferBudget, limit: int) -> None:
+        size = 0
+        while True:
+            chunk = await content.readany()
+            if not chunk:
+                return
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            if size > self.reserved:        # no Content-Length (chunked): reserve as it comes
+                budget.reserve(size - self.reserved)
+                self.reserved = size
+            self.chunks.append(chunk)
