@@ -1,0 +1,124 @@
+"""The package's layers point one way: a module imports only from its own layer or the layers below it.
+
+    base → config → backends → resolve → run → watch → proxy → perf → app
+    devenv (beside them: it may use any layer but app; only app may use it)
+
+`base` is the handful of small modules every layer needs (errors, paths, methods, redaction, hook specs
+and the plugin registry, which finds backends through entry points and imports none of them). `app` is
+the command line and the wiring of `specops up`; only it may use `devenv` (the CPU engines, test models
+and the support-matrix runner for development), so nothing that runs in production depends on them. Imports inside functions count too: a lazy import is still a dependency.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "specops"
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("specops", "specops.errors", "specops.paths", "specops.methods", "specops.redact", "specops.urls",
+              "specops.reponames", "specops.hookspecs", "specops.plugins", "specops.speedup")),
+    ("config", ("specops.config",)),
+    ("backends", ("specops.backends",)),
+    ("resolve", ("specops.resolve",)),
+    ("run", ("specops.run",)),
+    ("watch", ("specops.watch",)),
+    ("proxy", ("specops.proxy",)),
+    ("perf", ("specops.perf",)),
+    ("app", ("specops.up", "specops.commands", "specops.cli", "specops.__main__")),
+]
+RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
+SIDE = {"devenv": ("specops.devenv",)}
+#: Which layers each side package may import, and which layers may import it.
+SIDE_MAY_IMPORT = {"devenv": {name for name, _ in LAYERS} - {"app"}}
+SIDE_IMPORTED_BY = {"devenv": {"app"}}
+
+
+def layer_of(module: str) -> str:
+    best, best_len = None, -1
+    for name, prefixes in LAYERS + list(SIDE.items()):
+        for p in prefixes:
+            exact_only = p == "specops"
+            if (module == p or (not exact_only and module.startswith(p + "."))) and len(p) > best_len:
+                best, best_len = name, len(p)
+    assert best is not None, f"{module} belongs to no layer: add it to tests/test_layers.py LAYERS"
+    return best
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every specops import in the file, wherever it stands."""
+    tree = ast.parse(path.read_text(), str(path))
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "specops"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "specops":
+                continue
+            # `from specops import engines` imports the module specops.engines, not the package
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}"
+                is_module = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or \
+                    (PACKAGE.parent / Path(*sub.split("."))).is_dir()
+                out.append((node.lineno, sub if is_module else mod))
+    return out
+
+
+def allowed(src: str, dst: str) -> bool:
+    if src == dst:
+        return True
+    if src in SIDE:
+        return dst in SIDE_MAY_IMPORT[src]
+    if dst in SIDE:
+        return src in SIDE_IMPORTED_BY[dst]
+    return RANK[dst] <= RANK[src]
+
+
+def violations() -> list[str]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        src_mod = module_name(path)
+        src = layer_of(src_mod)
+        for line, mod in imports_of(path):
+            dst = layer_of(mod)
+            if not allowed(src, dst):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {src_mod} ({src}) imports {mod} ({dst})")
+    return found
+
+
+def test_every_module_belongs_to_a_layer():
+    for path in PACKAGE.rglob("*.py"):
+        layer_of(module_name(path))
+
+
+def test_imports_point_down_the_layers():
+    assert violations() == []
+
+
+def test_the_check_sees_upward_and_lazy_imports(tmp_path):
+    """The checker itself: a lazy upward import in a function body is reported."""
+    assert not allowed("config", "run") and not allowed("run", "proxy") and not allowed("perf", "app")
+    assert allowed("app", "devenv") and not allowed("run", "devenv") and not allowed("perf", "devenv")
+    assert allowed("devenv", "perf") and not allowed("devenv", "app")
+    assert allowed("watch", "run") and allowed("resolve", "backends") and allowed("config", "base")
+    probe = PACKAGE / "config" / "_layer_probe.py"
+    probe.write_text("def f():\n    from specops.run import process\n    from ..watch import window\n")
+    try:
+        found = [v for v in violations() if "_layer_probe" in v]
+    finally:
+        probe.unlink()
+    assert len(found) == 2 and "imports specops.run.process (run)" in found[0]
+    assert "imports specops.watch.window (watch)" in found[1]
