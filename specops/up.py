@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from specops.backends.base import http_url
-from specops.backends.render import plan as render_plan
+from specops.backends.render import render_plan
 from specops.config.profile import LoadedProfile
 from specops.errors import SpecopsError
 from specops.resolve.prelaunch import resolve_for_launch

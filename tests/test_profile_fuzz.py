@@ -156,12 +156,12 @@ def test_mutated_profiles_load_and_render_without_crashing(workdir, mutations, v
     if isinstance(outcome, SpecopsError):
         return
     # it loaded: the renderer must either produce a plan or refuse with a SpecopsError
-    from specops.backends.render import FORMATS, format_plan, plan
+    from specops.backends.render import FORMATS, format_plan, render_plan
     backend = outcome.profile.backend
     if (backend == "vllm") != (version[0].isdigit()):
         version = "0.32.0" if backend == "vllm" else "current"
     try:
-        p = plan(outcome, get_registry(), backend_version=version, probe=False)
+        p = render_plan(outcome, get_registry(), backend_version=version, probe=False)
     except SpecopsError:
         return
     for fmt in FORMATS:

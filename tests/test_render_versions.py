@@ -6,13 +6,13 @@ import json
 
 from specops.plugins import get_registry
 from specops.config.profile import load_profile
-from specops.backends.render import plan
+from specops.backends.render import render_plan
 
 
 def _plan(tmp_path, body: str, version: str):
     path = tmp_path / "p.yaml"
     path.write_text(body, encoding="utf-8")
-    return plan(load_profile(path, env={}), get_registry(), backend_version=version, probe=False)
+    return render_plan(load_profile(path, env={}), get_registry(), backend_version=version, probe=False)
 
 
 EAGLE = "name: m\nbackend: vllm\nmodel: {id: a/b}\nspeculative: {method: eagle, draft: c/EAGLE-d, num_speculative_tokens: 4"

@@ -16,7 +16,7 @@ import pytest
 from specops.errors import ProfileError
 from specops.plugins import get_registry
 from specops.config.profile import load_profile
-from specops.backends.render import format_plan, plan
+from specops.backends.render import format_plan, render_plan
 from support_cli import run
 
 KEY = "sk-live-SECRETS-TEST-9c1f"
@@ -41,7 +41,7 @@ def _render_all(path: Path, env: dict) -> dict[str, str]:
 
 
 def _plan(path: Path, env: dict):
-    return plan(load_profile(path, env=env, registry=get_registry()), get_registry(), probe=False)
+    return render_plan(load_profile(path, env=env, registry=get_registry()), get_registry(), probe=False)
 
 
 # --------------------------------------------------------------------------------------------- errors
@@ -169,7 +169,7 @@ def test_fallback_step_draft_from_the_environment_stays_hidden_after_a_switch(tm
     loaded = load_profile(path, env={"D": "q"}, registry=get_registry())
     from specops.config.profile import LoadedProfile
     switched = LoadedProfile(loaded.profile.at_step(1), loaded.document, loaded.path)
-    text = format_plan(plan(switched, get_registry(), probe=False), "json")
+    text = format_plan(render_plan(switched, get_registry(), probe=False), "json")
     assert '\\"model\\":\\"org/***\\"' in text and "org/q" not in text
 
 

@@ -56,7 +56,7 @@ class LaunchPlan:
     #: Secret texts with their masked form (``x/sk-…`` → ``x/`` + MARK), for text that contains them.
     masks: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
     #: The printed form of :meth:`raw_dict` with each known secret position marked (see specops.redact),
-    #: set by :func:`specops.backends.render.plan` for values interpolated from the environment; None: no such values.
+    #: set by :func:`specops.backends.render.render_plan` for values interpolated from the environment; None: no such values.
     display: dict | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -28,7 +28,7 @@ from specops.config.yamlsource import format_path
 FORMATS = ("shell", "json", "args")
 
 
-def plan(loaded: LoadedProfile, registry, *, engine: EngineInfo | None = None, backend_version: str | None = None,
+def render_plan(loaded: LoadedProfile, registry, *, engine: EngineInfo | None = None, backend_version: str | None = None,
          probe: bool = True, host: str | None = None, port: int | None = None) -> LaunchPlan:
     """Render ``loaded`` for its backend; render errors come back located in the profile."""
     backend = registry.backend(loaded.profile.backend)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from specops.plugins import get_registry
-from specops.backends.render import FORMATS, format_plan, plan
+from specops.backends.render import FORMATS, format_plan, render_plan
 from specops.methods import Method
 from specops.config.profile import LoadedProfile
 from specops.commands._common import load, port_type, profile_argument, version_param
@@ -52,5 +52,5 @@ def render(profile, fmt, backend_version, host, port, offline, no_lock):
       specops render profiles/qwen25-coder-32b-gguf.yaml --backend-version current --format args
     """
     loaded = resolved(load(profile), offline=offline, use_lock=not no_lock)
-    p = plan(loaded, get_registry(), backend_version=backend_version, host=host, port=port)
+    p = render_plan(loaded, get_registry(), backend_version=backend_version, host=host, port=port)
     click.echo(format_plan(p, fmt), nl=False)

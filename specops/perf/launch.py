@@ -139,14 +139,14 @@ async def launched(loaded: LoadedProfile, registry, *, step_index: int = 0, prof
 
     A profile that leaves the method or draft ``auto`` is resolved first with
     :func:`specops.resolve.prelaunch.resolve_for_launch` (``say`` gets its notes). Renders with
-    :func:`specops.backends.render.plan` (probing the installed engine unless ``engine`` is given), binds
+    :func:`specops.backends.render.render_plan` (probing the installed engine unless ``engine`` is given), binds
     ``host:port`` (default: loopback and a free port), starts and waits for the health URL with
     :class:`specops.run.start.EngineStart` (default timeout: the profile's ``engine.ready_timeout``) and
     stops the whole process group on exit, whatever happens.
     Raises :class:`SpecopsError` with the engine's last lines when it never becomes ready, or when it
     starts without the speculation it was asked for (llama-server keeps serving without a bad draft).
     """
-    from specops.backends.render import plan as render_plan
+    from specops.backends.render import render_plan
 
     prof = profile if profile is not None else profile_for_step(loaded.profile, step_index)
     resolved, refused = resolve_for_launch(LoadedProfile(prof, loaded.document, loaded.path), offline,

@@ -98,7 +98,7 @@ def _rendered_ngram_variant(loaded, registry, engine) -> str | None:
     backend = registry.backend(loaded.profile.backend)
     if loaded.profile.speculative.method is not Method.NGRAM or not backend.ngram_variants():
         return None
-    from specops.backends.render import plan as render_plan
+    from specops.backends.render import render_plan
     return backend.ngram_variant_of(render_plan(loaded, registry, engine=engine))
 
 

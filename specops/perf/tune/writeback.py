@@ -218,7 +218,7 @@ def _validated(loaded, new_text: str, old_text: str, resolved_profile, registry,
 
 
 def _check_render(loaded, registry, engine) -> None:
-    from specops.backends.render import plan as render_plan
+    from specops.backends.render import render_plan
     try:
         render_plan(loaded, registry, engine=engine)
     except ProfileError as exc:
