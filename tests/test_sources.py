@@ -8,6 +8,7 @@ import pytest
 
 from specops.methods import Method
 from specops.backends.counters import SpecCounters
+from specops.plugins import get_registry
 from specops.watch.policy import KEEP, SWITCH, Policy, PolicyConfig
 from specops.config.profile import ChainStep
 from specops.watch.sources import (
@@ -213,9 +214,10 @@ def test_selector_and_duration():
     assert 'min(up{job="engine"})' in q.query()
     assert "up{" not in PromQLSource("http://127.0.0.1:1", "vllm:", {"model_name": "m"}, 60).query()
     # model_name defaults to the served model on vLLM only (llama-server labels nothing)
-    assert promql_labels("vllm:", {"job": "j"}, "tiny") == {"job": "j", "model_name": "tiny"}
-    assert promql_labels("vllm", {"model_name": "x"}, "tiny") == {"model_name": "x"}
-    assert promql_labels("llamacpp:", {"job": "j"}, "tiny") == {"job": "j"}
+    vllm, llamacpp = get_registry().backend("vllm"), get_registry().backend("llamacpp")
+    assert promql_labels(vllm.model_name_label, {"job": "j"}, "tiny") == {"job": "j", "model_name": "tiny"}
+    assert promql_labels(vllm.model_name_label, {"model_name": "x"}, "tiny") == {"model_name": "x"}
+    assert promql_labels(llamacpp.model_name_label, {"job": "j"}, "tiny") == {"job": "j"}
 
 
 def test_bad_labels_and_windows_are_clean_source_errors():

@@ -114,7 +114,7 @@ def advise(profile, alpha, rate, mean_length, instance, metrics_url, prometheus,
         from specops.watch.sources import promql_labels
         from specops.backends import DEFAULT_BACKEND
         be = get_registry().backend(backend or DEFAULT_BACKEND)
-        labels = promql_labels(be.metric_prefix, dict(prof.monitor.labels) if prof else {}, served)
+        labels = promql_labels(be.model_name_label, dict(prof.monitor.labels) if prof else {}, served)
         win = window or (prof.fallback.window if prof else 60.0)
         stats = adv_mod.read_prometheus(prometheus, be.metric_prefix, labels, win)
         acc = adv_mod.from_window(stats, k or profile_k, f"Prometheus {prometheus}, {win:g}s")

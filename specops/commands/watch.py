@@ -152,13 +152,15 @@ def _profile_for_url(url: str, backend: str, model_name: str | None, method: str
 def _detect_backend(metrics_url: str, timeout: float) -> str:
     from specops.watch.sources import ScrapeSource, SourceError
     try:
-        text, _ = ScrapeSource(metrics_url, "vllm:", None, timeout).fetch()
+        prefix = next(b.metric_prefix for b in get_registry().backends.values() if b.metric_prefix)
+        text, _ = ScrapeSource(metrics_url, prefix, None, timeout).fetch()  # fetch() reads all of /metrics
     except SourceError as exc:
         raise SpecopsError(f"cannot read the engine's metrics to detect it ({exc}); pass --backend") from None
     for backend in get_registry().backends.values():
         if backend.metric_prefix and backend.metric_prefix in text:
             return backend.name
-    raise SpecopsError(f"{redact_url(metrics_url)} shows no vllm:/llamacpp: series; pass --backend")
+    prefixes = "/".join(b.metric_prefix for b in get_registry().backends.values() if b.metric_prefix)
+    raise SpecopsError(f"{redact_url(metrics_url)} shows no {prefixes} series; pass --backend")
 
 
 @click.command()

@@ -141,14 +141,15 @@ def promql_duration(seconds: float) -> str:
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
-def promql_labels(prefix: str, labels: Mapping[str, str] | None, model_name: str | None) -> dict[str, str]:
+def promql_labels(model_name_label: bool, labels: Mapping[str, str] | None, model_name: str | None) -> dict[str, str]:
     """The profile's ``monitor.labels`` plus ``model_name`` where the engine labels its series with it.
 
-    vLLM writes ``model_name`` on every series, so it defaults to the served model; llama-server writes no
-    labels at all, so adding one would match nothing. An explicit ``model_name`` in ``labels`` always wins.
+    ``model_name_label`` is the backend's capability: vLLM writes ``model_name`` on every series, so it
+    defaults to the served model; llama-server writes no labels at all, so adding one would match nothing.
+    An explicit ``model_name`` in ``labels`` always wins.
     """
     out = dict(labels or {})
-    if model_name and normalize_prefix(prefix) == "vllm:":
+    if model_name and model_name_label:
         out.setdefault("model_name", model_name)
     return out
 

@@ -120,7 +120,7 @@ class AcceptanceReader:
             if self._promql is not None:
                 self._promql.close()
             self._promql = PromQLSource(self.prometheus_url, self.prefix,
-                                        promql_labels(self.prefix, self.labels, model_name), self.window_s,
+                                        promql_labels(self.backend.model_name_label, self.labels, model_name), self.window_s,
                                         timeout=self.timeout)
         self._buffer = SampleBuffer(self.window_s)
         self._live_buffer = SampleBuffer(self.window_s)
