@@ -1,8 +1,8 @@
 """The llama.cpp backend: renders ``llama-server`` flags for the build that is installed.
 
 llama-server renamed its speculative flags in 2026 and exits on a removed one, so the flags come from
-the probed binary's ``--help`` (or a pinned flag generation; see :mod:`specops.backends.versions`). Facts:
-../shared/DESIGN.md §5.
+the probed binary's ``--help`` (or a pinned flag generation; see :mod:`specops.backends.versions`). Facts with
+their sources in :mod:`specops.backends.versions` (llama.cpp's ``common/arg.cpp``).
 """
 from __future__ import annotations
 

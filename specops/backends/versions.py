@@ -3,7 +3,8 @@
 Every behaviour that depends on an engine version is decided here, with the source of the fact beside
 it, so a new engine release means editing one table. Sources: vLLM's ``vllm/config`` and
 ``engine/arg_utils.py`` history; llama.cpp's ``common/arg.cpp`` (commit 0c1e570, 2026-10) and the PRs
-named below. See also ../shared/DESIGN.md §4–5.
+named below. A gate was read in those sources, not
+measured, unless its comment says it was seen on a running engine.
 """
 from __future__ import annotations
 

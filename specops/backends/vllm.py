@@ -2,8 +2,8 @@
 
 ≥ 0.8.3 takes one ``--speculative-config`` JSON with ``method`` always explicit (EAGLE-1 heads carry no
 marker, and vLLM otherwise guesses from the repo name); 0.8.2 parses the same option as a Python literal;
-≤ 0.8.1 only knows separate ``--speculative-*`` flags. Facts: ../shared/DESIGN.md §4; gates in
-:mod:`specops.backends.versions`.
+≤ 0.8.1 only knows separate ``--speculative-*`` flags. Facts with their sources, and every gate,
+in :mod:`specops.backends.versions`.
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def advise(profile, alpha, rate, mean_length, instance, metrics_url, prometheus,
     model name and its concurrency (server.parallel).
 
     \b
-    Cost model (DESIGN §8), for a memory-bound target (batch 1):
+    Cost model (Leviathan et al. 2023, arXiv:2211.17192), for a memory-bound target (batch 1):
       tokens per target pass  τ = (1 − α^(k+1)) / (1 − α)
       speedup                 S = τ / (1 + k·c)
     The benefit fades as the batch grows; for vLLM at high concurrency advise suggests a

@@ -150,3 +150,73 @@ def path(name, ensure):
         click.echo(str(model))
         return
     click.echo(str(eng.resolve_path(name)))
+
+
+@engines.command()
+@click.option("--engine", "engine_names", multiple=True, type=click.Choice(("vllm", "llamacpp")),
+              help="Engines to measure (repeatable; default: both).")
+@click.option("--version", "versions", multiple=True, metavar="VERSION",
+              help="Installed engine versions to measure (repeatable; default: every installed one).")
+@click.option("--method", "methods", multiple=True, metavar="METHOD",
+              help="Only cells of this method (repeatable): eagle, eagle3, medusa, mlp_speculator, draft_model, "
+                   "mtp, ngram, suffix, dflash.")
+@click.option("--format", "formats", multiple=True, metavar="TEXT",
+              help="Only cells whose draft format contains TEXT (repeatable, case-insensitive), e.g. speculators.")
+@click.option("--force", is_flag=True, help="Measure again cells already in the data for the same engine version.")
+@click.option("--data", "data_path", type=click.Path(dir_okay=False), default=None,
+              help="The results file (default: specops/data/support_matrix.json in the package).")
+@click.option("--ready-timeout", type=float, default=None, metavar="SECONDS",
+              help="How long an engine may take to become ready (default: vLLM 240, llama-server 30).")
+@click.option("--readme", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Also rewrite the generated support-matrix table in this README.")
+@click.option("--list", "list_only", is_flag=True, help="Print the cells and installed engines; measure nothing.")
+@json_option
+def matrix(engine_names, versions, methods, formats, force, data_path, ready_timeout, readme, list_only, as_json):
+    """Measure what the installed engines do with every speculative method and draft format.
+
+    For each (engine, version, method/format) cell: render with specops for that version, launch it with a
+    short ready timeout, send a few greedy completions, read the speculative counters, and record the
+    outcome: speculating (with acceptance), started-without-speculation, engine-refused (with the engine's
+    error line), engine-timeout, rendered-refused (with specops' reason) or not-measured. One progress line
+    per cell; results are saved after every cell, so a stopped run resumes where it was (cells already
+    measured for the same engine version are skipped unless --force). One engine runs at a time.
+
+    \b
+    Examples:
+      specops engines matrix                              # every cell, every installed engine
+      specops engines matrix --engine llamacpp            # ~1 s per cell
+      specops engines matrix --method eagle3 --force --json
+      specops engines matrix --readme README.md           # and refresh the README table
+    """
+    from pathlib import Path
+
+    from specops.devenv import matrix as mx
+
+    engine_names = engine_names or mx.ENGINES
+    if list_only:
+        installed = [{"engine": e.engine, "version": e.version, "path": str(e.path)} for e in mx.installed_engines()]
+        cells = [{"engine": c.engine, "method": c.method, "format": c.format, "target": c.target, "draft": c.draft}
+                 for c in mx.cells_for(engine_names, methods or None, formats or None)]
+        if as_json:
+            echo_json({"installed": installed, "cells": cells})
+            return
+        for e in installed:
+            click.echo(f"installed: {e['engine']} {e['version']}  ({e['path']})")
+        for c in cells:
+            click.echo(f"{c['engine']:<9} {c['method']:<15} {c['format']}")
+        return
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        click.echo(f"[{time.monotonic() - t0:7.1f}s] {msg}", err=as_json)
+
+    records = mx.run(engines=engine_names, versions=versions or None, methods=methods or None,
+                     formats=formats or None, force=force, data_path=Path(data_path) if data_path else None,
+                     ready_timeout=ready_timeout, say=say)
+    if readme:
+        changed = mx.write_readme(Path(readme), mx.load_data(Path(data_path) if data_path else None))
+        say(f"{readme}: {'table updated' if changed else 'table already current'}")
+    if as_json:
+        echo_json(records)
+    else:
+        say(f"{len(records)} cells in {time.monotonic() - t0:.0f} s")

@@ -1,4 +1,4 @@
-"""``specops advise``: what the performance model (DESIGN §8) says about a draft, from one acceptance number.
+"""``specops advise``: what the performance model (specops.speedup) says about a draft, from one acceptance number.
 
 The arithmetic lives in :mod:`specops.speedup`; this module decides *which* number goes in and says so:
 

@@ -5,7 +5,8 @@ Method signals (most specific first): the speculators format (``speculators_mode
 ``eagle_config``); Medusa (``medusa_num_heads``); MLP speculator (``model_type: mlp_speculator``); EAGLE-1
 heads have no marker at all, so only the catalog or the repo name can say so. Which target a draft is
 for, most trusted first: speculators ``verifier.name_or_path``, Medusa ``base_model_name_or_path``, the
-card's ``base_model`` (sometimes wrong), the repo name. See ../../shared/DESIGN.md §6.
+card's ``base_model`` (sometimes wrong), the repo name. (The Maverick speculator's card,
+for one, names another draft as its base model.)
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ keep the method, switch to the next step, retry the primary, or hold. Rules, in 
 8. ``coarse`` — only a lifetime ratio is available (vLLM V0) and ``act_on_coarse`` is off: report only.
 9. ``min-draft-tokens`` — fewer drafted tokens than ``min_draft_tokens`` in the window: no verdict.
 10. The verdict: ``threshold`` mode — low when acceptance < ``min_acceptance``; ``model`` mode — low when
-    the predicted speedup τ / (1 + k·c) < 1 (DESIGN.md §8). A good window resets the streak (and marks a
+    the predicted speedup τ / (1 + k·c) < 1 (Leviathan et al. 2023, see specops.speedup). A good window resets the streak (and marks a
     retry as successful, resetting its back-off); a low one extends it (``hysteresis`` until it reaches
     ``consecutive_windows``).
 11. With the streak complete: ``fallback-disabled`` (hold: watch-only), ``chain-end`` (hold: nothing left
