@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 
 import click
@@ -26,11 +27,17 @@ from specops.commands._common import echo_json, json_option
 MAX_LIVE_BYTES = 4 << 20
 
 
-def _instances(name: str | None, state_dir: str | None) -> list[InstancePaths]:
-    if name and (name.endswith((".yaml", ".yml")) and os.path.isfile(name)):
+def _profile_file(name: str | None):
+    """The profile when NAME names a profile file (else None: NAME is an instance name)."""
+    if name and name.endswith((".yaml", ".yml")) and os.path.isfile(name):
         from specops.commands._common import load
-        p = load(name).profile
-        return [InstancePaths.for_profile(p.name, p.supervisor.state_dir)]
+        return load(name).profile
+    return None
+
+
+def _instances(name: str | None, state_dir: str | None, profile=None) -> list[InstancePaths]:
+    if profile is not None:
+        return [InstancePaths.for_profile(profile.name, profile.supervisor.state_dir)]
     found = find_instances(state_dir)
     if name:
         found = [i for i in found if i.root.name == name]
@@ -39,21 +46,33 @@ def _instances(name: str | None, state_dir: str | None) -> list[InstancePaths]:
     return found
 
 
-def _live(state: dict) -> dict:
-    """Add what only the running instance knows (the proxy's /specops/status), when reachable."""
+def _live(state: dict, api_key: str | None = None) -> dict:
+    """Add what only the running instance knows (the proxy's /specops/status), when reachable.
+
+    With ``server.api_key`` set, the public port answers /specops/status only with the key: it is sent
+    when status was given the profile file (the key comes from the profile, never from the state file);
+    otherwise the row says how to see the live section.
+    """
     if not state.get("proxy"):
         return state
     url = state.get("admin_url") or state.get("url")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         return state
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url + "/specops/status", timeout=2) as resp:
+        req = urllib.request.Request(url + "/specops/status", headers=headers)
+        with urllib.request.urlopen(req, timeout=2) as resp:
             return {**state, "live": json.loads(resp.read(MAX_LIVE_BYTES))}
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            return {**state, "live_problem": "the proxy wants the API key: run `specops status PROFILE.yaml` with "
+                                             "the key's variable set, or set proxy.admin_port"}
+        return state
     except (OSError, ValueError, RecursionError):
         return state
 
 
-def _row(inst: InstancePaths) -> dict:
+def _row(inst: InstancePaths, api_key: str | None = None) -> dict:
     """One instance's state as status shows it; a state file that cannot be used is one row saying why."""
     name = inst.root.name
     try:
@@ -71,7 +90,7 @@ def _row(inst: InstancePaths) -> dict:
     st["stale"] = why is not None and not done
     if st["stale"]:
         st["stale_reason"] = why
-    return _live(st) if why is None else st
+    return _live(st, api_key) if why is None else st
 
 
 @click.command()
@@ -89,7 +108,9 @@ def status(name, state_dir, as_json):
       specops status
       specops status llamacpp-cpu-draft --json
     """
-    rows = [_row(inst) for inst in _instances(name, state_dir)]
+    profile = _profile_file(name)
+    api_key = profile.server.api_key if profile is not None else None
+    rows = [_row(inst, api_key) for inst in _instances(name, state_dir, profile)]
     if as_json:
         echo_json(rows if name is None else (rows[0] if rows else None))
         return
@@ -154,6 +175,8 @@ def _print(st: dict) -> None:
         to = f" → {_text(d['to'])}" if d.get("to") else ""
         click.echo(f"  decision   {_text(d.get('action', 'switch'))} {_text(d.get('from', ''))}{to}: "
                    f"{_text(d.get('reason'), 300)}")
+    if st.get("live_problem"):
+        click.echo(f"  live       {_text(st['live_problem'], 300)}")
     click.echo(f"  logs       {_text(st.get('engine_log'), 400)}  events {_text(st.get('events'), 400)}")
 
 
@@ -173,7 +196,7 @@ def down(name, state_dir, timeout):
       specops down llamacpp-cpu-draft
       specops down examples/vllm-cpu-ngram.yaml
     """
-    targets = _instances(name, state_dir)
+    targets = _instances(name, state_dir, _profile_file(name))
     if not name and len(targets) > 1:
         raise SpecopsError("several instances: name one (`specops status` lists them)")
     if not targets:
