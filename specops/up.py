@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from specops.backends.base import http_url
+from specops.urls import http_url
 from specops.backends.render import render_plan
 from specops.config.profile import LoadedProfile
 from specops.errors import SpecopsError

@@ -114,3 +114,12 @@ def split_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
     userinfo, _, host = parts.netloc.rpartition("@")
     user, _, password = userinfo.partition(":")
     return urlunsplit(parts._replace(netloc=host)), (unquote(user), unquote(password))
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL a local client uses for a bind address (a wildcard bind is reached on loopback)."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"

@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Iterable
 
 from specops.methods import Method
+from specops.urls import http_url  # re-exported for backends
 from specops.redact import MARK, MIN_SUBSTRING, Redactor, looks_secret, shell_quote, unmark
 from specops.config.profile import check_version_text  # re-exported for backends
 
@@ -289,15 +290,6 @@ def counter_total(metrics_text: str, name: str) -> float:
     """The sum of every sample of the counter ``name`` (any labels) in classic-format /metrics text."""
     pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)", re.M)
     return float(sum(float(v) for v in pattern.findall(metrics_text)))
-
-
-def http_url(host: str, port: int) -> str:
-    """The URL a local client uses for a bind address (a wildcard bind is reached on loopback)."""
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
 
 
 def flag_of(arg: str) -> str | None:

@@ -22,7 +22,7 @@ from specops.run.instance import EventLog
 from specops.plugins import get_registry
 from specops.watch.policy import Policy
 from specops.config.profile import Profile
-from specops.urls import check_http_url, redact_text, redact_url
+from specops.urls import check_http_url, http_url, redact_text, redact_url
 from specops.watch.watcher import MAX_INTERVAL, MAX_WINDOW, MAX_WINDOW_SAMPLES, MIN_INTERVAL
 from specops.commands._common import load
 
@@ -226,8 +226,7 @@ def watch(target, backend, model_name, method, engine_url, window, interval, min
             mon["source"] = "promql"
         profile = profile.model_copy(update={"fallback": profile.fallback.model_copy(update=fb),
                                              "monitor": profile.monitor.model_copy(update=mon)})
-        h = "127.0.0.1" if profile.server.host in ("0.0.0.0", "::") else profile.server.host
-        base = (engine_url or f"http://{h}:{profile.server.port}").rstrip("/")
+        base = (engine_url or http_url(profile.server.host, profile.server.port)).rstrip("/")
     profile = _check_bounds(profile, say=lambda msg: click.echo(msg, err=True))
     try:
         asyncio.run(_watch(profile, base, model_name or profile.model.served_name, command, webhook, once, as_json))

@@ -42,6 +42,7 @@ from .limits import (
 )
 from .metrics import metrics_text
 from .states import WAITING_STATES, ProxyState, check_transition
+from specops.urls import http_url
 
 log = logging.getLogger("specops.proxy")
 
@@ -173,10 +174,7 @@ class Proxy(RequestPath):
 
     @property
     def url(self) -> str:
-        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     @property
     def admin_url(self) -> str:
