@@ -23,7 +23,8 @@ from specops.config.profile import LoadedProfile
 from specops.errors import SpecopsError
 from specops.resolve.prelaunch import resolve_for_launch
 from specops.run.events import EngineLine, SwitchOrder
-from specops.run.instance import EventLog, InstancePaths, acquire, release, write_state
+from specops.run.instance import EventLog, InstancePaths, write_state
+from specops.run.lock import acquire, release
 from specops.run.start import free_port
 from specops.run.supervise import Supervisor
 from specops.watch.decide import FallbackDecider

@@ -19,17 +19,9 @@ from pathlib import Path
 import pytest
 
 from specops.errors import SpecopsError
-from specops.run.instance import (
-    EventLog,
-    InstancePaths,
-    StateError,
-    acquire,
-    proc_starttime,
-    read_state,
-    release,
-    self_identity,
-    write_state,
-)
+from specops.run.identity import proc_starttime, self_identity
+from specops.run.instance import EventLog, InstancePaths, StateError, read_state, write_state
+from specops.run.lock import acquire, release
 from support_cli import ROOT, run
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,7 +29,8 @@ pytestmark = pytest.mark.timeout(60)
 INSTANCE = r"""
 import signal, sys, time
 from pathlib import Path
-from specops.run.instance import InstancePaths, acquire, release, write_state
+from specops.run.instance import InstancePaths, write_state
+from specops.run.lock import acquire, release
 
 paths = InstancePaths(Path(sys.argv[1]))
 acquire(paths)

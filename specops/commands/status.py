@@ -12,15 +12,9 @@ import click
 
 from specops.config.durations import format_duration
 from specops.errors import SpecopsError
-from specops.run.instance import (
-    InstancePaths,
-    StateError,
-    find_instances,
-    owner_problem,
-    read_state,
-    remove_stale_state,
-    signal_process,
-)
+from specops.run.identity import owner_problem, signal_process
+from specops.run.instance import InstancePaths, StateError, find_instances, read_state
+from specops.run.lock import remove_stale_state
 from specops.commands._common import echo_json, json_option
 
 #: The most of /specops/status read from a live instance.

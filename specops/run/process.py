@@ -22,7 +22,8 @@ import aiohttp
 
 from specops.backends.base import LaunchPlan
 from specops.errors import SpecopsError
-from specops.run.instance import open_log, proc_starttime, proc_state
+from specops.run.identity import proc_starttime, proc_state
+from specops.run.instance import open_log
 
 PR_SET_PDEATHSIG = 1
 

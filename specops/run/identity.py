@@ -1,0 +1,171 @@
+"""Which process a pid names: process identity, and the pid safety checks that rest on it.
+
+A state or lock file names a pid, and pids are reused (after a crash, after a reboot), so a pid alone is
+never trusted: the writer records its *identity* (pid, start time in clock ticks from ``/proc/<pid>/stat``
+and the kernel's boot id) and a process is taken for the one recorded only when all of it matches. A
+process that is gone or is now someone else is reported as such, and nothing is ever signalled to it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+#: PID_MAX_LIMIT on 64-bit Linux: no pid is larger.
+PID_MAX = 1 << 22
+
+
+def valid_pid(value) -> int | None:
+    """``value`` when it can name a process specops may have written (an int, not a bool, in 2..PID_MAX)."""
+    return value if type(value) is int and 1 < value <= PID_MAX else None
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat from field 3 (state) on, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read(4096).decode("ascii", "replace")
+    except (OSError, ValueError):
+        return None
+    # the fields after the command name (which may contain spaces) start after the last ')'
+    rest = raw[raw.rfind(")") + 2:].split()
+    return rest if len(rest) > 19 else None
+
+
+def proc_state(pid: int | str) -> tuple[str, int] | None:
+    """(state letter, process group) of ``pid`` from /proc, or None when there is no such process."""
+    rest = _stat_fields(pid)
+    try:
+        return (rest[0], int(rest[2])) if rest else None
+    except ValueError:
+        return None
+
+
+def proc_starttime(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat: when the process started, in clock ticks after boot."""
+    rest = _stat_fields(pid)
+    try:
+        return int(rest[19]) if rest else None
+    except ValueError:
+        return None
+
+
+def boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read(64).strip() or None
+    except (OSError, ValueError):
+        return None
+
+
+def process_identity(pid: int) -> dict | None:
+    """What tells this process apart from any later one given the same pid: start time and boot id."""
+    start = proc_starttime(pid)
+    if start is None:
+        return None
+    return {"pid": pid, "starttime": start, "boot_id": boot_id()}
+
+
+_self_identity: dict | None = None
+
+
+def self_identity() -> dict:
+    global _self_identity
+    if _self_identity is None or _self_identity["pid"] != os.getpid():
+        _self_identity = process_identity(os.getpid()) or {"pid": os.getpid(), "starttime": None,
+                                                           "boot_id": boot_id()}
+    return dict(_self_identity)
+
+
+def pid_alive(pid) -> bool:
+    """Whether some live (non-zombie) process has this pid: says nothing of *which* process it is."""
+    pid = valid_pid(pid)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    st = proc_state(pid)
+    return st is None or st[0] != "Z"  # a zombie is not alive (no /proc entry: trust kill(0))
+
+
+def short_repr(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def identity_problem(identity) -> str | None:
+    """Why ``identity`` (as recorded) is malformed, or None."""
+    if not isinstance(identity, dict):
+        return f"identity is not an object: {short_repr(identity)}"
+    if valid_pid(identity.get("pid")) is None:
+        return f"invalid pid {short_repr(identity.get('pid'))}"
+    if type(identity.get("starttime")) is not int or identity["starttime"] < 0:
+        return f"invalid start time {short_repr(identity.get('starttime'))}"
+    if identity.get("boot_id") is not None and not isinstance(identity.get("boot_id"), str):
+        return f"invalid boot id {short_repr(identity.get('boot_id'))}"
+    return None
+
+
+def why_not_running(identity: dict) -> str | None:
+    """None when the process ``identity`` records is alive now; else why not (one line).
+
+    ``identity`` must be well formed (see :func:`identity_problem`)."""
+    pid = identity["pid"]
+    recorded_boot, now_boot = identity.get("boot_id"), boot_id()
+    if recorded_boot and now_boot and recorded_boot != now_boot:
+        return f"pid {pid} was recorded before the last reboot"
+    rest = _stat_fields(pid)
+    if rest is None or rest[0] in ("Z", "X"):
+        return f"pid {pid} is not running"
+    if rest[19] != str(identity["starttime"]):
+        return f"pid {pid} is now another process (the pid was reused)"
+    return None
+
+
+def owner_problem(state: dict) -> str | None:
+    """None when the specops process that wrote ``state`` is alive; else why the state is stale."""
+    identity = state.get("identity")
+    if identity is None:
+        return (f"cannot tell whether pid {state.get('pid')} is this instance (no process identity in "
+                f"the state file: written by an older specops?)")
+    problem = identity_problem(identity)
+    if problem is None and identity["pid"] != state.get("pid"):
+        problem = "the identity names another pid than the state"
+    if problem:
+        return f"unusable process identity: {problem}"
+    return why_not_running(identity)
+
+
+def signal_process(identity: dict, sig: int) -> str | None:
+    """Send ``sig`` to the process ``identity`` records, only if it is that very process.
+
+    Returns None when sent, else why not. A pidfd pins the process between the check and the signal,
+    so a pid reused in between cannot receive it."""
+    pid = identity["pid"]
+    fd = None
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return f"pid {pid} is not running"
+    except (AttributeError, OSError):
+        fd = None  # no pidfd (old kernel): the identity check just before the signal still holds
+    try:
+        why = why_not_running(identity)
+        if why:
+            return why
+        try:
+            if fd is not None:
+                signal.pidfd_send_signal(fd, sig)
+            else:
+                os.kill(pid, sig)
+        except ProcessLookupError:
+            return f"pid {pid} is not running"
+        except PermissionError:
+            return f"not allowed to signal pid {pid} (another user's process)"
+        return None
+    finally:
+        if fd is not None:
+            os.close(fd)
