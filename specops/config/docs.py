@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from specops.config.durations import format_duration
-from specops.config.profile import Profile
+from specops.config.sections import Profile
 
 START = "<!-- profile-reference:start -->"
 END = "<!-- profile-reference:end -->"

@@ -1,0 +1,178 @@
+"""Rules that span fields or need the backend: each problem points at the field to fix.
+
+Pydantic checks each field on its own (:mod:`specops.config.sections`); these rules look at several at
+once and at the backend the profile names, and give every problem the path of the field to change, which
+:mod:`specops.config.yamlsource` maps back to file:line:column.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from specops.config.sections import ENV_NAME, LABEL_NAME, MAX_K, MAX_SEQUENCES, Profile
+from specops.config.yamlsource import quote_value
+from specops.errors import Problem
+from specops.methods import NEEDS_DRAFT, Method
+from specops.redact import secret_flag
+
+if TYPE_CHECKING:
+    from specops.config.profile import LoadedProfile
+    from specops.plugins import Registry
+
+#: What a rule finds: the path of the field to fix and what is wrong with it.
+Findings = Iterator[tuple[tuple, str]]
+
+
+def semantic_problems(loaded: LoadedProfile, registry: Registry) -> list[Problem]:
+    """Rules that span fields or need the backend: each problem points at the field to fix."""
+    p = loaded.profile
+    backend = registry.backends.get(p.backend)
+    out: list[Problem] = []
+    for findings in (_unknown_backend(p.backend, registry) if backend is None else iter(()),
+                     _draft_problems(p), _layout_problems(p, backend), _chain_problems(p, backend)):
+        out += [loaded.problem(path, msg) for path, msg in findings]
+    # names that end up in a shell line, an environment, a PromQL selector
+    out += _name_problems(loaded)
+    for findings in (_secret_and_option_problems(p), _monitor_and_port_problems(p),
+                     _backend_problems(p, backend) if backend is not None else iter(())):
+        out += [loaded.problem(path, msg) for path, msg in findings]
+    return out
+
+
+def _unknown_backend(name: str, registry: Registry) -> Findings:
+    names = sorted(registry.backends)
+    hint = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    yield ("backend",), (f"unknown backend {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                         + f" (installed: {', '.join(names) or 'none'})")
+
+
+def _draft_problems(p: Profile) -> Findings:
+    """The draft must match what the method needs."""
+    spec = p.speculative
+    method = spec.method
+    if method in NEEDS_DRAFT and not spec.draft:
+        yield ("speculative", "draft"), f"method {method} needs a draft: a Hub id, a local path, or `auto`"
+    if method in (Method.NGRAM, Method.SUFFIX, Method.NONE, Method.MTP) and spec.draft:
+        extra = " (MTP uses the target's own MTP layers)" if method is Method.MTP else ""
+        yield ("speculative", "draft"), f"method {method} takes no draft{extra}; remove `draft`"
+    if method is Method.NONE and spec.num_speculative_tokens is not None:
+        yield ("speculative", "num_speculative_tokens"), "method none drafts nothing; remove num_speculative_tokens"
+    if spec.ngram.min > spec.ngram.max:
+        yield ("speculative", "ngram", "min"), f"ngram.min ({spec.ngram.min}) must be <= ngram.max ({spec.ngram.max})"
+
+
+def _layout_problems(p: Profile, backend: Any) -> Findings:
+    """GPUs, parallelism and lengths that contradict each other."""
+    spec, g = p.speculative, p.gpus
+    tp = g.tensor_parallel_size
+    if spec.draft_tensor_parallel_size not in (None, 1, tp):
+        yield ("speculative", "draft_tensor_parallel_size"), (
+            f"draft TP must be 1 or the target's tensor_parallel_size ({tp}), not {spec.draft_tensor_parallel_size}")
+    if g.devices:
+        if len(set(g.devices)) != len(g.devices):
+            yield ("gpus", "devices"), "a GPU is listed twice"
+        elif len(g.devices) != tp * g.pipeline_parallel_size and getattr(backend, "parallel_layout", True):
+            yield ("gpus", "devices"), (f"{len(g.devices)} devices listed but tensor_parallel_size × "
+                                        f"pipeline_parallel_size = {tp} × {g.pipeline_parallel_size} = "
+                                        f"{tp * g.pipeline_parallel_size}")
+    if g.devices == [] and (tp > 1 or g.pipeline_parallel_size > 1):
+        yield ("gpus", "tensor_parallel_size"), "devices: [] means CPU only; tensor/pipeline parallelism needs GPUs"
+    if g.tensor_split and g.devices and len(g.tensor_split) != len(g.devices):
+        yield ("gpus", "tensor_split"), f"{len(g.tensor_split)} shares for {len(g.devices)} devices"
+    if spec.draft_max_model_len and p.model.max_model_len and spec.draft_max_model_len > p.model.max_model_len:
+        yield ("speculative", "draft_max_model_len"), "draft_max_model_len cannot exceed model.max_model_len"
+    for i, (start, end, k) in enumerate(spec.per_batch_size or []):
+        if not 1 <= start <= end <= MAX_SEQUENCES or not 0 <= k <= MAX_K:
+            yield ("speculative", "per_batch_size", i), (f"[{_num(start)}, {_num(end)}, {_num(k)}]: need "
+                                                         f"1 <= start_bs <= end_bs <= {MAX_SEQUENCES} and "
+                                                         f"0 <= k <= {MAX_K}")
+
+
+def _chain_problems(p: Profile, backend: Any) -> Findings:
+    """The fallback chain: no duplicates, no way back to the primary method, every step runnable."""
+    method = p.speculative.method
+    seen = {method}
+    for i, step in enumerate(p.chain):
+        path = ("fallback", "chain", i)
+        if step.method is Method.AUTO:
+            yield path, "`auto` cannot be a fallback step; name a method"
+        elif step.method in seen:
+            what = "the primary method" if step.method is method else "already in the chain"
+            yield path, f"{step.method} is {what}: a chain must not repeat a method (cycle)"
+        elif step.method in NEEDS_DRAFT and not step.draft:
+            yield path, f"fallback step {step.method} needs a draft: write {{method: {step.method}, draft: ...}}"
+        elif step.method not in NEEDS_DRAFT and step.draft:
+            yield path, f"fallback step {step.method} takes no draft"
+        elif backend is not None and step.method not in backend.methods:
+            yield path, (f"backend {p.backend} does not support {step.method} "
+                         f"(supported: {', '.join(sorted(m.value for m in backend.methods))})")
+        seen.add(step.method)
+
+
+def _name_problems(loaded: LoadedProfile) -> list[Problem]:
+    """Environment variable and Prometheus label names (located at the key, not the value)."""
+    p = loaded.profile
+    out: list[Problem] = []
+    for name in p.server.env:
+        if not ENV_NAME.match(name):
+            out.append(loaded.problem(("server", "env", name), f"{quote_value(name)} is not an environment variable "
+                                      f"name: use letters, digits and _, not starting with a digit",
+                                      key=True, field="server.env"))
+    for name in p.monitor.labels:
+        if not LABEL_NAME.match(name):
+            out.append(loaded.problem(("monitor", "labels", name), f"{quote_value(name)} is not a Prometheus label "
+                                      f"name: use letters, digits and _, not starting with a digit",
+                                      key=True, field="monitor.labels"))
+    return out
+
+
+def _secret_and_option_problems(p: Profile) -> Findings:
+    """No secret in argv (``ps`` shows it), and pass-through numbers a JSON document can carry."""
+    for i, arg in enumerate(p.server.extra_args):
+        flag = secret_flag(arg)
+        if flag:
+            yield ("server", "extra_args", i), (f"{flag} would put a secret on the engine's command line, which "
+                                                "every user can read in `ps`: set server.api_key, or the engine's "
+                                                "variable in server.env (e.g. HF_TOKEN: ${HF_TOKEN})")
+    yield from _option_number_problems(p.speculative.options, ("speculative", "options"))
+
+
+def _monitor_and_port_problems(p: Profile) -> Findings:
+    if p.monitor.source == "promql" and not p.monitor.prometheus_url:
+        yield ("monitor", "prometheus_url"), "monitor.source is promql: set prometheus_url"
+    if p.proxy.enabled and p.proxy.engine_port == p.server.port:
+        yield ("proxy", "engine_port"), f"the engine port must differ from the public port {p.server.port}"
+    if p.proxy.admin_port is not None and p.proxy.admin_port in (p.server.port, p.proxy.engine_port):
+        yield ("proxy", "admin_port"), "the admin port must differ from the public and the engine port"
+
+
+def _backend_problems(p: Profile, backend: Any) -> Findings:
+    """What the named backend supports, and its own checks of the profile."""
+    method = p.speculative.method
+    if method is not Method.AUTO and method not in backend.methods:
+        yield ("speculative", "method"), (f"backend {p.backend} does not support method {method} "
+                                          f"(supported: {', '.join(sorted(m.value for m in backend.methods))})")
+    yield from backend.check_profile(p)
+
+
+def _num(n: int) -> str:
+    text = str(n)
+    return text if len(text) <= 12 else text[:8] + "…"
+
+
+def _option_number_problems(value: Any, path: tuple) -> Findings:
+    """Numbers in pass-through settings must be finite and fit in 64 bits (JSON has no Infinity)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        yield path, "must be a finite number"
+    elif isinstance(value, int) and not -(1 << 63) <= value < (1 << 63):
+        yield path, "is out of range (a 64-bit integer)"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _option_number_problems(item, path + (key,))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _option_number_problems(item, path + (i,))
