@@ -11,14 +11,15 @@ Acceptance per cell comes from the engine's own counters read before and after t
 are the fallback when its build has no counters.
 
 Outputs (``write_outputs``): ``results.json`` (everything), ``summary.md`` (tables a person reads) and
-PNG plots — speedup vs concurrency per prompt set, acceptance per prompt set, tokens/s on vs off.
+PNG plots (:mod:`specops.perf.plots`) — speedup vs concurrency per prompt set, acceptance per prompt set,
+tokens/s on vs off.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as _dt
 import json
-import math
 import os
 import platform
 import time
@@ -31,6 +32,7 @@ from specops.errors import SpecopsError
 from specops.methods import Method
 from specops.config.profile import LoadedProfile
 from specops.speedup import DEFAULT_DRAFT_COST
+from specops.perf.plots import plot
 from specops.perf.stats import median
 from specops.perf.workload import BUILTIN_SETS, Prompt, load_prompts
 
@@ -130,100 +132,125 @@ class _Progress:
 async def run_bench(loaded: LoadedProfile, registry, cfg: BenchConfig, *, say: Say = lambda m: None,
                     progress: _Progress | None = None) -> dict:
     """Run the comparison and return the report (a JSON-ready dict; see :func:`summarize`)."""
-    from specops.perf.launch import launched, profile_for_step, without_speculation
-
     cfg.check()
-    progress = progress or _Progress()
-    sets = load_sets(cfg.prompt_sets, cfg.max_tokens)
-    spec_profile = profile_for_step(loaded.profile, cfg.step_index)
-    if spec_profile.speculative.method is Method.NONE:
-        raise SpecopsError(f"{loaded.path}: step {cfg.step_index} runs without speculation (method none): "
-                           "nothing to compare; bench a profile whose method drafts")
-    base_profile = without_speculation(spec_profile)
-    backend = registry.backend(spec_profile.backend)
-    engine = backend.engine_info(spec_profile, cfg.backend_version, probe=True)
-    extra = {"ignore_eos": True} if cfg.ignore_eos else None
-    levels = sorted(set(cfg.concurrency))
-    cells: list[dict] = []
-    launches: list[dict] = []
+    bench = _Bench(loaded, registry, cfg, say, progress or _Progress())
     started = time.time()
-    per_engine_requests = sum((cfg.requests_for(c) or 0) for c in levels) * len(sets)
-
-    def launch(mode: str, rnd: int):
-        prof = spec_profile if mode == SPEC else base_profile
-        what = f"{prof.speculative.method} k={prof.speculative.k}" if mode == SPEC else "no speculation"
-        say(f"round {rnd + 1}/{cfg.rounds}: launching {prof.backend} {engine.version} with {what}")
-        log_path = (cfg.log_dir / f"engine-{mode}-r{rnd + 1}.log") if cfg.log_dir else None
-        return launched(loaded, registry, profile=prof, engine=engine, ready_timeout=cfg.ready_timeout,
-                        log_path=log_path)
-
-    async def ready(eng, mode: str, rnd: int) -> None:
-        say(f"ready in {eng.ready_s:.1f}s on {eng.base_url}")
-        launches.append({"mode": mode, "round": rnd + 1, "ready_s": round(eng.ready_s, 3),
-                         "argv": [eng.plan.redact(a) for a in eng.plan.argv]})
-        await _warmup(eng, sets, cfg, extra)
-
-    async def cell(eng, mode: str, rnd: int, set_name: str, level: int) -> None:
-        label = f"{mode} r{rnd + 1} {set_name} c={level}"
-        out = await _run_cell(eng, sets[set_name], level, cfg, extra,
-                              lambda done, total, label=label: progress.advance(label))
-        cells.append({"set": set_name, "concurrency": level, "mode": mode, "round": rnd + 1, **out})
-        if not eng.process.running:
-            raise SpecopsError(f"the engine ({mode}) {eng.process.exit.describe()} during {set_name} at "
-                               f"concurrency {level}; see its log in {cfg.log_dir or 'the output folder'}")
-
     for rnd in range(cfg.rounds):
         order = (SPEC, BASE) if rnd % 2 == 0 else (BASE, SPEC)
         if cfg.interleave:
-            # both engines up at once; every cell runs on one and then the other, the order alternating
-            async with launch(order[0], rnd) as first, launch(order[1], rnd) as second:
-                engines = {order[0]: first, order[1]: second}
-                for mode in order:
-                    await ready(engines[mode], mode, rnd)
-                progress.start(f"round {rnd + 1}: both engines", 2 * per_engine_requests or None)
-                try:
-                    i = 0
-                    for set_name in sets:
-                        for level in levels:
-                            for mode in (order if i % 2 == 0 else order[::-1]):
-                                await cell(engines[mode], mode, rnd, set_name, level)
-                            i += 1
-                finally:
-                    progress.finish()
-            continue
+            await bench.interleaved_round(rnd, order)
+        else:
+            await bench.sequential_round(rnd, order)
+    return summarize(bench.cells, bench.meta(started))
+
+
+class _Bench:
+    """One comparison under way: the profile with speculation and without, the engine, the prompt sets,
+    and the cells and launches measured so far."""
+
+    def __init__(self, loaded: LoadedProfile, registry, cfg: BenchConfig, say: Say, progress: _Progress):
+        from specops.perf.launch import profile_for_step, without_speculation
+
+        self.loaded, self.registry, self.cfg, self.say, self.progress = loaded, registry, cfg, say, progress
+        self.sets = load_sets(cfg.prompt_sets, cfg.max_tokens)
+        spec = profile_for_step(loaded.profile, cfg.step_index)
+        if spec.speculative.method is Method.NONE:
+            raise SpecopsError(f"{loaded.path}: step {cfg.step_index} runs without speculation (method none): "
+                               "nothing to compare; bench a profile whose method drafts")
+        self.profiles = {SPEC: spec, BASE: without_speculation(spec)}
+        self.engine = registry.backend(spec.backend).engine_info(spec, cfg.backend_version, probe=True)
+        self.extra = {"ignore_eos": True} if cfg.ignore_eos else None
+        self.levels = sorted(set(cfg.concurrency))
+        self.cells: list[dict] = []
+        self.launches: list[dict] = []
+        self.per_engine_requests = sum((cfg.requests_for(c) or 0) for c in self.levels) * len(self.sets)
+
+    def grid(self) -> list[tuple[str, int]]:
+        """Every (prompt set, concurrency) cell of a round, in the order they run."""
+        return [(set_name, level) for set_name in self.sets for level in self.levels]
+
+    async def sequential_round(self, rnd: int, order: tuple[str, str]) -> None:
+        """One engine at a time: every cell on the first, then every cell on the second."""
         for mode in order:
-            async with launch(mode, rnd) as eng:
-                await ready(eng, mode, rnd)
-                progress.start(f"round {rnd + 1}: {mode}", per_engine_requests or None)
-                try:
-                    for set_name in sets:
-                        for level in levels:
-                            await cell(eng, mode, rnd, set_name, level)
-                finally:
-                    progress.finish()
-    c = cfg.draft_cost
-    if c is None:
-        c = spec_profile.fallback.draft_cost_ratio
-    if c is None:
-        c = DEFAULT_DRAFT_COST
-    return summarize(cells, {
-        "specops_version": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "seconds": round(time.time() - started, 1),
-        "machine": machine(),
-        "profile": {"name": spec_profile.name, "path": loaded.path, "backend": spec_profile.backend,
-                    "model": spec_profile.model.id, "method": spec_profile.speculative.method.value,
-                    "k": spec_profile.speculative.k, "draft": spec_profile.speculative.draft,
-                    "parallel": spec_profile.server.parallel,
-                    "min_acceptance": spec_profile.fallback.min_acceptance},
-        "engine": {"backend": engine.backend, "version": engine.version, "source": engine.source},
-        "settings": {"prompt_sets": list(sets), "concurrency": levels, "requests_per_cell": cfg.requests,
-                     "duration_per_cell": cfg.duration, "max_tokens": cfg.max_tokens, "rounds": cfg.rounds,
-                     "warmup": cfg.warmup, "ignore_eos": cfg.ignore_eos, "step": cfg.step_index,
-                     "interleave": cfg.interleave,
-                     "draft_cost_ratio": c},
-        "launches": launches,
-    })
+            async with self.launch(mode, rnd) as eng:
+                await self.ready(eng, mode, rnd)
+                with self.progress_bar(f"round {rnd + 1}: {mode}", self.per_engine_requests):
+                    for set_name, level in self.grid():
+                        await self.cell(eng, mode, rnd, set_name, level)
+
+    async def interleaved_round(self, rnd: int, order: tuple[str, str]) -> None:
+        """Both engines up at once; every cell runs on one and then the other, the order alternating."""
+        async with self.launch(order[0], rnd) as first, self.launch(order[1], rnd) as second:
+            engines = {order[0]: first, order[1]: second}
+            for mode in order:
+                await self.ready(engines[mode], mode, rnd)
+            with self.progress_bar(f"round {rnd + 1}: both engines", 2 * self.per_engine_requests):
+                for i, (set_name, level) in enumerate(self.grid()):
+                    for mode in (order if i % 2 == 0 else order[::-1]):
+                        await self.cell(engines[mode], mode, rnd, set_name, level)
+
+    @contextlib.contextmanager
+    def progress_bar(self, label: str, total: int):
+        self.progress.start(label, total or None)
+        try:
+            yield
+        finally:
+            self.progress.finish()
+
+    def launch(self, mode: str, rnd: int):
+        from specops.perf.launch import launched
+
+        prof, cfg = self.profiles[mode], self.cfg
+        what = f"{prof.speculative.method} k={prof.speculative.k}" if mode == SPEC else "no speculation"
+        self.say(f"round {rnd + 1}/{cfg.rounds}: launching {prof.backend} {self.engine.version} with {what}")
+        log_path = (cfg.log_dir / f"engine-{mode}-r{rnd + 1}.log") if cfg.log_dir else None
+        return launched(self.loaded, self.registry, profile=prof, engine=self.engine, ready_timeout=cfg.ready_timeout,
+                        log_path=log_path)
+
+    async def ready(self, eng, mode: str, rnd: int) -> None:
+        self.say(f"ready in {eng.ready_s:.1f}s on {eng.base_url}")
+        self.launches.append({"mode": mode, "round": rnd + 1, "ready_s": round(eng.ready_s, 3),
+                              "argv": [eng.plan.redact(a) for a in eng.plan.argv]})
+        await _warmup(eng, self.sets, self.cfg, self.extra)
+
+    async def cell(self, eng, mode: str, rnd: int, set_name: str, level: int) -> None:
+        label = f"{mode} r{rnd + 1} {set_name} c={level}"
+        out = await _run_cell(eng, self.sets[set_name], level, self.cfg, self.extra,
+                              lambda done, total, label=label: self.progress.advance(label))
+        self.cells.append({"set": set_name, "concurrency": level, "mode": mode, "round": rnd + 1, **out})
+        if not eng.process.running:
+            raise SpecopsError(f"the engine ({mode}) {eng.process.exit.describe()} during {set_name} at "
+                               f"concurrency {level}; see its log in {self.cfg.log_dir or 'the output folder'}")
+
+    def meta(self, started: float) -> dict:
+        """What the report states besides the cells: versions, machine, profile, engine, settings."""
+        spec, cfg, engine = self.profiles[SPEC], self.cfg, self.engine
+        return {
+            "specops_version": __version__,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "seconds": round(time.time() - started, 1),
+            "machine": machine(),
+            "profile": {"name": spec.name, "path": self.loaded.path, "backend": spec.backend,
+                        "model": spec.model.id, "method": spec.speculative.method.value,
+                        "k": spec.speculative.k, "draft": spec.speculative.draft,
+                        "parallel": spec.server.parallel,
+                        "min_acceptance": spec.fallback.min_acceptance},
+            "engine": {"backend": engine.backend, "version": engine.version, "source": engine.source},
+            "settings": {"prompt_sets": list(self.sets), "concurrency": self.levels,
+                         "requests_per_cell": cfg.requests, "duration_per_cell": cfg.duration,
+                         "max_tokens": cfg.max_tokens, "rounds": cfg.rounds, "warmup": cfg.warmup,
+                         "ignore_eos": cfg.ignore_eos, "step": cfg.step_index, "interleave": cfg.interleave,
+                         "draft_cost_ratio": _draft_cost(cfg, spec)},
+            "launches": self.launches,
+        }
+
+
+def _draft_cost(cfg: BenchConfig, profile) -> float:
+    """The draft cost ratio c of the model speedup: --draft-cost, else the profile's, else the default."""
+    for c in (cfg.draft_cost, profile.fallback.draft_cost_ratio):
+        if c is not None:
+            return c
+    return DEFAULT_DRAFT_COST
 
 
 async def _warmup(eng, sets: dict[str, list[Prompt]], cfg: BenchConfig, extra) -> None:
@@ -271,68 +298,71 @@ def summarize(cells: list[dict], meta: dict) -> dict:
     Every speedup is a ratio of tokens/s: the median over rounds of the speculative cell's tokens/s over
     the median of the baseline's. Aggregates (per level, per set) add tokens and wall time first.
     """
-    from specops.speedup import speedup_from_length
-
     c = meta.get("settings", {}).get("draft_cost_ratio")
     sets = list(dict.fromkeys(cell["set"] for cell in cells))
     levels = sorted({cell["concurrency"] for cell in cells})
-
-    def pick(set_name, level, mode):
-        return [x for x in cells if x["set"] == set_name and x["concurrency"] == level and x["mode"] == mode]
-
-    def ratio(a, b):
-        return a / b if a is not None and b else None
-
-    rows = []
-    for s in sets:
-        for lv in levels:
-            sp, bs = pick(s, lv, SPEC), pick(s, lv, BASE)
-            spec_tps = median([x["tokens_per_s"] for x in sp])
-            base_tps = median([x["tokens_per_s"] for x in bs])
-            drafted = sum(x.get("draft_tokens") or 0 for x in sp)
-            accepted = sum(x.get("accepted") or 0 for x in sp)
-            drafts = sum(x.get("drafts") or 0 for x in sp)
-            acceptance = accepted / drafted if drafted else None
-            mal = 1 + accepted / drafts if drafts else None
-            draft_len = drafted / drafts if drafts else None
-            model = None
-            if mal is not None and draft_len is not None and c is not None:
-                model = speedup_from_length(max(mal, 1.0), draft_len, c)
-            rows.append({
-                "set": s, "concurrency": lv, "spec_tokens_per_s": spec_tps, "base_tokens_per_s": base_tps,
-                "speedup": ratio(spec_tps, base_tps), "acceptance": acceptance, "mean_acceptance_length": mal,
-                "mean_draft_length": draft_len, "model_speedup": model,
-                "spec_ttft_ms": median([x["ttft_ms"]["median"] for x in sp]),
-                "base_ttft_ms": median([x["ttft_ms"]["median"] for x in bs]),
-                "spec_itl_ms": median([x["itl_ms"]["median"] for x in sp]),
-                "base_itl_ms": median([x["itl_ms"]["median"] for x in bs]),
-                "spec_tpot_ms": median([x["tpot_ms"]["median"] for x in sp]),
-                "base_tpot_ms": median([x["tpot_ms"]["median"] for x in bs]),
-                "errors": sum(x["errors"] for x in sp + bs),
-            })
-
-    def aggregate(selected: list[dict]) -> dict:
-        out = {}
-        for mode in (SPEC, BASE):
-            mine = [x for x in selected if x["mode"] == mode]
-            tokens = sum(x["output_tokens"] for x in mine)
-            wall = sum(x["wall_s"] for x in mine)
-            out[mode] = tokens / wall if wall > 0 else None
-        drafted = sum(x.get("draft_tokens") or 0 for x in selected if x["mode"] == SPEC)
-        accepted = sum(x.get("accepted") or 0 for x in selected if x["mode"] == SPEC)
-        drafts = sum(x.get("drafts") or 0 for x in selected if x["mode"] == SPEC)
-        return {"spec_tokens_per_s": out[SPEC], "base_tokens_per_s": out[BASE],
-                "speedup": ratio(out[SPEC], out[BASE]),
-                "acceptance": accepted / drafted if drafted else None,
-                "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
-
-    by_level = [{"concurrency": lv, **aggregate([x for x in cells if x["concurrency"] == lv])} for lv in levels]
-    by_set = [{"set": s, **aggregate([x for x in cells if x["set"] == s]),
+    rows = [_speedup_row([x for x in cells if x["set"] == s and x["concurrency"] == lv], s, lv, c)
+            for s in sets for lv in levels]
+    by_level = [{"concurrency": lv, **_aggregate([x for x in cells if x["concurrency"] == lv])} for lv in levels]
+    by_set = [{"set": s, **_aggregate([x for x in cells if x["set"] == s]),
                "speedup_by_concurrency": {str(r["concurrency"]): r["speedup"] for r in rows if r["set"] == s}}
               for s in sets]
     errors = sum(x["errors"] for x in cells)
     return {**meta, "cells": cells, "speedup": rows, "by_concurrency": by_level, "by_set": by_set,
-            "overall": aggregate(cells), "errors": errors}
+            "overall": _aggregate(cells), "errors": errors}
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _of_mode(cells: list[dict], mode: str) -> list[dict]:
+    return [x for x in cells if x["mode"] == mode]
+
+
+def _drafting(cells: list[dict]) -> dict:
+    """Acceptance, mean acceptance length and mean draft length from the speculative cells' counters."""
+    spec = _of_mode(cells, SPEC)
+    drafted = sum(x.get("draft_tokens") or 0 for x in spec)
+    accepted = sum(x.get("accepted") or 0 for x in spec)
+    drafts = sum(x.get("drafts") or 0 for x in spec)
+    return {"acceptance": accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "mean_draft_length": drafted / drafts if drafts else None}
+
+
+def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None) -> dict:
+    """One (set, level): medians over rounds on each side, and their ratio."""
+    from specops.speedup import speedup_from_length
+
+    sp, bs = _of_mode(cells, SPEC), _of_mode(cells, BASE)
+    spec_tps = median([x["tokens_per_s"] for x in sp])
+    base_tps = median([x["tokens_per_s"] for x in bs])
+    drafting = _drafting(cells)
+    mal, draft_len = drafting["mean_acceptance_length"], drafting["mean_draft_length"]
+    model = None
+    if mal is not None and draft_len is not None and c is not None:
+        model = speedup_from_length(max(mal, 1.0), draft_len, c)
+    row = {"set": set_name, "concurrency": level, "spec_tokens_per_s": spec_tps, "base_tokens_per_s": base_tps,
+           "speedup": _ratio(spec_tps, base_tps), **drafting, "model_speedup": model}
+    for name in ("ttft", "itl", "tpot"):
+        row[f"spec_{name}_ms"] = median([x[f"{name}_ms"]["median"] for x in sp])
+        row[f"base_{name}_ms"] = median([x[f"{name}_ms"]["median"] for x in bs])
+    row["errors"] = sum(x["errors"] for x in sp + bs)
+    return row
+
+
+def _aggregate(selected: list[dict]) -> dict:
+    """Tokens/s on each side over all ``selected`` cells (tokens and wall time added first), and the ratio."""
+    tps = {}
+    for mode in (SPEC, BASE):
+        mine = _of_mode(selected, mode)
+        tokens = sum(x["output_tokens"] for x in mine)
+        wall = sum(x["wall_s"] for x in mine)
+        tps[mode] = tokens / wall if wall > 0 else None
+    drafting = _drafting(selected)
+    return {"spec_tokens_per_s": tps[SPEC], "base_tokens_per_s": tps[BASE], "speedup": _ratio(tps[SPEC], tps[BASE]),
+            "acceptance": drafting["acceptance"], "mean_acceptance_length": drafting["mean_acceptance_length"]}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -391,126 +421,6 @@ def markdown(report: dict, plots: list[str] | None = None) -> str:
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(x).stem}]({Path(x).name})" for x in plots] + [""]
     return "\n".join(lines)
-
-
-def plot(report: dict, out_dir: Path) -> list[Path]:
-    """PNG plots: speedup vs concurrency per set, acceptance per set, tokens/s on vs off. Needs matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir = Path(out_dir)
-    p, e = report["profile"], report["engine"]
-    levels = report["settings"]["concurrency"]
-    sets = [b["set"] for b in report["by_set"]]
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    color = {s: colors[i % len(colors)] for i, s in enumerate(sets)}
-    subtitle = f"{p['name']} · {p['backend']} {e['version']} · {p['method']} k={p['k']} vs none"
-    paths = []
-
-    # 1. speedup vs concurrency
-    fig, ax = plt.subplots(figsize=(9, 5), dpi=120)
-    top = 1.0
-    ends = []
-    for s in sets:
-        pts = [(r["concurrency"], r["speedup"]) for r in report["speedup"] if r["set"] == s and r["speedup"]]
-        if not pts:
-            continue
-        xs, ys = zip(*pts)
-        top = max(top, *ys)
-        ax.plot(xs, ys, marker="o", lw=2, color=color[s], label=s)
-        ends.append([ys[-1], ys[-1], xs[-1], color[s]])
-    ymax = max(1.5, top * 1.15)
-    gap = 0.045 * ymax
-    ends.sort(key=lambda e: e[0])
-    for i in range(1, len(ends)):  # end labels never on top of each other
-        ends[i][1] = max(ends[i][1], ends[i - 1][1] + gap)
-    for value, y, x, col in ends:
-        ax.text(x * 1.06, y, f"{value:.2f}x", va="center", fontsize=9, color=col)
-    ax.axhline(1.0, color="black", lw=1, ls="--")
-    ax.axhspan(0, 1.0, color="#d62728", alpha=0.06)
-    ax.text(levels[0], 0.97, "slower than no speculation", va="top", fontsize=8, color="#d62728")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(levels)
-    ax.set_xticklabels([str(x) for x in levels])
-    ax.set_xlim(levels[0] / 1.15, levels[-1] * 1.35)
-    ax.set_ylim(0, ymax)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("speedup (tokens/s on ÷ off)")
-    ax.set_title(f"Speculative decoding speedup vs concurrency\n{subtitle}", fontsize=11)
-    ax.grid(alpha=0.3)
-    ax.legend(title="prompt set", frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    paths.append(out_dir / "speedup.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
-
-    # 2. acceptance per set (bars per concurrency level), mean acceptance length on top
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    width = 0.8 / max(1, len(levels))
-    shades = plt.cm.Blues([0.4 + 0.5 * i / max(1, len(levels) - 1) for i in range(len(levels))])
-    for j, lv in enumerate(levels):
-        xs, ys, labels = [], [], []
-        for i, s in enumerate(sets):
-            r = next((r for r in report["speedup"] if r["set"] == s and r["concurrency"] == lv), None)
-            if r and r["acceptance"] is not None:
-                xs.append(i - 0.4 + width * (j + 0.5))
-                ys.append(r["acceptance"])
-                labels.append(r["mean_acceptance_length"])
-        bars = ax.bar(xs, ys, width=width * 0.95, color=shades[j], label=f"c={lv}")
-        for b, mal in zip(bars, labels):
-            if mal is not None:
-                ax.text(b.get_x() + b.get_width() / 2, b.get_height() + 0.01, f"{mal:.1f}", ha="center",
-                        va="bottom", fontsize=7)
-    thr = p.get("min_acceptance")
-    if thr is not None:
-        ax.axhline(thr, color="#d62728", lw=1, ls="--")
-        ax.text(len(sets) - 0.5, thr + 0.01, f"fallback threshold {thr:g}", ha="right", va="bottom", fontsize=8,
-                color="#d62728")
-    ax.set_xticks(range(len(sets)))
-    ax.set_xticklabels(sets)
-    ax.set_ylim(0, 1.3)
-    ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
-    ax.set_ylabel("acceptance rate (accepted ÷ drafted)")
-    ax.set_title(f"Draft acceptance per prompt set (numbers: mean acceptance length)\n{subtitle}", fontsize=11)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(title="concurrency", frameon=False, ncol=min(4, len(levels)), loc="upper right")
-    fig.tight_layout()
-    paths.append(out_dir / "acceptance.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
-
-    # 3. tokens/s on vs off, one panel per set
-    n = len(sets)
-    cols = min(n, 4)
-    rows_n = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(3.2 * cols + 0.8, 3.0 * rows_n + 0.8), dpi=120, squeeze=False)
-    for i, s in enumerate(sets):
-        ax = axes[i // cols][i % cols]
-        rs = [r for r in report["speedup"] if r["set"] == s]
-        ax.plot([r["concurrency"] for r in rs], [r["base_tokens_per_s"] or 0 for r in rs], marker="s",
-                color="gray", lw=2, label="off")
-        ax.plot([r["concurrency"] for r in rs], [r["spec_tokens_per_s"] or 0 for r in rs], marker="o",
-                color=color[s], lw=2, label="on")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels)
-        ax.set_xticklabels([str(x) for x in levels])
-        ax.set_ylim(bottom=0)
-        ax.set_title(s)
-        ax.grid(alpha=0.3)
-        if i % cols == 0:
-            ax.set_ylabel("output tokens/s")
-        ax.set_xlabel("concurrent requests")
-        ax.legend(frameon=False, fontsize=8)
-    for j in range(n, rows_n * cols):
-        axes[j // cols][j % cols].axis("off")
-    fig.suptitle(f"Throughput with and without speculation\n{subtitle}", fontsize=11)
-    fig.tight_layout()
-    paths.append(out_dir / "throughput.png")
-    fig.savefig(paths[-1])
-    plt.close(fig)
-    return paths
 
 
 def write_outputs(report: dict, out_dir: str | Path, *, plots: bool = True) -> dict[str, Path]:
