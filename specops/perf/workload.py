@@ -26,6 +26,8 @@ Speculation makes tokens arrive in bursts (several accepted tokens in one chunk)
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -268,8 +270,34 @@ async def run_workload(base_url: str, model_name: str, prompts: Sequence[Prompt]
     request (``total`` None for a duration-bound run). ``extra_body`` is merged into every request (e.g.
     ``{"ignore_eos": True}`` or a ``seed``). Failures are recorded per request, never raised.
     """
-    import aiohttp
+    requests = _requests_to_send(prompts, concurrency, requests, duration)
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    results: list[RequestResult] = []
+    t_start = time.monotonic()
+    turns = _Turns(requests, t_start + duration if duration is not None else None)
 
+    async def worker(sess) -> None:
+        while (i := turns.next()) is not None:
+            prompt = prompts[i % len(prompts)]
+            results.append(await _one_request(sess, url, headers, model_name, prompt, stream, timeout, extra_body))
+            _tell_progress(on_progress, len(results), requests)
+
+    async with _client_session(session, concurrency) as sess:
+        await asyncio.gather(*(worker(sess) for _ in range(concurrency)))
+    if results:
+        wall = max(r.end for r in results) - min(r.start for r in results)
+    else:
+        wall = time.monotonic() - t_start
+    results.sort(key=lambda r: r.start)
+    return WorkloadResult(concurrency, results, wall)
+
+
+def _requests_to_send(prompts: Sequence[Prompt], concurrency: int, requests: int | None,
+                      duration: float | None) -> int | None:
+    """``requests`` checked (ValueError), or every prompt once when neither it nor ``duration`` is given."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if not prompts:
@@ -278,52 +306,48 @@ async def run_workload(base_url: str, model_name: str, prompts: Sequence[Prompt]
         requests = len(prompts)
     if requests is not None and requests < 1:
         raise ValueError(f"requests must be >= 1, got {requests}")
-    url = base_url.rstrip("/") + "/v1/completions"
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    results: list[RequestResult] = []
-    counter = iter(range(10**12))
-    t_start = time.monotonic()
-    deadline = t_start + duration if duration is not None else None
+    return requests
 
-    def next_index() -> int | None:
-        i = next(counter)
-        if requests is not None and i >= requests:
+
+class _Turns:
+    """Hands the clients the index of the next request to send, until ``requests`` were handed out or the
+    ``deadline`` (monotonic seconds) passed; then None."""
+
+    def __init__(self, requests: int | None, deadline: float | None):
+        self.requests, self.deadline = requests, deadline
+        self.counter = itertools.count()
+
+    def next(self) -> int | None:
+        i = next(self.counter)
+        if self.requests is not None and i >= self.requests:
             return None
-        if deadline is not None and time.monotonic() >= deadline:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
             return None
         return i
 
-    async def worker(sess) -> None:
-        while True:
-            i = next_index()
-            if i is None:
-                return
-            prompt = prompts[i % len(prompts)]
-            res = await _one_request(sess, url, headers, model_name, prompt, stream, timeout, extra_body)
-            results.append(res)
-            if on_progress is not None:
-                try:
-                    on_progress(len(results), requests)
-                except Exception:  # a progress display must never break the measurement
-                    pass
 
-    own = session is None
-    if own:
-        connector = aiohttp.TCPConnector(limit=concurrency + 2, force_close=True)  # engines drop idle keep-alives
-        session = aiohttp.ClientSession(connector=connector, trust_env=False)  # loopback: no proxies
+def _tell_progress(on_progress: ProgressCallback | None, done: int, total: int | None) -> None:
+    if on_progress is not None:
+        try:
+            on_progress(done, total)
+        except Exception:  # a progress display must never break the measurement
+            pass
+
+
+@contextlib.asynccontextmanager
+async def _client_session(session, concurrency: int):
+    """``session`` when given (left open), else one of our own, closed on exit."""
+    if session is not None:
+        yield session
+        return
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=concurrency + 2, force_close=True)  # engines drop idle keep-alives
+    own = aiohttp.ClientSession(connector=connector, trust_env=False)  # loopback: no proxies
     try:
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        yield own
     finally:
-        if own:
-            await session.close()
-    if results:
-        wall = max(r.end for r in results) - min(r.start for r in results)
-    else:
-        wall = time.monotonic() - t_start
-    results.sort(key=lambda r: r.start)
-    return WorkloadResult(concurrency, results, wall)
+        await own.close()
 
 
 def _body(model_name: str, prompt: Prompt, stream: bool, extra: dict | None) -> dict:
