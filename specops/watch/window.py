@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from specops.backends.counters import SpecCounters
 
@@ -92,7 +92,7 @@ class WindowStats:
             return self.draft_tokens / self.drafts
         return None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "status": getattr(self.status, "value", self.status), "window_s": self.window_s, "start": self.start, "end": self.end,
             "acceptance": self.acceptance, "mean_acceptance_length": self.mean_acceptance_length,
@@ -130,23 +130,39 @@ def window_stats(samples: Iterable[Sample], now: float, window_s: float) -> Wind
     if not ordered:
         return WindowStats(NO_DATA, window_s, reason="no samples yet")
     newest = ordered[-1]
-    if newest.counters is None:
+    kind = newest.counters
+    if kind is None:
         return WindowStats(SPEC_OFF, window_s, start=newest.t, end=newest.t, samples=1,
                            reason="no speculative series: speculation is off or stats are disabled")
     cut = now - window_s
+    base = _baseline(ordered, cut)
+    full = ordered[base].t <= cut
+    used = ordered[base:]
+    common = WindowStats(NO_DATA, window_s, start=used[0].t, end=newest.t, full=full, coarse=kind.coarse,
+                         source=kind.source, samples=len(used))
+    if len(used) < 2:
+        return replace(common, reason="one sample: a window needs two")
+    delta, resets = _increase(used)
+    common = replace(common, resets=resets)
+    restarted = f" ({resets} counter reset{'s' if resets != 1 else ''}: engine restarted)" if resets else ""
+    if kind.coarse:
+        return _coarse_stats(common, kind, delta[0], restarted)
+    has_drafts = all(s.counters is None or s.counters.drafts is not None for s in used)
+    return _windowed_stats(common, delta, has_drafts, restarted)
+
+
+def _baseline(ordered: Sequence[Sample], cut: float) -> int:
+    """Index of the newest sample at or before ``cut`` (the oldest one when none is)."""
     base = 0
     for i, s in enumerate(ordered):
         if s.t <= cut:
             base = i
-    full = ordered[base].t <= cut
-    used = ordered[base:]
-    kind = newest.counters
-    common = dict(window_s=window_s, start=used[0].t, end=newest.t, full=full, coarse=kind.coarse,
-                  source=kind.source, samples=len(used))
-    if len(used) < 2:
-        return WindowStats(NO_DATA, reason="one sample: a window needs two", **common)
+    return base
 
-    # pairwise differences, a fall in any counter being a restart
+
+def _increase(used: Sequence[Sample]) -> tuple[list[float], int]:
+    """Summed pairwise differences of every counter field, and how many times a counter fell (a restart:
+    the new value counts as the increase since it)."""
     width = max(len(_fields(s.counters or _ZERO)) for s in used)
     delta = [0.0] * width
     resets = 0
@@ -162,35 +178,35 @@ def window_stats(samples: Iterable[Sample], now: float, window_s: float) -> Wind
             step = [c - p for c, p in zip(cur, prev)]
         delta = [d + x for d, x in zip(delta, step)]
         prev = cur
-    d_tokens, d_accepted, d_drafts = delta[0], delta[1], delta[2]
-    per_pos_delta = delta[3:]
-    common["resets"] = resets
-    restarted = f" ({resets} counter reset{'s' if resets != 1 else ''}: engine restarted)" if resets else ""
+    return delta, resets
 
-    if kind.coarse:
-        # vLLM V0: the counters over-count, only "did anything get drafted" can be read from them
-        if d_tokens <= 0:
-            return WindowStats(NO_DATA, reason="nothing drafted in the window (idle)" + restarted, **common)
-        if kind.lifetime_acceptance is None:
-            return WindowStats(NO_DATA, reason="no lifetime acceptance ratio yet" + restarted, **common)
-        return WindowStats(OK, acceptance=kind.lifetime_acceptance, reason="coarse: the engine's lifetime "
-                           "acceptance ratio (vLLM V0 counters over-count and cannot be windowed)" + restarted,
-                           **common)
 
-    has_drafts = all(s.counters is None or s.counters.drafts is not None for s in used)
-    drafts = d_drafts if has_drafts else None
-    counts = dict(draft_tokens=d_tokens, accepted=d_accepted, drafts=drafts)
+def _coarse_stats(common: WindowStats, kind: SpecCounters, d_tokens: float, restarted: str) -> WindowStats:
+    """vLLM V0: the counters over-count, only "did anything get drafted" can be read from them."""
     if d_tokens <= 0:
-        return WindowStats(NO_DATA, reason="nothing drafted in the window (idle)" + restarted, **counts, **common)
+        return replace(common, reason="nothing drafted in the window (idle)" + restarted)
+    if kind.lifetime_acceptance is None:
+        return replace(common, reason="no lifetime acceptance ratio yet" + restarted)
+    return replace(common, status=OK, acceptance=kind.lifetime_acceptance,
+                   reason="coarse: the engine's lifetime acceptance ratio (vLLM V0 counters over-count and "
+                   "cannot be windowed)" + restarted)
+
+
+def _windowed_stats(common: WindowStats, delta: list[float], has_drafts: bool, restarted: str) -> WindowStats:
+    """Acceptance, mean acceptance length and per-position acceptance from the counters' increase."""
+    d_tokens, d_accepted, d_drafts = delta[0], delta[1], delta[2]
+    drafts = d_drafts if has_drafts else None
+    counted = replace(common, draft_tokens=d_tokens, accepted=d_accepted, drafts=drafts)
+    if d_tokens <= 0:
+        return replace(counted, reason="nothing drafted in the window (idle)" + restarted)
     acceptance = d_accepted / d_tokens
     note = ""
     if acceptance > 1.0:
         acceptance, note = 1.0, f"; accepted ({d_accepted:g}) exceeds drafted ({d_tokens:g}), clamped to 1"
     mal = 1.0 + d_accepted / drafts if drafts else None
-    per_position = tuple(x / drafts for x in per_pos_delta) if drafts else ()
-    return WindowStats(OK, acceptance=acceptance, mean_acceptance_length=mal, per_position=per_position,
-                       reason=f"{d_accepted:g} accepted of {d_tokens:g} drafted" + restarted + note,
-                       **counts, **common)
+    per_position = tuple(x / drafts for x in delta[3:]) if drafts else ()
+    return replace(counted, status=OK, acceptance=acceptance, mean_acceptance_length=mal, per_position=per_position,
+                   reason=f"{d_accepted:g} accepted of {d_tokens:g} drafted" + restarted + note)
 
 
 @dataclass
@@ -228,7 +244,7 @@ class SampleBuffer:
     def __len__(self) -> int:
         return len(self._samples)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Sample]:
         return iter(list(self._samples))
 
     @property
