@@ -66,101 +66,157 @@ class Console:
 
 async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Console | None = None) -> int:
     """Run one deployment until SIGINT/SIGTERM (exit 0) or until no method of the chain can run (1)."""
-    profile = loaded.profile
-    console = console or Console(profile.backend, opts.show_engine_output)
+    console = console or Console(loaded.profile.backend, opts.show_engine_output)
     loaded, refused = resolve_for_launch(loaded, opts.offline, console.say)
     profile = loaded.profile
     if refused and not profile.chain:
         raise SpecopsError(f"the draft was refused and the fallback chain is empty: {refused}")
     backend = registry.backend(profile.backend)
     engine = backend.engine_info(profile, opts.backend_version, probe=True)
-    use_proxy = profile.proxy.enabled
-    if use_proxy:
-        engine_host, engine_port = "127.0.0.1", profile.proxy.engine_port or free_port()
-    else:
-        engine_host, engine_port = profile.server.host, profile.server.port
+    engine_host, engine_port = _engine_address(profile)
 
     paths = InstancePaths.for_profile(profile.name, profile.supervisor.state_dir)
     acquire(paths)
     events = EventLog(paths.events)
-    public_url = http_url(profile.server.host, profile.server.port)
+    up = _Instance(loaded, backend, engine, paths, events, console, f"{engine_host}:{engine_port}",
+                   decider=FallbackDecider.from_profile(profile, events=events, say=console.say))
+    metrics = SpecopsMetrics()
+    live = LiveCounters() if (profile.proxy.enabled and backend.live_timings) else None
+    up.watcher = _watcher(up, AcceptanceReader.for_profile(profile, backend, live=live), metrics)
+    up.proxy = _proxy(up, live, metrics) if profile.proxy.enabled else None
+    up.sup = _supervisor(up, _step_renderer(loaded, registry, engine, engine_host, engine_port), opts)
+    if refused:
+        up.sup.refuse_primary(refused)
+    return await _serve(up)
+
+
+def _engine_address(profile) -> tuple[str, int]:
+    """Where the engine listens: a loopback port behind the proxy, else the profile's server address."""
+    if profile.proxy.enabled:
+        return "127.0.0.1", profile.proxy.engine_port or free_port()
+    return profile.server.host, profile.server.port
+
+
+def _step_renderer(loaded: LoadedProfile, registry, engine, host: str, port: int):
+    """``render(index)``: the launch plan of the fallback chain's step ``index``, on the engine's address."""
+    profile = loaded.profile
 
     def render_step(index: int):
         return render_plan(LoadedProfile(profile.at_step(index), loaded.document, loaded.path), registry, engine=engine,
-                           host=engine_host, port=engine_port)
+                           host=host, port=port)
+    return render_step
 
-    decider = FallbackDecider.from_profile(profile, events=events, say=console.say)
-    metrics = SpecopsMetrics()
-    live = LiveCounters() if (use_proxy and backend.live_timings) else None
-    reader = AcceptanceReader.for_profile(profile, backend, live=live)
 
-    def status() -> dict:
+@dataclass
+class _Instance:
+    """One ``specops up``: the parts :func:`run_up` builds and what they reach each other through.
+
+    The parts refer to each other (the watcher orders the supervisor, the supervisor reports to the
+    watcher), so each is built with callbacks into this record, which holds them all once built."""
+
+    loaded: LoadedProfile
+    backend: object
+    engine: object
+    paths: InstancePaths
+    events: EventLog
+    console: Console
+    engine_at: str
+    decider: FallbackDecider
+    watcher: Watcher | None = None
+    proxy: object | None = None
+    sup: Supervisor | None = None
+
+    @property
+    def public_url(self) -> str:
+        server = self.loaded.profile.server
+        return http_url(server.host, server.port)
+
+    def status(self) -> dict:
         """Supervision, decisions and the watcher's window: the state file's core and ``/specops/status``."""
-        return {**sup.snapshot(), **decider.snapshot(), **watcher.snapshot()}
+        return {**self.sup.snapshot(), **self.decider.snapshot(), **self.watcher.snapshot()}
 
-    def write() -> None:
+    def write_state(self) -> None:
+        profile, paths = self.loaded.profile, self.paths
         write_state(paths, {
-            "name": profile.name, "profile": os.path.abspath(loaded.path), "pid": os.getpid(),
-            "backend": profile.backend, "url": public_url, "proxy": use_proxy,
-            "admin_url": proxy.admin_url if proxy is not None else None,
+            "name": profile.name, "profile": os.path.abspath(self.loaded.path), "pid": os.getpid(),
+            "backend": profile.backend, "url": self.public_url, "proxy": profile.proxy.enabled,
+            "admin_url": self.proxy.admin_url if self.proxy is not None else None,
             "engine_log": str(paths.engine_log), "events": str(paths.events), "updated_at": time.time(),
-            **status(),
+            **self.status(),
         })
 
-    def on_supervisor_event(event) -> None:
+    def on_supervisor_event(self, event) -> None:
         if isinstance(event, EngineLine):
-            console.engine(event.line)
+            self.console.engine(event.line)
         else:
-            write()
+            self.write_state()
 
-    watcher = Watcher(profile, reader, decider, say=console.say, metrics=metrics, on_tick=write,
-                      act=lambda d: sup.request_switch(SwitchOrder(d.to_index, d.reason, d.to_dict())))
-    proxy = None
-    if use_proxy:
-        from specops.proxy import Proxy
-        proxy = Proxy.from_profile(profile, status_provider=lambda: {**sup.snapshot(), **decider.snapshot()},
-                                   on_timings=live.add if live is not None else None,
-                                   metrics_registry=metrics.registry)
+    def switch(self, decision) -> bool:
+        """The watcher's decision, as an order to the supervisor; False when it cannot switch now."""
+        return self.sup.request_switch(SwitchOrder(decision.to_index, decision.reason, decision.to_dict()))
+
+
+def _watcher(up: _Instance, reader: AcceptanceReader, metrics: SpecopsMetrics) -> Watcher:
+    return Watcher(up.loaded.profile, reader, up.decider, say=up.console.say, metrics=metrics,
+                   on_tick=up.write_state, act=up.switch)
+
+
+def _proxy(up: _Instance, live: LiveCounters | None, metrics: SpecopsMetrics):
+    from specops.proxy import Proxy
+
+    return Proxy.from_profile(up.loaded.profile,
+                              status_provider=lambda: {**up.sup.snapshot(), **up.decider.snapshot()},
+                              on_timings=live.add if live is not None else None,
+                              metrics_registry=metrics.registry)
+
+
+def _supervisor(up: _Instance, render_step, opts: UpOptions) -> Supervisor:
     # the order of listeners matters: the decider tells the policy which step runs before the watcher
     # starts its window, and the state is written last, with what both know
-    sup = Supervisor(profile, render_step, events=events, say=console.say, decider=decider,
-                     listeners=(decider.on_event, watcher.on_event, on_supervisor_event),
-                     log_path=paths.engine_log, proxy=proxy, health_interval=opts.health_interval,
-                     launch_problem=backend.launch_problem)
-    if refused:
-        sup.refuse_primary(refused)
+    return Supervisor(up.loaded.profile, render_step, events=up.events, say=up.console.say, decider=up.decider,
+                      listeners=(up.decider.on_event, up.watcher.on_event, up.on_supervisor_event),
+                      log_path=up.paths.engine_log, proxy=up.proxy, health_interval=opts.health_interval,
+                      launch_problem=up.backend.launch_problem)
 
+
+async def _serve(up: _Instance) -> int:
+    """Start the proxy and the watcher, supervise until stopped, then stop everything and release the lock."""
+    profile, sup, engine = up.loaded.profile, up.sup, up.engine
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, sup.request_stop, f"received {signal.Signals(sig).name}")
-    events.emit("up", profile=os.path.abspath(loaded.path), backend=profile.backend,
-                engine_version=engine.version, engine=engine.source, url=public_url)
-    console.say(f"{profile.name}: {backend.name} {engine.version} ({engine.source}); "
-                f"chain {' → '.join(s.method.value for s in sup.steps)}; state in {paths.root}")
+    up.events.emit("up", profile=os.path.abspath(up.loaded.path), backend=profile.backend,
+                   engine_version=engine.version, engine=engine.source, url=up.public_url)
+    up.console.say(f"{profile.name}: {up.backend.name} {engine.version} ({engine.source}); "
+                   f"chain {' → '.join(s.method.value for s in sup.steps)}; state in {up.paths.root}")
     rc = 1
     watching = False
     try:
-        if proxy is not None:
-            try:
-                await proxy.start()
-            except OSError as exc:
-                raise SpecopsError(f"cannot serve {public_url}: {exc.strerror or exc} (server.host/server.port)") from None
-            console.say(f"serving {public_url} (engine on {engine_host}:{engine_port})")
-        watcher.start()
+        if up.proxy is not None:
+            await _start_proxy(up)
+        up.watcher.start()
         watching = True
         rc = await sup.run()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         if watching:
-            await watcher.stop()
-        if proxy is not None:
-            await proxy.stop()
-        write()
-        events.emit("down", state=sup.state.value, exit_code=rc)
-        release(paths)
-    console.say("stopped" if rc == 0 else "gave up: no method of the chain could run")
+            await up.watcher.stop()
+        if up.proxy is not None:
+            await up.proxy.stop()
+        up.write_state()
+        up.events.emit("down", state=sup.state.value, exit_code=rc)
+        release(up.paths)
+    up.console.say("stopped" if rc == 0 else "gave up: no method of the chain could run")
     return rc
+
+
+async def _start_proxy(up: _Instance) -> None:
+    try:
+        await up.proxy.start()
+    except OSError as exc:
+        raise SpecopsError(f"cannot serve {up.public_url}: {exc.strerror or exc} (server.host/server.port)") from None
+    up.console.say(f"serving {up.public_url} (engine on {up.engine_at})")
 
 
 def up_blocking(loaded: LoadedProfile, registry, opts: UpOptions) -> int:
