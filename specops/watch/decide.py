@@ -41,10 +41,10 @@ class FallbackDecider:
         self.clock = clock
         self.wall = wall
         self.switches = 0
-        self.last_decision: dict | None = None
+        self.last_decision: dict[str, Any] | None = None
 
     @classmethod
-    def from_profile(cls, profile: Any, **kwargs) -> "FallbackDecider":
+    def from_profile(cls, profile: Any, **kwargs: Any) -> "FallbackDecider":
         return cls(Policy.from_profile(profile), **kwargs)
 
     # ------------------------------------------------------------------ the supervisor's failures
@@ -53,8 +53,8 @@ class FallbackDecider:
         d = self.policy.on_failed_start(failure.index, self.clock())
         if d.warning:
             self.say(f"warning: {d.warning}")
-        if d.acts and d.to_index is not None:
-            record = {"action": "switch", "from": failure.method.value, "to": d.to_method.value,
+        if d.acts and d.to_index is not None and d.to_step is not None:
+            record = {"action": "switch", "from": failure.method.value, "to": d.to_step.method.value,
                       "reason": failure.reason, "rule": failure.rule}
             self.last_decision = {**record, "at": self.wall()}
             self.events.emit("decision", **record, policy_rule=d.rule)
@@ -90,7 +90,7 @@ class FallbackDecider:
         elif isinstance(event, EngineReady):
             self.policy.on_switched(event.index, self.clock())
 
-    def snapshot(self, now: float | None = None) -> dict:
+    def snapshot(self, now: float | None = None) -> dict[str, Any]:
         """For the state file and ``/specops/status``: switches, the last decision, the policy's state."""
         return {"switches": self.switches, "last_decision": self.last_decision,
                 "policy": self.policy.snapshot(self.clock() if now is None else now)}

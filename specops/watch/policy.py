@@ -153,7 +153,7 @@ class Decision:
         """Worth an event-log line: anything but a plain keep, or a keep that carries a warning."""
         return self.action != KEEP or self.warning is not None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"action": self.action.value, "rule": self.rule, "reason": self.reason, "at": self.at,
                 "from": self.from_method.value, "from_index": self.from_index,
                 "to": self.to_method.value if self.to_method is not None else None, "to_index": self.to_index,
@@ -209,7 +209,7 @@ class Policy:
     def cooldown_until(self) -> float | None:
         return self.switch_times[-1] + self.config.cooldown_s if self.switch_times else None
 
-    def _decision(self, action: Action, rule: str, reason: str, now: float, numbers: Mapping | None = None,
+    def _decision(self, action: Action, rule: str, reason: str, now: float, numbers: Mapping[str, Any] | None = None,
                   to: int | None = None, warning: str | None = None) -> Decision:
         return Decision(action=action, rule=rule, reason=reason, at=now, from_index=self.index,
                         from_step=self.current, to_index=to, to_step=self.steps[to] if to is not None else None,
@@ -222,7 +222,7 @@ class Policy:
         return text
 
     # ------------------------------------------------------------------ the verdict
-    def _basic(self, stats: WindowStats) -> dict:
+    def _basic(self, stats: WindowStats) -> dict[str, Any]:
         """The measured numbers of an ``ok`` window."""
         return {
             "acceptance": stats.acceptance, "min_acceptance": self.config.min_acceptance,
@@ -231,15 +231,14 @@ class Policy:
             "window_end": stats.end, "window_s": stats.window_s, "resets": stats.resets, "coarse": stats.coarse,
         }
 
-    def _measure(self, stats: WindowStats) -> dict:
+    def _measure(self, stats: WindowStats, acceptance: float) -> dict[str, Any]:
         """The numbers of a window that gets a verdict, with the model's predicted speedup."""
         c = self.config.cost
         k_conf = step_k(self.current)
         k_meas = stats.mean_draft_length
         k = k_meas if k_meas is not None else float(k_conf)
         k_int = max(1, round(k))
-        a = stats.acceptance
-        alpha = alpha_from_acceptance_rate(min(max(a, 0.0), 1.0), k_int)
+        alpha = alpha_from_acceptance_rate(min(max(acceptance, 0.0), 1.0), k_int)
         if stats.mean_acceptance_length is not None:
             tau, how = stats.mean_acceptance_length, "measured mean acceptance length"
             speedup = speedup_from_length(tau, k, c)
@@ -300,6 +299,23 @@ class Policy:
         return d
 
     def _evaluate(self, stats: WindowStats, now: float) -> Decision:
+        """Rules 4 to 11 for a readable window: no verdict, or a verdict and what follows from it."""
+        waiting = self._no_verdict(stats, now)
+        if waiting is not None:
+            return waiting
+        acceptance = stats.acceptance
+        assert acceptance is not None  # _no_verdict answers every window without one
+        # a verdict: this window counts
+        self.last_verdict_end = stats.end
+        numbers = self._measure(stats, acceptance)
+        low, measure, bound = self._judge(stats, acceptance, numbers)
+        numbers["low"] = low
+        if not low:
+            return self._good_window(f"{measure} is not below {bound}", now, numbers)
+        return self._low_window(measure, bound, now, numbers)
+
+    def _no_verdict(self, stats: WindowStats, now: float) -> Decision | None:
+        """Why the window gets no verdict (rules 4 to 9), or None when it gets one."""
         cfg = self.config
         method = self.current.method
         if method is Method.NONE:
@@ -328,34 +344,39 @@ class Policy:
         if not stats.coarse and (stats.draft_tokens or 0.0) < cfg.min_draft_tokens:
             return self._decision(KEEP, "min-draft-tokens", f"{stats.draft_tokens:g} drafted tokens in the "
                                   f"window, fewer than min_draft_tokens={cfg.min_draft_tokens}", now, numbers)
+        return None
 
-        # a verdict: this window counts
-        self.last_verdict_end = stats.end
-        numbers = self._measure(stats)
+    def _judge(self, stats: WindowStats, acceptance: float, numbers: Mapping[str, Any]) -> tuple[bool, str, str]:
+        """Whether the window is low (rule 10), the measure in words, and the bound it was held to."""
+        cfg = self.config
         if cfg.mode == "model":
-            low = numbers["predicted_speedup"] < 1.0
+            low = bool(numbers["predicted_speedup"] < 1.0)
             measure = (f"predicted speedup {numbers['predicted_speedup']:.3f} "
                        f"(α={numbers['alpha']:.3f}, k={numbers['k']:g}, c={numbers['draft_cost_ratio']:g}, "
-                       f"acceptance {stats.acceptance:.3f})")
+                       f"acceptance {acceptance:.3f})")
             bound = "1"
         else:
-            low = stats.acceptance < cfg.min_acceptance
-            measure = f"acceptance {stats.acceptance:.3f}"
+            low = acceptance < cfg.min_acceptance
+            measure = f"acceptance {acceptance:.3f}"
             bound = f"min_acceptance {cfg.min_acceptance:g}"
-        measure += f" over {stats.span:g}s ({stats.reason})"
-        numbers["low"] = low
-        if not low:
-            self.streak = 0
-            numbers["streak"] = 0
-            if self.retry_origin is not None:
-                self.retry_origin = None
-                self.retry_backoff = cfg.retry_after_s
-                self.retry_due = None
-                return self._decision(KEEP, "retry-succeeded", f"{measure} is not below {bound}: the retry of "
-                                      f"{method} holds; retry back-off reset", now, numbers)
-            return self._decision(KEEP, "above-threshold" if cfg.mode == "threshold" else "speedup-above-1",
-                                  f"{measure} is not below {bound}", now, numbers)
+        return low, measure + f" over {stats.span:g}s ({stats.reason})", bound
 
+    def _good_window(self, verdict: str, now: float, numbers: dict[str, Any]) -> Decision:
+        """A window that is not low: the streak resets, and a running retry has held."""
+        self.streak = 0
+        numbers["streak"] = 0
+        if self.retry_origin is not None:
+            self.retry_origin = None
+            self.retry_backoff = self.config.retry_after_s
+            self.retry_due = None
+            return self._decision(KEEP, "retry-succeeded", f"{verdict}: the retry of {self.current.method} holds; "
+                                  "retry back-off reset", now, numbers)
+        rule = "above-threshold" if self.config.mode == "threshold" else "speedup-above-1"
+        return self._decision(KEEP, rule, verdict, now, numbers)
+
+    def _low_window(self, measure: str, bound: str, now: float, numbers: dict[str, Any]) -> Decision:
+        """A low window extends the streak; a complete streak switches (rule 11) unless a rule holds."""
+        cfg = self.config
         self.streak += 1
         numbers.update(streak=self.streak, consecutive_windows=cfg.consecutive_windows)
         if self.streak < cfg.consecutive_windows:
@@ -363,7 +384,22 @@ class Policy:
                                   f"of {cfg.consecutive_windows}", now, numbers)
         why = f"{measure} is below {bound} for {self.streak} consecutive windows"
         retry_failed = self.retry_origin is not None
-        target = self.retry_origin if retry_failed else self.index + 1
+        target = self.retry_origin if self.retry_origin is not None else self.index + 1
+        held = self._held(why, target, now, numbers)
+        if held is not None:
+            return held
+        if retry_failed:
+            numbers["retry_backoff_next_s"] = min(self.retry_backoff * 2, cfg.retry_max_after_s)
+        rule = "retry-failed" if retry_failed else cfg.mode
+        d = self._decision(SWITCH, rule, f"{why}: switching to {self.steps[target].method}", now, numbers, to=target)
+        self.pending = d
+        return d
+
+    def _held(self, why: str, target: int, now: float, numbers: dict[str, Any]) -> Decision | None:
+        """Why a complete streak may not switch to ``target`` now (watch-only, chain end, cooldown, flap
+        guard), or None when it may."""
+        cfg = self.config
+        method = self.current.method
         if not cfg.enabled:
             nxt = self.steps[target].method if target < len(self.steps) else None
             return self._decision(HOLD, "fallback-disabled", f"{why}; fallback is disabled (watch only)"
@@ -383,12 +419,7 @@ class Policy:
             return self._decision(HOLD, "flap-guard", f"{why}; {recent} switches in the last hour reached "
                                   f"max_switches_per_hour={cfg.max_switches_per_hour}: holding {method}", now,
                                   numbers, warning=f"flap guard: holding {method} after {recent} switches in an hour")
-        if retry_failed:
-            numbers["retry_backoff_next_s"] = min(self.retry_backoff * 2, cfg.retry_max_after_s)
-        rule = "retry-failed" if retry_failed else cfg.mode
-        d = self._decision(SWITCH, rule, f"{why}: switching to {self.steps[target].method}", now, numbers, to=target)
-        self.pending = d
-        return d
+        return None
 
     # ------------------------------------------------------------------ what the supervisor did
     def on_switched(self, step: int | ChainStep | Method, now: float) -> None:
@@ -447,7 +478,7 @@ class Policy:
         return Decision(SWITCH, "failed-start", f"{self.steps[failed].method} did not start: falling back to "
                         f"{self.steps[target].method}", now, failed, self.steps[failed], target, self.steps[target])
 
-    def snapshot(self, now: float) -> dict:
+    def snapshot(self, now: float) -> dict[str, Any]:
         """The policy's state, for ``specops status`` and the watcher's own metrics."""
         return {"method": self.current.method.value, "index": self.index, "streak": self.streak,
                 "cooldown_until": self.cooldown_until(), "switches_last_hour": self.switches_in_last_hour(now),
