@@ -11,26 +11,27 @@ import click
 from specops.commands._common import duration_param, echo_json, json_option, load, profile_argument, version_param
 
 
-def _ints(ctx, param, value):
-    if value is None:
-        return None
-    from specops.errors import SpecopsError
+def _parsed_by(parse):
+    """A click callback: ``parse(value)``, its SpecopsError shown as a bad parameter (None stays None)."""
+    def callback(ctx, param, value):
+        if value is None:
+            return None
+        from specops.errors import SpecopsError
+        try:
+            return parse(value)
+        except SpecopsError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return callback
+
+
+def _parse_ks(value):
     from specops.perf.tune import parse_ints
-    try:
-        return parse_ints(value, "--k")
-    except SpecopsError as exc:
-        raise click.BadParameter(str(exc)) from None
+    return parse_ints(value, "--k")
 
 
-def _pairs(ctx, param, value):
-    if value is None:
-        return None
-    from specops.errors import SpecopsError
+def _parse_pairs(value):
     from specops.perf.tune import parse_pairs
-    try:
-        return parse_pairs(value)
-    except SpecopsError as exc:
-        raise click.BadParameter(str(exc)) from None
+    return parse_pairs(value)
 
 
 class _Progress:
@@ -96,18 +97,36 @@ class _Progress:
             sys.stderr.flush()
 
 
-@click.command()
+TUNE_HELP = """Find the best speculative settings for PROFILE on its real engine, and write them back.
+
+Sweeps what matters for the profile's method (k; vLLM n-gram min/max; llama.cpp n-gram type; with
+--methods also the method), one engine start per setting, at the concurrency the profile serves
+(server.parallel) and at 1. Each setting is warmed up and measured in rounds (output tokens/s,
+acceptance, mean acceptance length); a setting clearly worse than the best so far stops early; all
+within --budget. Prints a table, writes a PNG (tokens/s against k), then writes the best setting into
+PROFILE (comments and key order kept; the overlay when it `extends` a base) with a dated comment, and
+every number into <profile>.tune.json (or into the lock file when a fresh one exists).
+
+\b
+Examples:
+  specops tune examples/llamacpp-cpu-draft.yaml --k 1,2,4 --budget 2m
+  specops tune profiles/gitops/prod/llama31-8b-chat.yaml -w code,traffic.jsonl --dry-run
+  specops tune profile.yaml --methods draft_model,ngram,none --budget 30m
+"""
+
+
+@click.command(help=TUNE_HELP)
 @profile_argument
 @click.option("-w", "--workload", metavar="SETS", help="Built-in prompt sets (code, summarize, chat, creative) "
               "and/or JSONL files, comma-separated. Default: all four built-in sets.")
 @click.option("--budget", default="10m", show_default=True, callback=duration_param, metavar="DURATION",
               help="Time for the whole sweep, engine starts included (e.g. 90s, 10m, 1h).")
-@click.option("-k", "--k", "k_values", callback=_ints, metavar="LIST",
+@click.option("-k", "--k", "k_values", callback=_parsed_by(_parse_ks), metavar="LIST",
               help="Draft tokens per step to try, e.g. 1,2,4 or 1-6. Default: 1,2,3,4,6,8 and the profile's k.")
 @click.option("--methods", metavar="LIST", help="Also sweep other methods: `chain` (the fallback chain), "
               "`fitting` (what the resolver finds fitting, plus ngram and none), or names such as "
               "draft_model,ngram,none. Default: the profile's method only.")
-@click.option("--ngram", "ngram_pairs", callback=_pairs, metavar="PAIRS",
+@click.option("--ngram", "ngram_pairs", callback=_parsed_by(_parse_pairs), metavar="PAIRS",
               help="vLLM n-gram prompt_lookup min:max pairs to try, e.g. 1:3,2:5 (default: the profile's).")
 @click.option("--ngram-types", metavar="LIST", help="llama.cpp n-gram drafters to try (default: every type "
               "the build knows).")
@@ -136,26 +155,9 @@ class _Progress:
 def tune(profile, workload, budget, k_values, methods, ngram_pairs, ngram_types, concurrency, max_rounds, min_rounds,
          margin, requests, max_tokens, ignore_eos, dry_run, apply_per_batch, plot_path, no_plot, backend_version,
          offline, quiet, as_json):
-    """Find the best speculative settings for PROFILE on its real engine, and write them back.
-
-    Sweeps what matters for the profile's method (k; vLLM n-gram min/max; llama.cpp n-gram type; with
-    --methods also the method), one engine start per setting, at the concurrency the profile serves
-    (server.parallel) and at 1. Each setting is warmed up and measured in rounds (output tokens/s,
-    acceptance, mean acceptance length); a setting clearly worse than the best so far stops early; all
-    within --budget. Prints a table, writes a PNG (tokens/s against k), then writes the best setting into
-    PROFILE (comments and key order kept; the overlay when it `extends` a base) with a dated comment, and
-    every number into <profile>.tune.json (or into the lock file when a fresh one exists).
-
-    \b
-    Examples:
-      specops tune examples/llamacpp-cpu-draft.yaml --k 1,2,4 --budget 2m
-      specops tune profiles/gitops/prod/llama31-8b-chat.yaml -w code,traffic.jsonl --dry-run
-      specops tune profile.yaml --methods draft_model,ngram,none --budget 30m
-    """
     from specops.errors import SpecopsError
-    from specops.paths import state_dir
     from specops.plugins import get_registry
-    from specops.perf.tune import TuneConfig, format_table, plot as draw, prepare, run_sweep, tune_plot_path, write_back
+    from specops.perf.tune import TuneConfig, prepare, write_back
 
     registry = get_registry()
     loaded = load(profile)
@@ -167,35 +169,72 @@ def tune(profile, workload, budget, k_values, methods, ngram_pairs, ngram_types,
                      margin=margin, requests_per_round=requests, backend_version=backend_version, offline=offline,
                      ignore_eos=ignore_eos)
     plan = prepare(loaded, registry, cfg)
-    for note in plan.notes:
-        say(note)
-    p = plan.resolved
-    say(f"{p.name}: {p.backend} {plan.engine.version}; {len(plan.settings)} settings "
-        f"({', '.join(s.label for s in plan.settings)}) at concurrency {', '.join(map(str, plan.levels))}; "
-        f"workload {', '.join(plan.workload['sets'])}; budget {click.style(_fmt(budget), bold=True)}")
-    progress = _Progress(budget, quiet)
-    log_path = state_dir(p.supervisor.state_dir) / "tune" / f"{p.name}.engine.log"
-    try:
-        result = asyncio.run(run_sweep(loaded, registry, plan, cfg, on_event=progress, log_path=log_path))
-    finally:
-        progress.close()
+    _announce(plan, budget, say)
+    result = _sweep(loaded, registry, plan, cfg, quiet)
 
+    p = plan.resolved
     per_batch = result.per_batch_size(p.backend, plan.engine.version, p.server.parallel)
     outcome = write_back(loaded, p, result, registry, engine=plan.engine, workload=plan.workload, dry_run=dry_run,
                          per_batch=per_batch, apply_per_batch=apply_per_batch)
     png = None
     if not no_plot and (plot_path or not dry_run):
-        target = Path(plot_path) if plot_path else tune_plot_path(profile)
-        png = draw(result, target, title=f"{p.name}: {p.backend} {plan.engine.version.split(' ')[0]}, "
-                                         f"concurrency {', '.join(map(str, plan.levels))}")
-        if png is None:
-            say("no plot: matplotlib is not installed (pip install 'specops[plots]')")
+        png = _plot(result, plan, Path(plot_path) if plot_path else None, profile, say)
 
     if as_json:
         echo_json({"profile": str(outcome.profile_path), "record_file": str(outcome.record_path),
                    "written": outcome.written, "changes": outcome.changes, "notes": outcome.notes,
                    "plot": str(png) if png else None, "profile_diff": outcome.profile_diff, "record": outcome.record})
         return
+    _echo_best(result, plan)
+    if per_batch:
+        click.echo(f"proposal: speculative.per_batch_size: {per_batch['value']}  ({per_batch['why']})"
+                   + ("" if apply_per_batch else "; write it with --per-batch-size"))
+    _echo_written(outcome, dry_run, png)
+    if not result.eligible():
+        raise SpecopsError("no setting measured")
+
+
+def _announce(plan, budget: float, say) -> None:
+    """What the sweep will try, before it starts: notes, settings, concurrency, workload, budget."""
+    for note in plan.notes:
+        say(note)
+    p = plan.resolved
+    say(f"{p.name}: {p.backend} {plan.engine.version}; {len(plan.settings)} settings "
+        f"({', '.join(s.label for s in plan.settings)}) at concurrency {', '.join(map(str, plan.levels))}; "
+        f"workload {', '.join(plan.workload['sets'])}; budget {click.style(_fmt(budget), bold=True)}")
+
+
+def _sweep(loaded, registry, plan, cfg, quiet: bool):
+    """Run the sweep with the progress bar; the engine's output goes to <state_dir>/tune/<name>.engine.log."""
+    from specops.paths import state_dir
+    from specops.perf.tune import run_sweep
+
+    p = plan.resolved
+    progress = _Progress(cfg.budget_s, quiet)
+    log_path = state_dir(p.supervisor.state_dir) / "tune" / f"{p.name}.engine.log"
+    try:
+        return asyncio.run(run_sweep(loaded, registry, plan, cfg, on_event=progress, log_path=log_path))
+    finally:
+        progress.close()
+
+
+def _plot(result, plan, plot_path: Path | None, profile: str, say) -> Path | None:
+    """The PNG of tokens/s against the settings (None, said, without matplotlib)."""
+    from specops.perf.tune import plot as draw, tune_plot_path
+
+    p = plan.resolved
+    target = plot_path or tune_plot_path(profile)
+    png = draw(result, target, title=f"{p.name}: {p.backend} {plan.engine.version.split(' ')[0]}, "
+                                     f"concurrency {', '.join(map(str, plan.levels))}")
+    if png is None:
+        say("no plot: matplotlib is not installed (pip install 'specops[plots]')")
+    return png
+
+
+def _echo_best(result, plan) -> None:
+    """The table, the best setting at each concurrency, and a hint when the grid may be too narrow."""
+    from specops.perf.tune import format_table
+
     click.echo(format_table(result))
     w = result.winner
     click.echo("")
@@ -207,9 +246,10 @@ def tune(profile, workload, budget, k_values, methods, ngram_pairs, ngram_types,
     edge = _grid_edge(result, plan.settings)
     if edge:
         click.echo(f"note: {edge}")
-    if per_batch:
-        click.echo(f"proposal: speculative.per_batch_size: {per_batch['value']}  ({per_batch['why']})"
-                   + ("" if apply_per_batch else "; write it with --per-batch-size"))
+
+
+def _echo_written(outcome, dry_run: bool, png: Path | None) -> None:
+    """What was written (or, with --dry-run, would be): the profile change, the record, the plot."""
     for note in outcome.notes:
         click.echo(f"note: {note}")
     if dry_run:
@@ -223,8 +263,6 @@ def tune(profile, workload, budget, k_values, methods, ngram_pairs, ngram_types,
         click.echo(f"wrote {outcome.record_path}")
     if png:
         click.echo(f"wrote {png}")
-    if not result.eligible():
-        raise SpecopsError("no setting measured")
 
 
 def _grid_edge(result, settings) -> str | None:
