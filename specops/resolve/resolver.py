@@ -176,18 +176,46 @@ def resolve(profile, *, offline: bool = False, hub: Hub | None = None, catalog: 
         return res
 
     if requested is Method.MTP or (requested in NEEDS_DRAFT and spec.draft not in (None, "auto")):
-        cand = _explicit(profile, target, catalog, hub, backend_obj, explicit_revisions)
-        res.candidates = [cand]
-        res.findings = list(cand.findings)
-        if cand.verdict in ("ok", "warning"):
-            res.choice = cand
-            res.profile = _with_choice(profile, cand, keep_revision=True)
-            res.memory = _memory_of(profile, target, cand)
-        return res
+        return _resolve_named(res, profile, target, catalog, hub, backend_obj, explicit_revisions)
+    return _resolve_discovered(res, profile, target, catalog, hub, backend_obj, gguf, max_checked)
 
+
+def _resolve_named(res: Resolution, profile, target: ModelView, catalog: Catalog, hub: Hub, backend_obj,
+                   explicit_revisions: bool) -> Resolution:
+    """The draft the profile names (or MTP): checked on its own, chosen when the checks pass."""
+    cand = _explicit(profile, target, catalog, hub, backend_obj, explicit_revisions)
+    res.candidates = [cand]
+    res.findings = list(cand.findings)
+    if cand.verdict in ("ok", "warning"):
+        res.choice = cand
+        res.profile = _with_choice(profile, cand, keep_revision=True)
+        res.memory = _memory_of(profile, target, cand)
+    return res
+
+
+def _resolve_discovered(res: Resolution, profile, target: ModelView, catalog: Catalog, hub: Hub, backend_obj,
+                        gguf: bool, max_checked: int) -> Resolution:
+    """``auto`` or a method without a named draft: discover candidates, check the best-ranked, choose one."""
+    requested = res.requested
     methods = methods_for(requested, backend_obj.methods if backend_obj else None)
     candidates = discover(target, profile, methods, hub=hub, catalog=catalog, notes=res.notes, gguf=gguf)
     res.notes.extend(w for w in hub.warnings if w not in res.notes)  # Hub answers left out as unusable
+    _check_ranked(candidates, profile, target, catalog, hub, backend_obj, requested, max_checked)
+    res.candidates = candidates
+    res.choice = choose(candidates, requested)
+    if res.choice is None:
+        res.findings.append(_no_draft_finding(candidates, profile, target, requested))
+        return res
+    res.findings = list(res.choice.findings)
+    res.profile = _with_choice(profile, res.choice, keep_revision=False)
+    res.memory = _memory_of(profile, target, res.choice)
+    return res
+
+
+def _check_ranked(candidates: list[Candidate], profile, target: ModelView, catalog: Catalog, hub: Hub, backend_obj,
+                  requested: Method, max_checked: int) -> None:
+    """Check candidates best-ranked first: ``max_checked`` of them, more (up to twice) only while none passed;
+    then rank them again by what the checks found (in place)."""
     candidates.sort(key=lambda c: sort_key(c, requested))
     checked = 0
     for c in candidates:
@@ -200,20 +228,15 @@ def resolve(profile, *, offline: bool = False, hub: Hub | None = None, catalog: 
         _evaluate(c, profile, target, catalog, hub, backend_obj, explicit=False)
         checked += 1
     candidates.sort(key=lambda c: sort_key(c, requested))
-    res.candidates = candidates
-    res.choice = choose(candidates, requested)
-    if res.choice is None:
-        tried = "; ".join(f"{c.method} {c.draft or ''}".strip() + f" {c.verdict}: {c.reason}"
-                          for c in candidates[:3]) or "none found"
-        what = "any method" if requested is Method.AUTO else f"method {requested}"
-        res.findings.append(Finding("error", "resolve", f"no draft for {target.ref} passes the checks for {what} on "
-                                    f"{profile.backend} (candidates: {tried})",
-                                    ("speculative", "draft" if requested in NEEDS_DRAFT else "method")))
-        return res
-    res.findings = list(res.choice.findings)
-    res.profile = _with_choice(profile, res.choice, keep_revision=False)
-    res.memory = _memory_of(profile, target, res.choice)
-    return res
+
+
+def _no_draft_finding(candidates: list[Candidate], profile, target: ModelView, requested: Method) -> Finding:
+    tried = "; ".join(f"{c.method} {c.draft or ''}".strip() + f" {c.verdict}: {c.reason}"
+                      for c in candidates[:3]) or "none found"
+    what = "any method" if requested is Method.AUTO else f"method {requested}"
+    return Finding("error", "resolve", f"no draft for {target.ref} passes the checks for {what} on "
+                   f"{profile.backend} (candidates: {tried})",
+                   ("speculative", "draft" if requested in NEEDS_DRAFT else "method"))
 
 
 def _target_notes(res: Resolution, target: ModelView, hub: Hub) -> None:
