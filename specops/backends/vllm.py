@@ -204,62 +204,17 @@ class VllmBackend(Backend):
         if method is Method.AUTO or spec.draft == "auto":
             raise RenderError(("speculative", "method" if method is Method.AUTO else "draft"),
                               "`auto` must be resolved first: run `specops resolve` / `specops lock`")
-        env: dict[str, str] = {}
-        notes: list[str] = []
-        if method is Method.DRAFT_MODEL and VLLM_V0_REMOVED <= version < VLLM_DRAFT_MODEL_V1:
-            raise RenderError(("speculative", "method"), f"vLLM {version} cannot run a separate draft model "
-                              f"(V1 supports it from {VLLM_DRAFT_MODEL_V1}; V0 was removed in {VLLM_V0_REMOVED})")
-        if method is Method.DRAFT_MODEL and VLLM_V1_DEFAULT <= version < VLLM_V0_REMOVED:
-            env["VLLM_USE_V1"] = "0"
-            notes.append(f"draft_model runs on vLLM's V0 engine before {VLLM_DRAFT_MODEL_V1}: VLLM_USE_V1=0")
+        env, notes = _draft_model_engine(method, version)
         if version < VLLM_SPEC_CONFIG:
             if method is not Method.NGRAM:
                 notes.append(f"vLLM {version} has no `method` setting: it infers the method from the draft "
                              f"(EAGLE from 'eagle-' in the repo name, Medusa and MLP speculator from `model_type` in "
                              f"the draft's config.json) and otherwise runs it as a plain draft model")
             return self._legacy_flags(p, version), env, notes
-        since, until = VLLM_METHOD_SINCE[method.value], VLLM_METHOD_UNTIL.get(method.value)
-        if version < since:
-            raise RenderError(("speculative", "method"), f"method {method} needs vLLM >= {since} "
-                              f"(rendering for {version})")
-        if until is not None and version >= until:
-            raise RenderError(("speculative", "method"), f"vLLM {until} removed method {method} "
-                              f"(rendering for {version}); pin an older vLLM or pick another method")
+        _check_method_versions(method, version)
         if version < Version("0.8.5") and method is not Method.NGRAM:
             notes.append(f"vLLM {version} may override method {method} from the draft's config.json")
-
-        cfg: dict = {"method": method.value}
-        if method is Method.NGRAM:
-            cfg["num_speculative_tokens"] = spec.k
-            cfg["prompt_lookup_min"] = spec.ngram.min
-            cfg["prompt_lookup_max"] = spec.ngram.max
-        else:
-            if spec.draft:
-                cfg["model"] = spec.draft
-            cfg["num_speculative_tokens"] = spec.k
-            if spec.draft_revision:
-                cfg["revision"] = spec.draft_revision
-            if spec.draft_tensor_parallel_size is not None:
-                cfg["draft_tensor_parallel_size"] = spec.draft_tensor_parallel_size
-            if spec.draft_max_model_len is not None:
-                cfg["max_model_len"] = spec.draft_max_model_len
-            if spec.draft_quantization:
-                cfg["quantization"] = spec.draft_quantization
-        if spec.per_batch_size is not None:
-            cfg["num_speculative_tokens_per_batch_size"] = [list(x) for x in spec.per_batch_size]
-        for key in sorted(spec.options):
-            cfg[key] = spec.options[key]
-        for key in cfg:
-            problem = vllm_field_problem(key, version)
-            if problem:
-                where = ("speculative", "options", key) if key in spec.options else ("speculative",)
-                raise RenderError(where, problem)
-        text = json.dumps(cfg, separators=(",", ":"))
-        if version < VLLM_SPEC_CONFIG_ONLY and _literal(text) != cfg:
-            # 0.8.2 reads the value with ast.literal_eval: JSON without true/false/null is also a Python
-            # literal (and reads the same), anything else must be written as one
-            text = repr(cfg)
-        return ["--speculative-config", text], env, notes
+        return ["--speculative-config", _config_text(_speculative_config(spec, version), version)], env, notes
 
     def _legacy_flags(self, p, version: Version) -> list[str]:
         """≤ 0.8.1: separate flags; the method follows from the draft's config (medusa/mlp/eagle)."""
@@ -284,6 +239,72 @@ class VllmBackend(Backend):
                 raise RenderError(path, f"{'.'.join(path)} cannot be expressed with vLLM {version}'s flags "
                                         f"(needs >= {VLLM_SPEC_CONFIG})")
         return out
+
+
+def _draft_model_engine(method: Method, version: Version) -> tuple[dict[str, str], list[str]]:
+    """The environment and notes a separate draft model needs on ``version`` (V0 before V1 could run one);
+    raises where no engine of that version can."""
+    env: dict[str, str] = {}
+    notes: list[str] = []
+    if method is Method.DRAFT_MODEL and VLLM_V0_REMOVED <= version < VLLM_DRAFT_MODEL_V1:
+        raise RenderError(("speculative", "method"), f"vLLM {version} cannot run a separate draft model "
+                          f"(V1 supports it from {VLLM_DRAFT_MODEL_V1}; V0 was removed in {VLLM_V0_REMOVED})")
+    if method is Method.DRAFT_MODEL and VLLM_V1_DEFAULT <= version < VLLM_V0_REMOVED:
+        env["VLLM_USE_V1"] = "0"
+        notes.append(f"draft_model runs on vLLM's V0 engine before {VLLM_DRAFT_MODEL_V1}: VLLM_USE_V1=0")
+    return env, notes
+
+
+def _check_method_versions(method: Method, version: Version) -> None:
+    """Raise when ``version`` predates ``method`` or no longer has it."""
+    since, until = VLLM_METHOD_SINCE[method.value], VLLM_METHOD_UNTIL.get(method.value)
+    if version < since:
+        raise RenderError(("speculative", "method"), f"method {method} needs vLLM >= {since} "
+                          f"(rendering for {version})")
+    if until is not None and version >= until:
+        raise RenderError(("speculative", "method"), f"vLLM {until} removed method {method} "
+                          f"(rendering for {version}); pin an older vLLM or pick another method")
+
+
+def _speculative_config(spec, version: Version) -> dict:
+    """The ``--speculative-config`` fields for ``spec``, options last; raises for a field ``version`` lacks."""
+    cfg: dict = {"method": spec.method.value}
+    if spec.method is Method.NGRAM:
+        cfg["num_speculative_tokens"] = spec.k
+        cfg["prompt_lookup_min"] = spec.ngram.min
+        cfg["prompt_lookup_max"] = spec.ngram.max
+    else:
+        if spec.draft:
+            cfg["model"] = spec.draft
+        cfg["num_speculative_tokens"] = spec.k
+        if spec.draft_revision:
+            cfg["revision"] = spec.draft_revision
+        if spec.draft_tensor_parallel_size is not None:
+            cfg["draft_tensor_parallel_size"] = spec.draft_tensor_parallel_size
+        if spec.draft_max_model_len is not None:
+            cfg["max_model_len"] = spec.draft_max_model_len
+        if spec.draft_quantization:
+            cfg["quantization"] = spec.draft_quantization
+    if spec.per_batch_size is not None:
+        cfg["num_speculative_tokens_per_batch_size"] = [list(x) for x in spec.per_batch_size]
+    for key in sorted(spec.options):
+        cfg[key] = spec.options[key]
+    for key in cfg:
+        problem = vllm_field_problem(key, version)
+        if problem:
+            where = ("speculative", "options", key) if key in spec.options else ("speculative",)
+            raise RenderError(where, problem)
+    return cfg
+
+
+def _config_text(cfg: dict, version: Version) -> str:
+    """``cfg`` as the flag's value: JSON, or a Python literal where the version reads one."""
+    text = json.dumps(cfg, separators=(",", ":"))
+    if version < VLLM_SPEC_CONFIG_ONLY and _literal(text) != cfg:
+        # 0.8.2 reads the value with ast.literal_eval: JSON without true/false/null is also a Python
+        # literal (and reads the same), anything else must be written as one
+        text = repr(cfg)
+    return text
 
 
 def _literal(text: str):
@@ -350,3 +371,4 @@ def probe_vllm(python: str, script: str | None = None) -> EngineInfo:
 @hookimpl
 def specops_backends():
     return [VllmBackend()]
+
