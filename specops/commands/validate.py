@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from specops.errors import Location, Problem, ProfileError, SpecopsError
-from specops.plugins import get_registry
+from specops.plugins import Registry, get_registry
 from specops.config.profile import LoadedProfile, load_profile
 from specops.redact import MASK
 from specops.config.yamlsource import parse, read_text
@@ -87,28 +87,11 @@ def validate(paths, fmt, do_resolve, offline):
     skipped: list[Path] = []
     results = []
     for path in profiles:
-        problems: list[Problem] = []
-        warnings: list[Problem] = []
-        summary = {}
-        try:
-            loaded = load_profile(path, registry=registry)
-            p = loaded.profile
-            summary = {"name": _shown(loaded, ("name",), p.name), "backend": _shown(loaded, ("backend",), p.backend),
-                       "method": p.speculative.method.value}
-            if do_resolve:
-                from specops.resolve.check import check_loaded  # the resolver pulls in the Hub client: only when asked
-                for finding in check_loaded(loaded, offline=offline):
-                    target = problems if finding.severity == "error" else warnings
-                    target.append(loaded.problem(finding.path, finding.message))
-        except ProfileError as exc:
-            if path in bases and _only_incomplete(exc):
-                skipped.append(path)
-                continue
-            problems = exc.problems
-        except SpecopsError as exc:
-            problems = [Problem(Location(str(path), 1, 1), "", str(exc))]
-        results.append({"file": str(path), "ok": not problems, **summary,
-                        "errors": [p.to_dict() for p in problems], "warnings": [w.to_dict() for w in warnings]})
+        result = _check_one(path, registry, is_base=path in bases, do_resolve=do_resolve, offline=offline)
+        if result is None:
+            skipped.append(path)
+        else:
+            results.append(result)
 
     if not profiles:
         raise SpecopsError(f"no profiles found in {', '.join(paths)} (looked for *.yaml, *.yml)")
@@ -116,29 +99,63 @@ def validate(paths, fmt, do_resolve, offline):
         echo_json({"ok": all(r["ok"] for r in results), "profiles": results,
                    "skipped_bases": [str(s) for s in skipped]})
     elif fmt == "github":
-        for r in results:
-            for kind, items in (("error", r["errors"]), ("warning", r["warnings"])):
-                for e in items:
-                    file = _gh_property(e["file"] or r["file"])
-                    where = f"file={file},line={e['line'] or 1},col={e['column'] or 1}"
-                    msg = (f"{e['field']}: " if e["field"] else "") + e["message"]
-                    click.echo(f"::{kind} {where},title=specops::{_gh_escape(msg)}")
-        bad = sum(not r["ok"] for r in results)
-        click.echo(f"specops: {len(results) - bad} valid, {bad} invalid", err=True)
+        _print_github(results)
     else:
-        for r in results:
-            if r["ok"]:
-                click.echo(f"ok      {r['file']}  ({r['backend']}, {r['method']})")
-            for e in r["errors"]:
-                click.echo(f"error   {_line(e)}")
-            for w in r["warnings"]:
-                click.echo(f"warning {_line(w)}")
-        for s in skipped:
-            click.echo(f"base    {s}  (checked through the profiles that extend it)")
-        bad = sum(not r["ok"] for r in results)
-        click.echo(f"{len(results) - bad} valid, {bad} invalid", err=True)
+        _print_text(results, skipped)
     if not all(r["ok"] for r in results):
         raise SystemExit(1)
+
+
+def _check_one(path: Path, registry: Registry, *, is_base: bool, do_resolve: bool, offline: bool) -> dict | None:
+    """One profile's result row (its errors, warnings and summary); None for a base that is only partial."""
+    problems: list[Problem] = []
+    warnings: list[Problem] = []
+    summary = {}
+    try:
+        loaded = load_profile(path, registry=registry)
+        p = loaded.profile
+        summary = {"name": _shown(loaded, ("name",), p.name), "backend": _shown(loaded, ("backend",), p.backend),
+                   "method": p.speculative.method.value}
+        if do_resolve:
+            from specops.resolve.check import check_loaded  # the resolver pulls in the Hub client: only when asked
+            for finding in check_loaded(loaded, offline=offline):
+                target = problems if finding.severity == "error" else warnings
+                target.append(loaded.problem(finding.path, finding.message))
+    except ProfileError as exc:
+        if is_base and _only_incomplete(exc):
+            return None
+        problems = exc.problems
+    except SpecopsError as exc:
+        problems = [Problem(Location(str(path), 1, 1), "", str(exc))]
+    return {"file": str(path), "ok": not problems, **summary,
+            "errors": [p.to_dict() for p in problems], "warnings": [w.to_dict() for w in warnings]}
+
+
+def _print_github(results: list[dict]) -> None:
+    """GitHub Actions workflow commands: one annotation per error and warning, the count on stderr."""
+    for r in results:
+        for kind, items in (("error", r["errors"]), ("warning", r["warnings"])):
+            for e in items:
+                file = _gh_property(e["file"] or r["file"])
+                where = f"file={file},line={e['line'] or 1},col={e['column'] or 1}"
+                msg = (f"{e['field']}: " if e["field"] else "") + e["message"]
+                click.echo(f"::{kind} {where},title=specops::{_gh_escape(msg)}")
+    bad = sum(not r["ok"] for r in results)
+    click.echo(f"specops: {len(results) - bad} valid, {bad} invalid", err=True)
+
+
+def _print_text(results: list[dict], skipped: list[Path]) -> None:
+    for r in results:
+        if r["ok"]:
+            click.echo(f"ok      {r['file']}  ({r['backend']}, {r['method']})")
+        for e in r["errors"]:
+            click.echo(f"error   {_line(e)}")
+        for w in r["warnings"]:
+            click.echo(f"warning {_line(w)}")
+    for s in skipped:
+        click.echo(f"base    {s}  (checked through the profiles that extend it)")
+    bad = sum(not r["ok"] for r in results)
+    click.echo(f"{len(results) - bad} valid, {bad} invalid", err=True)
 
 
 def _shown(loaded: LoadedProfile, path: tuple, value: str) -> str:
