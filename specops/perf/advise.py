@@ -204,6 +204,16 @@ def advise(acc: AcceptanceInput, *, k: int = DEFAULT_K, c: float = DEFAULT_DRAFT
     the threshold watcher would act against the model.
     """
     k = _check_k(k)
+    c = _check_settings(k_max, c, batch_size)
+    adv = Advice(acceptance=acc, k=k, c=c, batch_size=batch_size, k_max=max(k_max, k), backend=backend)
+    _model_numbers(adv)
+    _warnings(adv, min_acceptance)
+    _batch_advice(adv, max_batch)
+    return adv
+
+
+def _check_settings(k_max: int, c: float, batch_size: int) -> float:
+    """Raise for a k_max, c or batch size the model cannot use; ``c`` as a float."""
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
         raise SpecopsError(f"--k-max must be an integer >= 1, got {k_max!r}")
     c = float(c)
@@ -211,8 +221,12 @@ def advise(acc: AcceptanceInput, *, k: int = DEFAULT_K, c: float = DEFAULT_DRAFT
         raise SpecopsError(f"the draft cost ratio c must be within [0, 1], got {c:g}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise SpecopsError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
-    a = acc.alpha
-    adv = Advice(acceptance=acc, k=k, c=c, batch_size=batch_size, k_max=max(k_max, k), backend=backend)
+    return c
+
+
+def _model_numbers(adv: Advice) -> None:
+    """Tokens per pass and speedup at k, the best k, the table over 1..k_max, and the measured speedup."""
+    acc, a, k, c = adv.acceptance, adv.alpha, adv.k, adv.c
     adv.tokens_per_pass = expected_tokens_per_step(a, k)
     adv.speedup = expected_speedup(a, k, c)
     adv.best_k = best_k(a, c, adv.k_max)
@@ -225,7 +239,10 @@ def advise(acc: AcceptanceInput, *, k: int = DEFAULT_K, c: float = DEFAULT_DRAFT
         draft_len = acc.mean_draft_length if acc.mean_draft_length else float(acc.measured_k or k)
         adv.measured_speedup = speedup_from_length(acc.mean_acceptance_length, draft_len, c)
 
-    # warnings
+
+def _warnings(adv: Advice, min_acceptance: float | None) -> None:
+    """A draft too weak to pay, a k slower than none, a thin reading, and a threshold that contradicts the model."""
+    acc, a, k, c = adv.acceptance, adv.alpha, adv.k, adv.c
     if a < LOW_ALPHA:
         adv.warnings.append(f"α = {a:.3f} is below {LOW_ALPHA}: the draft is wrong too often for speculation to "
                             "pay reliably; try another draft (or n-gram for copy-heavy traffic) or turn it off")
@@ -247,7 +264,10 @@ def advise(acc: AcceptanceInput, *, k: int = DEFAULT_K, c: float = DEFAULT_DRAFT
                              f"although the model predicts {adv.speedup:.2f}x (the rate falls as k grows); "
                              "use fallback.mode: model or a lower min_acceptance")
 
-    # batch size
+
+def _batch_advice(adv: Advice, max_batch: int | None) -> None:
+    """The batch caveat, and under high concurrency the backend's advice (vLLM: a per-batch-size schedule)."""
+    batch_size = adv.batch_size
     fading = ", ".join(f"{s:g}x at {b}" for b, s in PUBLISHED_FADING)
     adv.batch_caveat = (f"these numbers assume a memory-bound target (batch 1). With more concurrent sequences "
                         f"the target becomes compute-bound and verifying k+1 tokens per sequence is no longer "
@@ -255,7 +275,7 @@ def advise(acc: AcceptanceInput, *, k: int = DEFAULT_K, c: float = DEFAULT_DRAFT
                         f"Measure at your concurrency with `specops bench`.")
     high = max(batch_size, max_batch or 0) >= HIGH_CONCURRENCY
     if high and adv.best_k > 0:
-        be = _backend(backend)
+        be = _backend(adv.backend)
         if be is not None and be.takes_per_batch_size(None):
             adv.per_batch_size = per_batch_size_schedule(adv.best_k, max_batch)
             adv.notes.append(f"for {be.engine_name} under high concurrency, draft less as the batch grows: "
@@ -267,7 +287,6 @@ def advise(acc: AcceptanceInput, *, k: int = DEFAULT_K, c: float = DEFAULT_DRAFT
             adv.notes.append(be.concurrency_note)
     if batch_size > 1:
         adv.notes.append(f"batch size {batch_size}: expect less than the {adv.speedup:.2f}x above")
-    return adv
 
 
 def _backend(name: str | None):
