@@ -147,3 +147,12 @@ def test_cli_lists_cells_and_engines():
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert len(out["cells"]) == 5 and {c["engine"] for c in out["cells"]} == {"llamacpp"}
+
+
+def test_suffix_setup_step_needs_the_vllm_venv(tmp_path, monkeypatch):
+    from specops.devenv import engines
+
+    monkeypatch.setenv("SPECOPS_CACHE", str(tmp_path / "cache"))
+    assert "vllm-suffix" in engines.TARGETS
+    with pytest.raises(engines.SetupError, match="specops engines setup vllm"):
+        engines.setup_arctic_inference()

