@@ -255,15 +255,10 @@ def _draft_cost(cfg: BenchConfig, profile) -> float:
 
 async def _warmup(eng, sets: dict[str, list[Prompt]], cfg: BenchConfig, extra) -> None:
     """A few short requests before measuring: first-request costs (allocation, compilation) excluded."""
-    from specops.perf.workload import run_workload
+    from specops.perf.workload import warm_up
 
-    if cfg.warmup < 1:
-        return
-    prompts = [Prompt(p.text, min(p.max_tokens, 16), p.temperature, p.set) for ps in sets.values() for p in ps[:1]]
-    res = await run_workload(eng.base_url, eng.model_name, prompts, concurrency=1, requests=cfg.warmup,
-                             api_key=eng.api_key, extra_body=extra)
-    if not res.ok:
-        raise SpecopsError(f"warm-up requests to {eng.base_url} failed: {res.errors[0].error}")
+    if cfg.warmup >= 1:
+        await warm_up(eng, [ps[0] for ps in sets.values() if ps], requests=cfg.warmup, extra_body=extra)
 
 
 async def _run_cell(eng, prompts: list[Prompt], level: int, cfg: BenchConfig, extra, on_progress) -> dict:

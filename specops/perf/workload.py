@@ -446,3 +446,20 @@ def _take_final(data: dict, res: RequestResult) -> None:
         res.draft_tokens = int(timings["draft_n"])
         res.accepted = int(timings.get("draft_n_accepted", 0))
 
+
+#: Warm-up requests generate at most this many tokens: enough to run every kernel once.
+WARMUP_MAX_TOKENS = 16
+
+
+async def warm_up(engine, prompts: list[Prompt], *, concurrency: int = 1, requests: int | None = None,
+                  extra_body: dict | None = None) -> None:
+    """Short requests before measuring, so first-request costs (allocation, compilation) are not measured.
+
+    ``engine`` is a launched engine (``base_url``, ``model_name``, ``api_key``); raises when a request fails.
+    """
+    short = [Prompt(p.text, min(p.max_tokens, WARMUP_MAX_TOKENS), p.temperature, p.set) for p in prompts]
+    res = await run_workload(engine.base_url, engine.model_name, short, concurrency=concurrency,
+                             requests=len(short) if requests is None else requests, api_key=engine.api_key,
+                             extra_body=extra_body)
+    if not res.ok:
+        raise SpecopsError(f"warm-up requests to {engine.base_url} failed: {res.errors[0].error}")

@@ -65,14 +65,11 @@ class _EngineSession:
         self.eng, self.driver = eng, driver
 
     async def warmup(self, concurrency: int) -> None:
-        from specops.perf.workload import Prompt, run_workload
+        from specops.perf.workload import warm_up
 
-        prompts = [Prompt(p.text, min(p.max_tokens, 16), p.temperature, p.set)
-                   for p in self.driver.round_prompts(concurrency)]  # the round's prompts: caches primed alike
-        res = await run_workload(self.eng.base_url, self.eng.model_name, prompts, concurrency=concurrency,
-                                 requests=len(prompts), api_key=self.eng.api_key, extra_body=self.driver.extra_body)
-        if not res.ok:
-            raise SpecopsError(f"warm-up requests to {self.eng.base_url} failed: {res.errors[0].error}")
+        # the round's own prompts, so caches are primed alike for every setting
+        await warm_up(self.eng, self.driver.round_prompts(concurrency), concurrency=concurrency,
+                      extra_body=self.driver.extra_body)
 
     async def run(self, concurrency: int) -> Round:
         from specops.perf.workload import run_workload
