@@ -18,6 +18,7 @@ high-temperature speculation ~0.75x on this machine.
     .venv/bin/python benchmarks/bench_fallback.py
     .venv/bin/python benchmarks/bench_fallback.py --phase-a 30 --phase-b 60 --rounds 2 --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,12 @@ sys.path.insert(0, str(ROOT))
 from specops.perf.bench import machine  # noqa: E402
 from specops.perf.workload import Prompt, run_workload  # noqa: E402
 
-PROMPTS = ["The quick brown fox jumps over the lazy dog and", "Once upon a time in a land far away",
-           "def hello world return print self import", "It is the and of to in that for on with as"]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog and",
+    "Once upon a time in a land far away",
+    "def hello world return print self import",
+    "It is the and of to in that for on with as",
+]
 CONFIGS = ("managed", "static-spec", "static-none")
 
 
@@ -50,17 +55,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def profile_yaml(config: str, target: Path, draft: Path, port: int, k: int, window: str,
-                 threads: int | None = None) -> str:
-    spec = "speculative:\n  method: none\n" if config == "static-none" else (
-        f"speculative:\n  method: draft_model\n  draft: {draft}\n  num_speculative_tokens: {k}\n")
-    fallback = ("fallback:\n  enabled: false\n" if config != "managed" else
-                f"fallback:\n  window: {window}\n  min_draft_tokens: 50\n  consecutive_windows: 2\n"
-                "  cooldown: 10m\n  chain: [none]\n")
-    return (f"name: fallback-{config}\nbackend: llamacpp\nmodel:\n  id: {target}\n  max_model_len: 1024\n{spec}"
-            f"gpus:\n  devices: []\nserver:\n  port: {port}\n  parallel: 2\n"
-            + (f"  extra_args: [\"-t\", \"{threads}\"]\n" if threads else "") + f"{fallback}"
-            "monitor:\n  interval: 500ms\nsupervisor:\n  stop_timeout: 10\n")
+def profile_yaml(
+    config: str, target: Path, draft: Path, port: int, k: int, window: str, threads: int | None = None
+) -> str:
+    spec = (
+        "speculative:\n  method: none\n"
+        if config == "static-none"
+        else (f"speculative:\n  method: draft_model\n  draft: {draft}\n  num_speculative_tokens: {k}\n")
+    )
+    fallback = (
+        "fallback:\n  enabled: false\n"
+        if config != "managed"
+        else f"fallback:\n  window: {window}\n  min_draft_tokens: 50\n  consecutive_windows: 2\n"
+        "  cooldown: 10m\n  chain: [none]\n"
+    )
+    return (
+        f"name: fallback-{config}\nbackend: llamacpp\nmodel:\n  id: {target}\n  max_model_len: 1024\n{spec}"
+        f"gpus:\n  devices: []\nserver:\n  port: {port}\n  parallel: 2\n"
+        + (f'  extra_args: ["-t", "{threads}"]\n' if threads else "")
+        + f"{fallback}"
+        "monitor:\n  interval: 500ms\nsupervisor:\n  stop_timeout: 10\n"
+    )
 
 
 class Up:
@@ -71,8 +86,13 @@ class Up:
         state.mkdir(parents=True, exist_ok=True)
         self.log = open(state / f"{name}.up.log", "w")
         env = {**os.environ, "SPECOPS_STATE": str(state)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "specops.cli", "up", str(profile), "--quiet-engine"],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specops.cli", "up", str(profile), "--quiet-engine"],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
     def st(self) -> dict:
         try:
@@ -130,7 +150,7 @@ async def interleaved(urls: dict[str, str], durations: list[tuple[str, float, fl
         start = time.time()
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            order = names[i % len(names):] + names[:i % len(names)]
+            order = names[i % len(names) :] + names[: i % len(names)]
             prompt = Prompt(PROMPTS[i % len(PROMPTS)], tokens, temp, phase)
             for n in order:
                 got, latency, ok = await one(urls[n], prompt)
@@ -156,8 +176,11 @@ def run_round(paths: dict, work: Path, args, say) -> dict:
         for config in CONFIGS:
             port = free_port()
             prof = work / f"{config}.yaml"
-            prof.write_text(profile_yaml(config, paths["target"], paths["draft"], port, args.k, args.window,
-                                         args.llama_threads or None))
+            prof.write_text(
+                profile_yaml(
+                    config, paths["target"], paths["draft"], port, args.k, args.window, args.llama_threads or None
+                )
+            )
             ups[config] = Up(prof, work, f"fallback-{config}")
         urls = {}
         for config, up in ups.items():
@@ -165,11 +188,15 @@ def run_round(paths: dict, work: Path, args, say) -> dict:
             urls[config] = st["url"]
             asyncio.run(one(st["url"], Prompt(PROMPTS[0], 8, 0.0, "warm-up")))
             say(f"{config}: ready on {st['url']} with {st['method']}")
-        res = asyncio.run(interleaved(urls, [("A greedy", args.phase_a, 0.0),
-                                             ("B temperature 1.5", args.phase_b, 1.5)], args.tokens, say))
+        res = asyncio.run(
+            interleaved(
+                urls, [("A greedy", args.phase_a, 0.0), ("B temperature 1.5", args.phase_b, 1.5)], args.tokens, say
+            )
+        )
         b_start = res["managed"]["B temperature 1.5"]["start"]
-        res["managed"]["switch_after_s"] = [round(e["ts"] - b_start, 1) for e in ups["managed"].events()
-                                            if e["event"] == "switch"]
+        res["managed"]["switch_after_s"] = [
+            round(e["ts"] - b_start, 1) for e in ups["managed"].events() if e["event"] == "switch"
+        ]
         res["managed"]["final_method"] = ups["managed"].st().get("method")
         return res
     finally:
@@ -187,9 +214,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="repeat all three, rotating the order; medians")
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--llama-threads", type=int, default=1,
-                    help="llama-server -t (default 1: other load on a shared machine then slows all three alike; "
-                         "0 = the engine's default)")
+    ap.add_argument(
+        "--llama-threads",
+        type=int,
+        default=1,
+        help="llama-server -t (default 1: other load on a shared machine then slows all three alike; "
+        "0 = the engine's default)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
@@ -209,30 +240,47 @@ def main() -> None:
     med = {c: {p: statistics.median(r[p]["tokens_per_s"] for r in runs[c]) for p in phase_names} for c in CONFIGS}
     total = {}
     for c in CONFIGS:
-        total[c] = statistics.median(sum(r[p]["tokens"] for p in phase_names) /
-                                     sum(r[p]["busy_s"] for p in phase_names) for r in runs[c])
+        total[c] = statistics.median(
+            sum(r[p]["tokens"] for p in phase_names) / sum(r[p]["busy_s"] for p in phase_names) for r in runs[c]
+        )
     m = machine()
-    print(f"Fallback protection, llama-server, layer-skip {args.hidden}x{args.layers}, draft_model k={args.k}; "
-          f"machine: {m['cpu']}, {m['cores']} cores; llama-server threads {args.llama_threads or 'default'}; "
-          f"1 client, {args.tokens} tokens/request; "
-          f"phase A {args.phase_a:g}s greedy, phase B {args.phase_b:g}s temperature 1.5; "
-          f"managed window {args.window} × 2; requests round-robin over the three deployments (all up at once); "
-          f"medians of {args.rounds} round(s); load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
-    print("| phase | managed tok/s | static spec tok/s | static none tok/s | managed ÷ best static | "
-          "managed ÷ static spec |")
+    print(
+        f"Fallback protection, llama-server, layer-skip {args.hidden}x{args.layers}, draft_model k={args.k}; "
+        f"machine: {m['cpu']}, {m['cores']} cores; llama-server threads {args.llama_threads or 'default'}; "
+        f"1 client, {args.tokens} tokens/request; "
+        f"phase A {args.phase_a:g}s greedy, phase B {args.phase_b:g}s temperature 1.5; "
+        f"managed window {args.window} × 2; requests round-robin over the three deployments (all up at once); "
+        f"medians of {args.rounds} round(s); load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n"
+    )
+    print(
+        "| phase | managed tok/s | static spec tok/s | static none tok/s | managed ÷ best static | "
+        "managed ÷ static spec |"
+    )
     print("|---|---|---|---|---|---|")
     for p in phase_names:
         best = max(med["static-spec"][p], med["static-none"][p])
-        print(f"| {p} | {med['managed'][p]:.1f} | {med['static-spec'][p]:.1f} | {med['static-none'][p]:.1f} | "
-              f"**{med['managed'][p] / best:.2f}** | {med['managed'][p] / med['static-spec'][p]:.2f} |")
+        print(
+            f"| {p} | {med['managed'][p]:.1f} | {med['static-spec'][p]:.1f} | {med['static-none'][p]:.1f} | "
+            f"**{med['managed'][p] / best:.2f}** | {med['managed'][p] / med['static-spec'][p]:.2f} |"
+        )
     best_total = max(total["static-spec"], total["static-none"])
-    print(f"| whole run | {total['managed']:.1f} | {total['static-spec']:.1f} | {total['static-none']:.1f} | "
-          f"**{total['managed'] / best_total:.2f}** | {total['managed'] / total['static-spec']:.2f} |")
-    print(f"\nmanaged switched {', '.join(str(r['switch_after_s']) for r in runs['managed'])} s after phase B "
-          f"began; final method {[r['final_method'] for r in runs['managed']]}")
+    print(
+        f"| whole run | {total['managed']:.1f} | {total['static-spec']:.1f} | {total['static-none']:.1f} | "
+        f"**{total['managed'] / best_total:.2f}** | {total['managed'] / total['static-spec']:.2f} |"
+    )
+    print(
+        f"\nmanaged switched {', '.join(str(r['switch_after_s']) for r in runs['managed'])} s after phase B "
+        f"began; final method {[r['final_method'] for r in runs['managed']]}"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": m, "args": vars(args), "runs": runs, "medians": med,
-                                               "whole_run": total}, indent=2, default=str) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {"machine": m, "args": vars(args), "runs": runs, "medians": med, "whole_run": total},
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@
     .venv/bin/python benchmarks/bench_overheads.py
     .venv/bin/python benchmarks/bench_overheads.py --runs 15 --idle 20 --intervals 0.5,1,5 --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,16 @@ PY = sys.executable
 RENDER = ["render", str(ROOT / "profiles" / "llama31-8b-eagle3.yaml"), "--backend-version", "0.32.0"]
 VALIDATE = ["validate", str(ROOT / "profiles")]
 ENGINE_MODULES = ("torch", "vllm", "llama_cpp", "transformers")
-HEAVY_MODULES = ("aiohttp", "prometheus_client", "prometheus_api_client", "huggingface_hub", "requests",
-                 "matplotlib", "numpy", "gguf")
+HEAVY_MODULES = (
+    "aiohttp",
+    "prometheus_client",
+    "prometheus_api_client",
+    "huggingface_hub",
+    "requests",
+    "matplotlib",
+    "numpy",
+    "gguf",
+)
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -48,24 +57,29 @@ def timed(argv: list[str]) -> float:
 
 
 def cold_start(runs: int) -> dict:
-    cmds = {"python -c pass": [PY, "-c", "pass"],
-            "specops --version": [PY, "-m", "specops.cli", "--version"],
-            "specops render": [PY, "-m", "specops.cli", *RENDER],
-            "specops validate profiles/": [PY, "-m", "specops.cli", *VALIDATE]}
+    cmds = {
+        "python -c pass": [PY, "-c", "pass"],
+        "specops --version": [PY, "-m", "specops.cli", "--version"],
+        "specops render": [PY, "-m", "specops.cli", *RENDER],
+        "specops validate profiles/": [PY, "-m", "specops.cli", *VALIDATE],
+    }
     times: dict[str, list[float]] = {k: [] for k in cmds}
-    for k, argv in cmds.items():  # one unmeasured run each: page cache, .pyc files
+    for argv in cmds.values():  # one unmeasured run each: page cache, .pyc files
         timed(argv)
     for i in range(runs):
-        for k, argv in (list(cmds.items()) if i % 2 == 0 else list(cmds.items())[::-1]):
+        for k, argv in list(cmds.items()) if i % 2 == 0 else list(cmds.items())[::-1]:
             times[k].append(timed(argv))
-    return {k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": len(v)}
-            for k, v in times.items()}
+    return {
+        k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": len(v)}
+        for k, v in times.items()
+    }
 
 
 def import_breakdown(top: int = 12) -> dict:
     """``-X importtime`` of ``specops render``: cumulative µs per top-level package and the slowest modules."""
-    res = subprocess.run([PY, "-X", "importtime", "-m", "specops.cli", *RENDER], capture_output=True, text=True,
-                         cwd=ROOT)
+    res = subprocess.run(
+        [PY, "-X", "importtime", "-m", "specops.cli", *RENDER], capture_output=True, text=True, cwd=ROOT
+    )
     rows = []
     for line in res.stderr.splitlines():
         m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", line)
@@ -78,16 +92,23 @@ def import_breakdown(top: int = 12) -> dict:
     total = sum(by_pkg.values())
     by_self = sorted(rows, key=lambda r: -r[0])[:top]
     # which modules a render loads (no engine, no HTTP client)
-    probe = ("import sys, runpy\nsys.argv = ['specops'] + %r\ntry:\n    runpy.run_module('specops.cli', "
-             "run_name='__main__')\nexcept SystemExit:\n    pass\nimport json\nprint(json.dumps(sorted({m.split('.')[0] "
-             "for m in sys.modules})), file=sys.stderr)\n" % (RENDER,))
-    loaded = set(json.loads(subprocess.run([PY, "-c", probe], capture_output=True, text=True, cwd=ROOT)
-                            .stderr.strip().splitlines()[-1]))
-    return {"total_ms": total / 1000, "by_package_ms": dict(sorted(((k, v / 1000) for k, v in by_pkg.items()),
-                                                                   key=lambda kv: -kv[1])[:top]),
-            "slowest_modules_ms": [(name, self_us / 1000) for self_us, _c, _d, name in by_self],
-            "engines_imported": sorted(loaded & set(ENGINE_MODULES)),
-            "heavy_imported": sorted(loaded & set(HEAVY_MODULES))}
+    probe = (
+        "import sys, runpy\nsys.argv = ['specops'] + " + repr(RENDER) + "\ntry:\n    runpy.run_module('specops.cli', "
+        "run_name='__main__')\nexcept SystemExit:\n    pass\nimport json\nprint(json.dumps(sorted({m.split('.')[0] "
+        "for m in sys.modules})), file=sys.stderr)\n"
+    )
+    loaded = set(
+        json.loads(
+            subprocess.run([PY, "-c", probe], capture_output=True, text=True, cwd=ROOT).stderr.strip().splitlines()[-1]
+        )
+    )
+    return {
+        "total_ms": total / 1000,
+        "by_package_ms": dict(sorted(((k, v / 1000) for k, v in by_pkg.items()), key=lambda kv: -kv[1])[:top]),
+        "slowest_modules_ms": [(name, self_us / 1000) for self_us, _c, _d, name in by_self],
+        "engines_imported": sorted(loaded & set(ENGINE_MODULES)),
+        "heavy_imported": sorted(loaded & set(HEAVY_MODULES)),
+    }
 
 
 def cpu_seconds(pid: int) -> float:
@@ -116,10 +137,16 @@ def watcher_cpu(intervals: list[float], idle: float) -> list[dict]:
                 f"model:\n  id: {models['gguf-target.gguf']}\n  max_model_len: 512\n"
                 f"speculative:\n  method: draft_model\n  draft: {models['gguf-draft-same.gguf']}\n"
                 f"gpus:\n  devices: []\nserver:\n  port: {free_port()}\n"
-                f"monitor:\n  interval: {interval}\nsupervisor:\n  stop_timeout: 10\n")
+                f"monitor:\n  interval: {interval}\nsupervisor:\n  stop_timeout: 10\n"
+            )
             env = {**os.environ, "SPECOPS_STATE": str(Path(tmp) / "state")}
-            proc = subprocess.Popen([PY, "-m", "specops.cli", "up", str(prof), "--quiet-engine"], env=env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                [PY, "-m", "specops.cli", "up", str(prof), "--quiet-engine"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             try:
                 state = Path(tmp) / "state" / name / "state.json"
                 deadline = time.monotonic() + 60
@@ -137,8 +164,14 @@ def watcher_cpu(intervals: list[float], idle: float) -> list[dict]:
                 c0, e0, t0 = cpu_seconds(proc.pid), cpu_seconds(eng_pid), time.monotonic()
                 time.sleep(idle)
                 c1, e1, t1 = cpu_seconds(proc.pid), cpu_seconds(eng_pid), time.monotonic()
-                out.append({"interval_s": interval, "specops_cpu_pct": 100 * (c1 - c0) / (t1 - t0),
-                            "engine_cpu_pct": 100 * (e1 - e0) / (t1 - t0), "seconds": t1 - t0})
+                out.append(
+                    {
+                        "interval_s": interval,
+                        "specops_cpu_pct": 100 * (c1 - c0) / (t1 - t0),
+                        "engine_cpu_pct": 100 * (e1 - e0) / (t1 - t0),
+                        "seconds": t1 - t0,
+                    }
+                )
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=60)
@@ -149,35 +182,42 @@ def tick_cost(ticks: int) -> dict:
     """CPU per watcher tick (scrape + parse + window) against a real llama-server, in this process."""
     import asyncio
 
+    from specops.config.profile import load_profile
     from specops.devenv.testmodels import ensure_tiny_models
     from specops.perf.launch import launched
-    from specops.plugins import get_registry
-    from specops.config.profile import load_profile
-    from specops.watch.watcher import AcceptanceReader
     from specops.perf.workload import Prompt, run_workload
+    from specops.plugins import get_registry
+    from specops.watch.watcher import AcceptanceReader
 
     models = ensure_tiny_models(["gguf"])
     registry = get_registry()
     with tempfile.TemporaryDirectory(prefix="specops-bench-tick-") as tmp:
         prof = Path(tmp) / "tick.yaml"
-        prof.write_text(f"name: tick\nbackend: llamacpp\nmodel:\n  id: {models['gguf-target.gguf']}\n"
-                        f"speculative:\n  method: draft_model\n  draft: {models['gguf-draft-same.gguf']}\n"
-                        "gpus:\n  devices: []\n")
+        prof.write_text(
+            f"name: tick\nbackend: llamacpp\nmodel:\n  id: {models['gguf-target.gguf']}\n"
+            f"speculative:\n  method: draft_model\n  draft: {models['gguf-draft-same.gguf']}\n"
+            "gpus:\n  devices: []\n"
+        )
         loaded = load_profile(prof, registry=registry)
 
         async def run() -> dict:
             async with launched(loaded, registry) as eng:
-                await run_workload(eng.base_url, eng.model_name, [Prompt("the quick brown fox", 32)], concurrency=1,
-                                   requests=2)
+                await run_workload(
+                    eng.base_url, eng.model_name, [Prompt("the quick brown fox", 32)], concurrency=1, requests=2
+                )
                 reader = AcceptanceReader("scrape", eng.backend, 60.0, 3.0)
                 reader.attach(eng.metrics_url, eng.model_name)
                 reader.read_blocking(time.monotonic())
                 c0, w0 = time.process_time(), time.perf_counter()
-                for i in range(ticks):
+                for _ in range(ticks):
                     reader.read_blocking(time.monotonic())
                 c1, w1 = time.process_time(), time.perf_counter()
-                return {"ticks": ticks, "cpu_ms_per_tick": 1000 * (c1 - c0) / ticks,
-                        "wall_ms_per_tick": 1000 * (w1 - w0) / ticks}
+                return {
+                    "ticks": ticks,
+                    "cpu_ms_per_tick": 1000 * (c1 - c0) / ticks,
+                    "wall_ms_per_tick": 1000 * (w1 - w0) / ticks,
+                }
+
         return asyncio.run(run())
 
 
@@ -201,25 +241,37 @@ def main() -> None:
     print("| command | median | min | max | minus `python -c pass` |\n|---|---|---|---|---|")
     base = cold["python -c pass"]["median_s"]
     for k, v in cold.items():
-        print(f"| `{k}` | {v['median_s'] * 1000:.0f} ms | {v['min_s'] * 1000:.0f} ms | {v['max_s'] * 1000:.0f} ms | "
-              f"{(v['median_s'] - base) * 1000:.0f} ms |")
+        print(
+            f"| `{k}` | {v['median_s'] * 1000:.0f} ms | {v['min_s'] * 1000:.0f} ms | {v['max_s'] * 1000:.0f} ms | "
+            f"{(v['median_s'] - base) * 1000:.0f} ms |"
+        )
     print(f"\nImports of `specops render` (-X importtime, self time by package, total {imports['total_ms']:.0f} ms):\n")
     print("| package | ms |\n|---|---|")
     for k, v in imports["by_package_ms"].items():
         print(f"| {k} | {v:.1f} |")
-    print("\nslowest modules (self time): " + ", ".join(f"{n} {v:.1f} ms" for n, v in imports["slowest_modules_ms"][:8]))
-    print(f"\nengines imported by render: {imports['engines_imported'] or 'none'}; "
-          f"heavy modules imported: {imports['heavy_imported'] or 'none'}")
-    print(f"\nWatcher tick (scrape llama-server /metrics + parse + window), {tick['ticks']} ticks: "
-          f"{tick['cpu_ms_per_tick']:.2f} ms CPU, {tick['wall_ms_per_tick']:.2f} ms wall per tick")
+    print(
+        "\nslowest modules (self time): " + ", ".join(f"{n} {v:.1f} ms" for n, v in imports["slowest_modules_ms"][:8])
+    )
+    print(
+        f"\nengines imported by render: {imports['engines_imported'] or 'none'}; "
+        f"heavy modules imported: {imports['heavy_imported'] or 'none'}"
+    )
+    print(
+        f"\nWatcher tick (scrape llama-server /metrics + parse + window), {tick['ticks']} ticks: "
+        f"{tick['cpu_ms_per_tick']:.2f} ms CPU, {tick['wall_ms_per_tick']:.2f} ms wall per tick"
+    )
     print(f"\nIdle `specops up` (tiny llama-server, draft_model), {args.idle:g} s per interval:\n")
     print("| monitor.interval | specops CPU (% of one core) | engine CPU | tick cost ÷ interval |\n|---|---|---|---|")
     for row in cpu:
-        print(f"| {row['interval_s']:g} s | {row['specops_cpu_pct']:.2f} % | {row['engine_cpu_pct']:.2f} % | "
-              f"{tick['cpu_ms_per_tick'] / (row['interval_s'] * 10):.2f} % |")
+        print(
+            f"| {row['interval_s']:g} s | {row['specops_cpu_pct']:.2f} % | {row['engine_cpu_pct']:.2f} % | "
+            f"{tick['cpu_ms_per_tick'] / (row['interval_s'] * 10):.2f} % |"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": m, "cold_start": cold, "imports": imports, "tick": tick,
-                                               "idle_cpu": cpu}, indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"machine": m, "cold_start": cold, "imports": imports, "tick": tick, "idle_cpu": cpu}, indent=2)
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ takes its turn in the same alternating rounds as the direct runs, so before and 
 side under the same load. Each row reports the pooled p50/p99 and the median over rounds of each round's
 added p50 (robust to drift between rounds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,16 +43,20 @@ sys.path.insert(0, str(ROOT))
 
 # ------------------------------------------------------------------------------------------ proxy process
 
+
 def _proxy_class(module_path: str | None):
     if not module_path:
         from specops.proxy import Proxy
+
         return Proxy
     import importlib.util
+
     package = [os.path.dirname(module_path)] if os.path.basename(module_path) == "__init__.py" else None
-    spec = importlib.util.spec_from_file_location("specops_proxy_baseline", module_path,
-                                                  submodule_search_locations=package)
+    spec = importlib.util.spec_from_file_location(
+        "specops_proxy_baseline", module_path, submodule_search_locations=package
+    )
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod                # dataclasses look their module up while it loads
+    sys.modules[spec.name] = mod  # dataclasses look their module up while it loads
     spec.loader.exec_module(mod)
     return mod.Proxy
 
@@ -60,9 +65,9 @@ def _baseline_module(rev: str, into: str) -> tuple[str, str]:
     """The proxy as it was at ``rev``, written under ``into``: (the file to load, what it is). Before the
     proxy became a package it was one file, ``specops/proxy.py``; since then the package's modules import
     each other relatively, so the copy loads as a package of its own."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
 
     listed = git("ls-tree", "-r", "--name-only", rev, "specops/proxy/").splitlines()
     names = [n for n in listed if n.endswith(".py")]
@@ -132,6 +137,7 @@ def _cpu_seconds(pid: int | None) -> float | None:
 
 # ------------------------------------------------------------------------------------------ client side
 
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -140,8 +146,9 @@ def _pct(values: list[float], q: float) -> float:
     return s[k]
 
 
-async def _latency_round(session, url: str, body: bytes, concurrency: int, per_client: int,
-                         service_ms: float = 0.0, seed: int = 0) -> list[float]:
+async def _latency_round(
+    session, url: str, body: bytes, concurrency: int, per_client: int, service_ms: float = 0.0, seed: int = 0
+) -> list[float]:
     """Per-request latencies of ``concurrency`` clients sending ``per_client`` requests back to back.
 
     ``service_ms`` (stand-in only): each request asks the stand-in to take a service time drawn uniformly
@@ -155,8 +162,10 @@ async def _latency_round(session, url: str, body: bytes, concurrency: int, per_c
         headers = {"Content-Type": "application/json"}
         for _ in range(per_client):
             if service_ms:
-                headers = {"Content-Type": "application/json",
-                           "X-Test-First-Delay": str(service_ms * rng.uniform(0.5, 1.5) / 1e3)}
+                headers = {
+                    "Content-Type": "application/json",
+                    "X-Test-First-Delay": str(service_ms * rng.uniform(0.5, 1.5) / 1e3),
+                }
             t0 = time.perf_counter()
             async with session.post(url, data=body, headers=headers) as r:
                 await r.read()
@@ -212,20 +221,29 @@ async def _bench(args, engine_url: str, proxies: dict[str, tuple[str, int | None
 
     targets = {"direct": engine_url, **{name: url for name, (url, _) in proxies.items()}}
     names = list(targets)
-    lat_body = json.dumps({"model": args.model, "prompt": "hello world", "max_tokens": args.max_tokens,
-                           "temperature": 0}).encode()
-    stream_body = json.dumps({"model": args.model, "prompt": "hello world", "max_tokens": args.stream_tokens,
-                              "temperature": 0, "stream": True, **stream_extra}).encode()
+    lat_body = json.dumps(
+        {"model": args.model, "prompt": "hello world", "max_tokens": args.max_tokens, "temperature": 0}
+    ).encode()
+    stream_body = json.dumps(
+        {
+            "model": args.model,
+            "prompt": "hello world",
+            "max_tokens": args.stream_tokens,
+            "temperature": 0,
+            "stream": True,
+            **stream_extra,
+        }
+    ).encode()
     results: dict = {"latency": [], "throughput": []}
     conn = aiohttp.TCPConnector(limit=0)
 
-    def order(rnd: int) -> list[str]:            # rotate who goes first, so drift hits all alike
+    def order(rnd: int) -> list[str]:  # rotate who goes first, so drift hits all alike
         k = rnd % len(names)
         out = names[k:] + names[:k]
         return out if rnd % 2 == 0 else out[::-1]
 
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
-        for base in targets.values():           # warm every path (connections, caches)
+        for base in targets.values():  # warm every path (connections, caches)
             await _latency_round(session, base + "/v1/completions", lat_body, 4, 10)
         for service_ms, c in itertools.product(args.service_ms, args.concurrency):
             # the stand-in's service time per request (X-Test-First-Delay); a real engine has its own
@@ -237,8 +255,9 @@ async def _bench(args, engine_url: str, proxies: dict[str, tuple[str, int | None
             per_client = max(8 if service_ms else 1, n_req // c)
             for rnd in range(args.rounds):
                 for name in order(rnd):
-                    got = await _latency_round(session, targets[name] + "/v1/completions", lat_body, c,
-                                               per_client, service, seed=rnd)
+                    got = await _latency_round(
+                        session, targets[name] + "/v1/completions", lat_body, c, per_client, service, seed=rnd
+                    )
                     lat[name] += got
                     round_p50[name].append(_pct(got, 0.5))
             cpu1 = {n: _cpu_seconds(pid) for n, (_, pid) in proxies.items()}
@@ -246,32 +265,52 @@ async def _bench(args, engine_url: str, proxies: dict[str, tuple[str, int | None
             for name in proxies:
                 p50, p99 = _pct(lat[name], 0.5), _pct(lat[name], 0.99)
                 deltas = [a - b for a, b in zip(round_p50[name], round_p50["direct"])]
-                results["latency"].append({
-                    "proxy": name, "clients": c, "service_ms": service_ms, "n": len(lat[name]),
-                    "direct_p50_ms": d50 * 1e3, "direct_p99_ms": d99 * 1e3,
-                    "proxy_p50_ms": p50 * 1e3, "proxy_p99_ms": p99 * 1e3,
-                    "added_p50_ms": (p50 - d50) * 1e3, "added_p99_ms": (p99 - d99) * 1e3,
-                    "median_round_added_p50_ms": _median(deltas) * 1e3,
-                    "proxy_cpu_us_per_request": None if cpu0[name] is None or cpu1[name] is None
-                    else (cpu1[name] - cpu0[name]) / len(lat[name]) * 1e6})
+                results["latency"].append(
+                    {
+                        "proxy": name,
+                        "clients": c,
+                        "service_ms": service_ms,
+                        "n": len(lat[name]),
+                        "direct_p50_ms": d50 * 1e3,
+                        "direct_p99_ms": d99 * 1e3,
+                        "proxy_p50_ms": p50 * 1e3,
+                        "proxy_p99_ms": p99 * 1e3,
+                        "added_p50_ms": (p50 - d50) * 1e3,
+                        "added_p99_ms": (p99 - d99) * 1e3,
+                        "median_round_added_p50_ms": _median(deltas) * 1e3,
+                        "proxy_cpu_us_per_request": None
+                        if cpu0[name] is None or cpu1[name] is None
+                        else (cpu1[name] - cpu0[name]) / len(lat[name]) * 1e6,
+                    }
+                )
         for c in args.concurrency:
             tok = {n: [0, 0.0] for n in names}
             cpu0 = {n: _cpu_seconds(pid) for n, (_, pid) in proxies.items()}
             per_client = max(2, args.stream_requests // c)
             for rnd in range(args.stream_rounds):
                 for name in order(rnd):
-                    n, secs = await _stream_round(session, targets[name] + "/v1/completions", stream_body,
-                                                  c, per_client)
+                    n, secs = await _stream_round(
+                        session, targets[name] + "/v1/completions", stream_body, c, per_client
+                    )
                     tok[name][0] += n
                     tok[name][1] += secs
             cpu1 = {n: _cpu_seconds(pid) for n, (_, pid) in proxies.items()}
             dt = tok["direct"][0] / tok["direct"][1]
             for name in proxies:
                 pt = tok[name][0] / tok[name][1]
-                results["throughput"].append({
-                    "proxy": name, "clients": c, "direct_tok_s": dt, "proxy_tok_s": pt, "ratio": pt / dt,
-                    "tokens": tok[name][0], "proxy_cpu_us_per_token": None if cpu0[name] is None or
-                    cpu1[name] is None else (cpu1[name] - cpu0[name]) / tok[name][0] * 1e6})
+                results["throughput"].append(
+                    {
+                        "proxy": name,
+                        "clients": c,
+                        "direct_tok_s": dt,
+                        "proxy_tok_s": pt,
+                        "ratio": pt / dt,
+                        "tokens": tok[name][0],
+                        "proxy_cpu_us_per_token": None
+                        if cpu0[name] is None or cpu1[name] is None
+                        else (cpu1[name] - cpu0[name]) / tok[name][0] * 1e6,
+                    }
+                )
     return results
 
 
@@ -281,31 +320,42 @@ def _us(v) -> str:
 
 def _report(args, res: dict, engine: str, proxies: dict[str, str]) -> str:
     w = max(5, *(len(n) for n in proxies))
-    lines = [f"engine: {engine}"] + [f"proxy {n}: {desc}" for n, desc in proxies.items()] + [
-             f"latency: non-streamed, max_tokens={args.max_tokens}, "
-             f"{args.rounds} alternating rounds of ~{args.requests} requests per path "
-             f"(1/4 of that with a service time)",
-             f"{'proxy':<{w}} {'clients':>7} {'service':>7} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} "
-             f"{'med. round':>10} {'direct p99':>10} {'proxy p99':>10} {'added p99':>10} {'proxy CPU/req':>13}"
-             f"   (times in ms)"]
+    lines = (
+        [f"engine: {engine}"]
+        + [f"proxy {n}: {desc}" for n, desc in proxies.items()]
+        + [
+            f"latency: non-streamed, max_tokens={args.max_tokens}, "
+            f"{args.rounds} alternating rounds of ~{args.requests} requests per path "
+            f"(1/4 of that with a service time)",
+            f"{'proxy':<{w}} {'clients':>7} {'service':>7} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} "
+            f"{'med. round':>10} {'direct p99':>10} {'proxy p99':>10} {'added p99':>10} {'proxy CPU/req':>13}"
+            f"   (times in ms)",
+        ]
+    )
     for r in res["latency"]:
-        lines.append(f"{r['proxy']:<{w}} {r['clients']:>7} {r['service_ms']:>7g} {r['direct_p50_ms']:10.3f} "
-                     f"{r['proxy_p50_ms']:10.3f} {r['added_p50_ms']:10.3f} {r['median_round_added_p50_ms']:10.3f} "
-                     f"{r['direct_p99_ms']:10.3f} {r['proxy_p99_ms']:10.3f} {r['added_p99_ms']:10.3f} "
-                     f"{_us(r['proxy_cpu_us_per_request']):>13}")
-    lines += [f"throughput: streamed, {args.stream_tokens} tokens per request, token delay "
-              f"{args.token_delay * 1e3:g} ms (stand-in engine only), {args.stream_rounds} alternating rounds",
-              f"{'proxy':<{w}} {'clients':>7} {'direct tok/s':>13} {'proxy tok/s':>12} {'ratio':>7} "
-              f"{'proxy CPU/token':>15}"]
+        lines.append(
+            f"{r['proxy']:<{w}} {r['clients']:>7} {r['service_ms']:>7g} {r['direct_p50_ms']:10.3f} "
+            f"{r['proxy_p50_ms']:10.3f} {r['added_p50_ms']:10.3f} {r['median_round_added_p50_ms']:10.3f} "
+            f"{r['direct_p99_ms']:10.3f} {r['proxy_p99_ms']:10.3f} {r['added_p99_ms']:10.3f} "
+            f"{_us(r['proxy_cpu_us_per_request']):>13}"
+        )
+    lines += [
+        f"throughput: streamed, {args.stream_tokens} tokens per request, token delay "
+        f"{args.token_delay * 1e3:g} ms (stand-in engine only), {args.stream_rounds} alternating rounds",
+        f"{'proxy':<{w}} {'clients':>7} {'direct tok/s':>13} {'proxy tok/s':>12} {'ratio':>7} {'proxy CPU/token':>15}",
+    ]
     for r in res["throughput"]:
-        lines.append(f"{r['proxy']:<{w}} {r['clients']:>7} {r['direct_tok_s']:13.1f} {r['proxy_tok_s']:12.1f} "
-                     f"{r['ratio']:7.3f} {_us(r['proxy_cpu_us_per_token']):>15}")
+        lines.append(
+            f"{r['proxy']:<{w}} {r['clients']:>7} {r['direct_tok_s']:13.1f} {r['proxy_tok_s']:12.1f} "
+            f"{r['ratio']:7.3f} {_us(r['proxy_cpu_us_per_token']):>15}"
+        )
     return "\n".join(lines)
 
 
 def _default_loop() -> str:
     """The loop `specops up` runs the proxy on."""
     from specops.proxy import loop_factory
+
     return "asyncio" if loop_factory() is None else "uvloop"
 
 
@@ -317,20 +367,37 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=20, help="alternating direct/proxy latency rounds")
     p.add_argument("--requests", type=int, default=120, help="latency requests per round per path")
     p.add_argument("--stream-rounds", type=int, default=6, help="alternating direct/proxy streaming rounds")
-    p.add_argument("--service-ms", type=float, nargs="+", default=[0.0],
-                   help="stand-in engine: fixed time per latency request, one run each (0: answer at once)")
+    p.add_argument(
+        "--service-ms",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="stand-in engine: fixed time per latency request, one run each (0: answer at once)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per latency request")
-    p.add_argument("--stream-requests", type=int, default=4,
-                   help="streamed requests per round per path (at least 2 per client)")
+    p.add_argument(
+        "--stream-requests", type=int, default=4, help="streamed requests per round per path (at least 2 per client)"
+    )
     p.add_argument("--stream-tokens", type=int, default=128, help="tokens per streamed request")
-    p.add_argument("--token-delay", type=float, default=0.005,
-                   help="stand-in engine: seconds per streamed token (latency runs use 0)")
-    p.add_argument("--loops", nargs="+", choices=("asyncio", "uvloop"), default=None,
-                   help="event loop(s) to run the current proxy on, one proxy process each "
-                        "(default: the one `specops up` uses)")
-    p.add_argument("--baseline", metavar="REV",
-                   help="also run specops/proxy (a package, or proxy.py before it was one) from git "
-                        "revision REV (asyncio loop), side by side")
+    p.add_argument(
+        "--token-delay",
+        type=float,
+        default=0.005,
+        help="stand-in engine: seconds per streamed token (latency runs use 0)",
+    )
+    p.add_argument(
+        "--loops",
+        nargs="+",
+        choices=("asyncio", "uvloop"),
+        default=None,
+        help="event loop(s) to run the current proxy on, one proxy process each (default: the one `specops up` uses)",
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run specops/proxy (a package, or proxy.py before it was one) from git "
+        "revision REV (asyncio loop), side by side",
+    )
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--serve-proxy", help=argparse.SUPPRESS)  # internal: run the proxy process
     p.add_argument("--serve-module", help=argparse.SUPPRESS)  # internal: the proxy module file to run
@@ -339,6 +406,7 @@ def main(argv=None) -> int:
     if args.serve_proxy:
         if args.serve_loop == "uvloop":
             import uvloop
+
             uvloop.run(_serve_proxy(args.serve_proxy, args.serve_module))
         else:
             asyncio.run(_serve_proxy(args.serve_proxy, args.serve_module))
@@ -353,30 +421,62 @@ def main(argv=None) -> int:
         else:
             # the stand-in takes a per-request token delay, so one process serves both runs:
             # zero for latency, --token-delay for streams (sent in the body, ignored by real engines)
-            proc, port = _spawn([sys.executable, str(ROOT / "tests" / "support_upstream.py"), "--port", "0",
-                                 "--name", "bench", "--token-delay", "0"])
+            proc, port = _spawn(
+                [
+                    sys.executable,
+                    str(ROOT / "tests" / "support_upstream.py"),
+                    "--port",
+                    "0",
+                    "--name",
+                    "bench",
+                    "--token-delay",
+                    "0",
+                ]
+            )
             procs.append(proc)
             engine_url = f"http://127.0.0.1:{port}"
             engine_desc = "tests/support_upstream.py (stand-in, separate process)"
-        specs: list[tuple[str, str | None, str, str]] = []     # name, module file, loop, description
+        specs: list[tuple[str, str | None, str, str]] = []  # name, module file, loop, description
         if args.baseline:
             import tempfile
-            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline],
-                                 capture_output=True, text=True, check=True).stdout.strip()
+
+            rev = subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
             tmp = tempfile.mkdtemp(prefix="proxy_baseline_")
             module, where = _baseline_module(rev, tmp)
             specs.append((f"base-{rev}", module, "asyncio", f"{where} at {rev}, asyncio loop"))
-        here = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip() or "?"
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "specops/proxy"],
-                               capture_output=True, text=True).stdout.strip()
+        here = (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+            or "?"
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "specops/proxy"], capture_output=True, text=True
+        ).stdout.strip()
         for loop_name in args.loops or [_default_loop()]:
-            specs.append((f"new-{loop_name}", None, loop_name,
-                          f"specops/proxy of the work tree ({here}{'+changes' if dirty else ''}), {loop_name} loop"))
+            specs.append(
+                (
+                    f"new-{loop_name}",
+                    None,
+                    loop_name,
+                    f"specops/proxy of the work tree ({here}{'+changes' if dirty else ''}), {loop_name} loop",
+                )
+            )
         proxies: dict[str, tuple[str, int | None]] = {}
         for name, module, loop_name, _ in specs:
-            argv = [sys.executable, str(Path(__file__).resolve()), "--serve-proxy", engine_url,
-                    "--serve-loop", loop_name]
+            argv = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--serve-proxy",
+                engine_url,
+                "--serve-loop",
+                loop_name,
+            ]
             if module:
                 argv += ["--serve-module", module]
             proc, pport = _spawn(argv)
@@ -391,16 +491,23 @@ def main(argv=None) -> int:
         res["loadavg_1m"] = [load0, os.getloadavg()[0]]
         text = _report(args, res, engine_desc, {name: desc for name, _, _, desc in specs})
         print(text)
-        print(f"total {time.monotonic() - t0:.1f}s, cpus={os.cpu_count()}, python {sys.version.split()[0]}, "
-              f"1-min load average before/after {res['loadavg_1m'][0]:.2f}/{res['loadavg_1m'][1]:.2f}")
+        print(
+            f"total {time.monotonic() - t0:.1f}s, cpus={os.cpu_count()}, python {sys.version.split()[0]}, "
+            f"1-min load average before/after {res['loadavg_1m'][0]:.2f}/{res['loadavg_1m'][1]:.2f}"
+        )
         if args.json:
-            Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
-                                                            if not k.startswith("serve_")}, "results": res}, indent=1))
+            Path(args.json).write_text(
+                json.dumps(
+                    {"args": {k: v for k, v in vars(args).items() if not k.startswith("serve_")}, "results": res},
+                    indent=1,
+                )
+            )
     finally:
         for proc in reversed(procs):
             _stop(proc)
         if tmp is not None:
             import shutil
+
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

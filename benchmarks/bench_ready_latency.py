@@ -8,6 +8,7 @@ answers 200 with the `ready` event specops writes. Also reports the engine's tim
     .venv/bin/python benchmarks/bench_ready_latency.py                 # llama-server, 10 runs
     .venv/bin/python benchmarks/bench_ready_latency.py --engine vllm --runs 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,15 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROFILES = {"llamacpp": ROOT / "examples" / "llamacpp-cpu-draft.yaml", "vllm": ROOT / "examples" / "vllm-cpu-ngram.yaml"}
+PROFILES = {
+    "llamacpp": ROOT / "examples" / "llamacpp-cpu-draft.yaml",
+    "vllm": ROOT / "examples" / "vllm-cpu-ngram.yaml",
+}
 
 
 def free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -35,14 +40,20 @@ def free_port() -> int:
 
 def one_run(engine: str, workdir: Path) -> dict:
     profile = workdir / "p.yaml"
-    profile.write_text(f"extends: {PROFILES[engine]}\nname: bench-ready\nserver: {{port: {free_port()}}}\n"
-                       f"supervisor: {{state_dir: {workdir / 'state'}}}\n")
+    profile.write_text(
+        f"extends: {PROFILES[engine]}\nname: bench-ready\nserver: {{port: {free_port()}}}\n"
+        f"supervisor: {{state_dir: {workdir / 'state'}}}\n"
+    )
     state = workdir / "state" / "bench-ready"
     if state.exists():
         for f in state.iterdir():
             f.unlink()
-    proc = subprocess.Popen([sys.executable, "-m", "specops.cli", "up", str(profile), "--quiet-engine"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specops.cli", "up", str(profile), "--quiet-engine"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     t_start = time.time()
     try:
         engine_url = None
@@ -88,12 +99,17 @@ def main() -> int:
         for i in range(a.runs):
             r = one_run(a.engine, Path(tmp))
             rows.append(r)
-            print(f"run {i + 1}: engine ready after {r['engine_ready_s']:.3f}s, specops reported it "
-                  f"{r['added_s'] * 1000:+.0f} ms later", flush=True)
+            print(
+                f"run {i + 1}: engine ready after {r['engine_ready_s']:.3f}s, specops reported it "
+                f"{r['added_s'] * 1000:+.0f} ms later",
+                flush=True,
+            )
     added = [r["added_s"] for r in rows]
-    print(f"\n{a.engine}: median engine time to ready {statistics.median(r['engine_ready_s'] for r in rows):.2f}s; "
-          f"specops adds median {statistics.median(added) * 1000:.0f} ms, max {max(added) * 1000:.0f} ms "
-          f"(health polls start at 20 ms and back off to 250 ms; goal: <= poll interval + 500 ms) over {len(rows)} runs")
+    print(
+        f"\n{a.engine}: median engine time to ready {statistics.median(r['engine_ready_s'] for r in rows):.2f}s; "
+        f"specops adds median {statistics.median(added) * 1000:.0f} ms, max {max(added) * 1000:.0f} ms "
+        f"(health polls start at 20 ms and back off to 250 ms; goal: <= poll interval + 500 ms) over {len(rows)} runs"
+    )
     return 0
 
 

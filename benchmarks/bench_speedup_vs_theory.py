@@ -22,6 +22,7 @@ requests each side):
     .venv/bin/python benchmarks/bench_speedup_vs_theory.py --engines llamacpp --ks 2,4,6 --reps 5
     .venv/bin/python benchmarks/bench_speedup_vs_theory.py --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,33 +38,48 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from specops.config.profile import load_profile  # noqa: E402
 from specops.perf.bench import machine  # noqa: E402
 from specops.perf.launch import acceptance_between, launched  # noqa: E402
-from specops.plugins import get_registry  # noqa: E402
-from specops.config.profile import load_profile  # noqa: E402
-from specops.speedup import alpha_from_acceptance_rate, expected_speedup, speedup_from_length  # noqa: E402
 from specops.perf.workload import Prompt, run_workload  # noqa: E402
+from specops.plugins import get_registry  # noqa: E402
+from specops.speedup import alpha_from_acceptance_rate, expected_speedup, speedup_from_length  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
-def profile_yaml(engine: str, name: str, target: Path, draft: Path | None, k: int | None,
-                 llama_threads: int | None = None) -> str:
-    spec = (f"speculative:\n  method: draft_model\n  draft: {draft}\n  num_speculative_tokens: {k}\n"
-            if draft is not None else "")
+def profile_yaml(
+    engine: str, name: str, target: Path, draft: Path | None, k: int | None, llama_threads: int | None = None
+) -> str:
+    spec = (
+        f"speculative:\n  method: draft_model\n  draft: {draft}\n  num_speculative_tokens: {k}\n"
+        if draft is not None
+        else ""
+    )
     if engine == "vllm":
-        return (f"name: {name}\nbackend: vllm\nmodel:\n  id: {target}\n  dtype: float32\n  max_model_len: 512\n"
-                f"{spec}server:\n  env:\n    VLLM_CPU_KVCACHE_SPACE: \"1\"\nengine:\n  ready_timeout: 900\n"
-                "supervisor:\n  stop_timeout: 20\n")
-    threads = f"  extra_args: [\"-t\", \"{llama_threads}\"]\n" if llama_threads else ""
-    return (f"name: {name}\nbackend: llamacpp\nmodel:\n  id: {target}\n  max_model_len: 1024\n{spec}"
-            f"gpus:\n  devices: []\nserver:\n  parallel: 1\n{threads}supervisor:\n  stop_timeout: 10\n")
+        return (
+            f"name: {name}\nbackend: vllm\nmodel:\n  id: {target}\n  dtype: float32\n  max_model_len: 512\n"
+            f'{spec}server:\n  env:\n    VLLM_CPU_KVCACHE_SPACE: "1"\nengine:\n  ready_timeout: 900\n'
+            "supervisor:\n  stop_timeout: 20\n"
+        )
+    threads = f'  extra_args: ["-t", "{llama_threads}"]\n' if llama_threads else ""
+    return (
+        f"name: {name}\nbackend: llamacpp\nmodel:\n  id: {target}\n  max_model_len: 1024\n{spec}"
+        f"gpus:\n  devices: []\nserver:\n  parallel: 1\n{threads}supervisor:\n  stop_timeout: 10\n"
+    )
 
 
 async def one(eng, tokens: int) -> dict:
     """One greedy request of exactly ``tokens`` tokens; tokens/s over its whole latency."""
-    res = await run_workload(eng.base_url, eng.model_name, [Prompt(PROMPT, tokens, 0.0, "bench")], concurrency=1,
-                             requests=1, api_key=eng.api_key, extra_body={"ignore_eos": True})
+    res = await run_workload(
+        eng.base_url,
+        eng.model_name,
+        [Prompt(PROMPT, tokens, 0.0, "bench")],
+        concurrency=1,
+        requests=1,
+        api_key=eng.api_key,
+        extra_body={"ignore_eos": True},
+    )
     r = res.requests[0]
     if not r.ok:
         raise RuntimeError(f"request failed: {r.error}")
@@ -81,8 +97,17 @@ async def side_by_side(a, b, reps: int, tokens: int) -> tuple[list[float], list[
     return ta, tb
 
 
-async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], reps: int, tokens: int,
-                       workdir: Path, say, llama_threads: int | None = None) -> dict:
+async def bench_engine(
+    engine: str,
+    hidden: int,
+    layers: int,
+    ks: list[int],
+    reps: int,
+    tokens: int,
+    workdir: Path,
+    say,
+    llama_threads: int | None = None,
+) -> dict:
     from specops.devenv.testmodels import ensure_layerskip
 
     kind = "hf" if engine == "vllm" else "gguf"
@@ -96,8 +121,14 @@ async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], rep
         return load_profile(f, registry=registry)
 
     base = load(f"{engine}-off", paths["target"])
-    out = {"engine": engine, "size": f"hidden {hidden}, {layers} layers", "tokens": tokens, "reps": reps,
-           "threads": llama_threads if engine == "llamacpp" else 1, "configs": []}
+    out = {
+        "engine": engine,
+        "size": f"hidden {hidden}, {layers} layers",
+        "tokens": tokens,
+        "reps": reps,
+        "threads": llama_threads if engine == "llamacpp" else 1,
+        "configs": [],
+    }
     async with launched(base, registry, log_path=workdir / f"{engine}-off.log") as off:
         out["engine_version"] = off.plan.engine_version
         say(f"{engine}: baseline ready in {off.ready_s:.1f}s; warming up")
@@ -109,8 +140,10 @@ async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], rep
             t_target, t_draft = await side_by_side(off, d, reps, tokens)
         c = statistics.median(a / b for a, b in zip(t_target, t_draft))  # pairwise: drift cancels
         out["target_tps"], out["draft_tps"], out["c"] = statistics.median(t_target), statistics.median(t_draft), c
-        say(f"{engine}: target alone {out['target_tps']:.1f} tok/s, draft alone {out['draft_tps']:.1f} tok/s "
-            f"→ c = {c:.3f}")
+        say(
+            f"{engine}: target alone {out['target_tps']:.1f} tok/s, draft alone {out['draft_tps']:.1f} tok/s "
+            f"→ c = {c:.3f}"
+        )
         for k in ks:
             spec = load(f"{engine}-k{k}", paths["target"], paths["draft"], k)
             async with launched(spec, registry, log_path=workdir / f"{engine}-k{k}.log") as on:
@@ -123,25 +156,42 @@ async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], rep
             tau, draft_len, rate = stats.mean_acceptance_length, stats.mean_draft_length, stats.acceptance
             theory = speedup_from_length(tau, draft_len, c) if tau and draft_len else None
             alpha = alpha_from_acceptance_rate(min(rate, 1.0), k) if rate is not None else None
-            row = {"k": k, "on_tps": on_tps, "off_tps": off_tps, "speedup": measured, "acceptance": rate,
-                   "mean_acceptance_length": tau, "mean_draft_length": draft_len, "alpha": alpha,
-                   "theory": theory, "theory_alpha": expected_speedup(alpha, k, c) if alpha is not None else None,
-                   "ratio": measured / theory if theory else None, "on_all": t_on, "off_all": t_off}
+            row = {
+                "k": k,
+                "on_tps": on_tps,
+                "off_tps": off_tps,
+                "speedup": measured,
+                "acceptance": rate,
+                "mean_acceptance_length": tau,
+                "mean_draft_length": draft_len,
+                "alpha": alpha,
+                "theory": theory,
+                "theory_alpha": expected_speedup(alpha, k, c) if alpha is not None else None,
+                "ratio": measured / theory if theory else None,
+                "on_all": t_on,
+                "off_all": t_off,
+            }
             out["configs"].append(row)
-            say(f"{engine}: k={k}: {on_tps:.1f} vs {off_tps:.1f} tok/s = {measured:.2f}x; acceptance {rate:.3f}, "
-                f"τ {tau:.2f}; theory {theory:.2f}x → measured/theory {row['ratio']:.2f}")
+            say(
+                f"{engine}: k={k}: {on_tps:.1f} vs {off_tps:.1f} tok/s = {measured:.2f}x; acceptance {rate:.3f}, "
+                f"τ {tau:.2f}; theory {theory:.2f}x → measured/theory {row['ratio']:.2f}"
+            )
     return out
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| engine | size | k | tok/s off | tok/s on | measured speedup | acceptance | mean acc. length "
-             "| c (measured) | theory τ/(1+k·c) | measured ÷ theory |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| engine | size | k | tok/s off | tok/s on | measured speedup | acceptance | mean acc. length "
+        "| c (measured) | theory τ/(1+k·c) | measured ÷ theory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         for x in r["configs"]:
-            lines.append(f"| {r['engine']} {r.get('engine_version', '')} | {r['size']} | {x['k']} | "
-                         f"{x['off_tps']:.1f} | {x['on_tps']:.1f} | **{x['speedup']:.2f}x** | {x['acceptance']:.3f} | "
-                         f"{x['mean_acceptance_length']:.2f} | {r['c']:.3f} | {x['theory']:.2f}x | {x['ratio']:.2f} |")
+            lines.append(
+                f"| {r['engine']} {r.get('engine_version', '')} | {r['size']} | {x['k']} | "
+                f"{x['off_tps']:.1f} | {x['on_tps']:.1f} | **{x['speedup']:.2f}x** | {x['acceptance']:.3f} | "
+                f"{x['mean_acceptance_length']:.2f} | {r['c']:.3f} | {x['theory']:.2f}x | {x['ratio']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -153,9 +203,13 @@ def main() -> None:
     ap.add_argument("--ks", default="2,4,6", help="draft tokens per step to try")
     ap.add_argument("--reps", type=int, default=3, help="requests per side per configuration (medians)")
     ap.add_argument("--tokens", type=int, default=192, help="output tokens per request (greedy, ignore_eos)")
-    ap.add_argument("--llama-threads", type=int, default=1,
-                    help="llama-server -t (default 1: on a shared 2-core machine other load then slows both sides "
-                         "alike, where 2 threads spin at their barriers and collapse; 0 = the engine's default)")
+    ap.add_argument(
+        "--llama-threads",
+        type=int,
+        default=1,
+        help="llama-server -t (default 1: on a shared 2-core machine other load then slows both sides "
+        "alike, where 2 threads spin at their barriers and collapse; 0 = the engine's default)",
+    )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
@@ -163,16 +217,30 @@ def main() -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="specops-bench-theory-") as tmp:
         for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
-            results.append(asyncio.run(bench_engine(engine, args.hidden, args.layers,
-                                                    [int(k) for k in args.ks.split(",")], args.reps,
-                                                    args.tokens, Path(tmp), say, args.llama_threads or None)))
+            results.append(
+                asyncio.run(
+                    bench_engine(
+                        engine,
+                        args.hidden,
+                        args.layers,
+                        [int(k) for k in args.ks.split(",")],
+                        args.reps,
+                        args.tokens,
+                        Path(tmp),
+                        say,
+                        args.llama_threads or None,
+                    )
+                )
+            )
     m = machine()
     load_after = os.getloadavg()
-    print(f"Delivered vs theoretical speedup, layer-skip fixture; machine: {m['cpu']}, {m['cores']} cores; "
-          f"llama-server threads: {args.llama_threads or 'default'}, vLLM-CPU: one core for the model; "
-          f"one greedy client, {args.tokens} tokens, medians of {args.reps} alternating requests per side "
-          f"(speedup and c: medians of pairwise ratios); load average {load_before[0]:.1f} before, "
-          f"{load_after[0]:.1f} after\n")
+    print(
+        f"Delivered vs theoretical speedup, layer-skip fixture; machine: {m['cpu']}, {m['cores']} cores; "
+        f"llama-server threads: {args.llama_threads or 'default'}, vLLM-CPU: one core for the model; "
+        f"one greedy client, {args.tokens} tokens, medians of {args.reps} alternating requests per side "
+        f"(speedup and c: medians of pairwise ratios); load average {load_before[0]:.1f} before, "
+        f"{load_after[0]:.1f} after\n"
+    )
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": m, "results": results}, indent=2) + "\n")

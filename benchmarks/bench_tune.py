@@ -18,6 +18,7 @@ another); the goal is ≥ 0.95. Also each sweep's wall time, and the exhaustive 
     .venv/bin/python benchmarks/bench_tune.py --engines llamacpp --ks 1,2,3,4,6,8 --budget 3m
     .venv/bin/python benchmarks/bench_tune.py --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,22 +32,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specops.perf.bench import machine  # noqa: E402
 from specops.config.durations import parse_duration  # noqa: E402
-from specops.methods import Method  # noqa: E402
-from specops.plugins import get_registry  # noqa: E402
 from specops.config.profile import load_profile  # noqa: E402
-from specops.perf.tune import Setting, TuneConfig, Tuner, TuneOptions, EngineDriver, prepare  # noqa: E402
+from specops.methods import Method  # noqa: E402
+from specops.perf.bench import machine  # noqa: E402
+from specops.perf.tune import EngineDriver, Setting, TuneConfig, TuneOptions, Tuner, prepare  # noqa: E402
+from specops.plugins import get_registry  # noqa: E402
 
 
 def profile_yaml(engine: str, target: Path, draft: Path, k: int) -> str:
     spec = f"speculative:\n  method: draft_model\n  draft: {draft}\n  num_speculative_tokens: {k}\n"
     if engine == "vllm":
-        return (f"name: tune-bench-vllm\nbackend: vllm\nmodel:\n  id: {target}\n  dtype: float32\n"
-                f"  max_model_len: 1024\n{spec}server:\n  parallel: 1\n  env:\n    VLLM_CPU_KVCACHE_SPACE: \"1\"\n"
-                "engine:\n  ready_timeout: 900\nsupervisor:\n  stop_timeout: 20\n")
-    return (f"name: tune-bench-llama\nbackend: llamacpp\nmodel:\n  id: {target}\n  max_model_len: 2048\n{spec}"
-            "gpus:\n  devices: []\nserver:\n  parallel: 1\nsupervisor:\n  stop_timeout: 10\n")
+        return (
+            f"name: tune-bench-vllm\nbackend: vllm\nmodel:\n  id: {target}\n  dtype: float32\n"
+            f'  max_model_len: 1024\n{spec}server:\n  parallel: 1\n  env:\n    VLLM_CPU_KVCACHE_SPACE: "1"\n'
+            "engine:\n  ready_timeout: 900\nsupervisor:\n  stop_timeout: 20\n"
+        )
+    return (
+        f"name: tune-bench-llama\nbackend: llamacpp\nmodel:\n  id: {target}\n  max_model_len: 2048\n{spec}"
+        "gpus:\n  devices: []\nserver:\n  parallel: 1\nsupervisor:\n  stop_timeout: 10\n"
+    )
 
 
 def say(msg: str) -> None:
@@ -58,13 +63,18 @@ def events(name: str):
         if kind == "done":
             r = kw["result"]
             med = r.median(1)
-            say(f"{name}: {r.setting.label}: {r.status}" + (f" {med:.1f} tok/s ({r.rounds(1)} rounds)" if med else "")
-                + (f" - {r.reason}" if r.reason and r.status != "measured" else ""))
+            say(
+                f"{name}: {r.setting.label}: {r.status}"
+                + (f" {med:.1f} tok/s ({r.rounds(1)} rounds)" if med else "")
+                + (f" - {r.reason}" if r.reason and r.status != "measured" else "")
+            )
+
     return on_event
 
 
-async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], budget: float, rounds: int,
-                       max_tokens: int, workdir: Path) -> dict:
+async def bench_engine(
+    engine: str, hidden: int, layers: int, ks: list[int], budget: float, rounds: int, max_tokens: int, workdir: Path
+) -> dict:
     from specops.devenv.testmodels import ensure_layerskip
 
     kind = "hf" if engine == "vllm" else "gguf"
@@ -79,13 +89,25 @@ async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], bud
     extra = {"ignore_eos": True}
 
     def driver() -> EngineDriver:
-        return EngineDriver(loaded, plan.resolved, registry, plan.engine, plan.prompts, extra_body=extra,
-                            log_path=workdir / f"{engine}-engine.log")
+        return EngineDriver(
+            loaded,
+            plan.resolved,
+            registry,
+            plan.engine,
+            plan.prompts,
+            extra_body=extra,
+            log_path=workdir / f"{engine}-engine.log",
+        )
 
     # 1. the race, as `specops tune` runs it
     t0 = time.monotonic()
-    tuned = await Tuner(plan.settings, driver(), TuneOptions(budget_s=budget, levels=(1,)), current=plan.current,
-                        on_event=events(f"{engine} tune")).run()
+    tuned = await Tuner(
+        plan.settings,
+        driver(),
+        TuneOptions(budget_s=budget, levels=(1,)),
+        current=plan.current,
+        on_event=events(f"{engine} tune"),
+    ).run()
     tune_s = time.monotonic() - t0
     k_tune = tuned.winner.setting.k
     say(f"{engine}: tune chose k={k_tune} in {tune_s:.0f}s")
@@ -93,9 +115,13 @@ async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], bud
     # 2. everything, same rounds each, no pruning
     every = [Setting(Method.NONE)] + [s for s in plan.settings]
     t0 = time.monotonic()
-    full = await Tuner(every, driver(), TuneOptions(budget_s=10 * 3600, levels=(1,), min_rounds=rounds,
-                                                    max_rounds=rounds, prune=False),
-                       current=plan.current, on_event=events(f"{engine} exhaustive")).run()
+    full = await Tuner(
+        every,
+        driver(),
+        TuneOptions(budget_s=10 * 3600, levels=(1,), min_rounds=rounds, max_rounds=rounds, prune=False),
+        current=plan.current,
+        on_event=events(f"{engine} exhaustive"),
+    ).run()
     full_s = time.monotonic() - t0
     spec_rows = [r for r in full.results if r.setting.k is not None and r.median(1) is not None]
     best = max(spec_rows, key=lambda r: r.median(1))
@@ -105,19 +131,32 @@ async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], bud
     table = []
     for r in sorted(spec_rows, key=lambda r: r.setting.k):
         lr = r.levels[1]
-        table.append({"k": r.setting.k, "tokens_per_s": round(r.median(1), 2),
-                      "speedup": round(r.median(1) / base_tps, 3) if base_tps else None,
-                      "acceptance": lr.acceptance, "mean_acceptance_length": lr.mean_acceptance_length,
-                      "rounds": [round(x, 2) for x in lr.samples]})
+        table.append(
+            {
+                "k": r.setting.k,
+                "tokens_per_s": round(r.median(1), 2),
+                "speedup": round(r.median(1) / base_tps, 3) if base_tps else None,
+                "acceptance": lr.acceptance,
+                "mean_acceptance_length": lr.mean_acceptance_length,
+                "rounds": [round(x, 2) for x in lr.samples],
+            }
+        )
     return {
-        "engine": engine, "engine_version": plan.engine.version, "size": f"hidden {hidden}, {layers} layers",
-        "ks": ks, "budget_s": budget, "max_tokens": max_tokens, "rounds_exhaustive": rounds,
-        "k_tune": k_tune, "k_best": best.setting.k,
+        "engine": engine,
+        "engine_version": plan.engine.version,
+        "size": f"hidden {hidden}, {layers} layers",
+        "ks": ks,
+        "budget_s": budget,
+        "max_tokens": max_tokens,
+        "rounds_exhaustive": rounds,
+        "k_tune": k_tune,
+        "k_best": best.setting.k,
         "tune_tokens_per_s_in_exhaustive": round(tune_row.median(1), 2),
         "best_tokens_per_s": round(best.median(1), 2),
         "ratio": round(tune_row.median(1) / best.median(1), 4),
         "within_5_percent": tune_row.median(1) >= 0.95 * best.median(1),
-        "tune_s": round(tune_s, 1), "exhaustive_s": round(full_s, 1),
+        "tune_s": round(tune_s, 1),
+        "exhaustive_s": round(full_s, 1),
         "tune_launches": sum(1 for r in tuned.results if r.launch_s is not None),
         "tune_pruned": [r.setting.k for r in tuned.results if r.status == "pruned"],
         "tune_skipped": [r.setting.k for r in tuned.results if r.status == "skipped"],
@@ -128,22 +167,33 @@ async def bench_engine(engine: str, hidden: int, layers: int, ks: list[int], bud
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| engine | size | k chosen by tune | best k (exhaustive) | tok/s at tune's k | best tok/s | ratio | "
-             "tune time | exhaustive time |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| engine | size | k chosen by tune | best k (exhaustive) | tok/s at tune's k | best tok/s | ratio | "
+        "tune time | exhaustive time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['engine']} | {r['size']} | {r['k_tune']} | {r['k_best']} | "
-                     f"{r['tune_tokens_per_s_in_exhaustive']:.1f} | {r['best_tokens_per_s']:.1f} | "
-                     f"**{r['ratio']:.3f}**{'' if r['within_5_percent'] else ' (over 5 %)'} | {r['tune_s']:.0f} s "
-                     f"({r['tune_launches']} launches) | {r['exhaustive_s']:.0f} s |")
+        lines.append(
+            f"| {r['engine']} | {r['size']} | {r['k_tune']} | {r['k_best']} | "
+            f"{r['tune_tokens_per_s_in_exhaustive']:.1f} | {r['best_tokens_per_s']:.1f} | "
+            f"**{r['ratio']:.3f}**{'' if r['within_5_percent'] else ' (over 5 %)'} | {r['tune_s']:.0f} s "
+            f"({r['tune_launches']} launches) | {r['exhaustive_s']:.0f} s |"
+        )
     for r in results:
-        lines += ["", f"{r['engine']} ({r['size']}), exhaustive sweep, no speculation "
-                      f"{r['baseline_tokens_per_s']} tok/s:", "",
-                  "| k | tok/s | speedup | acceptance | mean acceptance length |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"{r['engine']} ({r['size']}), exhaustive sweep, no speculation {r['baseline_tokens_per_s']} tok/s:",
+            "",
+            "| k | tok/s | speedup | acceptance | mean acceptance length |",
+            "|---|---|---|---|---|",
+        ]
         for row in r["exhaustive"]:
             mark = " ←tune" if row["k"] == r["k_tune"] else ""
-            lines.append(f"| {row['k']}{mark} | {row['tokens_per_s']:.1f} | "
-                         f"{row['speedup']:.2f}x | {row['acceptance'] or 0:.2f} | "
-                         f"{row['mean_acceptance_length'] or 0:.2f} |")
+            lines.append(
+                f"| {row['k']}{mark} | {row['tokens_per_s']:.1f} | "
+                f"{row['speedup']:.2f}x | {row['acceptance'] or 0:.2f} | "
+                f"{row['mean_acceptance_length'] or 0:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -163,8 +213,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-tune-") as tmp:
         for engine in [e.strip() for e in a.engines.split(",") if e.strip()]:
             budget = parse_duration(a.budget) if a.budget else (480.0 if engine == "vllm" else 120.0)
-            out.append(asyncio.run(bench_engine(engine, hidden, layers, ks, budget, a.rounds, a.max_tokens,
-                                                Path(tmp))))
+            out.append(asyncio.run(bench_engine(engine, hidden, layers, ks, budget, a.rounds, a.max_tokens, Path(tmp))))
     report = {"machine": machine(), "results": out}
     print(markdown(out))
     if a.json:

@@ -5,6 +5,7 @@ validate`` and ``specops render`` stay fast on a CI runner (no HTTP client, no P
 engine is imported for them). Plugins add commands through the ``register_commands`` hook. Every foreseeable failure is a :class:`SpecopsError`: printed as clear
 lines on stderr with exit code 1 (2 for usage errors), never as a traceback.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -58,6 +59,7 @@ class LazyGroup(click.Group):
         """Plugin command name -> the plugin (and distribution) that added it."""
         if self._plugin_commands is None:
             from specops.plugins import register_commands
+
             self._plugin_commands = register_commands(self, frozenset(COMMANDS))
         return self._plugin_commands
 

@@ -3,11 +3,11 @@
 Anything a user can cause by a foreseeable mistake (a malformed profile, a missing engine, a draft that
 does not fit) raises a subclass of :class:`SpecopsError`; the CLI prints it and exits with its code.
 """
+
 from __future__ import annotations
 
-from typing import Any
-
 from dataclasses import dataclass
+from typing import Any
 
 
 class SpecopsError(Exception):

@@ -3,6 +3,7 @@
 The built-in vLLM and llama.cpp backends are registered through exactly these hooks, from
 ``[project.entry-points.specops]`` in specops' own pyproject, so a third-party backend is a peer of them.
 """
+
 from __future__ import annotations
 
 import pluggy

@@ -5,6 +5,7 @@ llama-server ``--spec-type`` values). The fallback order comes from what each me
 draft (EAGLE-family heads, a draft model, MTP layers) is best when it fits, n-gram needs nothing but the
 prompt, and ``none`` always works.
 """
+
 from __future__ import annotations
 
 from enum import Enum
@@ -37,14 +38,27 @@ LOOKUP = frozenset({Method.NGRAM, Method.SUFFIX})
 
 #: Published default for the number of draft tokens per step (EAGLE papers and vLLM docs use 3–5).
 DEFAULT_K = {
-    Method.EAGLE: 4, Method.EAGLE3: 4, Method.MEDUSA: 4, Method.MLP_SPECULATOR: 3,
-    Method.DRAFT_MODEL: 4, Method.MTP: 1, Method.NGRAM: 4, Method.SUFFIX: 8,
+    Method.EAGLE: 4,
+    Method.EAGLE3: 4,
+    Method.MEDUSA: 4,
+    Method.MLP_SPECULATOR: 3,
+    Method.DRAFT_MODEL: 4,
+    Method.MTP: 1,
+    Method.NGRAM: 4,
+    Method.SUFFIX: 8,
 }
 
 #: Rank for fallback: lower is "better" (tried first). Used to order chains and retries.
 RANK = {
-    Method.EAGLE3: 0, Method.EAGLE: 1, Method.MTP: 2, Method.MEDUSA: 3, Method.MLP_SPECULATOR: 4,
-    Method.DRAFT_MODEL: 5, Method.SUFFIX: 6, Method.NGRAM: 7, Method.NONE: 8,
+    Method.EAGLE3: 0,
+    Method.EAGLE: 1,
+    Method.MTP: 2,
+    Method.MEDUSA: 3,
+    Method.MLP_SPECULATOR: 4,
+    Method.DRAFT_MODEL: 5,
+    Method.SUFFIX: 6,
+    Method.NGRAM: 7,
+    Method.NONE: 8,
 }
 
 

@@ -1,4 +1,5 @@
 """Where specops keeps things: a cache for engines and models, a state folder for running instances."""
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ that names the plugin. Each plugin's implementation is called on its own (a one-
 so every backend and command is known to come from its plugin and distribution (``specops plugins``), and a
 plugin that fails is named in a one-line error instead of a traceback.
 """
+
 from __future__ import annotations
 
 import functools
@@ -71,8 +72,9 @@ class Plugins:
         except SpecopsError as exc:
             raise SpecopsError(f"plugin {self.origin(plugin)}: {hook}: {exc}") from None
         except Exception as exc:  # a plugin's bug must not become a traceback of specops
-            raise SpecopsError(f"plugin {self.origin(plugin)}: {hook} failed: "
-                               f"{type(exc).__name__}: {_one_line(exc)}") from None
+            raise SpecopsError(
+                f"plugin {self.origin(plugin)}: {hook} failed: {type(exc).__name__}: {_one_line(exc)}"
+            ) from None
 
     def call(self, hook: str, **kwargs):
         """``(plugin, result)`` for each plugin that implements ``hook``, one plugin at a time."""
@@ -122,14 +124,18 @@ def _load() -> Plugins:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         hooks = ", ".join(HOOKS)
-        raise SpecopsError(f"plugin {plugins.origin(exc.plugin)}: {_one_line(exc).split(' in plugin ')[0]} "
-                           f"(specops hooks: {hooks})") from None
+        raise SpecopsError(
+            f"plugin {plugins.origin(exc.plugin)}: {_one_line(exc).split(' in plugin ')[0]} (specops hooks: {hooks})"
+        ) from None
     for plugin in pm.get_plugins():
         for hook in HOOKS:
-            if callable(getattr(plugin, hook, None)) and \
-                    not any(impl.plugin is plugin for impl in getattr(pm.hook, hook).get_hookimpls()):
-                raise SpecopsError(f"plugin {plugins.origin(plugin)}: {hook} lacks the @hookimpl marker "
-                                   f"(from specops.hookspecs import hookimpl), so specops would never call it")
+            if callable(getattr(plugin, hook, None)) and not any(
+                impl.plugin is plugin for impl in getattr(pm.hook, hook).get_hookimpls()
+            ):
+                raise SpecopsError(
+                    f"plugin {plugins.origin(plugin)}: {hook} lacks the @hookimpl marker "
+                    f"(from specops.hookspecs import hookimpl), so specops would never call it"
+                )
     return plugins
 
 
@@ -147,8 +153,9 @@ def get_registry() -> Registry:
         origin = plugins.origin(plugin)
         for backend in backends or []:
             if backend.name in registry.backends:
-                raise SpecopsError(f"backend {backend.name!r} is registered twice: by "
-                                   f"{registry.origins[backend.name]} and by {origin}")
+                raise SpecopsError(
+                    f"backend {backend.name!r} is registered twice: by {registry.origins[backend.name]} and by {origin}"
+                )
             registry.backends[backend.name] = backend
             registry.origins[backend.name] = origin
     return registry

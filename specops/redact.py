@@ -16,13 +16,14 @@ Internally a hidden part is written as :data:`MARK` (a NUL, which no argv elemen
 contain) until the text is printed: quoting comes after hiding, so a secret with a quote in it cannot be
 split by the quoting into pieces that escape the search.
 """
+
 from __future__ import annotations
 
 import json
 import re
 import shlex
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
 
 MASK = "***"
 MARK = "\x00"
@@ -31,15 +32,38 @@ MIN_SUBSTRING = 6
 
 #: Variables whose values are never secret and print as they are. Extend it with
 #: ``SPECOPS_PUBLIC_VARS=NAME,NAME`` (a name that looks secret, e.g. ``*TOKEN*``, is never public).
-PUBLIC_VARS = frozenset({"HOME", "USER", "LOGNAME", "PWD", "TMPDIR", "HOSTNAME", "SPECOPS_CACHE",
-                         "SPECOPS_MODELS", "SPECOPS_STATE", "XDG_CACHE_HOME", "XDG_STATE_HOME"})
+PUBLIC_VARS = frozenset(
+    {
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "PWD",
+        "TMPDIR",
+        "HOSTNAME",
+        "SPECOPS_CACHE",
+        "SPECOPS_MODELS",
+        "SPECOPS_STATE",
+        "XDG_CACHE_HOME",
+        "XDG_STATE_HOME",
+    }
+)
 PUBLIC_VARS_ENV = "SPECOPS_PUBLIC_VARS"
 
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|PRIVATE|COOKIE", re.I)
 #: Words of a command-line flag that make its value a secret (``--api-key``, ``--hf-token``); a flag that
 #: names a file holding the secret (``--api-key-file``, ``--ssl-keyfile``) is fine.
-_SECRET_FLAG_WORDS = {"token", "key", "apikey", "secret", "password", "passwd", "pass", "credential",
-                      "credentials", "auth"}
+_SECRET_FLAG_WORDS = {
+    "token",
+    "key",
+    "apikey",
+    "secret",
+    "password",
+    "passwd",
+    "pass",
+    "credential",
+    "credentials",
+    "auth",
+}
 _SECRET_SHORT_FLAGS = {"-hft"}  # llama-server's --hf-token
 _URL_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^\s/?#@:\x00]*)(?::([^\s/?#@\x00]*))?@")
 _ASSIGNMENT = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*|[A-Za-z_][A-Za-z0-9_]*)=([^\s,;'\"\x00]+)")
@@ -100,8 +124,7 @@ class EnvText:
 def _variants(value: str, masked: str) -> list[tuple[str, str]]:
     """The spellings a value takes in printed text, each with its masked counterpart."""
     out = [(value, masked)]
-    for spell in (lambda s: json.dumps(s)[1:-1], lambda s: repr(s)[1:-1], lambda s: repr(s + '"')[1:-2],
-                  shlex.quote):
+    for spell in (lambda s: json.dumps(s)[1:-1], lambda s: repr(s)[1:-1], lambda s: repr(s + '"')[1:-2], shlex.quote):
         try:
             out.append((spell(value), spell(masked).replace("\\x00", MARK).replace("\\u0000", MARK)))
         except Exception:  # pragma: no cover - every spelling is total on str
@@ -139,16 +162,20 @@ class Redactor:
 def redact_patterns(text: str) -> str:
     """Passwords in URLs and values of secret-named ``NAME=value`` / ``--flag=value``, as :data:`MARK`."""
     if "@" in text:
+
         def url(m: re.Match[str]) -> str:
             if m.group(3) is None:  # https://TOKEN@host: the whole userinfo may be the secret
                 return str(m.group(1)) + (MARK if m.group(2) else "") + "@"
             return f"{m.group(1)}{m.group(2)}:{MARK if m.group(3) else ''}@"
+
         text = _URL_USERINFO.sub(url, text)
     if "=" in text:
+
         def assign(m: re.Match[str]) -> str:
             name = m.group(1)
             secret = secret_flag(name) if name.startswith("-") else _secret_word_name(name)
             return f"{name}={MARK}" if secret and m.group(2) != MARK else m.group(0)
+
         text = _ASSIGNMENT.sub(assign, text)
     return text
 
@@ -166,6 +193,7 @@ def shell_quote(marked: str) -> str:
 
 # ------------------------------------------------------------------------------------------- messages
 
+
 def _related(a: str, b: str) -> bool:
     """Whether field paths ``a`` and ``b`` (``server.env.X``) are the same or one contains the other."""
     if not a or not b:
@@ -174,8 +202,9 @@ def _related(a: str, b: str) -> bool:
     return long == short or long.startswith(short + ".") or long.startswith(short + "[")
 
 
-def redact_message(message: str, field: str, texts: Iterable[EnvText],
-                   format_path: Callable[[tuple[str | int, ...]], str]) -> str:
+def redact_message(
+    message: str, field: str, texts: Iterable[EnvText], format_path: Callable[[tuple[str | int, ...]], str]
+) -> str:
     """A problem message about ``field`` with every secret interpolated value hidden.
 
     Long values are hidden anywhere; a short one only in a problem about its own field, and only where

@@ -12,6 +12,7 @@ under ``refs/`` in the cache; a commit sha must be hex).
 Pure functions, no imports from the rest of specops: anything (the profile loader, a backend) may reuse
 :func:`check_repo_file`.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,8 +20,9 @@ import re
 #: Longest repo file name accepted (the Hub's own limit is lower in practice).
 MAX_NAME_LENGTH = 1024
 #: ``namespace/name`` or a legacy ``name``: letters, digits, ``_``, ``-``, ``.``; 96 characters each side.
-_REPO_ID = re.compile(r"(?:[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?/)?[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?",
-                      re.ASCII)
+_REPO_ID = re.compile(
+    r"(?:[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?/)?[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?", re.ASCII
+)
 _SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 

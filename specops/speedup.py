@@ -19,6 +19,7 @@ is ``(α + α² + … + α^k) / k``, which is lower than α for k > 1 (a later p
 earlier one was accepted). :func:`alpha_from_acceptance_rate` inverts it. When the number of drafts is
 known, the *mean acceptance length* ``1 + accepted / drafts`` measures τ directly and needs no model.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,7 +51,7 @@ def _check_c(c: float) -> float:
 def expected_tokens_per_step(alpha: float, k: int) -> float:
     """τ(α, k) = Σ_{i=0..k} α^i: tokens one target pass yields on average (1 at α = 0, k + 1 at α = 1)."""
     alpha, k = _check_alpha(alpha), _check_k(k)
-    return math.fsum(alpha ** i for i in range(k + 1))
+    return math.fsum(alpha**i for i in range(k + 1))
 
 
 def expected_speedup(alpha: float, k: int, c: float) -> float:

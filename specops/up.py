@@ -8,6 +8,7 @@ watcher acts through a switch order to the supervisor; the proxy gets the live t
 registry and the status provider. No part replaces another's methods or attributes, and the state file
 is written from the parts' snapshots.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-from specops.urls import http_url
 from specops.backends.render import render_plan
 from specops.config.profile import LoadedProfile
 from specops.errors import SpecopsError
@@ -27,6 +27,7 @@ from specops.run.instance import EventLog, InstancePaths, write_state
 from specops.run.lock import acquire, release
 from specops.run.start import free_port
 from specops.run.supervise import Supervisor
+from specops.urls import http_url
 from specops.watch.decide import FallbackDecider
 from specops.watch.watcher import AcceptanceReader, LiveCounters, SpecopsMetrics, Watcher
 
@@ -78,8 +79,16 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     paths = InstancePaths.for_profile(profile.name, profile.supervisor.state_dir)
     acquire(paths)
     events = EventLog(paths.events)
-    up = _Instance(loaded, backend, engine, paths, events, console, f"{engine_host}:{engine_port}",
-                   decider=FallbackDecider.from_profile(profile, events=events, say=console.say))
+    up = _Instance(
+        loaded,
+        backend,
+        engine,
+        paths,
+        events,
+        console,
+        f"{engine_host}:{engine_port}",
+        decider=FallbackDecider.from_profile(profile, events=events, say=console.say),
+    )
     metrics = SpecopsMetrics()
     live = LiveCounters() if (profile.proxy.enabled and backend.live_timings) else None
     up.watcher = _watcher(up, AcceptanceReader.for_profile(profile, backend, live=live), metrics)
@@ -102,8 +111,14 @@ def _step_renderer(loaded: LoadedProfile, registry, engine, host: str, port: int
     profile = loaded.profile
 
     def render_step(index: int):
-        return render_plan(LoadedProfile(profile.at_step(index), loaded.document, loaded.path), registry, engine=engine,
-                           host=host, port=port)
+        return render_plan(
+            LoadedProfile(profile.at_step(index), loaded.document, loaded.path),
+            registry,
+            engine=engine,
+            host=host,
+            port=port,
+        )
+
     return render_step
 
 
@@ -137,13 +152,22 @@ class _Instance:
 
     def write_state(self) -> None:
         profile, paths = self.loaded.profile, self.paths
-        write_state(paths, {
-            "name": profile.name, "profile": os.path.abspath(self.loaded.path), "pid": os.getpid(),
-            "backend": profile.backend, "url": self.public_url, "proxy": profile.proxy.enabled,
-            "admin_url": self.proxy.admin_url if self.proxy is not None else None,
-            "engine_log": str(paths.engine_log), "events": str(paths.events), "updated_at": time.time(),
-            **self.status(),
-        })
+        write_state(
+            paths,
+            {
+                "name": profile.name,
+                "profile": os.path.abspath(self.loaded.path),
+                "pid": os.getpid(),
+                "backend": profile.backend,
+                "url": self.public_url,
+                "proxy": profile.proxy.enabled,
+                "admin_url": self.proxy.admin_url if self.proxy is not None else None,
+                "engine_log": str(paths.engine_log),
+                "events": str(paths.events),
+                "updated_at": time.time(),
+                **self.status(),
+            },
+        )
 
     def on_supervisor_event(self, event) -> None:
         if isinstance(event, EngineLine):
@@ -157,26 +181,43 @@ class _Instance:
 
 
 def _watcher(up: _Instance, reader: AcceptanceReader, metrics: SpecopsMetrics) -> Watcher:
-    return Watcher(up.loaded.profile, reader, up.decider, say=up.console.say, metrics=metrics,
-                   on_tick=up.write_state, act=up.switch)
+    return Watcher(
+        up.loaded.profile,
+        reader,
+        up.decider,
+        say=up.console.say,
+        metrics=metrics,
+        on_tick=up.write_state,
+        act=up.switch,
+    )
 
 
 def _proxy(up: _Instance, live: LiveCounters | None, metrics: SpecopsMetrics):
     from specops.proxy import Proxy
 
-    return Proxy.from_profile(up.loaded.profile,
-                              status_provider=lambda: {**up.sup.snapshot(), **up.decider.snapshot()},
-                              on_timings=live.add if live is not None else None,
-                              metrics_registry=metrics.registry)
+    return Proxy.from_profile(
+        up.loaded.profile,
+        status_provider=lambda: {**up.sup.snapshot(), **up.decider.snapshot()},
+        on_timings=live.add if live is not None else None,
+        metrics_registry=metrics.registry,
+    )
 
 
 def _supervisor(up: _Instance, render_step, opts: UpOptions) -> Supervisor:
     # the order of listeners matters: the decider tells the policy which step runs before the watcher
     # starts its window, and the state is written last, with what both know
-    return Supervisor(up.loaded.profile, render_step, events=up.events, say=up.console.say, decider=up.decider,
-                      listeners=(up.decider.on_event, up.watcher.on_event, up.on_supervisor_event),
-                      log_path=up.paths.engine_log, proxy=up.proxy, health_interval=opts.health_interval,
-                      launch_problem=up.backend.launch_problem)
+    return Supervisor(
+        up.loaded.profile,
+        render_step,
+        events=up.events,
+        say=up.console.say,
+        decider=up.decider,
+        listeners=(up.decider.on_event, up.watcher.on_event, up.on_supervisor_event),
+        log_path=up.paths.engine_log,
+        proxy=up.proxy,
+        health_interval=opts.health_interval,
+        launch_problem=up.backend.launch_problem,
+    )
 
 
 async def _serve(up: _Instance) -> int:
@@ -185,10 +226,18 @@ async def _serve(up: _Instance) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, sup.request_stop, f"received {signal.Signals(sig).name}")
-    up.events.emit("up", profile=os.path.abspath(up.loaded.path), backend=profile.backend,
-                   engine_version=engine.version, engine=engine.source, url=up.public_url)
-    up.console.say(f"{profile.name}: {up.backend.name} {engine.version} ({engine.source}); "
-                   f"chain {' → '.join(s.method.value for s in sup.steps)}; state in {up.paths.root}")
+    up.events.emit(
+        "up",
+        profile=os.path.abspath(up.loaded.path),
+        backend=profile.backend,
+        engine_version=engine.version,
+        engine=engine.source,
+        url=up.public_url,
+    )
+    up.console.say(
+        f"{profile.name}: {up.backend.name} {engine.version} ({engine.source}); "
+        f"chain {' → '.join(s.method.value for s in sup.steps)}; state in {up.paths.root}"
+    )
     rc = 1
     watching = False
     try:
@@ -220,7 +269,8 @@ async def _start_proxy(up: _Instance) -> None:
 
 
 def up_blocking(loaded: LoadedProfile, registry, opts: UpOptions) -> int:
-    if loaded.profile.proxy.enabled:        # the proxy's loop: uvloop when installed (SPECOPS_UVLOOP=0: asyncio's)
+    if loaded.profile.proxy.enabled:  # the proxy's loop: uvloop when installed (SPECOPS_UVLOOP=0: asyncio's)
         from specops.proxy import run_event_loop
+
         return run_event_loop(run_up(loaded, registry, opts))
     return asyncio.run(run_up(loaded, registry, opts))

@@ -16,6 +16,7 @@ characters, and a valid port; its error message shows the URL redacted.
 
 Pure standard library, no imports from the rest of specops, so any module may use it.
 """
+
 from __future__ import annotations
 
 import re
@@ -68,10 +69,12 @@ def redact_text(text: str) -> str:
     """``text`` with every URL in it redacted (see :func:`redact_url`)."""
     if not isinstance(text, str) or "://" not in text:
         return text
+
     def one(m: re.Match[str]) -> str:
         url: str = m.group(0)
         core = url.rstrip(".,;:!?)]}")  # punctuation that ends a sentence, not the URL
-        return redact_url(core) + url[len(core):]
+        return redact_url(core) + url[len(core) :]
+
     return _URL_IN_TEXT.sub(one, text)
 
 
@@ -89,7 +92,9 @@ def url_problem(url: object) -> str | None:
     except ValueError as exc:
         return f"not a valid URL ({exc})"
     if parts.scheme.lower() not in ("http", "https"):
-        return f"only http:// and https:// URLs are accepted, not {parts.scheme + ':' if parts.scheme else 'a bare path'}"
+        return (
+            f"only http:// and https:// URLs are accepted, not {parts.scheme + ':' if parts.scheme else 'a bare path'}"
+        )
     if not parts.hostname:
         return "has no host"
     return None

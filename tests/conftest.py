@@ -1,4 +1,5 @@
 """Shared test set-up. Area-specific fixtures live in tests/support_<area>.py modules."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,10 @@ IN_CI = bool(os.environ.get("CI"))
 def pytest_configure(config):
     # Rewriting goldens in CI would make every golden test compare the code with itself.
     if IN_CI and os.environ.get("SPECOPS_UPDATE_GOLDEN"):
-        raise pytest.UsageError("SPECOPS_UPDATE_GOLDEN is refused when CI is set: goldens are rewritten by a "
-                                "person, reviewed, and committed; CI only compares against them")
+        raise pytest.UsageError(
+            "SPECOPS_UPDATE_GOLDEN is refused when CI is set: goldens are rewritten by a "
+            "person, reviewed, and committed; CI only compares against them"
+        )
 
 
 def unavailable(why: str):
@@ -48,5 +51,6 @@ def tiny_models() -> Path:
     """The folder of generated tiny models (HF and GGUF), made once per machine (cached)."""
     from specops.devenv.testmodels import ensure_tiny_models
     from specops.paths import tiny_models_dir
+
     ensure_tiny_models()
     return tiny_models_dir()

@@ -24,6 +24,7 @@ Hostile repos (:func:`seed_hostile`) stand in for a malicious or broken Hub: fil
 paths, backslashes or NUL; config.json files with wrong types, deep nesting, 60 MB of content, or a size
 that the metadata understates (``FakeFile.reported_size``). The server itself never crashes on them.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,10 +39,31 @@ from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 #: Keys of config.json that the Hub repeats in the API's ``config`` property.
 CONFIG_SUMMARY_KEYS = ("architectures", "model_type", "quantization_config", "auto_map", "task_specific_params")
 #: Properties returned when no ``expand`` is given (list and info endpoints).
-LIST_DEFAULT = ("id", "likes", "downloads", "tags", "pipeline_tag", "library_name", "createdAt", "private",
-                "trendingScore")
-INFO_DEFAULT = LIST_DEFAULT + ("author", "sha", "lastModified", "gated", "disabled", "cardData", "config",
-                               "siblings", "safetensors", "gguf", "spaces", "usedStorage")
+LIST_DEFAULT = (
+    "id",
+    "likes",
+    "downloads",
+    "tags",
+    "pipeline_tag",
+    "library_name",
+    "createdAt",
+    "private",
+    "trendingScore",
+)
+INFO_DEFAULT = LIST_DEFAULT + (
+    "author",
+    "sha",
+    "lastModified",
+    "gated",
+    "disabled",
+    "cardData",
+    "config",
+    "siblings",
+    "safetensors",
+    "gguf",
+    "spaces",
+    "usedStorage",
+)
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx")
 
 
@@ -55,10 +77,10 @@ def git_blob_oid(data: bytes) -> str:
 @dataclass
 class FakeFile:
     path: str
-    content: bytes | None          # None: a virtual file (size only; never served)
+    content: bytes | None  # None: a virtual file (size only; never served)
     size: int
     lfs: bool
-    reported_size: int | None = None   # a lying Hub: the size siblings/paths-info state (the content is served whole)
+    reported_size: int | None = None  # a lying Hub: the size siblings/paths-info state (the content is served whole)
     parsed: Any = field(default=_UNPARSED, repr=False, compare=False)
 
     @property
@@ -100,7 +122,7 @@ class FakeRepo:
     pipeline_tag: str | None = "text-generation"
     created_at: str = "2025-01-01T00:00:00.000Z"
     last_modified: str = "2025-06-01T00:00:00.000Z"
-    commits: dict[str, dict[str, FakeFile]] = field(default_factory=dict)   # every commit's files, by sha
+    commits: dict[str, dict[str, FakeFile]] = field(default_factory=dict)  # every commit's files, by sha
 
     def files_at(self, revision: str | None) -> dict[str, FakeFile] | None:
         """Files of a revision: ``main`` (the head) or any earlier commit sha; None if unknown."""
@@ -189,8 +211,9 @@ class FakeRepo:
             if tok is not None and tok.content:
                 try:
                     t = json.loads(tok.content)
-                    out["tokenizer_config"] = {k: t[k] for k in ("bos_token", "eos_token", "pad_token",
-                                                                 "unk_token", "chat_template") if k in t}
+                    out["tokenizer_config"] = {
+                        k: t[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template") if k in t
+                    }
                 except ValueError:
                     pass
             return out
@@ -240,13 +263,13 @@ class FakeHub:
 
     def __init__(self, *, token: str | None = None, page_size: int = 50):
         self.repos: dict[str, FakeRepo] = {}
-        self.token = token                     # the token that unlocks gated repos ("Bearer <token>")
+        self.token = token  # the token that unlocks gated repos ("Bearer <token>")
         self.page_size = page_size
-        self.requests: list[tuple[str, str]] = []    # (method, path?query)
+        self.requests: list[tuple[str, str]] = []  # (method, path?query)
         self.weight_downloads: list[str] = []
-        self.bytes_served = 0                  # body bytes written (a test bounds what a download may take)
-        self.rate_limited = False              # every request answers 429
-        self.latency = 0.0                     # seconds to wait before answering (slow Hub)
+        self.bytes_served = 0  # body bytes written (a test bounds what a download may take)
+        self.rate_limited = False  # every request answers 429
+        self.latency = 0.0  # seconds to wait before answering (slow Hub)
         self._lock = threading.Lock()
         self._servers: list[ThreadingHTTPServer] = []
         self._threads: list[threading.Thread] = []
@@ -254,14 +277,36 @@ class FakeHub:
         self.cdn_url = ""
 
     # ------------------------------------------------------------------ seeding
-    def add_model(self, repo_id: str, files: dict[str, Any] | None = None, *, card_data: dict | None = None,
-                  tags: list[str] | None = None, downloads: int = 0, likes: int = 0, gated: bool | str = False,
-                  private: bool = False, safetensors: dict | None = None, gguf: dict | None = None,
-                  library_name: str | None = None, sha: str | None = None) -> FakeRepo:
+    def add_model(
+        self,
+        repo_id: str,
+        files: dict[str, Any] | None = None,
+        *,
+        card_data: dict | None = None,
+        tags: list[str] | None = None,
+        downloads: int = 0,
+        likes: int = 0,
+        gated: bool | str = False,
+        private: bool = False,
+        safetensors: dict | None = None,
+        gguf: dict | None = None,
+        library_name: str | None = None,
+        sha: str | None = None,
+    ) -> FakeRepo:
         """Add a repo. ``files`` maps paths to content (dict → JSON, str/bytes → as is, int → a virtual file of
         that size). Files with weight suffixes, and content over 10 MB, are stored as LFS like on the Hub."""
-        repo = FakeRepo(repo_id, card_data=card_data, tags=list(tags or []), downloads=downloads, likes=likes,
-                        gated=gated, private=private, safetensors=safetensors, gguf=gguf, library_name=library_name)
+        repo = FakeRepo(
+            repo_id,
+            card_data=card_data,
+            tags=list(tags or []),
+            downloads=downloads,
+            likes=likes,
+            gated=gated,
+            private=private,
+            safetensors=safetensors,
+            gguf=gguf,
+            library_name=library_name,
+        )
         for path, value in (files or {}).items():
             repo.files[path] = self._file(path, value)
         if card_data is not None and "README.md" not in repo.files:
@@ -299,7 +344,7 @@ class FakeHub:
         return h.hexdigest()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "FakeHub":
+    def start(self) -> FakeHub:
         hub = self
 
         class Handler(_Handler):
@@ -324,7 +369,7 @@ class FakeHub:
         self._servers.clear()
         self._threads.clear()
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -351,8 +396,15 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     # ------------------------------------------------------------------ plumbing
-    def _send(self, status: int, body: bytes = b"", headers: dict | None = None, *, head: bool = False,
-              content_type: str = "application/json; charset=utf-8") -> None:
+    def _send(
+        self,
+        status: int,
+        body: bytes = b"",
+        headers: dict | None = None,
+        *,
+        head: bool = False,
+        content_type: str = "application/json; charset=utf-8",
+    ) -> None:
         self.send_response(status)
         hdrs = {"Content-Type": content_type, "Content-Length": str(len(body))}
         hdrs.update(headers or {})
@@ -392,8 +444,17 @@ class _Handler(BaseHTTPRequestHandler):
         if hub.latency:
             time.sleep(hub.latency)
         if hub.rate_limited:
-            self._send(429, b"", {"RateLimit": '"api";r=0;t=55', "RateLimit-Policy": '"fixed window";"api";q=500;w=300',
-                                  "Retry-After": "55", "X-Error-Message": "Too Many Requests"}, head=head)
+            self._send(
+                429,
+                b"",
+                {
+                    "RateLimit": '"api";r=0;t=55',
+                    "RateLimit-Policy": '"fixed window";"api";q=500;w=300',
+                    "Retry-After": "55",
+                    "X-Error-Message": "Too Many Requests",
+                },
+                head=head,
+            )
             return False
         return True
 
@@ -485,14 +546,18 @@ class _Handler(BaseHTTPRequestHandler):
             out.append(r)
         sort = (query.get("sort") or ["trendingScore"])[0]
         num = lambda v: v if isinstance(v, (int, float)) else 0  # noqa: E731 - hostile repos may hold junk
-        key = {"downloads": lambda r: num(r.downloads), "likes": lambda r: num(r.likes),
-               "lastModified": lambda r: r.last_modified, "createdAt": lambda r: r.created_at}.get(sort, lambda r: 0)
+        key = {
+            "downloads": lambda r: num(r.downloads),
+            "likes": lambda r: num(r.likes),
+            "lastModified": lambda r: r.last_modified,
+            "createdAt": lambda r: r.created_at,
+        }.get(sort, lambda r: 0)
         out.sort(key=lambda r: r.id)
         out.sort(key=key, reverse=(query.get("direction") or ["-1"])[0] == "-1")
         limit = int((query.get("limit") or [str(hub.page_size)])[0])
         page = min(limit, hub.page_size)
         offset = int((query.get("cursor") or ["0"])[0])
-        chunk = out[offset:offset + page]
+        chunk = out[offset : offset + page]
         headers = {}
         if offset + page < len(out):
             q = {k: v for k, v in query.items() if k != "cursor"}
@@ -509,7 +574,7 @@ class _Handler(BaseHTTPRequestHandler):
         files = repo.files_at(revision)
         if files is None:
             return self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", head=head)
-        if files is not repo.files:   # an earlier commit: answer with its files and sha
+        if files is not repo.files:  # an earlier commit: answer with its files and sha
             repo = FakeRepo(**{**repo.__dict__, "files": files, "sha": revision})
         expand = self._multi(query, "expand")
         blobs = (query.get("blobs") or ["false"])[0].lower() == "true"
@@ -525,23 +590,36 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if repo.gated and not self._authorized():
             status = 403 if self._has_token() else 401
-            msg = (f"Access to model {repo_id} is restricted. You must have access to it and be authenticated "
-                   f"to access it. Please log in.")
+            msg = (
+                f"Access to model {repo_id} is restricted. You must have access to it and be authenticated "
+                f"to access it. Please log in."
+            )
             return self._error(status, "GatedRepo", msg, head=head)
         files = repo.files_at(revision)
         if files is None:
             return self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", head=head)
         f = files.get(path)
         if f is None:
-            return self._error(404, "EntryNotFound", f"{path} does not exist on \"{revision}\"", head=head)
+            return self._error(404, "EntryNotFound", f'{path} does not exist on "{revision}"', head=head)
         commit = repo.sha if revision in ("main", repo.sha) else revision
         common = {"X-Repo-Commit": commit, "Accept-Ranges": "bytes"}
         if f.lfs:
             location = f"{hub.cdn_url}/lfs/{f.sha256}?repo={quote(repo_id, safe='')}&file={quote(path, safe='')}"
-            return self._send(302, b"", {**common, "Location": location, "X-Linked-Etag": f'"{f.sha256}"',
-                                         "X-Linked-Size": str(f.size), "ETag": f'"{f.oid}"'}, head=head)
-        self._send(200, f.content or b"", {**common, "ETag": f'"{f.oid}"'}, head=head,
-                   content_type="text/plain; charset=utf-8")
+            return self._send(
+                302,
+                b"",
+                {
+                    **common,
+                    "Location": location,
+                    "X-Linked-Etag": f'"{f.sha256}"',
+                    "X-Linked-Size": str(f.size),
+                    "ETag": f'"{f.oid}"',
+                },
+                head=head,
+            )
+        self._send(
+            200, f.content or b"", {**common, "ETag": f'"{f.oid}"'}, head=head, content_type="text/plain; charset=utf-8"
+        )
 
     def _cdn(self, sha256: str, head: bool) -> None:
         hub = self.fakehub
@@ -551,10 +629,12 @@ class _Handler(BaseHTTPRequestHandler):
                     if f.content is None:
                         with hub._lock:
                             hub.weight_downloads.append(f"{repo.id}/{f.path}")
-                        return self._send(500, b"virtual file: weights are never served", head=head,
-                                          content_type="text/plain")
-                    return self._send(200, f.content, {"ETag": f'"{sha256}"'}, head=head,
-                                      content_type="application/octet-stream")
+                        return self._send(
+                            500, b"virtual file: weights are never served", head=head, content_type="text/plain"
+                        )
+                    return self._send(
+                        200, f.content, {"ETag": f'"{sha256}"'}, head=head, content_type="application/octet-stream"
+                    )
         self._send(404, b"", head=head)
 
 
@@ -562,54 +642,137 @@ class _Handler(BaseHTTPRequestHandler):
 # Seed data: config.json files shaped like the real ones (values as published on the Hub).
 
 LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
-    "eos_token_id": [128001, 128008, 128009], "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
-    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.0.dev0",
-    "use_cache": True, "vocab_size": 128256,
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
 }
-LLAMA32_1B = {**LLAMA31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
-              "num_hidden_layers": 16, "head_dim": 64, "tie_word_embeddings": True,
-              "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                               "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+LLAMA32_1B = {
+    **LLAMA31_8B,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
 EAGLE3_LLAMA31_8B = {  # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B
-    "architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
-    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 2048,
-    "model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 1,
-    "pad_token_id": 0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
-    "transformers_version": "4.28.1", "use_cache": True, "vocab_size": 128256, "draft_vocab_size": 32000,
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 2048,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 1,
+    "pad_token_id": 0,
+    "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "transformers_version": "4.28.1",
+    "use_cache": True,
+    "vocab_size": 128256,
+    "draft_vocab_size": 32000,
 }
 EAGLE_LLAMA31_8B = {  # EAGLE-1: a plain one-layer Llama config, no marker
-    "architectures": ["LlamaForCausalLM"], "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
-    "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 2048, "model_type": "llama",
-    "num_attention_heads": 32, "num_hidden_layers": 1, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
-    "torch_dtype": "float16", "vocab_size": 128256,
+    "architectures": ["LlamaForCausalLM"],
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 2048,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 1,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "torch_dtype": "float16",
+    "vocab_size": 128256,
 }
 
 
-def speculators_eagle3(verifier: str, *, hidden: int = 4096, vocab: int = 128256, context: int = 131072,
-                       verifier_arch: str = "LlamaForCausalLM", aux: list[int] | None = None) -> dict:
+def speculators_eagle3(
+    verifier: str,
+    *,
+    hidden: int = 4096,
+    vocab: int = 128256,
+    context: int = 131072,
+    verifier_arch: str = "LlamaForCausalLM",
+    aux: list[int] | None = None,
+) -> dict:
     """A config.json in the speculators format (RedHatAI/*-speculator.eagle3)."""
     cfg = {
-        "architectures": ["Eagle3Speculator"], "auto_map": {"": "eagle3.Eagle3SpeculatorConfig"},
-        "draft_vocab_size": 32000, "has_no_defaults_at_init": False, "norm_before_residual": True,
+        "architectures": ["Eagle3Speculator"],
+        "auto_map": {"": "eagle3.Eagle3SpeculatorConfig"},
+        "draft_vocab_size": 32000,
+        "has_no_defaults_at_init": False,
+        "norm_before_residual": True,
         "speculators_config": {
-            "algorithm": "eagle3", "default_proposal_method": "greedy",
-            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3,
-                                  "verifier_accept_k": 1}],
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1}
+            ],
             "verifier": {"architectures": [verifier_arch], "name_or_path": verifier},
         },
-        "speculators_model_type": "eagle3", "speculators_version": "0.1.0.dev13", "target_hidden_size": None,
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0.dev13",
+        "target_hidden_size": None,
         "torch_dtype": "bfloat16",
         "transformer_layer_config": {
-            "attention_bias": False, "head_dim": 128, "hidden_act": "silu", "hidden_size": hidden,
-            "intermediate_size": 14336, "max_position_embeddings": context, "mlp_bias": False, "model_type": "llama",
-            "num_attention_heads": 32, "num_hidden_layers": 1, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
-            "rope_theta": 500000.0, "vocab_size": vocab,
+            "attention_bias": False,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": hidden,
+            "intermediate_size": 14336,
+            "max_position_embeddings": context,
+            "mlp_bias": False,
+            "model_type": "llama",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 1,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 500000.0,
+            "vocab_size": vocab,
         },
         "transformers_version": "4.55.2",
     }
@@ -618,40 +781,138 @@ def speculators_eagle3(verifier: str, *, hidden: int = 4096, vocab: int = 128256
     return cfg
 
 
-QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-          "eos_token_id": 151645, "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 32768,
-          "max_window_layers": 21, "model_type": "qwen2", "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-          "sliding_window": 32768, "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True,
-          "use_sliding_window": False}
-QWEN25_05B = {**QWEN25, "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
-              "num_hidden_layers": 24, "num_key_value_heads": 2, "tie_word_embeddings": True, "vocab_size": 151936}
-QWEN25_7B = {**QWEN25, "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
-             "num_hidden_layers": 28, "num_key_value_heads": 4, "tie_word_embeddings": False, "vocab_size": 152064}
-QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
-         "hidden_act": "silu", "max_position_embeddings": 40960, "model_type": "qwen3", "rms_norm_eps": 1e-06,
-         "rope_theta": 1000000, "torch_dtype": "bfloat16", "vocab_size": 151936}
-QWEN3_8B = {**QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
-            "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": False}
-QWEN3_06B = {**QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16,
-             "num_hidden_layers": 28, "num_key_value_heads": 8, "tie_word_embeddings": True}
-QWEN3_4B = {**QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
-            "num_hidden_layers": 36, "num_key_value_heads": 8, "tie_word_embeddings": True}
-VICUNA_7B = {"architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-             "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 11008,
-             "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": 32,
-             "num_hidden_layers": 32, "pad_token_id": 0, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
-             "torch_dtype": "float16", "vocab_size": 32000}
+QWEN25 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "model_type": "qwen2",
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+}
+QWEN25_05B = {
+    **QWEN25,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
+}
+QWEN25_7B = {
+    **QWEN25,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+    "vocab_size": 152064,
+}
+QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "model_type": "qwen3",
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+}
+QWEN3_8B = {
+    **QWEN3,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+}
+QWEN3_06B = {
+    **QWEN3,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": True,
+}
+QWEN3_4B = {
+    **QWEN3,
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": True,
+}
+VICUNA_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 2048,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "pad_token_id": 0,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "vocab_size": 32000,
+}
 MEDUSA_VICUNA_7B = {"medusa_num_heads": 5, "medusa_num_layers": 1, "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}
-DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-               "num_hidden_layers": 61, "num_nextn_predict_layers": 1, "max_position_embeddings": 163840,
-               "vocab_size": 129280, "n_routed_experts": 256, "torch_dtype": "bfloat16",
-               "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                       "weight_block_size": [128, 128]}}
-MISTRAL_7B_V03 = {"architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "head_dim": 128,
-                  "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,
-                  "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
-                  "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
-                  "torch_dtype": "bfloat16", "vocab_size": 32768}
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 163840,
+    "vocab_size": 129280,
+    "n_routed_experts": 256,
+    "torch_dtype": "bfloat16",
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+}
+MISTRAL_7B_V03 = {
+    "architectures": ["MistralForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "head_dim": 128,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mistral",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 32768,
+}
 
 LLAMA3_TOKENIZER = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"<|begin_of_text|>": 128000}}})
 QWEN_TOKENIZER = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"<|endoftext|>": 151643}}})
@@ -659,29 +920,54 @@ QWEN_TOKENIZER = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab":
 
 def seed_llama31(hub: FakeHub) -> None:
     """Llama-3.1-8B-Instruct with its published drafts (EAGLE-1, EAGLE-3, speculators, Llama-3.2-1B)."""
-    hub.add_model("meta-llama/Llama-3.1-8B-Instruct",
-                  {"config.json": LLAMA31_8B, "tokenizer.json": LLAMA3_TOKENIZER,
-                   "model-00001-of-00004.safetensors": 4_976_698_672, "model-00002-of-00004.safetensors": 4_999_802_720,
-                   "model-00003-of-00004.safetensors": 4_915_916_176, "model-00004-of-00004.safetensors": 1_168_138_808},
-                  card_data={"base_model": "meta-llama/Llama-3.1-8B", "license": "llama3.1"},
-                  safetensors={"parameters": {"BF16": 8030261248}, "total": 8030261248}, downloads=5_000_000,
-                  likes=4000)
-    hub.add_model("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
-                  {"config.json": EAGLE3_LLAMA31_8B, "pytorch_model.bin": 850_000_000},
-                  card_data={"base_model": "meta-llama/Llama-3.1-8B-Instruct", "license": "apache-2.0"},
-                  downloads=90_000, likes=40)
-    hub.add_model("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
-                  {"config.json": EAGLE_LLAMA31_8B, "pytorch_model.bin": 500_000_000},
-                  card_data={"license": "apache-2.0"}, downloads=20_000, likes=10)
-    hub.add_model("RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3",
-                  {"config.json": speculators_eagle3("meta-llama/Llama-3.1-8B-Instruct"),
-                   "model.safetensors": 1_900_000_000},
-                  card_data={"base_model": "meta-llama/Llama-3.1-8B-Instruct", "library_name": "speculators",
-                             "tags": ["speculators", "eagle3"]}, downloads=30_000, likes=12)
-    hub.add_model("meta-llama/Llama-3.2-1B-Instruct",
-                  {"config.json": LLAMA32_1B, "tokenizer.json": LLAMA3_TOKENIZER, "model.safetensors": 2_471_645_608},
-                  card_data={"base_model": "meta-llama/Llama-3.2-1B"},
-                  safetensors={"parameters": {"BF16": 1235814400}, "total": 1235814400}, downloads=3_000_000, likes=900)
+    hub.add_model(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        {
+            "config.json": LLAMA31_8B,
+            "tokenizer.json": LLAMA3_TOKENIZER,
+            "model-00001-of-00004.safetensors": 4_976_698_672,
+            "model-00002-of-00004.safetensors": 4_999_802_720,
+            "model-00003-of-00004.safetensors": 4_915_916_176,
+            "model-00004-of-00004.safetensors": 1_168_138_808,
+        },
+        card_data={"base_model": "meta-llama/Llama-3.1-8B", "license": "llama3.1"},
+        safetensors={"parameters": {"BF16": 8030261248}, "total": 8030261248},
+        downloads=5_000_000,
+        likes=4000,
+    )
+    hub.add_model(
+        "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        {"config.json": EAGLE3_LLAMA31_8B, "pytorch_model.bin": 850_000_000},
+        card_data={"base_model": "meta-llama/Llama-3.1-8B-Instruct", "license": "apache-2.0"},
+        downloads=90_000,
+        likes=40,
+    )
+    hub.add_model(
+        "yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
+        {"config.json": EAGLE_LLAMA31_8B, "pytorch_model.bin": 500_000_000},
+        card_data={"license": "apache-2.0"},
+        downloads=20_000,
+        likes=10,
+    )
+    hub.add_model(
+        "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3",
+        {"config.json": speculators_eagle3("meta-llama/Llama-3.1-8B-Instruct"), "model.safetensors": 1_900_000_000},
+        card_data={
+            "base_model": "meta-llama/Llama-3.1-8B-Instruct",
+            "library_name": "speculators",
+            "tags": ["speculators", "eagle3"],
+        },
+        downloads=30_000,
+        likes=12,
+    )
+    hub.add_model(
+        "meta-llama/Llama-3.2-1B-Instruct",
+        {"config.json": LLAMA32_1B, "tokenizer.json": LLAMA3_TOKENIZER, "model.safetensors": 2_471_645_608},
+        card_data={"base_model": "meta-llama/Llama-3.2-1B"},
+        safetensors={"parameters": {"BF16": 1235814400}, "total": 1235814400},
+        downloads=3_000_000,
+        likes=900,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -689,8 +975,14 @@ def seed_llama31(hub: FakeHub) -> None:
 # discovery finds it for its target, and named so that its method is detected from the name.
 
 #: File names that must never be picked, pinned, rendered or joined under the HF cache.
-UNSAFE_GGUF_NAMES = ("../../../../tmp/x-Q4_K_M.gguf", "/tmp/x-Q4_K_M.gguf", "sub\\..\\x-Q4_K_M.gguf",
-                     "x\x00-Q4_K_M.gguf", "sub//x-Q4_K_M.gguf", "./x-Q4_K_M.gguf")
+UNSAFE_GGUF_NAMES = (
+    "../../../../tmp/x-Q4_K_M.gguf",
+    "/tmp/x-Q4_K_M.gguf",
+    "sub\\..\\x-Q4_K_M.gguf",
+    "x\x00-Q4_K_M.gguf",
+    "sub//x-Q4_K_M.gguf",
+    "./x-Q4_K_M.gguf",
+)
 BIG_CONFIG_BYTES = 60 * 1024 * 1024
 
 
@@ -705,26 +997,45 @@ def seed_hostile(hub: FakeHub, target: str = "meta-llama/Llama-3.1-8B-Instruct")
     head = {**EAGLE3_LLAMA31_8B}
     repos = {
         "evil/arch-int-eagle3": ({**head, "architectures": 5}, "architectures must be a list of strings"),
-        "evil/arch-list-eagle3": ({**head, "architectures": [1, {"x": 2}, None]},
-                                  "architectures must be a list of strings"),
-        "evil/nested-junk-eagle3": ({**speculators_eagle3(target), "speculators_config": {"algorithm": "eagle3",
-                                                                                            "verifier": 5},
-                                     "transformer_layer_config": [1, 2], "eagle_config": "x",
-                                     "vocab_size": {"a": [1]}}, "must be"),
-        "evil/deep-eagle3": ('{"architectures": ["LlamaForCausalLMEagle3"], "x": ' + "[" * 100_000 + "]" * 100_000
-                             + "}", "nested too deeply"),
+        "evil/arch-list-eagle3": (
+            {**head, "architectures": [1, {"x": 2}, None]},
+            "architectures must be a list of strings",
+        ),
+        "evil/nested-junk-eagle3": (
+            {
+                **speculators_eagle3(target),
+                "speculators_config": {"algorithm": "eagle3", "verifier": 5},
+                "transformer_layer_config": [1, 2],
+                "eagle_config": "x",
+                "vocab_size": {"a": [1]},
+            },
+            "must be",
+        ),
+        "evil/deep-eagle3": (
+            '{"architectures": ["LlamaForCausalLMEagle3"], "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            "nested too deeply",
+        ),
         "evil/not-object-eagle3": ("[1, 2, 3]", "not a JSON object"),
-        "evil/nan-eagle3": ('{"architectures": ["LlamaForCausalLMEagle3"], "vocab_size": NaN, "hidden_size": 4096}',
-                            "vocab_size must be a whole number"),
+        "evil/nan-eagle3": (
+            '{"architectures": ["LlamaForCausalLMEagle3"], "vocab_size": NaN, "hidden_size": 4096}',
+            "vocab_size must be a whole number",
+        ),
         "evil/huge-config-eagle3": (big_config(), "bytes on the Hub"),
     }
     for repo, (config, _) in repos.items():
-        hub.add_model(repo, {"config.json": config, "model.safetensors": 400_000_000},
-                      card_data={"base_model": target}, downloads=10_000_000)
+        hub.add_model(
+            repo,
+            {"config.json": config, "model.safetensors": 400_000_000},
+            card_data={"base_model": target},
+            downloads=10_000_000,
+        )
     # a Hub that understates the size: paths-info says 900 bytes, the download is 2 MiB
-    liar = hub.add_model("evil/liar-eagle3", {"config.json": big_config(2 * 1024 * 1024),
-                                              "model.safetensors": 400_000_000},
-                         card_data={"base_model": target}, downloads=10_000_000)
+    liar = hub.add_model(
+        "evil/liar-eagle3",
+        {"config.json": big_config(2 * 1024 * 1024), "model.safetensors": 400_000_000},
+        card_data={"base_model": target},
+        downloads=10_000_000,
+    )
     liar.files["config.json"].reported_size = 900
     repos["evil/liar-eagle3"] = (None, "specops reads at most")
     return {repo: why for repo, (_, why) in repos.items()}
@@ -732,9 +1043,12 @@ def seed_hostile(hub: FakeHub, target: str = "meta-llama/Llama-3.1-8B-Instruct")
 
 def seed_unsafe_gguf(hub: FakeHub, name: str, repo: str = "evil/Qwen2.5-0.5B-Instruct-GGUF") -> str:
     """A GGUF repo whose only Q4_K_M file has the unsafe ``name``."""
-    hub.add_model(repo, {name: 491_400_064, "README.md": "gguf"},
-                  card_data={"base_model": "Qwen/Qwen2.5-0.5B-Instruct"},
-                  gguf={"total": 494_032_768, "architecture": "qwen2", "context_length": 32768})
+    hub.add_model(
+        repo,
+        {name: 491_400_064, "README.md": "gguf"},
+        card_data={"base_model": "Qwen/Qwen2.5-0.5B-Instruct"},
+        gguf={"total": 494_032_768, "architecture": "qwen2", "context_length": 32768},
+    )
     return repo
 
 
@@ -750,14 +1064,21 @@ except ImportError:  # pragma: no cover - fakehub is usable without pytest
 TEST_TOKEN = "hf_fakehub_test_token_0123456789"
 
 if pytest is not None:
+
     @pytest.fixture
     def fake_hub(monkeypatch, tmp_path):
         """A FakeHub on 127.0.0.1; HF_ENDPOINT points at it, HF_HOME is empty, no token, online."""
         hub = FakeHub(token=TEST_TOKEN).start()
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-        for var in ("HF_HUB_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-                    "SPECOPS_CATALOG"):
+        for var in (
+            "HF_HUB_CACHE",
+            "HF_TOKEN",
+            "HUGGING_FACE_HUB_TOKEN",
+            "HF_HUB_OFFLINE",
+            "TRANSFORMERS_OFFLINE",
+            "SPECOPS_CATALOG",
+        ):
             monkeypatch.delenv(var, raising=False)
         monkeypatch.setenv("SPECOPS_HUB_TIMEOUT", "3")
         try:

@@ -3,6 +3,7 @@
 In-process runs go through :func:`specops.cli.main` itself, so exit codes and the error printing are the
 ones a user gets; ``click.testing`` only captures the streams and swaps the environment.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,14 @@ def run(*args: str, env: dict | None = None) -> Result:
 def run_subprocess(*args: str, env: dict | None = None, cwd: Path = ROOT, timeout: float = 60) -> Result:
     """``specops ARGS`` as a separate process (the installed console script of this interpreter)."""
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run([str(SPECOPS), *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          env={k: v for k, v in full_env.items() if v is not None}, timeout=timeout)
+    proc = subprocess.run(
+        [str(SPECOPS), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={k: v for k, v in full_env.items() if v is not None},
+        timeout=timeout,
+    )
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 

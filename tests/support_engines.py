@@ -7,12 +7,14 @@ everything up itself)::
     exe = need_llama_server()                 # Path, or skip (fail when CI is set)
     target = tiny_model("gguf-target.gguf")   # generated on first use (GGUF needs nothing; HF needs vLLM)
 """
+
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
 from conftest import unavailable
+
 from specops.devenv import engines
 from specops.devenv import testmodels as fixtures
 
@@ -42,8 +44,10 @@ def sha256_tree(path: Path) -> dict[str, str]:
     """relative path → sha256 of every file under ``path`` (or of ``path`` itself when it is a file)."""
     path = Path(path)
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return {str(p.relative_to(path.parent if path.is_file() else path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in files}
+    return {
+        str(p.relative_to(path.parent if path.is_file() else path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in files
+    }
 
 
 def mtimes(paths) -> dict[str, int]:
@@ -51,6 +55,6 @@ def mtimes(paths) -> dict[str, int]:
     out = {}
     for p in paths:
         p = Path(p)
-        for f in ([p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())):
+        for f in [p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file()):
             out[str(f)] = f.stat().st_mtime_ns
     return out

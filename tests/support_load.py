@@ -13,6 +13,7 @@ ends in exactly one of
 The clients run on their own asyncio loop in a background thread; every request has a timeout and the load
 stops by itself after ``max_seconds`` even if the test never calls :meth:`Load.stop`. Loopback only.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,12 @@ import time
 
 import aiohttp
 
-PROMPTS = ["the quick brown fox jumps over the lazy dog", "def hello world return print self",
-           "it is the and of to in that for on with", "lazy dog and quick fox over the hill"]
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "def hello world return print self",
+    "it is the and of to in that for on with",
+    "lazy dog and quick fox over the hill",
+]
 
 
 def classify(status: int, text: str, stream: bool) -> tuple[str, str]:
@@ -56,8 +61,15 @@ def classify(status: int, text: str, stream: bool) -> tuple[str, str]:
 class Load:
     """``clients`` concurrent clients (even-numbered ones stream) sending greedy completions to ``url``."""
 
-    def __init__(self, url: str, clients: int = 16, max_tokens: int = 24, model: str | None = None,
-                 request_timeout: float = 300.0, max_seconds: float = 900.0):
+    def __init__(
+        self,
+        url: str,
+        clients: int = 16,
+        max_tokens: int = 24,
+        model: str | None = None,
+        request_timeout: float = 300.0,
+        max_seconds: float = 900.0,
+    ):
         self.url = url.rstrip("/")
         self.clients = clients
         self.max_tokens = max_tokens
@@ -75,18 +87,18 @@ class Load:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ control
-    def start(self) -> "Load":
+    def start(self) -> Load:
         self._thread.start()
         return self
 
-    def stop(self) -> "Load":
+    def stop(self) -> Load:
         """Let every client finish the request it is in, then return (bounded by the request timeout)."""
         self._stop.set()
         self._thread.join(timeout=self.request_timeout + 30)
         assert not self._thread.is_alive(), "the load did not stop"
         return self
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -97,7 +109,9 @@ class Load:
         target = self.total + n
         deadline = time.monotonic() + timeout
         while self.total < target:
-            assert time.monotonic() < deadline, f"only {self.total} of {target} answers after {timeout}s: {self.report()}"
+            assert time.monotonic() < deadline, (
+                f"only {self.total} of {target} answers after {timeout}s: {self.report()}"
+            )
             time.sleep(0.1)
 
     # ------------------------------------------------------------------ results
@@ -110,9 +124,11 @@ class Load:
         return self.counts["lost"]
 
     def report(self) -> str:
-        return (f"{self.total} requests from {self.clients} clients (half streaming): ok={self.counts['ok']} "
-                f"stream_error={self.counts['stream_error']} lost={self.lost}; longest answer "
-                f"{self.longest_s:.2f}s")
+        return (
+            f"{self.total} requests from {self.clients} clients (half streaming): ok={self.counts['ok']} "
+            f"stream_error={self.counts['stream_error']} lost={self.lost}; longest answer "
+            f"{self.longest_s:.2f}s"
+        )
 
     # ------------------------------------------------------------------ clients
     async def _main(self) -> None:
@@ -125,8 +141,12 @@ class Load:
         stream = i % 2 == 0
         n = 0
         while not self._stop.is_set() and time.monotonic() < deadline:
-            payload = {"prompt": PROMPTS[(i + n) % len(PROMPTS)], "max_tokens": self.max_tokens - i % 5,
-                       "temperature": 0, "stream": stream}
+            payload = {
+                "prompt": PROMPTS[(i + n) % len(PROMPTS)],
+                "max_tokens": self.max_tokens - i % 5,
+                "temperature": 0,
+                "stream": stream,
+            }
             if self.model:
                 payload["model"] = self.model
             t0 = time.monotonic()

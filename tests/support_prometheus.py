@@ -9,6 +9,7 @@
 
 Both are context managers; nothing outlives the test that starts them.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
 from conftest import unavailable
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -63,9 +63,11 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
 # ---------------------------------------------------------------------------------------------------
 # a static exporter
 
+
 class _Server(ThreadingHTTPServer):
-    allow_reuse_address = True   # restart on the same port right after a stop
+    allow_reuse_address = True  # restart on the same port right after a stop
     daemon_threads = True
+
 
 class StaticExporter:
     """An HTTP server on 127.0.0.1 answering ``GET /metrics`` with the text set by the test."""
@@ -94,7 +96,7 @@ class StaticExporter:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "StaticExporter":
+    def start(self) -> StaticExporter:
         exporter = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -116,8 +118,7 @@ class StaticExporter:
 
         self._server = _Server(("127.0.0.1", self.port), Handler)
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
         return self
 
@@ -128,7 +129,7 @@ class StaticExporter:
             self._thread.join(timeout=5)
             self._server = self._thread = None
 
-    def __enter__(self) -> "StaticExporter":
+    def __enter__(self) -> StaticExporter:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -138,11 +139,18 @@ class StaticExporter:
 # ---------------------------------------------------------------------------------------------------
 # a real Prometheus
 
+
 class PrometheusServer:
     """``prometheus`` scraping ``targets`` (``host:port`` strings) every ``scrape_interval`` seconds."""
 
-    def __init__(self, workdir: Path, targets: list[str], job: str = "engine", scrape_interval: float = 1.0,
-                 port: int | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        targets: list[str],
+        job: str = "engine",
+        scrape_interval: float = 1.0,
+        port: int | None = None,
+    ):
         self.workdir = Path(workdir)
         self.targets = list(targets)
         self.job = job
@@ -160,24 +168,34 @@ class PrometheusServer:
         # JSON is YAML: no YAML library needed, and the quoting is exact
         config = {
             "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
-            "scrape_configs": [{"job_name": self.job, "metrics_path": "/metrics",
-                                "static_configs": [{"targets": self.targets}]}],
+            "scrape_configs": [
+                {"job_name": self.job, "metrics_path": "/metrics", "static_configs": [{"targets": self.targets}]}
+            ],
         }
         return json.dumps(config, indent=2) + "\n"
 
-    def start(self, ready_timeout: float = 30.0) -> "PrometheusServer":
+    def start(self, ready_timeout: float = 30.0) -> PrometheusServer:
         binary = require_prometheus()
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "prometheus.yml"
         config.write_text(self.config_text())
         fixed = self.port
-        for attempt in range(3):
+        for _ in range(3):
             port = fixed or free_port()
             log = open(self.log_path, "ab")
             self.proc = subprocess.Popen(
-                [binary, f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                [
+                    binary,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={self.workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             log.close()
             self.port = port
             deadline = time.monotonic() + ready_timeout
@@ -227,7 +245,7 @@ class PrometheusServer:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=timeout)
 
-    def __enter__(self) -> "PrometheusServer":
+    def __enter__(self) -> PrometheusServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -236,6 +254,7 @@ class PrometheusServer:
 
 # ---------------------------------------------------------------------------------------------------
 # exposition text as the engines write it (classic text format)
+
 
 def vllm_v1_text(models: dict[str, dict[str, tuple[float, float, float, list[float]]]], created: float = 1.7e9) -> str:
     """vLLM V1 spec-decode metrics: ``{model_name: {engine: (drafts, draft_tokens, accepted, per_pos)}}``,
@@ -251,23 +270,32 @@ def vllm_v1_text(models: dict[str, dict[str, tuple[float, float, float, list[flo
         out.extend(f"{name}_created{{{labels}}} {created!r}" for labels, _ in rows)
 
     def rows(i: int) -> list[tuple[str, float]]:
-        return [(f'engine="{e}",model_name="{m}"', vals[i]) for m, engines in models.items()
-                for e, vals in engines.items()]
+        return [
+            (f'engine="{e}",model_name="{m}"', vals[i]) for m, engines in models.items() for e, vals in engines.items()
+        ]
 
     family("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", rows(0))
     family("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", rows(1))
     family("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", rows(2))
-    family("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-           [(f'engine="{e}",model_name="{m}",position="{p}"', v) for m, engines in models.items()
-            for e, vals in engines.items() for p, v in enumerate(vals[3])])
+    family(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        [
+            (f'engine="{e}",model_name="{m}",position="{p}"', v)
+            for m, engines in models.items()
+            for e, vals in engines.items()
+            for p, v in enumerate(vals[3])
+        ],
+    )
     out.append("# HELP vllm:num_requests_running Number of requests in model execution batches.")
     out.append("# TYPE vllm:num_requests_running gauge")
     out.extend(f'vllm:num_requests_running{{engine="0",model_name="{m}"}} 1.0' for m in models)
     return "\n".join(out) + "\n"
 
 
-def vllm_one(drafts: float, draft_tokens: float, accepted: float, per_pos: list[float] | None = None,
-             model: str = "tiny") -> str:
+def vllm_one(
+    drafts: float, draft_tokens: float, accepted: float, per_pos: list[float] | None = None, model: str = "tiny"
+) -> str:
     """One model, one engine."""
     return vllm_v1_text({model: {"0": (drafts, draft_tokens, accepted, per_pos or [])}})
 
@@ -275,17 +303,28 @@ def vllm_one(drafts: float, draft_tokens: float, accepted: float, per_pos: list[
 def llamacpp_text(drafts: float, draft_tokens: float, accepted: float, per_pos: list[float] | None = None) -> str:
     """llama-server ``--metrics`` spec-decode counters (no labels but ``position``)."""
     lines = []
-    for name, help_, v in (("num_drafts", "Number of speculative drafts.", drafts),
-                           ("num_draft_tokens", "Number of draft tokens generated.", draft_tokens),
-                           ("num_accepted_tokens", "Number of draft tokens accepted.", accepted)):
-        lines += [f"# HELP llamacpp:spec_decode_{name}_total {help_}",
-                  f"# TYPE llamacpp:spec_decode_{name}_total counter",
-                  f"llamacpp:spec_decode_{name}_total {v:g}"]
+    for name, help_, v in (
+        ("num_drafts", "Number of speculative drafts.", drafts),
+        ("num_draft_tokens", "Number of draft tokens generated.", draft_tokens),
+        ("num_accepted_tokens", "Number of draft tokens accepted.", accepted),
+    ):
+        lines += [
+            f"# HELP llamacpp:spec_decode_{name}_total {help_}",
+            f"# TYPE llamacpp:spec_decode_{name}_total counter",
+            f"llamacpp:spec_decode_{name}_total {v:g}",
+        ]
     if per_pos:
-        lines += ["# HELP llamacpp:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per position.",
-                  "# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter"]
-        lines += [f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {v:g}'
-                  for i, v in enumerate(per_pos)]
-    lines += ["# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.",
-              "# TYPE llamacpp:prompt_tokens_total counter", "llamacpp:prompt_tokens_total 1234"]
+        lines += [
+            "# HELP llamacpp:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per position.",
+            "# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter",
+        ]
+        lines += [
+            f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {v:g}'
+            for i, v in enumerate(per_pos)
+        ]
+    lines += [
+        "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.",
+        "# TYPE llamacpp:prompt_tokens_total counter",
+        "llamacpp:prompt_tokens_total 1234",
+    ]
     return "\n".join(lines) + "\n"

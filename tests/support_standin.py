@@ -5,6 +5,7 @@ registry whose ``llamacpp`` backend renders the stand-in instead of llama-server
 capability of the llama.cpp backend: metrics prefix, live timings, log acceptance). Each method gets the
 acceptance in :data:`ACCEPTANCE`, so a threshold fallback is quick and certain.
 """
+
 from __future__ import annotations
 
 import sys
@@ -28,12 +29,28 @@ class StandinBackend(LlamaCppBackend):
     def render(self, profile, engine, *, host=None, port=None):
         port = port or profile.server.port
         method = profile.speculative.method
-        argv = [sys.executable, str(HERE / "support_upstream.py"), "--port", str(port), "--name", method.value,
-                "--token-delay", "0.002"]
+        argv = [
+            sys.executable,
+            str(HERE / "support_upstream.py"),
+            "--port",
+            str(port),
+            "--name",
+            method.value,
+            "--token-delay",
+            "0.002",
+        ]
         if ACCEPTANCE.get(method) is not None:
             argv += ["--acceptance", str(ACCEPTANCE[method])]
-        return LaunchPlan(backend=self.name, engine_version=engine.version, method=method, argv=tuple(argv), env=(),
-                          host=host or "127.0.0.1", port=port, model_name="tiny-test-model")
+        return LaunchPlan(
+            backend=self.name,
+            engine_version=engine.version,
+            method=method,
+            argv=tuple(argv),
+            env=(),
+            host=host or "127.0.0.1",
+            port=port,
+            model_name="tiny-test-model",
+        )
 
 
 class StandinRegistry:
@@ -47,9 +64,11 @@ class StandinRegistry:
 def main(argv: list[str]) -> int:
     from specops.config.profile import load_profile
     from specops.up import UpOptions, up_blocking
+
     loaded = load_profile(argv[0])
-    return up_blocking(loaded, StandinRegistry(), UpOptions(offline=True, health_interval=0.05,
-                                                             show_engine_output=False))
+    return up_blocking(
+        loaded, StandinRegistry(), UpOptions(offline=True, health_interval=0.05, show_engine_output=False)
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Run `specops up` for real, as a subprocess, and look at it from outside like an operator would."""
+
 from __future__ import annotations
 
 import json
@@ -63,14 +64,19 @@ class UpRun:
         self.engine_groups: set[int] = set()
 
     # -------------------------------------------------------------- lifecycle
-    def start(self) -> "UpRun":
+    def start(self) -> UpRun:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(SPECOPS + ["up", str(self.profile)], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            SPECOPS + ["up", str(self.profile)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
         return self
 
-    def __enter__(self) -> "UpRun":
+    def __enter__(self) -> UpRun:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -94,7 +100,7 @@ class UpRun:
             os.killpg(self.proc.pid, signal.SIGKILL)
             rc = self.proc.wait(timeout=10)
             if check:
-                raise AssertionError(f"specops up did not stop within {timeout}s\n{self.output()}")
+                raise AssertionError(f"specops up did not stop within {timeout}s\n{self.output()}") from None
         return rc
 
     # -------------------------------------------------------------- observation
@@ -132,17 +138,22 @@ class UpRun:
             if predicate(st):
                 return st
             if self.proc and self.proc.poll() is not None:
-                raise AssertionError(f"specops up exited ({self.proc.returncode}) while waiting for {what}\n"
-                                     f"{self.output()}")
+                raise AssertionError(
+                    f"specops up exited ({self.proc.returncode}) while waiting for {what}\n{self.output()}"
+                )
             time.sleep(0.2)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}; state={self.state()}\n{self.output()}")
 
     def wait_ready(self, timeout: float = 240.0, method: str | None = None) -> dict:
-        return self.wait_for(lambda st: st.get("state") == "ready" and (method is None or st.get("method") == method),
-                             timeout, f"ready{' with ' + method if method else ''}")
+        return self.wait_for(
+            lambda st: st.get("state") == "ready" and (method is None or st.get("method") == method),
+            timeout,
+            f"ready{' with ' + method if method else ''}",
+        )
 
     def status_json(self) -> dict:
-        out = subprocess.run(SPECOPS + ["status", self.name, "--json"], capture_output=True, text=True,
-                             env=self.env, timeout=30)
+        out = subprocess.run(
+            SPECOPS + ["status", self.name, "--json"], capture_output=True, text=True, env=self.env, timeout=30
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)

@@ -22,6 +22,7 @@ Test-only controls, never sent by real clients:
 Run: ``python tests/support_upstream.py --port 0 --name A --token-delay 0.001 --acceptance 0.75``; it
 prints ``LISTENING <port>`` once it accepts connections. From tests, use :class:`Upstream`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,12 +47,21 @@ def expected_text(n: int) -> str:
 
 # --------------------------------------------------------------------------------------------- server side
 
-def build_app(name: str, token_delay: float, acceptance: float | None, draft_per_token: int,
-              model: str):
+
+def build_app(name: str, token_delay: float, acceptance: float | None, draft_per_token: int, model: str):
     from aiohttp import web
 
-    stats = {"started": 0, "finished": 0, "cancelled": 0, "active": 0, "by_path": {},
-             "draft_n": 0, "draft_n_accepted": 0, "died": 0, "closed_after": 0}
+    stats = {
+        "started": 0,
+        "finished": 0,
+        "cancelled": 0,
+        "active": 0,
+        "by_path": {},
+        "draft_n": 0,
+        "draft_n_accepted": 0,
+        "died": 0,
+        "closed_after": 0,
+    }
     created = int(time.time())
 
     def delays(request, body):
@@ -62,10 +72,17 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
         return td, fd, (int(die) if die is not None else None)
 
     def timings(n_prompt: int, n: int, elapsed: float) -> dict:
-        t = {"cache_n": 0, "prompt_n": n_prompt, "prompt_ms": 0.1, "prompt_per_token_ms": 0.1,
-             "prompt_per_second": 10000.0, "predicted_n": n, "predicted_ms": round(elapsed * 1000, 3),
-             "predicted_per_token_ms": round(elapsed * 1000 / max(n, 1), 3),
-             "predicted_per_second": round(n / elapsed, 3) if elapsed > 0 else 0.0}
+        t = {
+            "cache_n": 0,
+            "prompt_n": n_prompt,
+            "prompt_ms": 0.1,
+            "prompt_per_token_ms": 0.1,
+            "prompt_per_second": 10000.0,
+            "predicted_n": n,
+            "predicted_ms": round(elapsed * 1000, 3),
+            "predicted_per_token_ms": round(elapsed * 1000 / max(n, 1), 3),
+            "predicted_per_second": round(n / elapsed, 3) if elapsed > 0 else 0.0,
+        }
         if acceptance is not None and n > 0:
             dn = n * draft_per_token
             t["draft_n"] = dn
@@ -73,9 +90,11 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
         return t
 
     def error(status: int, message: str):
-        return web.json_response({"error": {"message": message, "type": "invalid_request_error",
-                                            "param": None, "code": status}}, status=status,
-                                 headers={"X-Upstream-Name": name})
+        return web.json_response(
+            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}},
+            status=status,
+            headers={"X-Upstream-Name": name},
+        )
 
     async def generate(request, chat: bool):
         stats["started"] += 1
@@ -110,32 +129,60 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
                 if fd:
                     await asyncio.sleep(fd)
                 if td:
-                    for _ in range(n):          # token by token, so a disconnect cancels mid-generation
+                    for _ in range(n):  # token by token, so a disconnect cancels mid-generation
                         await asyncio.sleep(td)
                 text = expected_text(n)
-                choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                           "finish_reason": "length"} if chat else
-                          {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
-                out = {"id": rid, "object": obj, "created": created, "model": body.get("model", model),
-                       "system_fingerprint": name, "choices": [choice], "usage": usage,
-                       "timings": timings(n_prompt, n, time.perf_counter() - t0)}
+                choice = (
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": None,
+                        "finish_reason": "length",
+                    }
+                    if chat
+                    else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+                )
+                out = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": body.get("model", model),
+                    "system_fingerprint": name,
+                    "choices": [choice],
+                    "usage": usage,
+                    "timings": timings(n_prompt, n, time.perf_counter() - t0),
+                }
                 finished = True
                 return web.json_response(out, headers={"X-Upstream-Name": name})
 
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                               "Cache-Control": "no-cache", "X-Upstream-Name": name})
+            resp = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream; charset=utf-8",
+                    "Cache-Control": "no-cache",
+                    "X-Upstream-Name": name,
+                }
+            )
             await resp.prepare(request)
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
             def chunk(piece: str | None, finish: str | None, i: int, role: bool = False) -> bytes:
                 if chat:
-                    delta = {"role": "assistant", "content": ""} if role else (
-                        {"content": piece} if piece is not None else {})
+                    delta = (
+                        {"role": "assistant", "content": ""}
+                        if role
+                        else ({"content": piece} if piece is not None else {})
+                    )
                     ch = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
                 else:
                     ch = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-                d = {"id": rid, "object": chunk_obj, "created": created, "model": body.get("model", model),
-                     "system_fingerprint": name, "choices": [ch]}
+                d = {
+                    "id": rid,
+                    "object": chunk_obj,
+                    "created": created,
+                    "model": body.get("model", model),
+                    "system_fingerprint": name,
+                    "choices": [ch],
+                }
                 if finish is not None:
                     d["usage"] = usage
                 if finish is not None or (per_token and i > 0):
@@ -152,13 +199,13 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
                         await asyncio.sleep(td)
                     if die is not None and i >= die:
                         stats["died"] += 1
-                        request.transport.abort()    # crash mid-stream: no terminating chunk
+                        request.transport.abort()  # crash mid-stream: no terminating chunk
                         return resp
                     await resp.write(chunk(f" t{i}", None, i + 1))
                 await resp.write(chunk(None, "length", n))
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
-            except ConnectionResetError:         # the client went away between two tokens
+            except ConnectionResetError:  # the client went away between two tokens
                 stats["cancelled"] += 1
                 raise
             finished = True
@@ -182,19 +229,31 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
         return await generate(request, chat=True)
 
     async def models(request):
-        return web.json_response({"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                                               "owned_by": "specops-tests"}]},
-                                 headers={"X-Upstream-Name": name})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": model, "object": "model", "created": created, "owned_by": "specops-tests"}],
+            },
+            headers={"X-Upstream-Name": name},
+        )
 
     async def embeddings(request):
         body = await request.json()
         inputs = body.get("input", "")
         inputs = inputs if isinstance(inputs, list) else [inputs]
-        data = [{"object": "embedding", "index": i, "embedding": [float(len(str(x))), 0.5, -0.25]}
-                for i, x in enumerate(inputs)]
-        return web.json_response({"object": "list", "data": data, "model": model,
-                                  "usage": {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}},
-                                 headers={"X-Upstream-Name": name})
+        data = [
+            {"object": "embedding", "index": i, "embedding": [float(len(str(x))), 0.5, -0.25]}
+            for i, x in enumerate(inputs)
+        ]
+        return web.json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": len(inputs), "total_tokens": len(inputs)},
+            },
+            headers={"X-Upstream-Name": name},
+        )
 
     async def health(request):
         return web.json_response({"status": "ok"}, headers={"X-Upstream-Name": name})
@@ -204,24 +263,33 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
         for key, metric in (("draft_n", "num_draft_tokens"), ("draft_n_accepted", "num_accepted_tokens")):
             full = f"llamacpp:spec_decode_{metric}_total"
             lines += [f"# HELP {full} test counter", f"# TYPE {full} counter", f"{full} {stats[key]}"]
-        lines += ["# HELP llamacpp:requests_processing test gauge", "# TYPE llamacpp:requests_processing gauge",
-                  f"llamacpp:requests_processing {stats['active']}"]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain",
-                            headers={"X-Upstream-Name": name})
+        lines += [
+            "# HELP llamacpp:requests_processing test gauge",
+            "# TYPE llamacpp:requests_processing gauge",
+            f"llamacpp:requests_processing {stats['active']}",
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", headers={"X-Upstream-Name": name})
 
     async def debug_stats(request):
         return web.json_response(dict(stats, name=name, pid=os.getpid()))
 
     async def echo(request):
         body = await request.read()
-        out = {"method": request.method, "path": request.path, "raw_path": request.raw_path,
-               "query": request.query_string, "headers": [[k, v] for k, v in request.headers.items()],
-               "body": body.decode("utf-8", "replace"), "body_len": len(body)}
-        resp = web.json_response(out, status=int(request.headers.get("X-Test-Echo-Status", "200")),
-                                 headers={"X-Upstream-Name": name})
+        out = {
+            "method": request.method,
+            "path": request.path,
+            "raw_path": request.raw_path,
+            "query": request.query_string,
+            "headers": [[k, v] for k, v in request.headers.items()],
+            "body": body.decode("utf-8", "replace"),
+            "body_len": len(body),
+        }
+        resp = web.json_response(
+            out, status=int(request.headers.get("X-Test-Echo-Status", "200")), headers={"X-Upstream-Name": name}
+        )
         resp.headers.add("X-Multi", "one")
         resp.headers.add("X-Multi", "two")
-        resp.headers["Connection"] = "keep-alive"         # hop-by-hop: the proxy must not forward it
+        resp.headers["Connection"] = "keep-alive"  # hop-by-hop: the proxy must not forward it
         resp.set_cookie("upstream_cookie", "c1")
         return resp
 
@@ -233,7 +301,7 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
         block = b"x" * 65536
         left = n
         while left > 0:
-            piece = block[:min(left, len(block))]
+            piece = block[: min(left, len(block))]
             await resp.write(piece)
             left -= len(piece)
         await resp.write_eof()
@@ -289,13 +357,18 @@ def main(argv=None) -> None:
     p.add_argument("--name", default="upstream")
     p.add_argument("--model", default="tiny-test-model")
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token")
-    p.add_argument("--acceptance", type=float, default=None,
-                   help="simulated draft acceptance (unset: no speculation, no draft_n in timings)")
+    p.add_argument(
+        "--acceptance",
+        type=float,
+        default=None,
+        help="simulated draft acceptance (unset: no speculation, no draft_n in timings)",
+    )
     p.add_argument("--draft-per-token", type=int, default=2, help="draft tokens proposed per generated token")
     asyncio.run(serve(p.parse_args(argv)))
 
 
 # --------------------------------------------------------------------------------------------- test side
+
 
 class Upstream:
     """One stand-in engine process. ``Upstream.start(...)`` returns once it accepts connections."""
@@ -307,10 +380,28 @@ class Upstream:
         self.url = f"http://127.0.0.1:{port}"
 
     @classmethod
-    def start(cls, name: str = "upstream", *, token_delay: float = 0.0, acceptance: float | None = None,
-              draft_per_token: int = 2, port: int = 0, timeout: float = 20.0) -> "Upstream":
-        argv = [sys.executable, str(HERE / "support_upstream.py"), "--port", str(port), "--name", name,
-                "--token-delay", str(token_delay), "--draft-per-token", str(draft_per_token)]
+    def start(
+        cls,
+        name: str = "upstream",
+        *,
+        token_delay: float = 0.0,
+        acceptance: float | None = None,
+        draft_per_token: int = 2,
+        port: int = 0,
+        timeout: float = 20.0,
+    ) -> Upstream:
+        argv = [
+            sys.executable,
+            str(HERE / "support_upstream.py"),
+            "--port",
+            str(port),
+            "--name",
+            name,
+            "--token-delay",
+            str(token_delay),
+            "--draft-per-token",
+            str(draft_per_token),
+        ]
         if acceptance is not None:
             argv += ["--acceptance", str(acceptance)]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, text=True)
@@ -354,7 +445,7 @@ class Upstream:
         if self.proc.stdout:
             self.proc.stdout.close()
 
-    def __enter__(self) -> "Upstream":
+    def __enter__(self) -> Upstream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -363,8 +454,10 @@ class Upstream:
 
 # --------------------------------------------------------------------------------------------- proxy helpers
 
+
 def free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -435,8 +528,15 @@ class RawResponse:
         return f"RawResponse({self.status}, {self.body[:200]!r}, closed={self.closed}, {self.elapsed:.2f}s)"
 
 
-async def raw_http(port: int, data: bytes, *, timeout: float = 5.0, close_wait: float = 2.0,
-                   then: bytes | None = None, host: str = "127.0.0.1") -> RawResponse:
+async def raw_http(
+    port: int,
+    data: bytes,
+    *,
+    timeout: float = 5.0,
+    close_wait: float = 2.0,
+    then: bytes | None = None,
+    host: str = "127.0.0.1",
+) -> RawResponse:
     """Send ``data`` byte for byte on a new loopback connection (so a test sends exactly the request line
     it means, hostile ones included) and read one response. ``then`` is written after the response, to
     see whether the connection is still usable. Bounded by ``timeout`` (to the response) + ``close_wait``.
@@ -487,10 +587,11 @@ class Canary:
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
 
-    async def __aenter__(self) -> "Canary":
+    async def __aenter__(self) -> Canary:
         def on_connect(reader, writer):
             self.hits += 1
             writer.close()
+
         self.server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]
         return self

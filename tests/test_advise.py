@@ -1,5 +1,6 @@
 """`specops advise` against hand-computed values, its limits (α → 1, α = 0), the α / rate / mean-length
 inputs, the batch caveat, and live readings from a real llama-server and a real `specops up` instance."""
+
 from __future__ import annotations
 
 import json
@@ -10,22 +11,24 @@ import time
 
 import pytest
 
-from specops.perf import advise as A
 from specops.errors import SpecopsError
+from specops.perf import advise as A
 from specops.watch.window import WindowStats
 
 SPECOPS = [sys.executable, "-m", "specops.cli"]
 
 
 def cli(*args, env=None, check=True):
-    out = subprocess.run(SPECOPS + ["advise", *args], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        SPECOPS + ["advise", *args], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
+    )
     if check:
         assert out.returncode == 0, out.stderr
     return out
 
 
 # ------------------------------------------------------------------------------------ the numbers
+
 
 def test_alpha_08_k4_by_hand():
     adv = A.advise(A.from_alpha(0.8), k=4, c=0.05)
@@ -53,7 +56,7 @@ def test_best_k_interior_optimum_by_hand():
 
 def test_alpha_one_limit():
     adv = A.advise(A.from_alpha(1.0), k=3, c=0.05)
-    assert adv.tokens_per_pass == 4.0                       # k + 1, exactly
+    assert adv.tokens_per_pass == 4.0  # k + 1, exactly
     assert adv.speedup == pytest.approx(4 / 1.15)
     assert adv.best_k == 8 and adv.best_speedup == pytest.approx(9 / 1.4)
     assert all(r["acceptance_rate"] == 1.0 for r in adv.table)
@@ -80,14 +83,14 @@ def test_acceptance_rate_is_converted_to_alpha():
     # α = .5 at k = 2 gives the rate (.5 + .25) / 2 = .375
     acc = A.from_acceptance_rate(0.375, 2)
     assert acc.alpha == pytest.approx(0.5, abs=1e-9) and acc.given == "acceptance_rate" and acc.measured_k == 2
-    assert A.from_acceptance_rate(0.7, 1).alpha == 0.7     # k = 1: the rate is α
+    assert A.from_acceptance_rate(0.7, 1).alpha == 0.7  # k = 1: the rate is α
     assert A.from_acceptance_rate(1.0, 5).alpha == 1.0 and A.from_acceptance_rate(0.0, 5).alpha == 0.0
     # the same rate means a higher α at a larger k
     assert A.from_acceptance_rate(0.6, 5).alpha > A.from_acceptance_rate(0.6, 2).alpha > 0.6
 
 
 def test_mean_length_is_a_measurement():
-    acc = A.from_mean_length(1.75, 2)                        # rate .375 → α .5
+    acc = A.from_mean_length(1.75, 2)  # rate .375 → α .5
     assert acc.alpha == pytest.approx(0.5, abs=1e-9) and acc.acceptance_rate == pytest.approx(0.375)
     adv = A.advise(acc, k=2, c=0.1)
     assert adv.measured_speedup == pytest.approx(1.75 / 1.2)  # τ / (1 + k·c), no α model
@@ -96,10 +99,11 @@ def test_mean_length_is_a_measurement():
 
 
 def test_live_window_prefers_mean_length_and_measured_draft_length():
-    stats = WindowStats("ok", 60.0, acceptance=0.5, mean_acceptance_length=3.0, draft_tokens=400.0,
-                        accepted=200.0, drafts=100.0)
+    stats = WindowStats(
+        "ok", 60.0, acceptance=0.5, mean_acceptance_length=3.0, draft_tokens=400.0, accepted=200.0, drafts=100.0
+    )
     acc = A.from_window(stats, None, "test")
-    assert acc.measured_k == 4 and acc.given == "mean_length"          # 400 drafted / 100 drafts
+    assert acc.measured_k == 4 and acc.given == "mean_length"  # 400 drafted / 100 drafts
     assert acc.acceptance_rate == pytest.approx(0.5)
     adv = A.advise(acc, k=4, c=0.05)
     assert adv.measured_speedup == pytest.approx(3.0 / 1.2)
@@ -121,12 +125,12 @@ def test_invalid_inputs_are_refused():
 
 def test_per_batch_size_schedule():
     assert A.per_batch_size_schedule(6) == [[1, 4, 6], [5, 16, 3], [17, 64, 1], [65, 256, 0]]
-    assert A.per_batch_size_schedule(2, 32) == [[1, 4, 2], [5, 32, 1]]      # equal neighbours merged
+    assert A.per_batch_size_schedule(2, 32) == [[1, 4, 2], [5, 32, 1]]  # equal neighbours merged
     assert A.per_batch_size_schedule(1, 8) == [[1, 8, 1]]
     assert A.per_batch_size_schedule(5, 3) == [[1, 3, 5]]
     assert A.per_batch_size_schedule(0, 64) is None
     for sched in (A.per_batch_size_schedule(k, m) for k in (1, 3, 8) for m in (None, 2, 16, 100, 1000)):
-        assert sched[0][0] == 1                                          # vLLM needs the first range at 1
+        assert sched[0][0] == 1  # vLLM needs the first range at 1
         assert all(a[1] + 1 == b[0] for a, b in zip(sched, sched[1:]))  # contiguous, non-overlapping
 
 
@@ -138,7 +142,7 @@ def test_batch_caveat_and_schedule_only_for_high_concurrency():
     assert any("num_speculative_tokens_per_batch_size" in n for n in high.notes)
     llama = A.advise(A.from_alpha(0.8), k=4, c=0.05, batch_size=16, backend="llamacpp")
     assert llama.per_batch_size is None and any("llama-server has no per-batch" in n for n in llama.notes)
-    served = A.advise(A.from_alpha(0.8), k=4, c=0.05, backend="vllm", max_batch=32)   # profile parallel
+    served = A.advise(A.from_alpha(0.8), k=4, c=0.05, backend="vllm", max_batch=32)  # profile parallel
     assert served.per_batch_size[-1][1] == 32
 
 
@@ -150,6 +154,7 @@ def test_threshold_note_when_the_rate_would_trigger_a_fallback():
 
 
 # ------------------------------------------------------------------------------------ the command
+
 
 def test_cli_json_matches_library():
     out = cli("--alpha", "0.8", "-k", "4", "-c", "0.05", "--json")
@@ -189,10 +194,27 @@ def test_cli_reads_an_instance_state_file(tmp_path):
     """--instance reads the watcher's window from the state file of a running instance (pid alive)."""
     inst = tmp_path / "state" / "demo"
     inst.mkdir(parents=True)
-    (inst / "state.json").write_text(json.dumps({
-        "name": "demo", "pid": os.getpid(), "state": "ready", "method": "draft_model", "step": 0,
-        "acceptance": {"status": "ok", "window_s": 60.0, "acceptance": 0.5, "mean_acceptance_length": 2.5,
-                       "draft_tokens": 600.0, "accepted": 300.0, "drafts": 200.0, "reason": "x"}}))
+    (inst / "state.json").write_text(
+        json.dumps(
+            {
+                "name": "demo",
+                "pid": os.getpid(),
+                "state": "ready",
+                "method": "draft_model",
+                "step": 0,
+                "acceptance": {
+                    "status": "ok",
+                    "window_s": 60.0,
+                    "acceptance": 0.5,
+                    "mean_acceptance_length": 2.5,
+                    "draft_tokens": 600.0,
+                    "accepted": 300.0,
+                    "drafts": 200.0,
+                    "reason": "x",
+                },
+            }
+        )
+    )
     data = json.loads(cli("--instance", "demo", "--json", env={"SPECOPS_STATE": str(tmp_path / "state")}).stdout)
     acc = data["acceptance"]
     assert acc["given"] == "mean_length" and acc["measured_k"] == 3 and acc["value"] == 2.5
@@ -203,47 +225,61 @@ def test_cli_reads_an_instance_state_file(tmp_path):
 
 # ------------------------------------------------------------------------------------ live, real engines
 
+
 @pytest.mark.engines
 @pytest.mark.timeout(180)
 def test_live_from_llama_server_metrics_and_instance(tmp_path):
     """A real `specops up` (llama-server, same-weights draft): advise reads its /metrics and its watcher."""
-    from specops.paths import tiny_models_dir
     from support_up import UpRun, free_port, http_json, write_profile
 
     from specops.devenv.testmodels import ensure_tiny_models
+    from specops.paths import tiny_models_dir
+
     ensure_tiny_models(["gguf"])
     models = tiny_models_dir()
-    profile = write_profile(tmp_path / "adv.yaml", {
-        "name": "adv-live", "backend": "llamacpp",
-        "model": {"id": str(models / "gguf-target.gguf"), "max_model_len": 512},
-        "speculative": {"method": "draft_model", "draft": str(models / "gguf-draft-same.gguf"),
-                        "num_speculative_tokens": 4},
-        "gpus": {"devices": []}, "server": {"port": free_port(), "parallel": 2},
-        "proxy": {"enabled": False},
-        "fallback": {"window": "3s", "min_draft_tokens": 20}, "monitor": {"interval": "300ms"},
-        "supervisor": {"stop_timeout": 10},
-    })
+    profile = write_profile(
+        tmp_path / "adv.yaml",
+        {
+            "name": "adv-live",
+            "backend": "llamacpp",
+            "model": {"id": str(models / "gguf-target.gguf"), "max_model_len": 512},
+            "speculative": {
+                "method": "draft_model",
+                "draft": str(models / "gguf-draft-same.gguf"),
+                "num_speculative_tokens": 4,
+            },
+            "gpus": {"devices": []},
+            "server": {"port": free_port(), "parallel": 2},
+            "proxy": {"enabled": False},
+            "fallback": {"window": "3s", "min_draft_tokens": 20},
+            "monitor": {"interval": "300ms"},
+            "supervisor": {"stop_timeout": 10},
+        },
+    )
     env = {"SPECOPS_STATE": str(tmp_path / "state")}
     with UpRun(profile, tmp_path / "state", "adv-live") as run:
         st = run.wait_ready(timeout=60)
         for i in range(4):
-            status, body = http_json(st["url"] + "/v1/completions", {"prompt": f"the quick brown fox {i}",
-                                                                     "max_tokens": 48, "temperature": 0})
+            status, body = http_json(
+                st["url"] + "/v1/completions",
+                {"prompt": f"the quick brown fox {i}", "max_tokens": 48, "temperature": 0},
+            )
             assert status == 200
         scraped = json.loads(cli("--metrics-url", st["url"] + "/metrics", "-c", "0.1", "--json", env=env).stdout)
         acc = scraped["acceptance"]
-        assert scraped["backend"] == "llamacpp"                                 # detected from the series
-        assert acc["given"] == "mean_length" and acc["measured_k"] == 4        # llama-server counts drafts
+        assert scraped["backend"] == "llamacpp"  # detected from the series
+        assert acc["given"] == "mean_length" and acc["measured_k"] == 4  # llama-server counts drafts
         assert 0.9 <= acc["acceptance_rate"] <= 1.0 and acc["draft_tokens"] > 0
-        assert scraped["alpha"] >= acc["acceptance_rate"]                      # α ≥ rate for k > 1
-        assert scraped["measured_speedup"] == pytest.approx(acc["mean_acceptance_length"]
-                                                            / (1 + acc["mean_draft_length"] * 0.1))
+        assert scraped["alpha"] >= acc["acceptance_rate"]  # α ≥ rate for k > 1
+        assert scraped["measured_speedup"] == pytest.approx(
+            acc["mean_acceptance_length"] / (1 + acc["mean_draft_length"] * 0.1)
+        )
         deadline = time.monotonic() + 30
         while (run.state().get("acceptance") or {}).get("status") != "ok":
             assert time.monotonic() < deadline, run.state()
             http_json(st["url"] + "/v1/completions", {"prompt": "lazy dog", "max_tokens": 32, "temperature": 0})
             time.sleep(0.3)
-        live = json.loads(cli(str(profile), "--json", env=env).stdout)         # PROFILE alone → its instance
+        live = json.loads(cli(str(profile), "--json", env=env).stdout)  # PROFILE alone → its instance
         assert live["acceptance"]["source"].startswith("instance adv-live")
         assert live["k"] == 4 and 0.9 <= live["acceptance"]["acceptance_rate"] <= 1.0
         assert run.stop() == 0
@@ -254,23 +290,33 @@ def test_live_from_llama_server_metrics_and_instance(tmp_path):
 @pytest.mark.timeout(180)
 def test_live_from_prometheus_scraping_llama_server(tmp_path):
     """A real Prometheus scraping a real llama-server: advise PROFILE --prometheus reads the increase."""
-    from specops.devenv.testmodels import ensure_tiny_models
-    from specops.paths import tiny_models_dir
     from support_prometheus import PrometheusServer, require_prometheus, wait_until
     from support_up import UpRun, free_port, http_json, write_profile
+
+    from specops.devenv.testmodels import ensure_tiny_models
+    from specops.paths import tiny_models_dir
 
     require_prometheus()
     ensure_tiny_models(["gguf"])
     models = tiny_models_dir()
     port = free_port()
-    profile = write_profile(tmp_path / "prom.yaml", {
-        "name": "adv-prom", "backend": "llamacpp",
-        "model": {"id": str(models / "gguf-target.gguf"), "max_model_len": 512},
-        "speculative": {"method": "draft_model", "draft": str(models / "gguf-draft-same.gguf"),
-                        "num_speculative_tokens": 4},
-        "gpus": {"devices": []}, "server": {"port": port, "parallel": 2}, "proxy": {"enabled": False},
-        "supervisor": {"stop_timeout": 10},
-    })
+    profile = write_profile(
+        tmp_path / "prom.yaml",
+        {
+            "name": "adv-prom",
+            "backend": "llamacpp",
+            "model": {"id": str(models / "gguf-target.gguf"), "max_model_len": 512},
+            "speculative": {
+                "method": "draft_model",
+                "draft": str(models / "gguf-draft-same.gguf"),
+                "num_speculative_tokens": 4,
+            },
+            "gpus": {"devices": []},
+            "server": {"port": port, "parallel": 2},
+            "proxy": {"enabled": False},
+            "supervisor": {"stop_timeout": 10},
+        },
+    )
     env = {"SPECOPS_STATE": str(tmp_path / "state")}
     with UpRun(profile, tmp_path / "state", "adv-prom") as run:
         st = run.wait_ready(timeout=60)
@@ -280,8 +326,9 @@ def test_live_from_prometheus_scraping_llama_server(tmp_path):
             wait_until(lambda: prom.value(f"count(count_over_time({series}[1m]))") is not None, 30, "a first scrape")
             t_end = time.monotonic() + 5
             while time.monotonic() < t_end:
-                status, _ = http_json(st["url"] + "/v1/completions", {"prompt": "the quick brown fox",
-                                                                      "max_tokens": 32, "temperature": 0})
+                status, _ = http_json(
+                    st["url"] + "/v1/completions", {"prompt": "the quick brown fox", "max_tokens": 32, "temperature": 0}
+                )
                 assert status == 200
             wait_until(lambda: (prom.value(f"sum(increase({series}[15s]))") or 0) > 0, 30, "an increase")
             out = json.loads(cli(str(profile), "--prometheus", prom.url, "--window", "15s", "--json", env=env).stdout)

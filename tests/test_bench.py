@@ -1,5 +1,6 @@
 """`specops bench`: the report's arithmetic on hand-made cells, and real runs on the tiny CPU engines
 (structure, speedup = tokens/s ratio, acceptance within [0, 1], plots written and non-empty)."""
+
 from __future__ import annotations
 
 import json
@@ -18,34 +19,71 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def cell(set_name, level, mode, rnd, tps, *, drafted=None, accepted=None, drafts=None, errors=0):
     wall = 2.0
-    return {"set": set_name, "concurrency": level, "mode": mode, "round": rnd, "tokens_per_s": tps,
-            "output_tokens": int(tps * wall), "wall_s": wall, "errors": errors, "requests": 4,
-            "ttft_ms": {"median": 10.0, "p90": 20.0}, "itl_ms": {"median": 1.0, "p90": 2.0},
-            "tpot_ms": {"median": 1.5, "p90": 3.0}, "draft_tokens": drafted, "accepted": accepted, "drafts": drafts,
-            "acceptance": accepted / drafted if drafted else None}
+    return {
+        "set": set_name,
+        "concurrency": level,
+        "mode": mode,
+        "round": rnd,
+        "tokens_per_s": tps,
+        "output_tokens": int(tps * wall),
+        "wall_s": wall,
+        "errors": errors,
+        "requests": 4,
+        "ttft_ms": {"median": 10.0, "p90": 20.0},
+        "itl_ms": {"median": 1.0, "p90": 2.0},
+        "tpot_ms": {"median": 1.5, "p90": 3.0},
+        "draft_tokens": drafted,
+        "accepted": accepted,
+        "drafts": drafts,
+        "acceptance": accepted / drafted if drafted else None,
+    }
 
 
-META = {"profile": {"name": "p", "path": "p.yaml", "backend": "llamacpp", "model": "m", "method": "draft_model",
-                    "k": 4, "min_acceptance": 0.6},
-        "engine": {"backend": "llamacpp", "version": "b1", "source": "test"},
-        "machine": {"cpu": "test cpu", "cores": 2, "memory_gib": 1.0, "platform": "test"},
-        "settings": {"prompt_sets": ["code", "creative"], "concurrency": [1, 4], "requests_per_cell": 4,
-                     "duration_per_cell": None, "max_tokens": None, "rounds": 3, "warmup": 0, "ignore_eos": False,
-                     "step": 0, "interleave": False, "draft_cost_ratio": 0.1}}
+META = {
+    "profile": {
+        "name": "p",
+        "path": "p.yaml",
+        "backend": "llamacpp",
+        "model": "m",
+        "method": "draft_model",
+        "k": 4,
+        "min_acceptance": 0.6,
+    },
+    "engine": {"backend": "llamacpp", "version": "b1", "source": "test"},
+    "machine": {"cpu": "test cpu", "cores": 2, "memory_gib": 1.0, "platform": "test"},
+    "settings": {
+        "prompt_sets": ["code", "creative"],
+        "concurrency": [1, 4],
+        "requests_per_cell": 4,
+        "duration_per_cell": None,
+        "max_tokens": None,
+        "rounds": 3,
+        "warmup": 0,
+        "ignore_eos": False,
+        "step": 0,
+        "interleave": False,
+        "draft_cost_ratio": 0.1,
+    },
+}
 
 
 @pytest.fixture
 def report():
     cells = []
-    for rnd, (a, b) in enumerate([(200, 100), (240, 90), (210, 110)], 1):   # medians 210 / 100
-        cells += [cell("code", 1, SPEC, rnd, a, drafted=400, accepted=360, drafts=100),
-                  cell("code", 1, BASE, rnd, b)]
-        cells += [cell("code", 4, SPEC, rnd, a * 2, drafted=400, accepted=300, drafts=100),
-                  cell("code", 4, BASE, rnd, b * 3)]
-        cells += [cell("creative", 1, SPEC, rnd, 50, drafted=400, accepted=40, drafts=100),
-                  cell("creative", 1, BASE, rnd, 100)]
-        cells += [cell("creative", 4, SPEC, rnd, 150, drafted=400, accepted=40, drafts=100, errors=1),
-                  cell("creative", 4, BASE, rnd, 300)]
+    for rnd, (a, b) in enumerate([(200, 100), (240, 90), (210, 110)], 1):  # medians 210 / 100
+        cells += [cell("code", 1, SPEC, rnd, a, drafted=400, accepted=360, drafts=100), cell("code", 1, BASE, rnd, b)]
+        cells += [
+            cell("code", 4, SPEC, rnd, a * 2, drafted=400, accepted=300, drafts=100),
+            cell("code", 4, BASE, rnd, b * 3),
+        ]
+        cells += [
+            cell("creative", 1, SPEC, rnd, 50, drafted=400, accepted=40, drafts=100),
+            cell("creative", 1, BASE, rnd, 100),
+        ]
+        cells += [
+            cell("creative", 4, SPEC, rnd, 150, drafted=400, accepted=40, drafts=100, errors=1),
+            cell("creative", 4, BASE, rnd, 300),
+        ]
     return summarize(cells, META)
 
 
@@ -84,9 +122,15 @@ def test_markdown_and_plots(report, tmp_path):
 
 # ------------------------------------------------------------------------------------ real engines
 
+
 def run_bench(profile: Path, out: Path, *args: str, timeout: float) -> dict:
-    proc = subprocess.run(SPECOPS + ["bench", str(profile), "-o", str(out), "--json", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "SPECOPS_STATE": str(out / "state")})
+    proc = subprocess.run(
+        SPECOPS + ["bench", str(profile), "-o", str(out), "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "SPECOPS_STATE": str(out / "state")},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -105,7 +149,7 @@ def check_report(rep: dict, out: Path, sets: set[str], levels: list[int], rounds
         if c["mode"] == SPEC:
             assert c["acceptance_source"] == "metrics" and 0.0 <= c["acceptance"] <= 1.0
         else:
-            assert c["acceptance"] is None                   # nothing drafted without speculation
+            assert c["acceptance"] is None  # nothing drafted without speculation
     for lvl in rep["by_concurrency"]:
         assert lvl["speedup"] == pytest.approx(lvl["spec_tokens_per_s"] / lvl["base_tokens_per_s"])
     for name in ("speedup.png", "acceptance.png", "throughput.png"):
@@ -123,15 +167,31 @@ def test_bench_llama_server(tmp_path):
 
     models = ensure_tiny_models(["gguf"])
     profile = tmp_path / "b.yaml"
-    profile.write_text(f"name: bench-llama\nbackend: llamacpp\nmodel:\n  id: {models['gguf-target.gguf']}\n"
-                       f"  max_model_len: 2048\nspeculative:\n  method: draft_model\n"
-                       f"  draft: {models['gguf-draft-same.gguf']}\n  num_speculative_tokens: 4\n"
-                       "gpus:\n  devices: []\nserver:\n  parallel: 2\nsupervisor:\n  stop_timeout: 10\n")
+    profile.write_text(
+        f"name: bench-llama\nbackend: llamacpp\nmodel:\n  id: {models['gguf-target.gguf']}\n"
+        f"  max_model_len: 2048\nspeculative:\n  method: draft_model\n"
+        f"  draft: {models['gguf-draft-same.gguf']}\n  num_speculative_tokens: 4\n"
+        "gpus:\n  devices: []\nserver:\n  parallel: 2\nsupervisor:\n  stop_timeout: 10\n"
+    )
     out = tmp_path / "out"
-    rep = run_bench(profile, out, "-p", "code,creative", "-c", "1,2", "-n", "3", "--max-tokens", "24",
-                    "--ignore-eos", "--rounds", "2", timeout=240)
+    rep = run_bench(
+        profile,
+        out,
+        "-p",
+        "code,creative",
+        "-c",
+        "1,2",
+        "-n",
+        "3",
+        "--max-tokens",
+        "24",
+        "--ignore-eos",
+        "--rounds",
+        "2",
+        timeout=240,
+    )
     check_report(rep, out, {"code", "creative"}, [1, 2], rounds=2)
-    assert [x["mode"] for x in rep["launches"]] == [SPEC, BASE, BASE, SPEC]     # alternating rounds
+    assert [x["mode"] for x in rep["launches"]] == [SPEC, BASE, BASE, SPEC]  # alternating rounds
     # greedy code: the same-weights draft is right nearly always; fixed lengths: 3 requests x 24 tokens
     code1 = next(r for r in rep["speedup"] if r["set"] == "code" and r["concurrency"] == 1)
     assert code1["acceptance"] > 0.8
@@ -147,18 +207,38 @@ def test_bench_vllm_interleaved_with_user_prompts(tmp_path):
 
     models = ensure_tiny_models(["hf"])
     prompts = tmp_path / "mine.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": 16, "temperature": 0.0, "set": s}) for p, s in
-                                 [("def add(a, b):", "py"), ("import os", "py"), ("The city council", "prose")]) + "\n")
+    prompts.write_text(
+        "\n".join(
+            json.dumps({"prompt": p, "max_tokens": 16, "temperature": 0.0, "set": s})
+            for p, s in [("def add(a, b):", "py"), ("import os", "py"), ("The city council", "prose")]
+        )
+        + "\n"
+    )
     profile = tmp_path / "v.yaml"
-    profile.write_text(f"name: bench-vllm\nbackend: vllm\nmodel:\n  id: {models['hf-target']}\n  dtype: float32\n"
-                       f"  max_model_len: 256\nspeculative:\n  method: draft_model\n  draft: {models['hf-target']}\n"
-                       "  num_speculative_tokens: 2\nserver:\n  env:\n    VLLM_CPU_KVCACHE_SPACE: \"1\"\n"
-                       "supervisor:\n  stop_timeout: 20\n")
+    profile.write_text(
+        f"name: bench-vllm\nbackend: vllm\nmodel:\n  id: {models['hf-target']}\n  dtype: float32\n"
+        f"  max_model_len: 256\nspeculative:\n  method: draft_model\n  draft: {models['hf-target']}\n"
+        '  num_speculative_tokens: 2\nserver:\n  env:\n    VLLM_CPU_KVCACHE_SPACE: "1"\n'
+        "supervisor:\n  stop_timeout: 20\n"
+    )
     out = tmp_path / "out"
-    rep = run_bench(profile, out, "-p", str(prompts), "-c", "1,2", "-n", "2", "--ignore-eos", "--interleave",
-                    "--warmup", "1", timeout=560)
+    rep = run_bench(
+        profile,
+        out,
+        "-p",
+        str(prompts),
+        "-c",
+        "1,2",
+        "-n",
+        "2",
+        "--ignore-eos",
+        "--interleave",
+        "--warmup",
+        "1",
+        timeout=560,
+    )
     check_report(rep, out, {"py", "prose"}, [1, 2], rounds=1)
     assert rep["settings"]["interleave"] is True
-    assert all(c["output_tokens"] == 2 * 16 for c in rep["cells"])             # counted from usage
+    assert all(c["output_tokens"] == 2 * 16 for c in rep["cells"])  # counted from usage
     py1 = next(r for r in rep["speedup"] if r["set"] == "py" and r["concurrency"] == 1)
     assert py1["acceptance"] == pytest.approx(1.0) and py1["mean_draft_length"] == pytest.approx(2.0)

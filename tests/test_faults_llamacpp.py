@@ -1,6 +1,7 @@
 """Faults on a real llama-server whose draft is bad enough to fall back from (acceptance ≈ 0.5):
 an idle engine, a metrics endpoint that stops answering, and an engine restart mid-window must never
 cause a switch on their own."""
+
 from __future__ import annotations
 
 import os
@@ -8,7 +9,6 @@ import signal
 import time
 
 import pytest
-
 from support_up import UpRun, free_port, write_profile
 from test_fallback_llamacpp import Traffic
 
@@ -22,18 +22,30 @@ def models(tiny_models):
 
 
 def noisy_profile(tmp_path, models, name, **proxy):
-    return write_profile(tmp_path / f"{name}.yaml", {
-        "name": name, "backend": "llamacpp",
-        "model": {"id": str(models / "gguf-target.gguf"), "max_model_len": 1024},
-        "speculative": {"method": "draft_model", "draft": str(models / "gguf-draft-noisy.gguf"),
-                        "num_speculative_tokens": 8},
-        "gpus": {"devices": []},
-        "server": {"port": free_port(), "parallel": 2},
-        "fallback": {"window": f"{WINDOW}s", "min_draft_tokens": 100, "consecutive_windows": 2, "chain": ["ngram", "none"]},
-        "monitor": {"interval": "300ms", "timeout": "500ms"},
-        "supervisor": {"stop_timeout": 10, "restart_backoff": 0.2},
-        "proxy": proxy or {"enabled": True},
-    })
+    return write_profile(
+        tmp_path / f"{name}.yaml",
+        {
+            "name": name,
+            "backend": "llamacpp",
+            "model": {"id": str(models / "gguf-target.gguf"), "max_model_len": 1024},
+            "speculative": {
+                "method": "draft_model",
+                "draft": str(models / "gguf-draft-noisy.gguf"),
+                "num_speculative_tokens": 8,
+            },
+            "gpus": {"devices": []},
+            "server": {"port": free_port(), "parallel": 2},
+            "fallback": {
+                "window": f"{WINDOW}s",
+                "min_draft_tokens": 100,
+                "consecutive_windows": 2,
+                "chain": ["ngram", "none"],
+            },
+            "monitor": {"interval": "300ms", "timeout": "500ms"},
+            "supervisor": {"stop_timeout": 10, "restart_backoff": 0.2},
+            "proxy": proxy or {"enabled": True},
+        },
+    )
 
 
 def test_idle_engine_decides_nothing(tmp_path, models):
@@ -54,8 +66,11 @@ def test_metrics_endpoint_down_means_no_switch_then_recovery(tmp_path, models):
         pgid = st["engine_pid"]
         os.killpg(pgid, signal.SIGSTOP)  # the engine hangs: /metrics times out
         try:
-            st = run.wait_for(lambda s: (s.get("acceptance") or {}).get("status") == "unavailable", 20,
-                              "the watcher to notice the unreadable source")
+            st = run.wait_for(
+                lambda s: (s.get("acceptance") or {}).get("status") == "unavailable",
+                20,
+                "the watcher to notice the unreadable source",
+            )
             time.sleep(3 * WINDOW)
             st = run.state()
             assert st["acceptance"]["status"] == "unavailable" and st["policy"]["source_down_since"] is not None

@@ -5,6 +5,7 @@ Every process signalled here is one this module started ("strangers" are `sleep 
 In-process runs go through a guard that refuses to deliver any signal to a process the test did not
 start, so even a regression cannot hit anything else on the machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+from support_cli import ROOT, run
 
 from specops.errors import SpecopsError
 from specops.run.identity import proc_starttime, self_identity
 from specops.run.instance import EventLog, InstancePaths, StateError, read_state, write_state
 from specops.run.lock import acquire, release
-from support_cli import ROOT, run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,8 +66,14 @@ class Started:
 
     def instance(self, root: Path) -> subprocess.Popen:
         """A stand-in for `specops up`: holds the lock, writes the state, stops on SIGTERM."""
-        p = subprocess.Popen([sys.executable, "-c", INSTANCE, str(root)], cwd=ROOT, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", INSTANCE, str(root)],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.procs.append(p)
         line = p.stdout.readline()
         assert line.strip() == "ready", (line, p.stderr.read() if p.poll() is not None else "")
@@ -145,8 +152,8 @@ def alive(p: subprocess.Popen) -> bool:
 
 # ------------------------------------------------------------------------------------ down: what it signals
 
-@pytest.mark.parametrize("pid", [-1, 0, 1, True, False, "abc", "1", 1.5, 10 ** 30, None, [1], {"pid": 1}],
-                         ids=repr)
+
+@pytest.mark.parametrize("pid", [-1, 0, 1, True, False, "abc", "1", 1.5, 10**30, None, [1], {"pid": 1}], ids=repr)
 def test_down_refuses_a_pid_that_is_not_a_plain_process_id(state, started, pid):
     """`-1` would be kill(-1) (every process), `true` pid 1; strings and floats used to give a traceback."""
     stranger = started.stranger()
@@ -215,7 +222,7 @@ def test_down_of_a_dead_instance_says_stale_and_signals_nothing(state, started):
 BAD_CONTENT = {
     "pid-string": json.dumps({"pid": "abc", "state": "ready"}).encode(),
     "list": b"[1, 2, 3]",
-    "huge-pid": json.dumps({"pid": 10 ** 30, "state": "ready"}).encode(),
+    "huge-pid": json.dumps({"pid": 10**30, "state": "ready"}).encode(),
     "negative-pid": json.dumps({"pid": -1, "state": "ready"}).encode(),
     "bool-pid": json.dumps({"pid": True, "state": "ready"}).encode(),
     "invalid-json": b'{"pid": ',
@@ -232,7 +239,7 @@ def test_status_reports_each_unreadable_state_file_and_goes_on(state, started):
     for name, content in BAD_CONTENT.items():
         put(state, name, content)
     big = put(state, "big", b"")
-    with open(big, "r+b") as f:      # 100 MB (sparse): never read
+    with open(big, "r+b") as f:  # 100 MB (sparse): never read
         f.truncate(100 * 1024 * 1024)
     os.mkfifo(state / "fifo-dir-is-skipped")
     started.instance(state / "zz-good")
@@ -259,11 +266,24 @@ def test_status_reports_each_unreadable_state_file_and_goes_on(state, started):
 def test_status_survives_fields_of_any_type(state, started):
     """A state file of the right shape but odd field types prints without a traceback."""
     stranger = started.stranger()
-    put(state, "odd", {"pid": stranger.pid, "identity": identity_of(stranger.pid), "state": "ready",
-                       "name": {"x": 1}, "chain": [1, None, {"a": 2}], "acceptance": {"acceptance": "x",
-                       "mean_acceptance_length": [1], "draft_tokens": "many", "window_s": {}},
-                       "tokens_per_s": "fast", "ready_since": "yesterday", "last_decision": {"to": 3, "reason": []},
-                       "url": "file:///etc/passwd", "proxy": True, "restarts": 1e308})
+    put(
+        state,
+        "odd",
+        {
+            "pid": stranger.pid,
+            "identity": identity_of(stranger.pid),
+            "state": "ready",
+            "name": {"x": 1},
+            "chain": [1, None, {"a": 2}],
+            "acceptance": {"acceptance": "x", "mean_acceptance_length": [1], "draft_tokens": "many", "window_s": {}},
+            "tokens_per_s": "fast",
+            "ready_since": "yesterday",
+            "last_decision": {"to": 3, "reason": []},
+            "url": "file:///etc/passwd",
+            "proxy": True,
+            "restarts": 1e308,
+        },
+    )
     res = run("status")
     assert res.code == 0 and "Traceback" not in res.stdout + res.stderr, res
     assert res.stdout.startswith("odd: ready")
@@ -274,14 +294,14 @@ def test_status_survives_fields_of_any_type(state, started):
 
 def test_status_marks_a_reused_pid_stale(state, started):
     stranger = started.stranger()
-    put(state, "reused", {"pid": stranger.pid, "state": "ready",
-                          "identity": identity_of(stranger.pid, starttime=0)})
+    put(state, "reused", {"pid": stranger.pid, "state": "ready", "identity": identity_of(stranger.pid, starttime=0)})
     row = json.loads(run("status", "reused", "--json").stdout)
     assert row["running"] is False and row["stale"] is True and "reused" in row["stale_reason"]
     assert "stale: pid" in run("status").stdout
 
 
 # ------------------------------------------------------------------------------------ the up.pid lock
+
 
 def test_a_second_up_is_refused_while_the_first_holds_the_lock(state, started):
     inst = started.instance(state / "busy")
@@ -335,6 +355,7 @@ def test_a_bare_pid_lock_of_a_running_older_specops_is_respected(state, started)
 
 
 # ------------------------------------------------------------------------------------ permissions
+
 
 @pytest.fixture
 def loose_umask():
@@ -401,9 +422,15 @@ def test_engine_log_is_private_and_only_our_group_is_signalled(tmp_path, loose_u
     from specops.methods import Method
     from specops.run.process import EngineProcess, group_members
 
-    plan = LaunchPlan(backend="fake", engine_version="0", method=Method("none"),
-                      argv=(sys.executable, "-c", "import time; print('up', flush=True); time.sleep(50)"),
-                      env=(), host="127.0.0.1", port=9)
+    plan = LaunchPlan(
+        backend="fake",
+        engine_version="0",
+        method=Method("none"),
+        argv=(sys.executable, "-c", "import time; print('up', flush=True); time.sleep(50)"),
+        env=(),
+        host="127.0.0.1",
+        port=9,
+    )
     log = tmp_path / "inst" / "engine.log"
 
     async def main():

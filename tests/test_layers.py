@@ -8,6 +8,7 @@ and the plugin registry, which finds backends through entry points and imports n
 the command line and the wiring of `specops up`; only it may use `devenv` (the CPU engines, test models
 and the support-matrix runner for development), so nothing that runs in production depends on them. Imports inside functions count too: a lazy import is still a dependency.
 """
+
 from __future__ import annotations
 
 import ast
@@ -16,8 +17,21 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "specops"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("specops", "specops.errors", "specops.paths", "specops.methods", "specops.redact", "specops.urls",
-              "specops.reponames", "specops.hookspecs", "specops.plugins", "specops.speedup")),
+    (
+        "base",
+        (
+            "specops",
+            "specops.errors",
+            "specops.paths",
+            "specops.methods",
+            "specops.redact",
+            "specops.urls",
+            "specops.reponames",
+            "specops.hookspecs",
+            "specops.plugins",
+            "specops.speedup",
+        ),
+    ),
     ("config", ("specops.config",)),
     ("backends", ("specops.backends",)),
     ("resolve", ("specops.resolve",)),
@@ -71,8 +85,9 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
             # `from specops import engines` imports the module specops.engines, not the package
             for alias in node.names:
                 sub = f"{mod}.{alias.name}"
-                is_module = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or \
-                    (PACKAGE.parent / Path(*sub.split("."))).is_dir()
+                is_module = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or (
+                    PACKAGE.parent / Path(*sub.split("."))
+                ).is_dir()
                 out.append((node.lineno, sub if is_module else mod))
     return out
 

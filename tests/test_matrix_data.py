@@ -2,6 +2,7 @@
 
 The measured rows themselves are re-measured and compared by tests/test_matrix_engines.py (marked engines).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 # ------------------------------------------------------------------------------------------ committed data
 
+
 def test_committed_data_is_well_formed():
     data = mx.load_data()
     assert data["schema"] == mx.SCHEMA and data["cells"]
@@ -28,30 +30,51 @@ def test_committed_data_is_well_formed():
     for rec in data["cells"]:
         assert rec["outcome"] in mx.OUTCOMES, rec
         assert (rec["engine"], rec["method"], rec["format"]) in known, f"a cell the runner no longer has: {rec}"
-        for f in ("engine", "version", "method", "format", "outcome", "detail", "acceptance", "ready_s",
-                  "measured_at", "specops_version"):
+        for f in (
+            "engine",
+            "version",
+            "method",
+            "format",
+            "outcome",
+            "detail",
+            "acceptance",
+            "ready_s",
+            "measured_at",
+            "specops_version",
+        ):
             assert f in rec, (f, rec)
         if rec["outcome"] == "speculating":
             assert rec["acceptance"] is not None and 0 <= rec["acceptance"] <= 1 and rec["ready_s"] is not None
         elif rec["outcome"] != "not-measured":
             assert rec["detail"], f"a cell that did not speculate must say why: {rec}"
-    assert json.loads(mx.DATA_FILE.read_text()) == {"schema": mx.SCHEMA,
-                                                    "cells": sorted(data["cells"], key=mx._order)}
+    assert json.loads(mx.DATA_FILE.read_text()) == {"schema": mx.SCHEMA, "cells": sorted(data["cells"], key=mx._order)}
 
 
 def test_readme_table_is_in_sync_with_the_data():
     text = README.read_text(encoding="utf-8")
     assert "## Support matrix (measured)" in text
-    assert mx.readme_section(text) == mx.markdown_table().strip(), \
+    assert mx.readme_section(text) == mx.markdown_table().strip(), (
         "run: python -m specops.devenv.matrix --readme README.md"
+    )
 
 
 # ------------------------------------------------------------------------------------------ the table
 
+
 def _rec(**kw):
-    base = {"engine": "vllm", "version": "0.32.0", "method": "eagle", "format": "EAGLE-1 head", "outcome": "speculating",
-            "detail": "", "acceptance": 0.5, "mean_acceptance_length": 2.5, "ready_s": 40.0,
-            "measured_at": "2026-01-01T00:00:00+00:00", "specops_version": "0"}
+    base = {
+        "engine": "vllm",
+        "version": "0.32.0",
+        "method": "eagle",
+        "format": "EAGLE-1 head",
+        "outcome": "speculating",
+        "detail": "",
+        "acceptance": 0.5,
+        "mean_acceptance_length": 2.5,
+        "ready_s": 40.0,
+        "measured_at": "2026-01-01T00:00:00+00:00",
+        "specops_version": "0",
+    }
     return {**base, **kw}
 
 
@@ -61,17 +84,31 @@ def test_verdicts_name_the_mismatches():
     assert "does not speculate" in mx.verdict(_rec(outcome="started-without-speculation", detail="x"))
     assert mx.verdict(_rec(outcome="rendered-refused", detail="no")) == "ok (refused)"
     check = {"outcome": "speculating", "acceptance": 0.1, "args": ["--speculative-config", "{}"]}
-    assert "specops refuses what the engine runs" in mx.verdict(_rec(outcome="rendered-refused", detail="no",
-                                                                     engine_check=check))
-    table = mx.markdown_table({"schema": 1, "cells": [_rec(detail="a | b"),
-                                                      _rec(method="dflash", format="DFlash drafter",
-                                                           outcome="rendered-refused", detail="no", engine_check=check)]})
+    assert "specops refuses what the engine runs" in mx.verdict(
+        _rec(outcome="rendered-refused", detail="no", engine_check=check)
+    )
+    table = mx.markdown_table(
+        {
+            "schema": 1,
+            "cells": [
+                _rec(detail="a | b"),
+                _rec(
+                    method="dflash",
+                    format="DFlash drafter",
+                    outcome="rendered-refused",
+                    detail="no",
+                    engine_check=check,
+                ),
+            ],
+        }
+    )
     assert "| vLLM | 0.32.0 | `eagle` | EAGLE-1 head | speculating | 0.50 (2.50) | ok |" in table
     assert "engine with `--speculative-config {}`: speculating, acceptance 0.10" in table
     assert "a | b" not in table  # pipes in details never break the table
 
 
 # ------------------------------------------------------------------------------------------ runner parts
+
 
 def test_error_line_skips_wrappers_and_prefixes():
     vllm = [
@@ -88,10 +125,14 @@ def test_error_line_skips_wrappers_and_prefixes():
         "0.00.025.647 E srv    load_model: failed to create MTP context",
         "0.00.026.174 E srv  llama_server: exiting due to model loading error",
     ]
-    assert mx._last_error_line(llama) == ("llama_init_from_model: context type MTP requested but model doesn't "
-                                          "contain MTP layers")
-    long = "Value error, archs are not supported. Supported architectures: dict_keys([" + ", ".join(
-        f"'Arch{i}ForCausalLM'" for i in range(50)) + "])"
+    assert mx._last_error_line(llama) == (
+        "llama_init_from_model: context type MTP requested but model doesn't contain MTP layers"
+    )
+    long = (
+        "Value error, archs are not supported. Supported architectures: dict_keys(["
+        + ", ".join(f"'Arch{i}ForCausalLM'" for i in range(50))
+        + "])"
+    )
     assert len(mx._last_error_line([long])) < 200
     assert mx._last_error_line(["all fine", "INFO ready"]) is None
 
@@ -142,8 +183,24 @@ def test_saved_data_is_ordered_and_resumable(tmp_path, monkeypatch):
 
 
 def test_cli_lists_cells_and_engines():
-    res = subprocess.run([sys.executable, "-m", "specops.cli", "engines", "matrix", "--list", "--json",
-                          "--engine", "llamacpp", "--method", "ngram"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specops.cli",
+            "engines",
+            "matrix",
+            "--list",
+            "--json",
+            "--engine",
+            "llamacpp",
+            "--method",
+            "ngram",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert len(out["cells"]) == 5 and {c["engine"] for c in out["cells"]} == {"llamacpp"}

@@ -10,11 +10,12 @@ commit the data only when the new outcome is the truth.
 Cost: one engine start per cell (vLLM ~30-60 s each on 2 cores, 10 starts; llama-server ~1 s each). The
 hand-written engine checks kept beside specops' refusals are not repeated here (the refusal is).
 """
+
 from __future__ import annotations
 
 import pytest
-
 from conftest import unavailable
+
 from specops.devenv import matrix as mx
 
 pytestmark = pytest.mark.engines
@@ -32,8 +33,10 @@ def _installed() -> list[mx.InstalledEngine]:
 def _engine(name: str) -> mx.InstalledEngine:
     found = [e for e in _installed() if e.engine == name]
     if not found:
-        unavailable(f"no {name} set up in the engine cache: run `specops engines setup "
-                    f"{'vllm' if name == 'vllm' else 'llamacpp'}`")
+        unavailable(
+            f"no {name} set up in the engine cache: run `specops engines setup "
+            f"{'vllm' if name == 'vllm' else 'llamacpp'}`"
+        )
     return found[-1]
 
 
@@ -47,8 +50,10 @@ def committed() -> dict:
 def test_cell_outcome_matches_the_committed_data(cell, committed):
     engine = _engine(cell.engine)
     before = committed.get((cell.engine, engine.version, cell.method, cell.format))
-    assert before is not None, (f"{cell.engine} {engine.version} {cell.method} / {cell.format} is not in the committed "
-                                f"data: run `specops engines matrix --engine {cell.engine} --method {cell.method}`")
+    assert before is not None, (
+        f"{cell.engine} {engine.version} {cell.method} / {cell.format} is not in the committed "
+        f"data: run `specops engines matrix --engine {cell.engine} --method {cell.method}`"
+    )
     for need in cell.needs:
         problem = mx.prerequisite_problem(need, engine)
         if problem and before["outcome"] != "not-measured":
@@ -57,4 +62,5 @@ def test_cell_outcome_matches_the_committed_data(cell, committed):
     assert rec["outcome"] == before["outcome"], (
         f"the outcome changed for {cell.engine} {engine.version} {cell.method} / {cell.format}:\n"
         f"  committed: {mx.summary_line(before)}\n"
-        f"  measured:  {mx.summary_line(rec)}")
+        f"  measured:  {mx.summary_line(rec)}"
+    )

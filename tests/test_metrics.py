@@ -1,9 +1,11 @@
 """Parsing engine /metrics text into spec-decode counters (vLLM V1, vLLM V0, llama-server)."""
+
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from support_prometheus import llamacpp_text, vllm_one, vllm_v1_text
 
 from specops.backends.counters import (
     MetricsError,
@@ -13,7 +15,6 @@ from specops.backends.counters import (
     series_names,
     spec_counters_from_families,
 )
-from support_prometheus import llamacpp_text, vllm_one, vllm_v1_text
 
 V0_TEXT = """\
 # HELP vllm:spec_decode_draft_acceptance_rate Speulative token acceptance rate.
@@ -37,8 +38,9 @@ vllm:spec_decode_num_emitted_tokens_total{model_name="m"} 90000.0
 def test_vllm_v1_sums_engines_and_keeps_positions():
     text = vllm_v1_text({"tiny": {"0": (10, 30, 20, [9, 7, 4]), "1": (5, 15, 6, [4, 2, 0])}})
     c = parse_spec_counters(text, "vllm:")
-    assert c == SpecCounters(draft_tokens=45.0, accepted=26.0, drafts=15.0, per_position=(13.0, 9.0, 4.0),
-                             source="vllm-v1")
+    assert c == SpecCounters(
+        draft_tokens=45.0, accepted=26.0, drafts=15.0, per_position=(13.0, 9.0, 4.0), source="vllm-v1"
+    )
     assert c.acceptance == pytest.approx(26 / 45)
 
 
@@ -91,8 +93,9 @@ def test_real_prometheus_client_exposition_parses():
 
 def test_llamacpp_counters_without_labels():
     c = parse_spec_counters(llamacpp_text(40, 115, 80, [30, 25, 15, 10]), "llamacpp:")
-    assert c == SpecCounters(draft_tokens=115.0, accepted=80.0, drafts=40.0, per_position=(30.0, 25.0, 15.0, 10.0),
-                             source="llamacpp")
+    assert c == SpecCounters(
+        draft_tokens=115.0, accepted=80.0, drafts=40.0, per_position=(30.0, 25.0, 15.0, 10.0), source="llamacpp"
+    )
     # llama-server writes no model_name label: a model filter does not hide its series
     assert parse_spec_counters(llamacpp_text(40, 115, 80), "llamacpp:", "any-model").accepted == 80.0
     # the other engine's prefix finds nothing
@@ -139,8 +142,9 @@ def test_incomplete_series_raise():
 
 def test_non_finite_counter_raises():
     with pytest.raises(MetricsError, match="non-finite"):
-        parse_spec_counters(llamacpp_text(1, 4, 2).replace("num_accepted_tokens_total 2", "num_accepted_tokens_total NaN"),
-                            "llamacpp:")
+        parse_spec_counters(
+            llamacpp_text(1, 4, 2).replace("num_accepted_tokens_total 2", "num_accepted_tokens_total NaN"), "llamacpp:"
+        )
 
 
 def test_bad_position_label_raises():
@@ -158,6 +162,7 @@ def test_untyped_samples_still_count():
 
 def test_families_entry_point_and_names():
     from prometheus_client.parser import text_string_to_metric_families
+
     fams = list(text_string_to_metric_families(vllm_one(2, 8, 5)))
     assert spec_counters_from_families(fams, "vllm:").accepted == 5.0
     assert normalize_prefix("llamacpp") == "llamacpp:"

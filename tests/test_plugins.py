@@ -4,6 +4,7 @@ The example (plugins/specops-example-backend) is installed with pip into a tempo
 that the specops processes of these tests see on PYTHONPATH, so discovery goes through the `specops`
 entry-point group exactly as for a user who `pip install`s a plugin.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -16,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from support_cli import ROOT, run, run_subprocess
 
 EXAMPLE = ROOT / "plugins" / "specops-example-backend"
@@ -30,8 +30,12 @@ def example_site(tmp_path_factory) -> Path:
     src = work / "src"
     shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info"))  # keep the repo clean
     site = work / "site"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
-                           str(src)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (site / "specops_example_backend" / "__init__.py").exists()
     return site
@@ -48,16 +52,16 @@ def _fake_dist(root: Path, dist: str, module: str, source: str, entry_name: str)
     return root
 
 
-DUPLICATE = '''
+DUPLICATE = """
 from specops.hookspecs import hookimpl
 from specops_example_backend import SglangBackend
 
 @hookimpl
 def specops_backends():
     return [SglangBackend()]
-'''
+"""
 
-SHADOW_VLLM = '''
+SHADOW_VLLM = """
 from specops.backends.base import Backend
 from specops.hookspecs import hookimpl
 
@@ -67,39 +71,39 @@ class Impostor(Backend):
 @hookimpl
 def specops_backends():
     return [Impostor()]
-'''
+"""
 
 
-BROKEN_COMMANDS = '''
+BROKEN_COMMANDS = """
 from specops.hookspecs import hookimpl
 
 @hookimpl
 def register_commands(cli):
     raise RuntimeError("boom\\nsecond line")
-'''
+"""
 
-MISSPELT_HOOK = '''
+MISSPELT_HOOK = """
 from specops.hookspecs import hookimpl
 
 @hookimpl
 def specops_backend():
     return []
-'''
+"""
 
-WRONG_ARGUMENT = '''
+WRONG_ARGUMENT = """
 from specops.hookspecs import hookimpl
 
 @hookimpl
 def register_commands(group):
     pass
-'''
+"""
 
-UNMARKED = '''
+UNMARKED = """
 def specops_backends():
     return []
-'''
+"""
 
-TAKES_RENDER = '''
+TAKES_RENDER = """
 import click
 from specops.hookspecs import hookimpl
 
@@ -108,7 +112,7 @@ def register_commands(cli):
     @cli.command(name="render")
     def render():
         click.echo("not specops' render")
-'''
+"""
 
 
 def test_example_plugin_is_listed_with_its_origin(example_site):
@@ -145,14 +149,17 @@ def test_example_plugin_renders_a_profile(example_site):
 
 def test_example_plugin_checks_profiles(example_site, tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: b\nbackend: sglang\nmodel:\n  id: /models/x.gguf\nspeculative:\n  method: medusa\n"
-                   "  draft: a/b\n", encoding="utf-8")
+    bad.write_text(
+        "name: b\nbackend: sglang\nmodel:\n  id: /models/x.gguf\nspeculative:\n  method: medusa\n  draft: a/b\n",
+        encoding="utf-8",
+    )
     res = run_subprocess("validate", bad, env={"PYTHONPATH": str(example_site)})
     assert res.code == 1
     errors = [ln for ln in res.stdout.splitlines() if ln.startswith("error")]
     assert any(f"{bad}:4:7: model.id: SGLang serves" in e for e in errors), errors
-    assert any(f"{bad}:6:11: speculative.method: backend sglang does not support method medusa" in e
-               for e in errors), errors
+    assert any(f"{bad}:6:11: speculative.method: backend sglang does not support method medusa" in e for e in errors), (
+        errors
+    )
     ok = run_subprocess("validate", EXAMPLE_PROFILE, env={"PYTHONPATH": str(example_site)})
     assert ok.code == 0 and ok.stdout.startswith("ok ")
 
@@ -185,8 +192,11 @@ def test_a_plugin_cannot_silently_replace_a_builtin_backend(tmp_path):
 
 
 def test_builtin_backends_are_registered_through_entry_points():
-    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="specops")
-           if ep.dist is not None and ep.dist.name == "specops"}
+    eps = {
+        ep.name: ep.value
+        for ep in importlib.metadata.entry_points(group="specops")
+        if ep.dist is not None and ep.dist.name == "specops"
+    }
     assert eps == {"vllm": "specops.backends.vllm", "llamacpp": "specops.backends.llamacpp"}
 
 
@@ -194,8 +204,7 @@ def test_hookspecs_live_in_one_module_and_backends_declare_everything():
     from specops import hookspecs
     from specops.plugins import get_registry
 
-    specs = [name for name, obj in vars(hookspecs).items()
-             if callable(obj) and hasattr(obj, "specops_spec")]
+    specs = [name for name, obj in vars(hookspecs).items() if callable(obj) and hasattr(obj, "specops_spec")]
     assert specs == ["specops_backends", "register_commands"]
     for name, backend in get_registry().backends.items():
         assert backend.name == name and backend.methods
@@ -209,8 +218,12 @@ def test_example_plugin_adds_a_command(example_site):
     env = {"PYTHONPATH": str(example_site)}
     res = run_subprocess("sglang-algorithms", "--json", env=env)
     assert res.code == 0, res.stderr
-    assert json.loads(res.stdout) == {"draft_model": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3",
-                                      "ngram": "NGRAM"}
+    assert json.loads(res.stdout) == {
+        "draft_model": "STANDALONE",
+        "eagle": "EAGLE",
+        "eagle3": "EAGLE3",
+        "ngram": "NGRAM",
+    }
     listed = run_subprocess("--help", env=env)
     assert listed.code == 0 and "sglang-algorithms" in listed.stdout
     # built-in commands are unchanged, and without the plugin the name is unknown as before
@@ -224,20 +237,30 @@ def test_a_failing_register_commands_is_a_one_line_error(tmp_path):
     env = {"PYTHONPATH": str(broken)}
     res = run_subprocess("--help", env=env)
     assert res.code == 1 and "Traceback" not in res.stderr
-    assert res.stderr.strip() == ("error: plugin broken (specops-broken 0.0.1): register_commands failed: "
-                                  "RuntimeError: boom second line")
+    assert res.stderr.strip() == (
+        "error: plugin broken (specops-broken 0.0.1): register_commands failed: RuntimeError: boom second line"
+    )
     # plugin commands are collected only when needed: the built-in ones still work
     ok = run_subprocess("validate", "profiles/llama31-8b-eagle3.yaml", env=env)
     assert ok.code == 0, ok.stderr
 
 
-@pytest.mark.parametrize("source,message", [
-    (MISSPELT_HOOK, "error: plugin bad (specops-bad 0.0.1): unknown hook 'specops_backend' "
-                    "(specops hooks: specops_backends, register_commands)"),
-    (WRONG_ARGUMENT, "error: plugin bad (specops-bad 0.0.1): Plugin 'bad' for hook 'register_commands' "
-                     "hookimpl definition: register_commands(group)"),
-    (UNMARKED, "error: plugin bad (specops-bad 0.0.1): specops_backends lacks the @hookimpl marker"),
-])
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        (
+            MISSPELT_HOOK,
+            "error: plugin bad (specops-bad 0.0.1): unknown hook 'specops_backend' "
+            "(specops hooks: specops_backends, register_commands)",
+        ),
+        (
+            WRONG_ARGUMENT,
+            "error: plugin bad (specops-bad 0.0.1): Plugin 'bad' for hook 'register_commands' "
+            "hookimpl definition: register_commands(group)",
+        ),
+        (UNMARKED, "error: plugin bad (specops-bad 0.0.1): specops_backends lacks the @hookimpl marker"),
+    ],
+)
 def test_hooks_are_checked_against_their_specs(tmp_path, source, message):
     bad = _fake_dist(tmp_path / "bad", "specops-bad", "bad_plugin", source, "bad")
     res = run_subprocess("plugins", env={"PYTHONPATH": str(bad)})
@@ -259,8 +282,10 @@ def test_the_example_plugin_uses_specops_secret_rule():
 
 
 #: A backend name as a whole string literal (``"llamacpp"``, ``'vllm:'``), or an import of a built-in backend.
-NAME_CHECK = re.compile(r"""["'](vllm|llamacpp):?["']|specops\.backends\.(vllm|llamacpp)\b"""
-                        r"""|from specops\.backends import .*\b(vllm|llamacpp)\b""")
+NAME_CHECK = re.compile(
+    r"""["'](vllm|llamacpp):?["']|specops\.backends\.(vllm|llamacpp)\b"""
+    r"""|from specops\.backends import .*\b(vllm|llamacpp)\b"""
+)
 
 
 def test_backend_facts_are_capabilities_not_name_comparisons():
@@ -269,9 +294,17 @@ def test_backend_facts_are_capabilities_not_name_comparisons():
     # everything but the backends themselves, the CPU development engines (devenv, and the command that sets
     # them up) and the plugin registry, which names the built-in plugin modules to load
     skip = (pkg / "backends", pkg / "devenv")
-    files = [p for p in pkg.rglob("*.py") if not p.is_relative_to(skip[0]) and not p.is_relative_to(skip[1])
-             and p not in (pkg / "commands" / "engines.py", pkg / "plugins.py")]
-    offenders = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
-                 for path in files for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-                 if NAME_CHECK.search(line)]
+    files = [
+        p
+        for p in pkg.rglob("*.py")
+        if not p.is_relative_to(skip[0])
+        and not p.is_relative_to(skip[1])
+        and p not in (pkg / "commands" / "engines.py", pkg / "plugins.py")
+    ]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in files
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if NAME_CHECK.search(line)
+    ]
     assert offenders == []

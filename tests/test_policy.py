@@ -1,15 +1,16 @@
 """The fallback policy under a fake clock: every rule, and invariants over many synthetic traces."""
+
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specops.methods import Method
 from specops.backends.counters import SpecCounters
-from specops.watch.policy import HOLD, KEEP, RETRY, SWITCH, Decision, Policy, PolicyConfig, step_k
 from specops.config.profile import ChainStep, Profile
+from specops.methods import Method
 from specops.speedup import expected_speedup
+from specops.watch.policy import HOLD, KEEP, RETRY, SWITCH, Decision, Policy, PolicyConfig, step_k
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, Sample, SampleBuffer, WindowStats
 
 EAGLE = ChainStep(method=Method.EAGLE3, draft="org/eagle3-head", num_speculative_tokens=4)
@@ -20,20 +21,42 @@ W = 60.0
 
 
 def cfg(**kw) -> PolicyConfig:
-    base = dict(window_s=W, min_draft_tokens=200, consecutive_windows=2, cooldown_s=600,
-                max_switches_per_hour=4, min_acceptance=0.6)
+    base = dict(
+        window_s=W,
+        min_draft_tokens=200,
+        consecutive_windows=2,
+        cooldown_s=600,
+        max_switches_per_hour=4,
+        min_acceptance=0.6,
+    )
     base.update(kw)
     return PolicyConfig(**base)
 
 
-def win(acceptance: float, end: float, tokens: float = 1000, drafts: float | None = None, full: bool = True,
-        coarse: bool = False) -> WindowStats:
+def win(
+    acceptance: float,
+    end: float,
+    tokens: float = 1000,
+    drafts: float | None = None,
+    full: bool = True,
+    coarse: bool = False,
+) -> WindowStats:
     """A full OK window ending at ``end``."""
     accepted = acceptance * tokens
-    return WindowStats(OK, window_s=W, start=end - W, end=end, acceptance=acceptance, draft_tokens=tokens,
-                       accepted=accepted, drafts=drafts,
-                       mean_acceptance_length=(1 + accepted / drafts) if drafts else None,
-                       full=full, coarse=coarse, reason="test window")
+    return WindowStats(
+        OK,
+        window_s=W,
+        start=end - W,
+        end=end,
+        acceptance=acceptance,
+        draft_tokens=tokens,
+        accepted=accepted,
+        drafts=drafts,
+        mean_acceptance_length=(1 + accepted / drafts) if drafts else None,
+        full=full,
+        coarse=coarse,
+        reason="test window",
+    )
 
 
 def low_until_switch(p: Policy, start: float, acceptance: float = 0.3) -> tuple[Decision, float]:
@@ -49,6 +72,7 @@ def low_until_switch(p: Policy, start: float, acceptance: float = 0.3) -> tuple[
 
 # ---------------------------------------------------------------------------------------------------
 # the basic rules
+
 
 def test_threshold_with_hysteresis():
     p = Policy(cfg(), CHAIN)
@@ -82,7 +106,7 @@ def test_threshold_is_strict():
 def test_overlapping_windows_do_not_count_twice():
     p = Policy(cfg(), CHAIN)
     assert p.observe(win(0.3, 60), 60).rule == "hysteresis"
-    for t in (65, 90, 115):            # windows starting before 60 overlap the one that counted
+    for t in (65, 90, 115):  # windows starting before 60 overlap the one that counted
         d = p.observe(win(0.3, t), t)
         assert (d.action, d.rule) == (KEEP, "not-fresh")
     assert p.observe(win(0.3, 120), 120).action == SWITCH
@@ -111,7 +135,7 @@ def test_idle_and_spec_off_never_decide():
     first = p.observe(off, 6000)
     assert first.rule == "spec-off" and first.warning and "eagle3" in first.warning
     second = p.observe(off, 6060)
-    assert second.rule == "spec-off" and second.warning is None       # warned once per method
+    assert second.rule == "spec-off" and second.warning is None  # warned once per method
     assert p.index == 0 and p.pending is None
 
 
@@ -123,7 +147,7 @@ def test_source_unavailable_warns_once_and_notes_recovery():
     assert down2.rule == "source-unavailable" and down2.warning is None and down2.numbers["down_s"] == 5
     back = p.observe(win(0.9, 130), 130)
     assert back.rule == "above-threshold" and "recovered after 70s" in back.reason and back.numbers["recovered"]
-    assert p.observe(win(0.2, 190), 190).action == SWITCH              # deciding again once it is back
+    assert p.observe(win(0.2, 190), 190).action == SWITCH  # deciding again once it is back
 
 
 def test_pending_switch_is_not_repeated():
@@ -149,7 +173,7 @@ def test_windows_from_before_a_switch_are_ignored():
     p = Policy(cfg(consecutive_windows=1, cooldown_s=0), CHAIN)
     assert p.observe(win(0.2, 60), 60).action == SWITCH
     p.on_switched(1, 100)
-    stale = p.observe(win(0.2, 150), 150)             # starts at 90 < 100: still the old engine's samples
+    stale = p.observe(win(0.2, 150), 150)  # starts at 90 < 100: still the old engine's samples
     assert stale.rule == "not-fresh"
     assert p.observe(win(0.2, 160), 160).action == SWITCH
 
@@ -159,7 +183,7 @@ def test_cooldown_after_a_switch():
     assert p.observe(win(0.2, 60), 60).action == SWITCH
     p.on_switched(1, 60)
     t = 60
-    for _ in range(9):                                # 120 .. 600: inside the cooldown
+    for _ in range(9):  # 120 .. 600: inside the cooldown
         t += W
         d = p.observe(win(0.2, t), t)
         assert (d.action, d.rule) == (KEEP, "cooldown") and d.numbers["cooldown_until"] == 660
@@ -187,11 +211,13 @@ def test_fallback_disabled_only_reports():
 
 
 def test_flap_guard_holds_and_warns():
-    steps = [ChainStep(method=m) for m in (Method.EAGLE3, Method.EAGLE, Method.MTP, Method.MEDUSA,
-                                           Method.DRAFT_MODEL, Method.NGRAM, Method.NONE)]
+    steps = [
+        ChainStep(method=m)
+        for m in (Method.EAGLE3, Method.EAGLE, Method.MTP, Method.MEDUSA, Method.DRAFT_MODEL, Method.NGRAM, Method.NONE)
+    ]
     p = Policy(cfg(consecutive_windows=1, cooldown_s=0, max_switches_per_hour=3), steps)
     t = 0.0
-    for i in range(3):
+    for _ in range(3):
         d, t = low_until_switch(p, t)
         assert d.action == SWITCH
         p.on_switched(d.to_index, t)
@@ -216,9 +242,20 @@ def test_on_failed_start_moves_on():
 # ---------------------------------------------------------------------------------------------------
 # retry with doubling back-off
 
+
 def retry_policy(**kw) -> Policy:
-    return Policy(cfg(consecutive_windows=1, cooldown_s=0, retry_enabled=True, retry_after_s=1800,
-                      retry_max_after_s=7200, max_switches_per_hour=100, **kw), CHAIN)
+    return Policy(
+        cfg(
+            consecutive_windows=1,
+            cooldown_s=0,
+            retry_enabled=True,
+            retry_after_s=1800,
+            retry_max_after_s=7200,
+            max_switches_per_hour=100,
+            **kw,
+        ),
+        CHAIN,
+    )
 
 
 def test_retry_after_backoff_then_success_resets_it():
@@ -248,7 +285,7 @@ def test_retry_backoff_doubles_on_each_failure_and_is_capped():
         assert d.action == RETRY
         p.on_switched(0, due)
         t = due + W
-        fail = p.observe(win(0.2, t), t)               # the better method is still bad: back to where it came from
+        fail = p.observe(win(0.2, t), t)  # the better method is still bad: back to where it came from
         assert (fail.action, fail.rule, fail.to_index) == (SWITCH, "retry-failed", 1)
         p.on_switched(1, t)
     assert waits == [1800, 3600, 7200, 7200]
@@ -266,12 +303,13 @@ def test_retry_that_does_not_start_goes_back_and_doubles():
 
 
 def test_retry_respects_the_flap_guard():
-    p = Policy(cfg(consecutive_windows=1, cooldown_s=0, retry_enabled=True, retry_after_s=60,
-                   max_switches_per_hour=1), CHAIN)
+    p = Policy(
+        cfg(consecutive_windows=1, cooldown_s=0, retry_enabled=True, retry_after_s=60, max_switches_per_hour=1), CHAIN
+    )
     p.observe(win(0.2, 60), 60)
     p.on_switched(1, 60)
     d = p.observe(win(0.9, 200), 200)
-    assert d.action == KEEP                            # due, but one switch this hour already
+    assert d.action == KEEP  # due, but one switch this hour already
     d = p.observe(win(0.9, 3700), 3700)
     assert d.action == RETRY
 
@@ -286,6 +324,7 @@ def test_no_retry_when_disabled():
 
 # ---------------------------------------------------------------------------------------------------
 # model-based mode
+
 
 def test_model_mode_uses_predicted_speedup():
     p = Policy(cfg(mode="model", consecutive_windows=1, draft_cost_ratio=0.2), CHAIN)
@@ -326,13 +365,25 @@ def test_coarse_is_reported_not_acted_on_unless_asked():
 # ---------------------------------------------------------------------------------------------------
 # from a profile
 
+
 def test_from_profile():
-    prof = Profile.model_validate({
-        "name": "t", "backend": "vllm", "model": {"id": "org/m"},
-        "speculative": {"method": "eagle3", "draft": "org/head", "num_speculative_tokens": 5},
-        "fallback": {"min_acceptance": 0.55, "window": "2m", "consecutive_windows": 3, "cooldown": "5m",
-                     "mode": "model", "draft_cost_ratio": 0.1, "retry": {"enabled": True, "after": "10m"}},
-    })
+    prof = Profile.model_validate(
+        {
+            "name": "t",
+            "backend": "vllm",
+            "model": {"id": "org/m"},
+            "speculative": {"method": "eagle3", "draft": "org/head", "num_speculative_tokens": 5},
+            "fallback": {
+                "min_acceptance": 0.55,
+                "window": "2m",
+                "consecutive_windows": 3,
+                "cooldown": "5m",
+                "mode": "model",
+                "draft_cost_ratio": 0.1,
+                "retry": {"enabled": True, "after": "10m"},
+            },
+        }
+    )
     c = PolicyConfig.from_profile(prof)
     assert (c.min_acceptance, c.window_s, c.consecutive_windows, c.cooldown_s) == (0.55, 120.0, 3, 300.0)
     assert (c.mode, c.draft_cost_ratio, c.retry_enabled, c.retry_after_s) == ("model", 0.1, True, 600.0)
@@ -357,8 +408,16 @@ def test_invalid_config():
 TICK = 5.0
 
 
-def simulate(config: PolicyConfig, steps, acceptance, duration: float, outages=frozenset(),
-             idle=frozenset(), tokens_per_tick: float = 400.0, k: int = 4):
+def simulate(
+    config: PolicyConfig,
+    steps,
+    acceptance,
+    duration: float,
+    outages=frozenset(),
+    idle=frozenset(),
+    tokens_per_tick: float = 400.0,
+    k: int = 4,
+):
     """A synthetic engine: each tick drafts ``tokens_per_tick`` tokens (none while idle) and accepts
     ``acceptance(method, t)`` of them; a tick in ``outages`` cannot be read. Switches are confirmed at once
     and restart the engine (counters from zero, buffer cleared). Returns every decision made."""
@@ -397,7 +456,7 @@ def test_trace_eagle_degrades_then_ngram_holds():
     assert len(acts) == 1
     t, d = acts[0]
     assert d.to_step == NGRAM and d.rule == "threshold"
-    assert 600 + 2 * W <= t <= 600 + 3 * W + TICK     # two disjoint low windows after the drop
+    assert 600 + 2 * W <= t <= 600 + 3 * W + TICK  # two disjoint low windows after the drop
     assert policy.current == NGRAM
 
 
@@ -410,7 +469,7 @@ def test_trace_all_bad_walks_the_chain_with_cooldown():
 
 
 def test_trace_outage_never_switches_and_recovers():
-    outages = frozenset(range(10, 40))                 # ticks 50 s .. 195 s unreadable
+    outages = frozenset(range(10, 40))  # ticks 50 s .. 195 s unreadable
     policy, decisions = simulate(cfg(), CHAIN, lambda m, t: 0.2, 400, outages=outages)
     during = [d for t, _, d in decisions if int(t // TICK) in outages]
     assert all(d.action == KEEP and d.rule == "source-unavailable" for d in during)
@@ -427,18 +486,32 @@ def test_trace_idle_engine_never_decides():
     assert {d.rule for _, _, d in decisions} <= {"no-data"}
 
 
-segments = st.lists(st.tuples(st.floats(min_value=0.0, max_value=1.0), st.floats(min_value=0.0, max_value=1.0)),
-                    min_size=1, max_size=6)
+segments = st.lists(
+    st.tuples(st.floats(min_value=0.0, max_value=1.0), st.floats(min_value=0.0, max_value=1.0)), min_size=1, max_size=6
+)
 
 
-@given(segments, st.integers(1, 3), st.sampled_from([0.0, 120.0, 600.0]), st.integers(1, 4),
-       st.sampled_from(["threshold", "model"]), st.booleans(),
-       st.frozensets(st.integers(0, 600), max_size=150))
+@given(
+    segments,
+    st.integers(1, 3),
+    st.sampled_from([0.0, 120.0, 600.0]),
+    st.integers(1, 4),
+    st.sampled_from(["threshold", "model"]),
+    st.booleans(),
+    st.frozensets(st.integers(0, 600), max_size=150),
+)
 @settings(max_examples=100, deadline=None)
 def test_invariants_over_random_traces(segs, n, cooldown, max_per_hour, mode, retry, outages):
     seg_len = 600.0
-    config = cfg(consecutive_windows=n, cooldown_s=cooldown, max_switches_per_hour=max_per_hour, mode=mode,
-                 retry_enabled=retry, retry_after_s=300, retry_max_after_s=1200)
+    config = cfg(
+        consecutive_windows=n,
+        cooldown_s=cooldown,
+        max_switches_per_hour=max_per_hour,
+        mode=mode,
+        retry_enabled=retry,
+        retry_after_s=300,
+        retry_max_after_s=1200,
+    )
 
     def acc(method, t):
         i = min(int(t // seg_len), len(segs) - 1)
@@ -447,20 +520,20 @@ def test_invariants_over_random_traces(segs, n, cooldown, max_per_hour, mode, re
     duration = seg_len * len(segs)
     policy, decisions = simulate(config, CHAIN, acc, duration, outages=outages)
     again = simulate(config, CHAIN, acc, duration, outages=outages)[1]
-    assert [d for _, _, d in decisions] == [d for _, _, d in again]          # deterministic
+    assert [d for _, _, d in decisions] == [d for _, _, d in again]  # deterministic
 
     switch_times = [t for t, _, d in decisions if d.acts]
-    for t in switch_times:                                                   # flap guard
+    for t in switch_times:  # flap guard
         assert sum(1 for u in switch_times if t - 3600 < u <= t) <= max_per_hour
-    for a, b in zip(switch_times, switch_times[1:]):                         # cooldown
+    for a, b in zip(switch_times, switch_times[1:]):  # cooldown
         assert b - a >= cooldown
-    for t, stats, d in decisions:
-        if d.action == SWITCH:                                               # never on no data / outage
+    for _, stats, d in decisions:
+        if d.action == SWITCH:  # never on no data / outage
             assert stats.status == OK and stats.full
-            assert d.numbers["low"] and d.numbers["streak"] >= n             # hysteresis
+            assert d.numbers["low"] and d.numbers["streak"] >= n  # hysteresis
             assert stats.draft_tokens >= config.min_draft_tokens
             assert d.to_index > d.from_index or d.rule == "retry-failed"
-        if d.action == RETRY:                                                # time-based: any readable tick
+        if d.action == RETRY:  # time-based: any readable tick
             assert retry and d.to_index == 0 and stats.status != "unavailable"
         if d.rule == "source-unavailable":
             assert not d.acts

@@ -4,6 +4,7 @@ Every file in tests/malformed/ starts with ``# expect: [FILE:]LINE:COL FIELD`` (
 belongs to no field, e.g. a YAML syntax error; FILE, relative to tests/malformed/, when the error is in
 another file, e.g. an extends cycle found in a base). Helpers that cases extend live in _parts/.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from support_cli import ROOT, run
 
 MALFORMED = Path(__file__).resolve().parent / "malformed"
@@ -51,7 +51,7 @@ def test_validate_reports_exactly_one_located_error(path):
     text = errors[0].split(None, 1)[1]
     prefix = f"{file}:{line}:{col}: " + (f"{field}: " if field else "")
     assert text.startswith(prefix), f"expected {prefix!r}, got {text!r}"
-    message = text[len(prefix):]
+    message = text[len(prefix) :]
     assert len(message) >= 10 and "\n" not in message  # says what is wrong, on one line
     if not field:
         assert not re.match(r"^[\w.\[\]]+: ", message), message  # no field means none was left out

@@ -4,24 +4,50 @@ The `jsonschema` package is not a dependency, so a small validator for exactly t
 uses lives here; a test makes sure the schema uses no keyword it does not understand (so nothing is
 silently skipped). When `jsonschema` is installed, it checks the same things independently.
 """
+
 from __future__ import annotations
 
 import json
 import re
 
 import pytest
-
 from conftest import unavailable
-from specops.config import yamlsource
-from specops.paths import builtin_env
 from support_cli import ROOT, ready_made_profiles, run
 
+from specops.config import yamlsource
+from specops.paths import builtin_env
+
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$defs", "deprecated"}
-VALIDATION = {"$ref", "anyOf", "type", "enum", "const", "pattern", "minimum", "maximum", "exclusiveMinimum",
-              "exclusiveMaximum", "minLength", "maxLength", "items", "prefixItems", "minItems", "maxItems",
-              "properties", "required", "additionalProperties"}
-TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict,
-         "null": type(None)}
+VALIDATION = {
+    "$ref",
+    "anyOf",
+    "type",
+    "enum",
+    "const",
+    "pattern",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "items",
+    "prefixItems",
+    "minItems",
+    "maxItems",
+    "properties",
+    "required",
+    "additionalProperties",
+}
+TYPES = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+    "null": type(None),
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +81,12 @@ def errors(schema: dict, data, node: dict | None = None, path: str = "$") -> lis
         if len(data) < node.get("minLength", 0) or len(data) > node.get("maxLength", float("inf")):
             out.append(f"{path}: length of {data!r}")
     if isinstance(data, (int, float)) and not isinstance(data, bool):
-        for key, ok in (("minimum", lambda lim: data >= lim), ("maximum", lambda lim: data <= lim),
-                        ("exclusiveMinimum", lambda lim: data > lim), ("exclusiveMaximum", lambda lim: data < lim)):
+        for key, ok in (
+            ("minimum", lambda lim: data >= lim),
+            ("maximum", lambda lim: data <= lim),
+            ("exclusiveMinimum", lambda lim: data > lim),
+            ("exclusiveMaximum", lambda lim: data < lim),
+        ):
             if key in node and not ok(node[key]):
                 out.append(f"{path}: {data} violates {key} {node[key]}")
     if isinstance(data, list):
@@ -131,18 +161,21 @@ def test_every_ready_made_profile_validates_against_the_schema(schema, path):
     assert errors(schema, _merged(path)) == []
 
 
-@pytest.mark.parametrize("case,needle", [
-    ("unknown-top-level-key", "unknown key 'speculatve'"),
-    ("unknown-nested-key", "unknown key 'num_speculative_token'"),
-    ("unknown-method", "'eagel3' not in"),
-    ("wrong-type-int", "'four'"),
-    ("wrong-type-list", "is not array"),
-    ("port-out-of-range", "70000 violates maximum"),
-    ("k-zero", "violates minimum 1"),
-    ("name-pattern", "does not match"),
-    ("bad-duration", "'5 minutes'"),
-    ("missing-model", "missing model"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("unknown-top-level-key", "unknown key 'speculatve'"),
+        ("unknown-nested-key", "unknown key 'num_speculative_token'"),
+        ("unknown-method", "'eagel3' not in"),
+        ("wrong-type-int", "'four'"),
+        ("wrong-type-list", "is not array"),
+        ("port-out-of-range", "70000 violates maximum"),
+        ("k-zero", "violates minimum 1"),
+        ("name-pattern", "does not match"),
+        ("bad-duration", "'5 minutes'"),
+        ("missing-model", "missing model"),
+    ],
+)
 def test_schema_rejects_what_the_loader_rejects(schema, case, needle):
     data = _merged(ROOT / "tests" / "malformed" / f"{case}.yaml")
     found = errors(schema, data)

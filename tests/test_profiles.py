@@ -1,14 +1,14 @@
 """The ready-made profiles in profiles/: coverage, documentation and the GitOps example."""
+
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import pytest
 import yaml
+from support_cli import PROFILES, ROOT, ready_made_profiles, run
 
 from specops.config.profile import load_profile
-from support_cli import PROFILES, ROOT, ready_made_profiles, run
 
 READY = ready_made_profiles()
 
@@ -31,8 +31,10 @@ PUBLISHED_PAIRS = {
     ("meta-llama/Llama-3.1-8B-Instruct", "ibm-ai-platform/llama3-8b-accelerator", "mlp_speculator"),
     ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct", "draft_model"),
     ("meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.2-1B-Instruct", "draft_model"),
-    ("Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B", "draft_model"), ("Qwen/Qwen3-32B", "Qwen/Qwen3-0.6B", "draft_model"),
-    ("Qwen/Qwen3-8B", "Qwen/Qwen3-1.7B", "draft_model"), ("Qwen/Qwen3-32B", "Qwen/Qwen3-1.7B", "draft_model"),
+    ("Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B", "draft_model"),
+    ("Qwen/Qwen3-32B", "Qwen/Qwen3-0.6B", "draft_model"),
+    ("Qwen/Qwen3-8B", "Qwen/Qwen3-1.7B", "draft_model"),
+    ("Qwen/Qwen3-32B", "Qwen/Qwen3-1.7B", "draft_model"),
     # llama.cpp: the Qwen2.5-Coder GGUF pair (vocab sizes 128 apart: accepted by llama.cpp, not by vLLM)
     ("Qwen/Qwen2.5-Coder-32B-Instruct-GGUF", "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF", "draft_model"),
 }
@@ -47,8 +49,17 @@ def test_every_method_is_covered_on_each_engine():
     by_backend: dict[str, set[str]] = {}
     for profile in LOADED.values():
         by_backend.setdefault(profile.backend, set()).add(profile.speculative.method.value)
-    assert by_backend["vllm"] >= {"eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "mtp", "ngram",
-                                  "suffix", "none"}
+    assert by_backend["vllm"] >= {
+        "eagle",
+        "eagle3",
+        "medusa",
+        "mlp_speculator",
+        "draft_model",
+        "mtp",
+        "ngram",
+        "suffix",
+        "none",
+    }
     assert by_backend["llamacpp"] >= {"draft_model", "ngram"}
 
 
@@ -82,7 +93,7 @@ def test_profiles_explain_their_choices():
         lines = path.read_text(encoding="utf-8").splitlines()
         assert lines[0].startswith("# ") and sum(ln.lstrip().startswith("#") for ln in lines) >= 2, path
 
-        def commented(key: str) -> bool:
+        def commented(key: str, lines: list[str] = lines) -> bool:
             for i, ln in enumerate(lines):
                 if re.match(rf"^\s*{key}:", ln):
                     return "#" in ln or any(lines[j].lstrip().startswith("#") for j in range(max(0, i - 3), i))
@@ -152,16 +163,18 @@ def test_gitops_api_key_comes_from_the_environment():
 def test_gitops_error_in_the_base_points_at_the_base(tmp_path):
     """A mistake in a shared base is reported at the base's line, even when validating an overlay."""
     (tmp_path / "base").mkdir()
-    (tmp_path / "base" / "svc.yaml").write_text("backend: vllm\nmodel:\n  id: a/b\nspeculative:\n  methd: ngram\n",
-                                                encoding="utf-8")
+    (tmp_path / "base" / "svc.yaml").write_text(
+        "backend: vllm\nmodel:\n  id: a/b\nspeculative:\n  methd: ngram\n", encoding="utf-8"
+    )
     overlay = tmp_path / "prod.yaml"
     overlay.write_text("extends: base/svc.yaml\nname: svc-prod\n", encoding="utf-8")
     res = run("validate", str(overlay))
     assert res.code == 1
     errors = [ln for ln in res.stdout.splitlines() if ln.startswith("error")]
     assert len(errors) == 1
-    assert re.search(r"base/svc\.yaml:5:3: speculative\.methd: unknown field 'methd'; did you mean 'method'\?",
-                     errors[0]), errors
+    assert re.search(
+        r"base/svc\.yaml:5:3: speculative\.methd: unknown field 'methd'; did you mean 'method'\?", errors[0]
+    ), errors
 
 
 def test_readme_lists_every_profile():

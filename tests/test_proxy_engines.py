@@ -4,6 +4,7 @@ driven exactly as the supervisor does (hold → drain → stop old → start new
 
 Marked ``engines``: needs ``specops engines setup llamacpp`` (skips cleanly otherwise).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,15 +15,14 @@ import time
 
 import aiohttp
 import pytest
-
 from support_engines import need_llama_server, tiny_model
 from support_upstream import free_port, parse_sse, running_proxy, stream_error
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(180)]
 
 CLIENTS = 32
-SWITCH_AT = 1.5         # seconds into the load
-AFTER_SWITCH = 2.0      # clients keep sending this long after the release (hard stop: 100 s)
+SWITCH_AT = 1.5  # seconds into the load
+AFTER_SWITCH = 2.0  # clients keep sending this long after the release (hard stop: 100 s)
 
 
 class LlamaServer:
@@ -32,9 +32,11 @@ class LlamaServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([str(need_llama_server()), *args, "--host", "127.0.0.1",
-                                      "--port", str(self.port), "--metrics"],
-                                     stdout=subprocess.DEVNULL, stderr=self.log)
+        self.proc = subprocess.Popen(
+            [str(need_llama_server()), *args, "--host", "127.0.0.1", "--port", str(self.port), "--metrics"],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+        )
 
     async def ready(self, session: aiohttp.ClientSession, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -98,22 +100,30 @@ def test_real_engines_forced_switch_under_load_loses_no_request(tmp_path, record
 
     async def body():
         loop = asyncio.get_running_loop()
-        old = LlamaServer(common + ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", "4"],
-                          tmp_path / "old.log")
+        old = LlamaServer(
+            common + ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", "4"], tmp_path / "old.log"
+        )
         new = None
         failures: list[str] = []
         served = collections.Counter()
         try:
             async with _session() as s:
                 await old.ready(s)
-                async with running_proxy(old.url, queue_size=256, queue_timeout=60, drain_timeout=20,
-                                         on_timings=on_timings) as proxy:
-                    stop_at = loop.time() + 100.0                 # lowered to release + AFTER_SWITCH
+                async with running_proxy(
+                    old.url, queue_size=256, queue_timeout=60, drain_timeout=20, on_timings=on_timings
+                ) as proxy:
+                    stop_at = loop.time() + 100.0  # lowered to release + AFTER_SWITCH
 
                     async def client(i: int):
                         stream, n = i % 2 == 0, 8 + i % 17
-                        payload = {"prompt": f"client {i} says", "max_tokens": n, "temperature": 0,
-                                   "ignore_eos": True, "stream": stream, "timings_per_token": i % 4 == 0}
+                        payload = {
+                            "prompt": f"client {i} says",
+                            "max_tokens": n,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                            "stream": stream,
+                            "timings_per_token": i % 4 == 0,
+                        }
                         while loop.time() < stop_at:
                             try:
                                 async with s.post(proxy.url + "/v1/completions", json=payload) as r:
@@ -123,7 +133,7 @@ def test_real_engines_forced_switch_under_load_loses_no_request(tmp_path, record
                                     continue
                                 timings = _check_stream(text, n) if stream else _check_completion(json.loads(text), n)
                                 served["speculative" if timings.get("draft_n") else "plain"] += 1
-                            except Exception as exc:      # noqa: BLE001 - every failure is collected
+                            except Exception as exc:  # noqa: BLE001 - every failure is collected
                                 failures.append(f"client {i}: {type(exc).__name__}: {exc}")
 
                     async def supervisor():
@@ -148,11 +158,13 @@ def test_real_engines_forced_switch_under_load_loses_no_request(tmp_path, record
                 new.stop()
 
     failures, served, (drained, switch_s), st = asyncio.run(asyncio.wait_for(body(), 150))
-    report = (f"real llama-server: {sum(served.values())} requests ({CLIENTS} clients, half streaming), "
-              f"speculative={served['speculative']} plain={served['plain']}, failed={len(failures)}; switch took "
-              f"{switch_s:.2f}s (drain {drained.waited_s:.3f}s: {drained.finished} finished, {drained.cut} cut); "
-              f"waited={st['waited']}, longest wait={st['longest_wait_s']:.3f}s, retried={st['retried']}, "
-              f"reconnects={st['reconnects']}; live timings {live[1]}/{live[0]} accepted")
+    report = (
+        f"real llama-server: {sum(served.values())} requests ({CLIENTS} clients, half streaming), "
+        f"speculative={served['speculative']} plain={served['plain']}, failed={len(failures)}; switch took "
+        f"{switch_s:.2f}s (drain {drained.waited_s:.3f}s: {drained.finished} finished, {drained.cut} cut); "
+        f"waited={st['waited']}, longest wait={st['longest_wait_s']:.3f}s, retried={st['retried']}, "
+        f"reconnects={st['reconnects']}; live timings {live[1]}/{live[0]} accepted"
+    )
     print("\n" + report)
     record_property("switch_report", report)
     assert failures == [], failures[:5]
@@ -161,7 +173,7 @@ def test_real_engines_forced_switch_under_load_loses_no_request(tmp_path, record
     assert st["waited"] >= CLIENTS and st["longest_wait_s"] > 0
     assert st["upstream_errors"] == 0 and st["broken_streams"] == 0 and st["cut_streams"] == 0
     assert st["retried"] == 0 and st["in_flight"] == 0 and st["queue_depth"] == 0
-    assert live[0] > 0 and 0.5 < live[1] / live[0] <= 1.0          # same-weights draft: high acceptance
+    assert live[0] > 0 and 0.5 < live[1] / live[0] <= 1.0  # same-weights draft: high acceptance
 
 
 def test_real_engine_sigkilled_mid_stream(tmp_path):
@@ -179,21 +191,24 @@ def test_real_engine_sigkilled_mid_stream(tmp_path):
 
                     async def streaming(i):
                         text = b""
-                        async with s.post(proxy.url + "/v1/completions", json={
-                                "prompt": f"stream {i}", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
+                        async with s.post(
+                            proxy.url + "/v1/completions",
+                            json={"prompt": f"stream {i}", "max_tokens": 2000, "ignore_eos": True, "stream": True},
+                        ) as r:
                             async for piece in r.content.iter_any():
                                 text += piece
                                 first[i].set()
                             return r.status, text.decode("utf-8", "replace")
 
                     async def plain(n):
-                        async with s.post(proxy.url + "/v1/completions",
-                                          json={"prompt": "plain", "max_tokens": n, "ignore_eos": True}) as r:
+                        async with s.post(
+                            proxy.url + "/v1/completions", json={"prompt": "plain", "max_tokens": n, "ignore_eos": True}
+                        ) as r:
                             return r.status, n, await r.json()
 
                     streams = [asyncio.ensure_future(streaming(i)) for i in range(4)]
                     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 30)
-                    started = [asyncio.ensure_future(plain(1000)) for _ in range(4)]   # no byte until the end
+                    started = [asyncio.ensure_future(plain(1000)) for _ in range(4)]  # no byte until the end
                     await asyncio.sleep(0.1)
                     assert proxy.stats()["in_flight"] == 8
                     doomed.kill()
@@ -201,7 +216,7 @@ def test_real_engine_sigkilled_mid_stream(tmp_path):
                     t0 = time.monotonic()
                     while proxy.state == "serving" and time.monotonic() - t0 < 10:
                         await asyncio.sleep(0.01)
-                    rescue = LlamaServer(common, tmp_path / "rescue.log")     # what the supervisor does
+                    rescue = LlamaServer(common, tmp_path / "rescue.log")  # what the supervisor does
                     await rescue.ready(s)
                     proxy.release(rescue.url)
                     return (await asyncio.gather(*streams), await asyncio.gather(*started, *late), proxy.stats())
@@ -234,10 +249,13 @@ def test_real_engine_sees_the_client_disconnect(tmp_path):
                     got = asyncio.Event()
 
                     async def call():
-                        async with s.post(proxy.url + "/v1/completions", json={
-                                "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
+                        async with s.post(
+                            proxy.url + "/v1/completions",
+                            json={"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True},
+                        ) as r:
                             async for _ in r.content.iter_any():
                                 got.set()
+
                     task = asyncio.ensure_future(call())
                     await asyncio.wait_for(got.wait(), 30)
                     task.cancel()

@@ -5,6 +5,7 @@ Every test runs the real Proxy against the stand-in engine (tests/support_upstre
 hostile requests are written byte for byte on raw sockets (:func:`raw_http`) so that exactly the target
 under test is sent, and a :class:`Canary` listener on another port proves nothing was forwarded there.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ import time
 
 import aiohttp
 import pytest
-
+from pydantic import ValidationError
 from support_upstream import Canary, Upstream, check_completion, raw_http, running_proxy
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,10 +61,13 @@ def _no_tracebacks(caplog) -> None:
 
 # ------------------------------------------------------------------------------------ request targets
 
-@pytest.mark.parametrize("target", ["@127.0.0.1:{canary}", "127.0.0.1:{canary}", "@127.0.0.1:1",
-                                    "user:pw@127.0.0.1:{canary}"])
+
+@pytest.mark.parametrize(
+    "target", ["@127.0.0.1:{canary}", "127.0.0.1:{canary}", "@127.0.0.1:1", "user:pw@127.0.0.1:{canary}"]
+)
 def test_connect_is_refused_and_opens_no_connection_anywhere(engine, target, caplog):
     """CONNECT @127.0.0.1:PORT used to connect to PORT (the engine's host:port became userinfo): 405 now."""
+
     async def body():
         async with Canary() as canary, running_proxy(engine.url) as proxy:
             t = target.format(canary=canary.port)
@@ -75,22 +79,27 @@ def test_connect_is_refused_and_opens_no_connection_anywhere(engine, target, cap
             assert canary.hits == 0
             st = proxy.stats()
             assert st["rejected_method"] == 1 and st["upstream_errors"] == 0 and st["completed"] == 0
+
     with caplog.at_level(logging.DEBUG):
         run(body())
     _no_tracebacks(caplog)
 
 
-@pytest.mark.parametrize("line", [
-    "GET http://127.0.0.1:{canary}/v1/models HTTP/1.1",          # absolute-form
-    "POST http://127.0.0.1:{canary}/v1/completions HTTP/1.1",
-    "GET http://x@127.0.0.1:{canary}/v1/models HTTP/1.1",
-    "OPTIONS * HTTP/1.1",                                         # asterisk-form
-    "GET 127.0.0.1:{canary}/v1/models HTTP/1.1",
-    "GET @127.0.0.1:{canary}/v1/models HTTP/1.1",                 # refused by the HTTP parser itself
-    "GET /v1/models#@127.0.0.1:{canary} HTTP/1.1",                # a fragment is no part of a target
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "GET http://127.0.0.1:{canary}/v1/models HTTP/1.1",  # absolute-form
+        "POST http://127.0.0.1:{canary}/v1/completions HTTP/1.1",
+        "GET http://x@127.0.0.1:{canary}/v1/models HTTP/1.1",
+        "OPTIONS * HTTP/1.1",  # asterisk-form
+        "GET 127.0.0.1:{canary}/v1/models HTTP/1.1",
+        "GET @127.0.0.1:{canary}/v1/models HTTP/1.1",  # refused by the HTTP parser itself
+        "GET /v1/models#@127.0.0.1:{canary} HTTP/1.1",  # a fragment is no part of a target
+    ],
+)
 def test_non_origin_targets_get_a_json_400_and_reach_nothing(engine, line, caplog):
     """Absolute-form and ``*`` targets used to end in a 500 with a traceback on the console."""
+
     async def body():
         async with Canary() as canary, running_proxy(engine.url) as proxy, aiohttp.ClientSession() as s:
             before = await engine.astats(s)
@@ -103,6 +112,7 @@ def test_non_origin_targets_get_a_json_400_and_reach_nothing(engine, line, caplo
             after = await engine.astats(s)
             assert after["by_path"] == before["by_path"]
             assert proxy.stats()["upstream_errors"] == 0
+
     with caplog.at_level(logging.DEBUG):
         run(body())
     _no_tracebacks(caplog)
@@ -110,19 +120,24 @@ def test_non_origin_targets_get_a_json_400_and_reach_nothing(engine, line, caplo
 
 def test_origin_form_targets_only_ever_reach_the_engine(engine):
     """A path that looks like an authority stays a path on the engine; encoded bytes pass unchanged."""
+
     async def body():
         async with Canary() as canary, running_proxy(engine.url) as proxy:
-            for target in (f"//127.0.0.1:{canary.port}/debug/echo", f"/@127.0.0.1:{canary.port}",
-                           f"/debug/echo/%2F%2E%2E%40127.0.0.1:{canary.port}?u=@127.0.0.1:{canary.port}&x=%20"):
+            for target in (
+                f"//127.0.0.1:{canary.port}/debug/echo",
+                f"/@127.0.0.1:{canary.port}",
+                f"/debug/echo/%2F%2E%2E%40127.0.0.1:{canary.port}?u=@127.0.0.1:{canary.port}&x=%20",
+            ):
                 r = await raw_http(proxy.port, _request(f"GET {target} HTTP/1.1", "Connection: close"))
                 if target.startswith("/debug/echo"):
                     assert r.status == 200 and r.json()["raw_path"] == target, r
                 else:
-                    assert r.status == 404, (target, r)     # the engine's router: no such path
+                    assert r.status == 404, (target, r)  # the engine's router: no such path
             await asyncio.sleep(0.1)
             assert canary.hits == 0
             st = proxy.stats()
-            assert st["completed"] == 3 and st["upstream_errors"] == 0   # all three answered by the engine
+            assert st["completed"] == 3 and st["upstream_errors"] == 0  # all three answered by the engine
+
     run(body())
 
 
@@ -140,15 +155,22 @@ def test_upstream_url_is_built_from_parts():
 
 # ------------------------------------------------------------------------------------ logging
 
+
 def test_rejections_log_one_line_each_never_a_traceback(engine, caplog):
     async def body():
         async with running_proxy(engine.url) as proxy:
-            for line in ("CONNECT @127.0.0.1:1 HTTP/1.1", "GET http://127.0.0.1:1/ HTTP/1.1", "OPTIONS * HTTP/1.1",
-                         "GET @x/ HTTP/1.1", "GET /\x01 HTTP/1.1"):
+            for line in (
+                "CONNECT @127.0.0.1:1 HTTP/1.1",
+                "GET http://127.0.0.1:1/ HTTP/1.1",
+                "OPTIONS * HTTP/1.1",
+                "GET @x/ HTTP/1.1",
+                "GET /\x01 HTTP/1.1",
+            ):
                 r = await raw_http(proxy.port, _request(line))
                 assert r.status in (400, 405), (line, r)
             r = await raw_http(proxy.port, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 40)
-            assert r.status in (400, None)          # TLS to a plain port: refused, no traceback
+            assert r.status in (400, None)  # TLS to a plain port: refused, no traceback
+
     with caplog.at_level(logging.DEBUG, logger="specops.proxy"):
         run(body())
     lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -171,13 +193,14 @@ def test_rejection_lines_are_rate_limited_with_a_count_of_the_rest(engine, caplo
             printed = len([r for r in caplog.records if r.levelno >= logging.WARNING])
             suppressed = proxy.stats()["log_suppressed"]
             assert printed + suppressed == 20 and suppressed >= 10, (printed, suppressed)
-            await asyncio.sleep(1.05)                 # a new second: the next line says what was skipped
+            await asyncio.sleep(1.05)  # a new second: the next line says what was skipped
             caplog.clear()
             r = await raw_http(proxy.port, _request("OPTIONS * HTTP/1.1"), close_wait=0.05)
             assert r.status == 400
             msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
             assert len(msgs) == 1 and f"({suppressed} similar lines suppressed" in msgs[0], msgs
             assert proxy.stats()["rejected_bad_target"] == 21
+
     with caplog.at_level(logging.WARNING, logger="specops.proxy"):
         run(body())
 
@@ -206,36 +229,46 @@ def test_the_console_shows_one_line_per_rejection_and_never_a_traceback(engine):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", _CONSOLE_PROXY, engine.url], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CONSOLE_PROXY, engine.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         port = int(proc.stdout.readline().split()[1])
-        hostile = [_request("CONNECT @127.0.0.1:1 HTTP/1.1"), _request("GET http://127.0.0.1:1/ HTTP/1.1"),
-                   _request("OPTIONS * HTTP/1.1"), _request("GET @x/ HTTP/1.1"), b"\x16\x03\x01\x00\xa5\x01" + b"\x00" * 60,
-                   b"GARBAGE\r\n\r\n", _request("GET /\x7f\x00 HTTP/1.1"),
-                   _request("POST /v1/completions HTTP/1.1", "Content-Length: 1000000000", body=b"{"),
-                   _request("POST /v1/completions HTTP/1.1", "Content-Length: 100", body=b"{"),
-                   _request("POST /debug/echo HTTP/1.1", "Transfer-Encoding: chunked", body=b"zz\r\n")]
+        hostile = [
+            _request("CONNECT @127.0.0.1:1 HTTP/1.1"),
+            _request("GET http://127.0.0.1:1/ HTTP/1.1"),
+            _request("OPTIONS * HTTP/1.1"),
+            _request("GET @x/ HTTP/1.1"),
+            b"\x16\x03\x01\x00\xa5\x01" + b"\x00" * 60,
+            b"GARBAGE\r\n\r\n",
+            _request("GET /\x7f\x00 HTTP/1.1"),
+            _request("POST /v1/completions HTTP/1.1", "Content-Length: 1000000000", body=b"{"),
+            _request("POST /v1/completions HTTP/1.1", "Content-Length: 100", body=b"{"),
+            _request("POST /debug/echo HTTP/1.1", "Transfer-Encoding: chunked", body=b"zz\r\n"),
+        ]
 
         async def send_all():
             for data in hostile:
                 await raw_http(port, data, close_wait=0.3)
+
         run(send_all())
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert "Traceback" not in err, err
-    assert len(hostile) - 2 <= len(lines) <= len(hostile), err     # one line each (a few may be one parse error)
+    assert len(hostile) - 2 <= len(lines) <= len(hostile), err  # one line each (a few may be one parse error)
     assert all(ln.startswith("proxy: ") and len(ln) < 400 for ln in lines), err
 
 
 # ------------------------------------------------------------------------------------ slow clients
 
+
 @LOOPS
 def test_headers_that_do_not_arrive_in_time_close_the_connection(engine, loop):
     async def body():
         async with running_proxy(engine.url, header_timeout=0.5) as proxy:
+
             async def silent():
                 t0 = time.monotonic()
                 reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
@@ -245,7 +278,7 @@ def test_headers_that_do_not_arrive_in_time_close_the_connection(engine, loop):
                     writer.close()
                 return time.monotonic() - t0
 
-            async def trickle():                       # slowloris: a header line every 0.1 s, forever
+            async def trickle():  # slowloris: a header line every 0.1 s, forever
                 t0 = time.monotonic()
                 reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
                 try:
@@ -271,17 +304,20 @@ def test_headers_that_do_not_arrive_in_time_close_the_connection(engine, loop):
             assert all(0.3 <= w < 3.0 for w in waits), waits
             await _wait_until(lambda: proxy.stats()["connections"] == 0)
             async with aiohttp.ClientSession() as s, s.get(proxy.url + "/v1/models") as r:
-                assert r.status == 200                  # and the proxy serves on
+                assert r.status == 200  # and the proxy serves on
+
     run(body(), loop=loop)
 
 
 def test_the_first_request_deadline_does_not_rely_on_aiohttps_keepalive_timer(engine, monkeypatch):
     """Before aiohttp 3.14 its keep-alive timer did not run until a first request: the proxy's own does."""
     from aiohttp import web
+
     monkeypatch.setattr(web.RequestHandler, "_process_keepalive", lambda self: None)
 
     async def body():
         async with running_proxy(engine.url, header_timeout=0.5) as proxy:
+
             async def wait_closed(first: bytes) -> float:
                 t0 = time.monotonic()
                 reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
@@ -291,14 +327,16 @@ def test_the_first_request_deadline_does_not_rely_on_aiohttps_keepalive_timer(en
                 finally:
                     writer.close()
                 return time.monotonic() - t0
+
             waits = await asyncio.gather(wait_closed(b""), wait_closed(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"))
             assert all(0.3 <= w < 3.0 for w in waits), waits
-            async with aiohttp.ClientSession() as s:          # a request in time is not cut by it
+            async with aiohttp.ClientSession() as s:  # a request in time is not cut by it
                 async with s.get(proxy.url + "/v1/models") as r:
                     assert r.status == 200
                 await asyncio.sleep(0.8)
                 async with s.get(proxy.url + "/v1/models") as r:
                     assert r.status == 200
+
     run(body())
 
 
@@ -307,26 +345,34 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_never_reaches_the_engi
     async def body():
         async with running_proxy(engine.url, body_timeout=0.5) as proxy, aiohttp.ClientSession() as s:
             before = (await engine.astats(s))["started"]
-            req = _request("POST /v1/completions HTTP/1.1", "Content-Length: 100",
-                           "Content-Type: application/json", body=b'{"prompt":')
+            req = _request(
+                "POST /v1/completions HTTP/1.1",
+                "Content-Length: 100",
+                "Content-Type: application/json",
+                body=b'{"prompt":',
+            )
             r = await raw_http(proxy.port, req)
             assert r.status == 408 and r.json()["error"]["type"] == "request_timeout" and r.closed, r
             assert 0.4 <= r.elapsed < 3
             assert (await engine.astats(s))["started"] == before
             st = proxy.stats()
             assert st["rejected_body_timeout"] == 1 and st["buffered_bytes"] == 0
+
     run(body(), loop=loop)
 
 
 def test_a_huge_content_length_is_refused_at_once_without_reading(engine):
     """Content-Length: 1000000000 with one byte sent used to be held forever."""
+
     async def body():
         async with running_proxy(engine.url) as proxy:
-            r = await raw_http(proxy.port, _request("POST /v1/completions HTTP/1.1", "Content-Length: 1000000000",
-                                                    body=b"{"))
+            r = await raw_http(
+                proxy.port, _request("POST /v1/completions HTTP/1.1", "Content-Length: 1000000000", body=b"{")
+            )
             assert r.status == 413 and r.json()["error"]["type"] == "request_too_large", r
             assert r.elapsed < 1.0 and r.closed
             assert proxy.stats()["buffered_bytes"] == 0 and proxy.stats()["rejected_too_large"] == 1
+
     run(body())
 
 
@@ -338,11 +384,13 @@ def test_a_chunked_body_over_the_limit_gets_413(engine):
             req = _request("POST /debug/echo HTTP/1.1", "Transfer-Encoding: chunked", body=data + data + b"0\r\n\r\n")
             r = await raw_http(proxy.port, req)
             assert r.status == 413, r
-            ok = _request("POST /debug/echo HTTP/1.1", "Transfer-Encoding: chunked", "Connection: close",
-                          body=data + b"0\r\n\r\n")
+            ok = _request(
+                "POST /debug/echo HTTP/1.1", "Transfer-Encoding: chunked", "Connection: close", body=data + b"0\r\n\r\n"
+            )
             r = await raw_http(proxy.port, ok)
             assert r.status == 200 and r.json()["body_len"] == 1500
             await _wait_until(lambda: proxy.stats()["buffered_bytes"] == 0)
+
     run(body())
 
 
@@ -353,7 +401,7 @@ def test_malformed_bodies_get_a_400_or_a_408_never_a_500(engine, caplog):
             for rest in (b"zz\r\nabc\r\n0\r\n\r\n", b"3\r\nabcdef\r\n0\r\n\r\n", b"5\r\nab"):
                 r = await raw_http(proxy.port, head + rest)
                 assert r.status in (400, 408), (rest, r)
-                reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)   # the bad part later
+                reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)  # the bad part later
                 writer.write(head + b"3\r\nabc\r\n")
                 await writer.drain()
                 await asyncio.sleep(0.1)
@@ -366,12 +414,14 @@ def test_malformed_bodies_get_a_400_or_a_408_never_a_500(engine, caplog):
                 assert r.status == 400 and r.closed, r
             await _wait_until(lambda: proxy.stats()["buffered_bytes"] == 0)
             assert proxy.stats()["internal_errors"] == 0
+
     with caplog.at_level(logging.DEBUG):
         run(body())
     _no_tracebacks(caplog)
 
 
 # ------------------------------------------------------------------------------------ floods
+
 
 @LOOPS
 def test_connections_past_the_cap_are_refused_promptly_and_the_cap_frees_up(engine, loop):
@@ -395,24 +445,26 @@ def test_connections_past_the_cap_are_refused_promptly_and_the_cap_frees_up(engi
             await _wait_until(lambda: proxy.stats()["connections"] == 0)
             async with aiohttp.ClientSession() as s, s.get(proxy.url + "/v1/models") as resp:
                 assert resp.status == 200
+
     run(body(), loop=loop)
 
 
 def test_a_slowloris_flood_stays_under_the_cap_and_is_cleared_by_the_header_timeout(engine):
     """2000 slowloris connections used to stay open for minutes; here 300 against a cap of 100."""
+
     async def body():
         async with running_proxy(engine.url, max_connections=100, header_timeout=1.0) as proxy:
             peak = 0
             conns = []
-            for i in range(300):
+            for _ in range(300):
                 try:
                     conns.append(await asyncio.open_connection("127.0.0.1", proxy.port))
                 except OSError:
                     break
-                conns[-1][1].write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")   # never finished
+                conns[-1][1].write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # never finished
                 peak = max(peak, proxy.stats()["connections"])
             t0 = time.monotonic()
-            for _ in range(30):                         # keep trickling, as slowloris does
+            for _ in range(30):  # keep trickling, as slowloris does
                 for _, w in conns:
                     if not w.is_closing():
                         w.write(b"X-a: b\r\n")
@@ -428,71 +480,82 @@ def test_a_slowloris_flood_stays_under_the_cap_and_is_cleared_by_the_header_time
             assert cleared < 5.0
             async with aiohttp.ClientSession() as s, s.get(proxy.url + "/v1/models") as r:
                 assert r.status == 200
+
     run(body())
 
 
 def test_buffered_bodies_are_capped_across_requests_queued_ones_included(engine):
     """8 x 60 MiB bodies used to take the proxy from 56 to 740 MiB: past the cap the answer is 503."""
+
     async def body():
-        async with running_proxy(engine.url, max_buffered_bytes=1_000_000, max_body_size=800_000,
-                                 retry_after=3) as proxy, aiohttp.ClientSession() as s:
-            proxy.hold()                                # every accepted request waits, holding its body
+        async with (
+            running_proxy(engine.url, max_buffered_bytes=1_000_000, max_body_size=800_000, retry_after=3) as proxy,
+            aiohttp.ClientSession() as s,
+        ):
+            proxy.hold()  # every accepted request waits, holding its body
 
             async def send(n: int):
                 async with s.post(proxy.url + "/debug/echo", data=b"b" * n) as r:
                     return r.status, r.headers.get("Retry-After"), await r.json()
+
             first = asyncio.ensure_future(send(600_000))
             await _wait_until(lambda: proxy.stats()["queue_depth"] == 1)
             assert proxy.stats()["buffered_bytes"] == 600_000
             burst = await asyncio.gather(*(send(600_000) for _ in range(7)))
             for status, retry_after, doc in burst:
                 assert status == 503 and retry_after == "3" and doc["error"]["type"] == "specops_buffer_full"
-            small = asyncio.ensure_future(send(1000))     # still fits: queued
+            small = asyncio.ensure_future(send(1000))  # still fits: queued
             await _wait_until(lambda: proxy.stats()["queue_depth"] == 2)
             assert proxy.stats()["buffered_bytes"] == 601_000
             proxy.release()
             for status, _, doc in await asyncio.gather(first, small):
                 assert status == 200 and doc["body_len"] in (600_000, 1000)
             await _wait_until(lambda: proxy.stats()["buffered_bytes"] == 0)
-            assert (await send(600_000))[0] == 200      # the room is given back
+            assert (await send(600_000))[0] == 200  # the room is given back
             assert proxy.stats()["rejected_buffer_full"] == 7
+
     run(body())
 
 
 # ------------------------------------------------------------------------------------ API key
+
 
 def test_api_key_is_checked_before_the_queue_and_the_engine(engine):
     async def body():
         async with running_proxy(engine.url, api_key="s3cret") as proxy, aiohttp.ClientSession() as s:
             before = (await engine.astats(s))["started"]
             proxy.hold()
-            for auth in (None, "Bearer wrong", "Bearer s3cretX", "Bearer s3cre", "Basic s3cret", "s3cret",
-                         "Bearer"):
+            for auth in (None, "Bearer wrong", "Bearer s3cretX", "Bearer s3cre", "Basic s3cret", "s3cret", "Bearer"):
                 headers = {"Authorization": auth} if auth else {}
-                async with s.post(proxy.url + "/v1/completions", json={"prompt": "p", "max_tokens": 2},
-                                  headers=headers) as r:
+                async with s.post(
+                    proxy.url + "/v1/completions", json={"prompt": "p", "max_tokens": 2}, headers=headers
+                ) as r:
                     assert r.status == 401, auth
                     assert r.headers["WWW-Authenticate"] == "Bearer"
                     assert (await r.json())["error"]["type"] == "authentication_error"
-                assert proxy.stats()["queue_depth"] == 0     # never queued
+                assert proxy.stats()["queue_depth"] == 0  # never queued
             # a large unauthenticated body is refused without being read
             big = _request("POST /v1/completions HTTP/1.1", "Content-Length: 10000000", body=b"x" * 1000)
             r = await raw_http(proxy.port, big)
             assert r.status == 401 and r.closed and r.elapsed < 1.0
             proxy.release()
             for auth in ("Bearer s3cret", "bearer s3cret", "BEARER   s3cret"):
-                async with s.post(proxy.url + "/v1/completions", json={"prompt": "p", "max_tokens": 2},
-                                  headers={"Authorization": auth}) as r:
+                async with s.post(
+                    proxy.url + "/v1/completions",
+                    json={"prompt": "p", "max_tokens": 2},
+                    headers={"Authorization": auth},
+                ) as r:
                     assert r.status == 200 and check_completion(await r.json(), 2) == "E"
             async with s.get(proxy.url + "/debug/echo", headers={"Authorization": "Bearer s3cret"}) as r:
                 sent = {k.lower(): v for k, v in (await r.json())["headers"]}
-                assert sent["authorization"] == "Bearer s3cret"   # the engine checks it too
-            async with s.get(proxy.url + "/health") as r:        # load balancers: no key
+                assert sent["authorization"] == "Bearer s3cret"  # the engine checks it too
+            async with s.get(proxy.url + "/health") as r:  # load balancers: no key
                 assert r.status == 200
             async with s.post(proxy.url + "/health") as r:
                 assert r.status == 401
             assert (await engine.astats(s))["started"] == before + 3
             assert proxy.stats()["rejected_unauthorized"] == 9
+
     run(body())
 
 
@@ -514,32 +577,41 @@ def test_status_and_metrics_need_the_key_on_the_public_port_not_on_the_admin_por
                 assert r.status == 200 and "specops_proxy_refused_total" in await r.text()
             r = await raw_http(proxy.admin_port, _request("GET http://127.0.0.1:1/specops/status HTTP/1.1"))
             assert r.status == 400
+
     run(body())
 
 
 # ------------------------------------------------------------------------------------ forwarding headers
 
+
 def test_forwarding_headers_are_the_proxys_own(engine):
     async def body():
         async with running_proxy(engine.url) as proxy, aiohttp.ClientSession() as s:
-            spoof = [("X-Forwarded-For", "203.0.113.7"), ("X-Forwarded-For", "198.51.100.1"),
-                     ("X-Forwarded-Host", "evil.example"), ("X-Forwarded-Proto", "https"),
-                     ("X-Forwarded-Port", "443"), ("Forwarded", "for=203.0.113.9;proto=https"),
-                     ("X-Real-IP", "203.0.113.8")]
+            spoof = [
+                ("X-Forwarded-For", "203.0.113.7"),
+                ("X-Forwarded-For", "198.51.100.1"),
+                ("X-Forwarded-Host", "evil.example"),
+                ("X-Forwarded-Proto", "https"),
+                ("X-Forwarded-Port", "443"),
+                ("Forwarded", "for=203.0.113.9;proto=https"),
+                ("X-Real-IP", "203.0.113.8"),
+            ]
             async with s.get(proxy.url + "/debug/echo", headers=spoof) as r:
                 doc = await r.json()
             sent = {}
             for k, v in doc["headers"]:
                 sent.setdefault(k.lower(), []).append(v)
-            assert sent["x-forwarded-for"] == ["203.0.113.7, 198.51.100.1, 127.0.0.1"]   # appended: last is ours
+            assert sent["x-forwarded-for"] == ["203.0.113.7, 198.51.100.1, 127.0.0.1"]  # appended: last is ours
             assert sent["x-forwarded-host"] == [f"127.0.0.1:{proxy.port}"]
             assert sent["x-forwarded-proto"] == ["http"]
             for dropped in ("forwarded", "x-forwarded-port", "x-real-ip"):
                 assert dropped not in sent, dropped
+
     run(body())
 
 
 # ------------------------------------------------------------------------------------ settings & loop
+
 
 def test_profile_settings_reach_the_proxy_with_the_same_defaults():
     from specops import proxy as proxy_mod
@@ -552,16 +624,37 @@ def test_profile_settings_reach_the_proxy_with_the_same_defaults():
     assert defaults.max_connections == proxy_mod.DEFAULT_MAX_CONNECTIONS
     assert defaults.header_timeout == proxy_mod.DEFAULT_HEADER_TIMEOUT
     assert defaults.body_timeout == proxy_mod.DEFAULT_BODY_TIMEOUT
-    profile = Profile(name="x", backend="llamacpp", model={"id": "a/b"},
-                      server={"host": "127.0.0.1", "port": 9123, "api_key": "k"},
-                      proxy={"max_body_size": 4096, "max_buffered_bytes": 8192, "max_connections": 7,
-                             "header_timeout": "2s", "body_timeout": "500ms", "queue_size": 5, "admin_port": 9124})
+    profile = Profile(
+        name="x",
+        backend="llamacpp",
+        model={"id": "a/b"},
+        server={"host": "127.0.0.1", "port": 9123, "api_key": "k"},
+        proxy={
+            "max_body_size": 4096,
+            "max_buffered_bytes": 8192,
+            "max_connections": 7,
+            "header_timeout": "2s",
+            "body_timeout": "500ms",
+            "queue_size": 5,
+            "admin_port": 9124,
+        },
+    )
     p = Proxy.from_profile(profile, queue_timeout=1.0)
-    assert (p.host, p.port, p.api_key, p.max_body_size, p.max_buffered_bytes, p.max_connections,
-            p.header_timeout, p.body_timeout, p.queue_size, p.admin_port, p.queue_timeout) == \
-           ("127.0.0.1", 9123, "k", 4096, 8192, 7, 2.0, 0.5, 5, 9124, 1.0)
+    assert (
+        p.host,
+        p.port,
+        p.api_key,
+        p.max_body_size,
+        p.max_buffered_bytes,
+        p.max_connections,
+        p.header_timeout,
+        p.body_timeout,
+        p.queue_size,
+        p.admin_port,
+        p.queue_timeout,
+    ) == ("127.0.0.1", 9123, "k", 4096, 8192, 7, 2.0, 0.5, 5, 9124, 1.0)
     for bad in ({"max_connections": 0}, {"header_timeout": 0}, {"body_timeout": "2h"}, {"max_body_size": 10}):
-        with pytest.raises(Exception):
+        with pytest.raises(ValidationError):
             ProxySettings(**bad)
 
 

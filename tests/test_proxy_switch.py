@@ -1,6 +1,7 @@
 """No request lost during a switch: the proxy under load while the supervisor's hold → drain → release runs
 (driven here exactly as the supervisor does), and an engine SIGKILLed mid-stream. Engines are stand-in
 processes (tests/support_upstream.py); the lead adds the same scenarios against real engines."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,15 +11,14 @@ import time
 
 import aiohttp
 import pytest
-
 from support_upstream import Upstream, check_completion, check_stream, parse_sse, running_proxy, stream_error
 
 pytestmark = pytest.mark.timeout(90)
 
-CLIENTS = 32            # half of them streaming
-SWITCH_AT = 1.0         # seconds into the load
+CLIENTS = 32  # half of them streaming
+SWITCH_AT = 1.0  # seconds into the load
 NEW_ENGINE_START = 0.5  # seconds the "new engine" takes to come up after the old one stopped
-AFTER_SWITCH = 1.5      # clients keep sending this long after the release (hard stop: 60 s)
+AFTER_SWITCH = 1.5  # clients keep sending this long after the release (hard stop: 60 s)
 
 
 def run(coro, timeout: float = 60.0):
@@ -30,23 +30,33 @@ def test_no_request_lost_during_a_forced_switch_under_load(record_property):
     new = Upstream.start("NEW", token_delay=0.002, acceptance=0.3)
     timings = []
     try:
+
         async def body():
             loop = asyncio.get_running_loop()
             failures: list[str] = []
             served = collections.Counter()
             latencies: list[float] = []
-            async with running_proxy(old.url, queue_size=256, queue_timeout=20, drain_timeout=10,
-                                     on_timings=lambda n, a: timings.append((n, a))) as proxy, \
-                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                          timeout=aiohttp.ClientTimeout(total=30)) as s:
-                stop_at = loop.time() + 60.0                      # lowered to release + AFTER_SWITCH
+            async with (
+                running_proxy(
+                    old.url,
+                    queue_size=256,
+                    queue_timeout=20,
+                    drain_timeout=10,
+                    on_timings=lambda n, a: timings.append((n, a)),
+                ) as proxy,
+                aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30)
+                ) as s,
+            ):
+                stop_at = loop.time() + 60.0  # lowered to release + AFTER_SWITCH
 
                 async def client(i: int):
                     stream, chat, n = i % 2 == 0, i % 4 in (0, 1), 4 + i % 13
                     path = "/v1/chat/completions" if chat else "/v1/completions"
                     payload = {"max_tokens": n, "stream": stream, "timings_per_token": i % 3 == 0}
-                    payload.update({"messages": [{"role": "user", "content": f"c{i}"}]} if chat
-                                   else {"prompt": f"client {i}"})
+                    payload.update(
+                        {"messages": [{"role": "user", "content": f"c{i}"}]} if chat else {"prompt": f"client {i}"}
+                    )
                     while loop.time() < stop_at:
                         t0 = loop.time()
                         try:
@@ -61,7 +71,7 @@ def test_no_request_lost_during_a_forced_switch_under_load(record_property):
                                 name = check_completion(json.loads(text), n, chat=chat)
                             served[name] += 1
                             latencies.append(loop.time() - t0)
-                        except Exception as exc:          # noqa: BLE001 - every failure is collected
+                        except Exception as exc:  # noqa: BLE001 - every failure is collected
                             failures.append(f"client {i}: {type(exc).__name__}: {exc}")
 
                 async def supervisor():
@@ -71,10 +81,10 @@ def test_no_request_lost_during_a_forced_switch_under_load(record_property):
                     drained = await proxy.drain()
                     old_stats = await old.astats(s)
                     await asyncio.to_thread(old.stop)
-                    await asyncio.sleep(NEW_ENGINE_START)      # the new engine is "starting"
+                    await asyncio.sleep(NEW_ENGINE_START)  # the new engine is "starting"
                     deadline = loop.time() + 5
                     while proxy.stats()["queue_depth"] < CLIENTS and loop.time() < deadline:
-                        await asyncio.sleep(0.01)              # (on a loaded machine clients may lag)
+                        await asyncio.sleep(0.01)  # (on a loaded machine clients may lag)
                     depth = proxy.stats()["queue_depth"]
                     proxy.release(new.url)
                     stop_at = loop.time() + AFTER_SWITCH
@@ -90,22 +100,24 @@ def test_no_request_lost_during_a_forced_switch_under_load(record_property):
         new.stop()
 
     total = sum(served.values())
-    report = (f"{total} requests ({CLIENTS} clients, half streaming): OLD={served['OLD']} NEW={served['NEW']}, "
-              f"failed={len(failures)}; drain: {drained.finished} finished / {drained.cut} cut in "
-              f"{drained.waited_s:.3f}s; waited={st['waited']} (queue depth at release {depth}), "
-              f"longest wait={st['longest_wait_s']:.3f}s, retried={st['retried']}, "
-              f"max latency={max(latencies):.3f}s")
+    report = (
+        f"{total} requests ({CLIENTS} clients, half streaming): OLD={served['OLD']} NEW={served['NEW']}, "
+        f"failed={len(failures)}; drain: {drained.finished} finished / {drained.cut} cut in "
+        f"{drained.waited_s:.3f}s; waited={st['waited']} (queue depth at release {depth}), "
+        f"longest wait={st['longest_wait_s']:.3f}s, retried={st['retried']}, "
+        f"max latency={max(latencies):.3f}s"
+    )
     print("\n" + report)
     record_property("switch_report", report)
     assert failures == [], failures[:5]
     assert served["OLD"] > 0 and served["NEW"] > 0
     assert drained.cut == 0 and drained.finished == drained.in_flight > 0
-    assert old_stats["cancelled"] == 0 and old_stats["active"] == 0   # nothing was cut on the old engine
-    assert st["waited"] >= CLIENTS and depth == CLIENTS                  # every client waited once
+    assert old_stats["cancelled"] == 0 and old_stats["active"] == 0  # nothing was cut on the old engine
+    assert st["waited"] >= CLIENTS and depth == CLIENTS  # every client waited once
     assert NEW_ENGINE_START <= st["longest_wait_s"] < NEW_ENGINE_START + 5
     assert st["upstream_errors"] == 0 and st["broken_streams"] == 0 and st["cut_streams"] == 0
     assert st["in_flight"] == 0 and st["queue_depth"] == 0
-    assert sum(n for n, _ in timings) > 0                                 # live acceptance flowed throughout
+    assert sum(n for n, _ in timings) > 0  # live acceptance flowed throughout
 
 
 @pytest.mark.parametrize("supervisor_notices", [False, True], ids=["proxy-detects", "supervisor-reports"])
@@ -113,17 +125,22 @@ def test_engine_sigkilled_mid_stream(supervisor_notices):
     doomed = Upstream.start("DOOMED", token_delay=0.05)
     rescue = None
     try:
+
         async def body():
             nonlocal rescue
-            async with running_proxy(doomed.url, queue_timeout=20, recover_interval=30) as proxy, \
-                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                          timeout=aiohttp.ClientTimeout(total=30)) as s:
+            async with (
+                running_proxy(doomed.url, queue_timeout=20, recover_interval=30) as proxy,
+                aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30)
+                ) as s,
+            ):
                 got_token = [asyncio.Event() for _ in range(4)]
 
                 async def streaming(i):
                     text = b""
-                    async with s.post(proxy.url + "/v1/completions",
-                                      json={"prompt": "p", "max_tokens": 60, "stream": True}) as r:
+                    async with s.post(
+                        proxy.url + "/v1/completions", json={"prompt": "p", "max_tokens": 60, "stream": True}
+                    ) as r:
                         async for piece in r.content.iter_any():
                             text += piece
                             if b'"text"' in text:
@@ -135,21 +152,25 @@ def test_engine_sigkilled_mid_stream(supervisor_notices):
                         return r.status, await r.json()
 
                 streams = [asyncio.ensure_future(streaming(i)) for i in range(4)]
-                in_flight_plain = [asyncio.ensure_future(plain(30)) for _ in range(4)]   # 1.5 s, no byte yet
+                in_flight_plain = [asyncio.ensure_future(plain(30)) for _ in range(4)]  # 1.5 s, no byte yet
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in got_token)), 10)
                 assert proxy.stats()["in_flight"] == 8
-                doomed.kill()                                  # SIGKILL, mid-stream
+                doomed.kill()  # SIGKILL, mid-stream
                 if supervisor_notices:
                     proxy.upstream_failed("engine exited with signal 9")
-                late_plain = [asyncio.ensure_future(plain(5)) for _ in range(4)]         # arrive after the death
+                late_plain = [asyncio.ensure_future(plain(5)) for _ in range(4)]  # arrive after the death
                 t0 = time.monotonic()
                 while proxy.state == "serving" and time.monotonic() - t0 < 5:
                     await asyncio.sleep(0.01)
                 assert proxy.state == "down"
-                rescue = await asyncio.to_thread(Upstream.start, "RESCUE")   # the supervisor restarts it
+                rescue = await asyncio.to_thread(Upstream.start, "RESCUE")  # the supervisor restarts it
                 proxy.release(rescue.url)
-                return (await asyncio.gather(*streams), await asyncio.gather(*in_flight_plain),
-                        await asyncio.gather(*late_plain), proxy.stats())
+                return (
+                    await asyncio.gather(*streams),
+                    await asyncio.gather(*in_flight_plain),
+                    await asyncio.gather(*late_plain),
+                    proxy.stats(),
+                )
 
         streamed, in_flight, late, st = run(body())
     finally:
@@ -160,7 +181,7 @@ def test_engine_sigkilled_mid_stream(supervisor_notices):
     for status, text in streamed:
         events = parse_sse(text)
         err = stream_error(events)
-        assert status == 200 and err is not None, events[-2:]          # explicit, never a silent truncation
+        assert status == 200 and err is not None, events[-2:]  # explicit, never a silent truncation
         assert err["type"] == "specops_stream_broken"
         assert "[DONE]" not in events and any("choices" in e for e in events)
     for status, doc in in_flight + late:

@@ -11,20 +11,19 @@ Update after an intended change with::
 
 then review the diff of tests/golden/ by hand.
 """
+
 from __future__ import annotations
 
 import ast
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
-from support_cli import PROFILES, ROOT, ready_made_profiles, run
+from support_cli import ROOT, ready_made_profiles, run
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("SPECOPS_UPDATE_GOLDEN") == "1"
@@ -36,12 +35,23 @@ GOLDEN_ENV = {"SPECOPS_API_KEY": SECRET, "PROMETHEUS_URL": None, "HF_TOKEN": Non
 #: Version used for profiles that do not pin engine.version.
 DEFAULT_VERSION = {"vllm": "0.32.0", "llamacpp": "current"}
 
-JSON_PROFILES = ("llama31-8b-eagle3", "llama31-70b-eagle3-tp4", "qwen25-coder-32b-gguf", "llama31-8b-chat-prod",
-                 "llamacpp-ngram-cpu")
+JSON_PROFILES = (
+    "llama31-8b-eagle3",
+    "llama31-70b-eagle3-tp4",
+    "qwen25-coder-32b-gguf",
+    "llama31-8b-chat-prod",
+    "llamacpp-ngram-cpu",
+)
 ARGS_PROFILES = ("qwen25-coder-32b-gguf", "llama31-8b-draft-1b")
 VLLM_VERSIONS = ("0.6.6", "0.8.2", "0.32.0")
-VLLM_MATRIX = ("llama31-8b-eagle3", "llama31-8b-eagle", "llama31-8b-draft-1b", "llama31-8b-ngram-rag",
-               "vicuna-7b-medusa", "llama31-8b-mlp-speculator")
+VLLM_MATRIX = (
+    "llama31-8b-eagle3",
+    "llama31-8b-eagle",
+    "llama31-8b-draft-1b",
+    "llama31-8b-ngram-rag",
+    "vicuna-7b-medusa",
+    "llama31-8b-mlp-speculator",
+)
 LLAMA_VERSIONS = ("legacy", "current")
 LLAMA_MATRIX = ("qwen25-coder-32b-gguf", "llamacpp-ngram-cpu")
 
@@ -63,6 +73,7 @@ def _backend(name: str) -> str:
     if "backend" in data:
         return data["backend"]
     from specops.config.profile import load_profile
+
     return load_profile(path, env={"SPECOPS_API_KEY": SECRET}).profile.backend
 
 
@@ -85,6 +96,7 @@ def _cases() -> list[tuple[str, str, str | None, str]]:
 
 def _pinned_through_extends(path: Path) -> str | None:
     from specops.config.profile import load_profile
+
     return load_profile(path, env={"SPECOPS_API_KEY": SECRET}).profile.engine.version
 
 
@@ -142,6 +154,7 @@ def test_every_profile_has_a_shell_golden_that_renders():
 
 # ------------------------------------------------------------------------------------- determinism
 
+
 def test_render_twice_is_byte_identical():
     for golden, name, version, fmt in CASES:
         assert render_text(name, version, fmt) == render_text(name, version, fmt), golden
@@ -166,18 +179,27 @@ def test_render_is_identical_under_other_hash_seeds(seed):
     """Set and dict iteration order must not leak into the output: a fresh interpreter per seed."""
     cases = [(g, _args(n, v, f)) for g, n, v, f in CASES]
     env = {**os.environ, "PYTHONHASHSEED": seed}
-    proc = subprocess.run([sys.executable, "-c", _SUBPROCESS_SCRIPT, json.dumps(cases), json.dumps(GOLDEN_ENV)],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SUBPROCESS_SCRIPT, json.dumps(cases), json.dumps(GOLDEN_ENV)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     rendered = json.loads(proc.stdout)
     for golden, *_ in CASES:
-        assert rendered[golden] == (GOLDEN / golden).read_text(encoding="utf-8"), f"{golden} under PYTHONHASHSEED={seed}"
+        assert rendered[golden] == (GOLDEN / golden).read_text(encoding="utf-8"), (
+            f"{golden} under PYTHONHASHSEED={seed}"
+        )
 
 
 # ------------------------------------------------------------------------ are the goldens *right*?
 
+
 def _successful_renders():
-    for golden, name, version, fmt in CASES:
+    for golden, name, _version, fmt in CASES:
         if fmt != "json":
             continue
         text = (GOLDEN / golden).read_text(encoding="utf-8")
@@ -192,6 +214,7 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
 
 def _effective(name: str):
     from specops.config.profile import load_profile
+
     return load_profile(PROFILE_DATA[name][0], env={"SPECOPS_API_KEY": SECRET}).profile
 
 
@@ -256,8 +279,16 @@ def test_vllm_speculative_config_matches_profile_and_version():
     assert checked >= 10
 
 
-REMOVED_LLAMA_FLAGS = {"--draft", "--draft-n", "--draft-max", "--draft-min", "--draft-n-min", "-cd",
-                       "--ctx-size-draft", "--spec-replace"}
+REMOVED_LLAMA_FLAGS = {
+    "--draft",
+    "--draft-n",
+    "--draft-max",
+    "--draft-min",
+    "--draft-n-min",
+    "-cd",
+    "--ctx-size-draft",
+    "--spec-replace",
+}
 
 
 def test_llama_server_flags_match_their_generation():
@@ -276,8 +307,13 @@ def test_llama_server_flags_match_their_generation():
                 assert _flag_value(argv, "--spec-type") == "draft-simple", golden
                 assert _flag_value(argv, "--spec-draft-n-max") == str(profile.speculative.k), golden
             if profile.speculative.method.value == "ngram":
-                assert _flag_value(argv, "--spec-type") in ("ngram-mod", "ngram-simple", "ngram-map-k",
-                                                            "ngram-map-k4v", "ngram-cache"), golden
+                assert _flag_value(argv, "--spec-type") in (
+                    "ngram-mod",
+                    "ngram-simple",
+                    "ngram-map-k",
+                    "ngram-map-k4v",
+                    "ngram-cache",
+                ), golden
         if gen == "legacy":
             assert not [a for a in argv if a.startswith("--spec-")], golden  # old builds know none of them
             assert _flag_value(argv, "--draft-max") == str(profile.speculative.k), golden

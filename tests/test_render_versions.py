@@ -1,12 +1,13 @@
 """Version-dependent rendering details that the golden matrix does not show on its own."""
+
 from __future__ import annotations
 
 import ast
 import json
 
-from specops.plugins import get_registry
-from specops.config.profile import load_profile
 from specops.backends.render import render_plan
+from specops.config.profile import load_profile
+from specops.plugins import get_registry
 
 
 def _plan(tmp_path, body: str, version: str):
@@ -15,7 +16,9 @@ def _plan(tmp_path, body: str, version: str):
     return render_plan(load_profile(path, env={}), get_registry(), backend_version=version, probe=False)
 
 
-EAGLE = "name: m\nbackend: vllm\nmodel: {id: a/b}\nspeculative: {method: eagle, draft: c/EAGLE-d, num_speculative_tokens: 4"
+EAGLE = (
+    "name: m\nbackend: vllm\nmodel: {id: a/b}\nspeculative: {method: eagle, draft: c/EAGLE-d, num_speculative_tokens: 4"
+)
 
 
 def _config(p) -> str:
@@ -25,8 +28,11 @@ def _config(p) -> str:
 def test_vllm_082_gets_json_when_it_reads_the_same_as_a_python_literal(tmp_path):
     p = _plan(tmp_path, EAGLE + "}\n", "0.8.2")
     text = _config(p)
-    assert json.loads(text) == ast.literal_eval(text) == {"method": "eagle", "model": "c/EAGLE-d",
-                                                          "num_speculative_tokens": 4}
+    assert (
+        json.loads(text)
+        == ast.literal_eval(text)
+        == {"method": "eagle", "model": "c/EAGLE-d", "num_speculative_tokens": 4}
+    )
 
 
 def test_vllm_082_gets_a_python_literal_when_json_would_not_parse(tmp_path):
@@ -49,8 +55,10 @@ def test_legacy_vllm_explains_how_it_picks_the_method(tmp_path):
 
 
 def test_llamacpp_multi_gpu_layout_renders_devices_and_split(tmp_path):
-    body = ("name: m\nbackend: llamacpp\nmodel: {id: /m/x.gguf}\ngpus:\n  devices: [0, 1]\n  split_mode: layer\n"
-            "  tensor_split: [3, 1]\n  gpu_layers: 99\n")
+    body = (
+        "name: m\nbackend: llamacpp\nmodel: {id: /m/x.gguf}\ngpus:\n  devices: [0, 1]\n  split_mode: layer\n"
+        "  tensor_split: [3, 1]\n  gpu_layers: 99\n"
+    )
     p = _plan(tmp_path, body, "current")
     argv = list(p.argv)
     assert argv[argv.index("-dev") + 1] == "CUDA0,CUDA1"

@@ -1,5 +1,6 @@
 """``specops resolve``, ``specops lock`` and ``specops validate --resolve`` as a user runs them: the installed
 console script in a subprocess, pointed at the fake Hub through HF_ENDPOINT."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fakehub import QWEN25_05B, QWEN25_7B, TEST_TOKEN, fake_hub, seed_llama31  # noqa: F401
 
 pytestmark = pytest.mark.timeout(180)
@@ -19,8 +19,7 @@ SPECOPS = Path(sys.executable).with_name("specops")
 
 def specops(*args, cwd=None) -> subprocess.CompletedProcess:
     cmd = [str(SPECOPS)] if SPECOPS.exists() else [sys.executable, "-m", "specops.cli"]
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120, env=dict(os.environ),
-                          cwd=cwd)
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120, env=dict(os.environ), cwd=cwd)
 
 
 def test_resolve_prints_ranked_candidates_with_verdicts(fake_hub):
@@ -34,7 +33,7 @@ def test_resolve_prints_ranked_candidates_with_verdicts(fake_hub):
     assert "catalog, speculators verifier" in out
     assert "memory   weights: target 15.0 GiB + draft 1.8 GiB → 16.7 GiB per GPU of 24 GiB" in out
     lines = [ln for ln in out.splitlines() if ln[:3].strip().rstrip("*").strip().isdigit()]
-    assert [ln.split()[-1] for ln in lines][-1] == "built-in"                       # n-gram last
+    assert [ln.split()[-1] for ln in lines][-1] == "built-in"  # n-gram last
     assert "downloading meta-llama/Llama-3.1-8B-Instruct/config.json" in r.stderr  # progress on stderr
 
 
@@ -42,7 +41,7 @@ def test_resolve_json_is_machine_readable(fake_hub):
     fake_hub.add_model("Qwen/Qwen2.5-7B-Instruct", {"config.json": QWEN25_7B})
     fake_hub.add_model("Qwen/Qwen2.5-0.5B-Instruct", {"config.json": QWEN25_05B})
     r = specops("resolve", "Qwen/Qwen2.5-7B-Instruct", "--method", "draft_model", "--json")
-    assert r.returncode == 1                                                         # nothing passes for vLLM
+    assert r.returncode == 1  # nothing passes for vLLM
     data = json.loads(r.stdout)
     assert data["choice"] is None
     cand = data["candidates"][0]
@@ -75,9 +74,11 @@ def test_hub_errors_are_one_line_each(fake_hub, monkeypatch):
 def test_lock_then_render_inputs_and_check(fake_hub, tmp_path):
     seed_llama31(fake_hub)
     prof = tmp_path / "llama.yaml"
-    prof.write_text("name: llama\nbackend: vllm\nengine: {version: 0.32.0}\n"
-                    "model: {id: meta-llama/Llama-3.1-8B-Instruct, max_model_len: 2048}\n"
-                    "speculative: {method: auto}\n")
+    prof.write_text(
+        "name: llama\nbackend: vllm\nengine: {version: 0.32.0}\n"
+        "model: {id: meta-llama/Llama-3.1-8B-Instruct, max_model_len: 2048}\n"
+        "speculative: {method: auto}\n"
+    )
     r = specops("lock", str(prof))
     assert r.returncode == 0, r.stdout + r.stderr
     lock = tmp_path / "llama.lock.json"
@@ -97,13 +98,17 @@ def test_validate_resolve_reports_checks_at_the_profile_line(fake_hub, tmp_path)
     fake_hub.add_model("Qwen/Qwen2.5-0.5B-Instruct", {"config.json": QWEN25_05B})
     seed_llama31(fake_hub)
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: bad\nbackend: vllm\nmodel: {id: Qwen/Qwen2.5-7B-Instruct}\n"
-                   "speculative:\n  method: draft_model\n  draft: Qwen/Qwen2.5-0.5B-Instruct\n")
+    bad.write_text(
+        "name: bad\nbackend: vllm\nmodel: {id: Qwen/Qwen2.5-7B-Instruct}\n"
+        "speculative:\n  method: draft_model\n  draft: Qwen/Qwen2.5-0.5B-Instruct\n"
+    )
     warn = tmp_path / "warn.yaml"
-    warn.write_text("name: warn\nbackend: vllm\nmodel:\n  id: meta-llama/Llama-3.1-8B-Instruct\n  max_model_len: 8192\n"
-                    "speculative: {method: eagle3, draft: yuhuili/EAGLE3-LLaMA3.1-Instruct-8B}\n")
+    warn.write_text(
+        "name: warn\nbackend: vllm\nmodel:\n  id: meta-llama/Llama-3.1-8B-Instruct\n  max_model_len: 8192\n"
+        "speculative: {method: eagle3, draft: yuhuili/EAGLE3-LLaMA3.1-Instruct-8B}\n"
+    )
     plain = specops("validate", str(bad))
-    assert plain.returncode == 0                                 # schema-valid; the Hub is only asked with --resolve
+    assert plain.returncode == 0  # schema-valid; the Hub is only asked with --resolve
     r = specops("validate", "--resolve", str(bad), str(warn))
     assert r.returncode == 1
     assert f"error   {bad}:6:10: speculative.draft: draft vocab_size 151936 != target's 152064" in r.stdout

@@ -2,6 +2,7 @@
 
 Every test starts its own Hub on 127.0.0.1 with an empty HF cache; nothing reaches the internet.
 """
+
 from __future__ import annotations
 
 import socket
@@ -10,13 +11,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fakehub import (
+    DEEPSEEK_V3,
+    EAGLE3_LLAMA31_8B,
+    LLAMA31_8B,
+    MEDUSA_VICUNA_7B,
+    MISTRAL_7B_V03,
+    QWEN25_05B,
+    QWEN25_7B,  # noqa: F401
+    QWEN_TOKENIZER,
+    TEST_TOKEN,
+    VICUNA_7B,
+    fake_hub,  # noqa: F401  (a pytest fixture)
+    seed_llama31,
+    speculators_eagle3,
+)
 
-from fakehub import (DEEPSEEK_V3, EAGLE3_LLAMA31_8B, LLAMA31_8B, MEDUSA_VICUNA_7B, MISTRAL_7B_V03, QWEN25_05B,
-                     QWEN25_7B, QWEN_TOKENIZER, TEST_TOKEN, VICUNA_7B, fake_hub, seed_llama31,  # noqa: F401
-                     speculators_eagle3)
+from specops.config.profile import Profile, load_profile
 from specops.errors import ProfileError
 from specops.methods import Method
-from specops.config.profile import Profile, load_profile
 from specops.resolve import resolve, resolve_profile, synthetic_profile
 from specops.resolve.hub import Hub
 
@@ -41,21 +54,40 @@ def closed_port() -> int:
     return port
 
 
-GRANITE = {"architectures": ["GraniteForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 40,
-           "max_position_embeddings": 131072, "model_type": "granite", "vocab_size": 49159, "torch_dtype": "bfloat16"}
+GRANITE = {
+    "architectures": ["GraniteForCausalLM"],
+    "hidden_size": 4096,
+    "num_hidden_layers": 40,
+    "max_position_embeddings": 131072,
+    "model_type": "granite",
+    "vocab_size": 49159,
+    "torch_dtype": "bfloat16",
+}
 
 
 # ------------------------------------------------------------------------------------------ discovery
 
+
 def test_eagle3_head_found_by_base_model_tag(fake_hub):
-    fake_hub.add_model("mistralai/Mistral-7B-Instruct-v0.3", {"config.json": MISTRAL_7B_V03},
-                       safetensors={"parameters": {"BF16": 7_248_023_552}, "total": 7_248_023_552})
+    fake_hub.add_model(
+        "mistralai/Mistral-7B-Instruct-v0.3",
+        {"config.json": MISTRAL_7B_V03},
+        safetensors={"parameters": {"BF16": 7_248_023_552}, "total": 7_248_023_552},
+    )
     head = {**EAGLE3_LLAMA31_8B, "vocab_size": 32768, "draft_vocab_size": 16384, "max_position_embeddings": 32768}
-    fake_hub.add_model("acme/spec-head-e3", {"config.json": head, "model.safetensors": 400_000_000},
-                       card_data={"base_model": "mistralai/Mistral-7B-Instruct-v0.3"}, downloads=1200)
+    fake_hub.add_model(
+        "acme/spec-head-e3",
+        {"config.json": head, "model.safetensors": 400_000_000},
+        card_data={"base_model": "mistralai/Mistral-7B-Instruct-v0.3"},
+        downloads=1200,
+    )
     # a fine-tune with the same base_model tag is not a draft
-    fake_hub.add_model("acme/Mistral-7B-Instruct-v0.3-finetune", {"config.json": MISTRAL_7B_V03},
-                       card_data={"base_model": "mistralai/Mistral-7B-Instruct-v0.3"}, downloads=99_000)
+    fake_hub.add_model(
+        "acme/Mistral-7B-Instruct-v0.3-finetune",
+        {"config.json": MISTRAL_7B_V03},
+        card_data={"base_model": "mistralai/Mistral-7B-Instruct-v0.3"},
+        downloads=99_000,
+    )
 
     res = resolve(synthetic_profile("mistralai/Mistral-7B-Instruct-v0.3"))
 
@@ -66,7 +98,7 @@ def test_eagle3_head_found_by_base_model_tag(fake_hub):
     assert res.profile.speculative.draft == "acme/spec-head-e3"
     assert res.profile.speculative.draft_revision == fake_hub.repos["acme/spec-head-e3"].sha
     assert all(c.draft != "acme/Mistral-7B-Instruct-v0.3-finetune" for c in res.candidates)
-    assert [c.method for c in res.candidates][-1] is Method.NGRAM          # n-gram is always the last resort
+    assert [c.method for c in res.candidates][-1] is Method.NGRAM  # n-gram is always the last resort
     assert any("filter=base_model%3Amistralai%2FMistral-7B-Instruct-v0.3" in p for p in fake_hub.paths_requested("GET"))
     assert fake_hub.weight_downloads == []
     assert not any(p.endswith((".safetensors", ".bin")) for p in fake_hub.paths_requested("GET"))
@@ -77,13 +109,19 @@ def test_speculators_verifier_wins_over_a_wrong_card_base_model(fake_hub):
     other = "ibm-granite/granite-3.3-2b-instruct"
     fake_hub.add_model(target, {"config.json": GRANITE})
     # right head, wrong card: the card names another model; found by name, its verifier names the target
-    fake_hub.add_model("org-a/granite-3.3-8b-instruct-speculator.eagle3",
-                       {"config.json": speculators_eagle3(target, vocab=49159, verifier_arch="GraniteForCausalLM")},
-                       card_data={"base_model": other}, downloads=100)
+    fake_hub.add_model(
+        "org-a/granite-3.3-8b-instruct-speculator.eagle3",
+        {"config.json": speculators_eagle3(target, vocab=49159, verifier_arch="GraniteForCausalLM")},
+        card_data={"base_model": other},
+        downloads=100,
+    )
     # wrong head, right card: tagged with the target, but trained for the 2B model
-    fake_hub.add_model("org-b/granite-eagle3-head",
-                       {"config.json": speculators_eagle3(other, hidden=2048, vocab=49159)},
-                       card_data={"base_model": target}, downloads=5000)
+    fake_hub.add_model(
+        "org-b/granite-eagle3-head",
+        {"config.json": speculators_eagle3(other, hidden=2048, vocab=49159)},
+        card_data={"base_model": target},
+        downloads=5000,
+    )
 
     res = resolve(synthetic_profile(target, method="eagle3"))
 
@@ -93,17 +131,21 @@ def test_speculators_verifier_wins_over_a_wrong_card_base_model(fake_hub):
     assert "speculators verifier" in right.signals
     assert any(f.check == "identity" and f.severity == "info" and other in f.message for f in right.findings)
     assert wrong.verdict == "refused"
-    assert any(f.check == "identity" and f.severity == "error" and f"trained for {other}" in f.message
-               for f in wrong.findings)
-    assert res.candidates.index(right) < res.candidates.index(wrong)   # re-ranked once the verifier was read
+    assert any(
+        f.check == "identity" and f.severity == "error" and f"trained for {other}" in f.message for f in wrong.findings
+    )
+    assert res.candidates.index(right) < res.candidates.index(wrong)  # re-ranked once the verifier was read
 
 
 def test_medusa_head_and_its_vllm_version_window(fake_hub, tmp_path):
     fake_hub.add_model("lmsys/vicuna-7b-v1.3", {"config.json": VICUNA_7B})
-    fake_hub.add_model("FasterDecoding/medusa-vicuna-7b-v1.3",
-                       {"config.json": MEDUSA_VICUNA_7B, "medusa_lm_head.pt": 1_400_000_000})
-    text = ("name: medusa\nbackend: vllm\nengine: {version: '%s'}\nmodel: {id: lmsys/vicuna-7b-v1.3}\n"
-            "speculative: {method: medusa, draft: auto}\n")
+    fake_hub.add_model(
+        "FasterDecoding/medusa-vicuna-7b-v1.3", {"config.json": MEDUSA_VICUNA_7B, "medusa_lm_head.pt": 1_400_000_000}
+    )
+    text = (
+        "name: medusa\nbackend: vllm\nengine: {version: '%s'}\nmodel: {id: lmsys/vicuna-7b-v1.3}\n"
+        "speculative: {method: medusa, draft: auto}\n"
+    )
     ok = resolve_profile(load_profile(write_profile(tmp_path, text % "0.32.0")), use_lock=False)
     assert ok.profile.speculative.draft == "FasterDecoding/medusa-vicuna-7b-v1.3"
     assert {"catalog", "medusa base_model_name_or_path"} <= set(ok.choice.signals)
@@ -115,45 +157,61 @@ def test_medusa_head_and_its_vllm_version_window(fake_hub, tmp_path):
 
 
 def _seed_qwen(hub):
-    hub.add_model("Qwen/Qwen2.5-7B-Instruct", {"config.json": QWEN25_7B, "tokenizer.json": QWEN_TOKENIZER,
-                                               "model-00001-of-00004.safetensors": 3_945_441_440})
-    hub.add_model("Qwen/Qwen2.5-0.5B-Instruct", {"config.json": QWEN25_05B, "tokenizer.json": QWEN_TOKENIZER,
-                                                 "model.safetensors": 988_097_824})
-    hub.add_model("Qwen/Qwen2.5-7B-Instruct-GGUF",
-                  {"qwen2.5-7b-instruct-q4_k_m-00001-of-00002.gguf": 3_993_201_344,
-                   "qwen2.5-7b-instruct-q4_k_m-00002-of-00002.gguf": 689_872_288,
-                   "qwen2.5-7b-instruct-q8_0-00001-of-00003.gguf": 3_988_000_000},
-                  card_data={"base_model": "Qwen/Qwen2.5-7B-Instruct"},
-                  gguf={"total": 7_615_616_512, "architecture": "qwen2", "context_length": 32768})
-    hub.add_model("Qwen/Qwen2.5-0.5B-Instruct-GGUF",
-                  {"qwen2.5-0.5b-instruct-q4_k_m.gguf": 491_400_064, "qwen2.5-0.5b-instruct-q8_0.gguf": 675_710_816},
-                  card_data={"base_model": "Qwen/Qwen2.5-0.5B-Instruct"},
-                  gguf={"total": 494_032_768, "architecture": "qwen2", "context_length": 32768})
+    hub.add_model(
+        "Qwen/Qwen2.5-7B-Instruct",
+        {"config.json": QWEN25_7B, "tokenizer.json": QWEN_TOKENIZER, "model-00001-of-00004.safetensors": 3_945_441_440},
+    )
+    hub.add_model(
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        {"config.json": QWEN25_05B, "tokenizer.json": QWEN_TOKENIZER, "model.safetensors": 988_097_824},
+    )
+    hub.add_model(
+        "Qwen/Qwen2.5-7B-Instruct-GGUF",
+        {
+            "qwen2.5-7b-instruct-q4_k_m-00001-of-00002.gguf": 3_993_201_344,
+            "qwen2.5-7b-instruct-q4_k_m-00002-of-00002.gguf": 689_872_288,
+            "qwen2.5-7b-instruct-q8_0-00001-of-00003.gguf": 3_988_000_000,
+        },
+        card_data={"base_model": "Qwen/Qwen2.5-7B-Instruct"},
+        gguf={"total": 7_615_616_512, "architecture": "qwen2", "context_length": 32768},
+    )
+    hub.add_model(
+        "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+        {"qwen2.5-0.5b-instruct-q4_k_m.gguf": 491_400_064, "qwen2.5-0.5b-instruct-q8_0.gguf": 675_710_816},
+        card_data={"base_model": "Qwen/Qwen2.5-0.5B-Instruct"},
+        gguf={"total": 494_032_768, "architecture": "qwen2", "context_length": 32768},
+    )
 
 
 def test_qwen25_vocab_mismatch_is_refused_for_vllm(fake_hub, tmp_path):
     _seed_qwen(fake_hub)
-    path = write_profile(tmp_path, "name: q\nbackend: vllm\nmodel: {id: Qwen/Qwen2.5-7B-Instruct}\n"
-                                   "speculative:\n  method: draft_model\n  draft: Qwen/Qwen2.5-0.5B-Instruct\n")
+    path = write_profile(
+        tmp_path,
+        "name: q\nbackend: vllm\nmodel: {id: Qwen/Qwen2.5-7B-Instruct}\n"
+        "speculative:\n  method: draft_model\n  draft: Qwen/Qwen2.5-0.5B-Instruct\n",
+    )
     with pytest.raises(ProfileError) as exc:
         resolve_profile(load_profile(path), use_lock=False)
     problem = exc.value.problems[0]
     assert "vocab_size 151936 != target's 152064" in problem.message
-    assert (problem.field, problem.location.line) == ("speculative.draft", 6)   # located at the draft line
+    assert (problem.field, problem.location.line) == ("speculative.draft", 6)  # located at the draft line
 
 
 def test_qwen25_vocab_mismatch_is_allowed_for_llamacpp(fake_hub, tmp_path):
     _seed_qwen(fake_hub)
-    path = write_profile(tmp_path, "name: q\nbackend: llamacpp\nmodel: {id: Qwen/Qwen2.5-7B-Instruct-GGUF}\n"
-                                   "speculative: {method: draft_model, draft: Qwen/Qwen2.5-0.5B-Instruct-GGUF}\n")
+    path = write_profile(
+        tmp_path,
+        "name: q\nbackend: llamacpp\nmodel: {id: Qwen/Qwen2.5-7B-Instruct-GGUF}\n"
+        "speculative: {method: draft_model, draft: Qwen/Qwen2.5-0.5B-Instruct-GGUF}\n",
+    )
     res = resolve_profile(load_profile(path), use_lock=False)
     spec = res.profile.speculative
-    assert spec.draft_file == "qwen2.5-0.5b-instruct-q4_k_m.gguf"                  # default Q4_K_M
+    assert spec.draft_file == "qwen2.5-0.5b-instruct-q4_k_m.gguf"  # default Q4_K_M
     assert res.target.gguf_file == "qwen2.5-7b-instruct-q4_k_m-00001-of-00002.gguf"
-    assert res.memory.target.bytes == 3_993_201_344 + 689_872_288                 # both split parts
+    assert res.memory.target.bytes == 3_993_201_344 + 689_872_288  # both split parts
     assert any(f.check == "vocab" and "differ by 128" in f.message for f in res.findings)
     assert not res.errors
-    assert res.memory is not None and res.memory.draft.bytes == 491_400_064        # from paths-info, not downloaded
+    assert res.memory is not None and res.memory.draft.bytes == 491_400_064  # from paths-info, not downloaded
     assert fake_hub.weight_downloads == []
 
 
@@ -168,6 +226,7 @@ def test_llamacpp_auto_picks_the_catalog_gguf_pair_and_the_requested_quant(fake_
 
 def _write_gguf(path: Path, n_vocab: int, *, bos: int = 1, eos: int = 2, swap: int | None = None) -> Path:
     import gguf
+
     tokens = ["<unk>", "<s>", "</s>"] + [f"tok{i}" for i in range(3, n_vocab)]
     if swap is not None:
         tokens[swap] = "different"
@@ -188,29 +247,40 @@ def _write_gguf(path: Path, n_vocab: int, *, bos: int = 1, eos: int = 2, swap: i
     return path
 
 
-@pytest.mark.parametrize("draft_kwargs,ok,message", [
-    ({"n_vocab": 400}, True, "same token text"),
-    ({"n_vocab": 400 + 128}, True, "same token text"),
-    ({"n_vocab": 400 + 129}, False, "129 apart; llama.cpp allows at most 128"),
-    ({"n_vocab": 400, "eos": 3}, False, "BOS/EOS differ"),
-    ({"n_vocab": 400, "swap": 7}, False, "token 7 differs"),
-])
+@pytest.mark.parametrize(
+    "draft_kwargs,ok,message",
+    [
+        ({"n_vocab": 400}, True, "same token text"),
+        ({"n_vocab": 400 + 128}, True, "same token text"),
+        ({"n_vocab": 400 + 129}, False, "129 apart; llama.cpp allows at most 128"),
+        ({"n_vocab": 400, "eos": 3}, False, "BOS/EOS differ"),
+        ({"n_vocab": 400, "swap": 7}, False, "token 7 differs"),
+    ],
+)
 def test_local_gguf_vocab_rules_of_llamacpp(fake_hub, tmp_path, draft_kwargs, ok, message):
     target = _write_gguf(tmp_path / "target.gguf", 400)
     draft = _write_gguf(tmp_path / "draft.gguf", **draft_kwargs)
-    p = Profile.model_validate({"name": "g", "backend": "llamacpp", "model": {"id": str(target)},
-                                "speculative": {"method": "draft_model", "draft": str(draft)}})
+    p = Profile.model_validate(
+        {
+            "name": "g",
+            "backend": "llamacpp",
+            "model": {"id": str(target)},
+            "speculative": {"method": "draft_model", "draft": str(draft)},
+        }
+    )
     res = resolve(p)
     vocab = [f for f in res.findings if f.check == "vocab"]
     assert any(message in f.message for f in vocab), vocab
     assert (res.choice is not None) is ok
-    assert fake_hub.requests == []                                   # local files: no Hub
+    assert fake_hub.requests == []  # local files: no Hub
 
 
 def test_eagle_head_trained_at_2048_warned_when_serving_8192(fake_hub, tmp_path):
     seed_llama31(fake_hub)
-    text = ("name: e\nbackend: vllm\nmodel:\n  id: meta-llama/Llama-3.1-8B-Instruct\n  max_model_len: %d\n"
-            "speculative: {method: eagle3, draft: yuhuili/EAGLE3-LLaMA3.1-Instruct-8B}\n")
+    text = (
+        "name: e\nbackend: vllm\nmodel:\n  id: meta-llama/Llama-3.1-8B-Instruct\n  max_model_len: %d\n"
+        "speculative: {method: eagle3, draft: yuhuili/EAGLE3-LLaMA3.1-Instruct-8B}\n"
+    )
     res = resolve_profile(load_profile(write_profile(tmp_path, text % 8192)), use_lock=False)
     warn = [f for f in res.findings if f.check == "context"]
     assert len(warn) == 1 and warn[0].severity == "warning"
@@ -224,8 +294,9 @@ def test_eagle_head_trained_at_2048_warned_when_serving_8192(fake_hub, tmp_path)
 def test_mtp_refused_on_a_target_without_mtp_layers(fake_hub, tmp_path):
     seed_llama31(fake_hub)
     fake_hub.add_model("deepseek-ai/DeepSeek-V3", {"config.json": DEEPSEEK_V3})
-    path = write_profile(tmp_path, "name: m\nbackend: vllm\nmodel: {id: meta-llama/Llama-3.1-8B-Instruct}\n"
-                                   "speculative: {method: mtp}\n")
+    path = write_profile(
+        tmp_path, "name: m\nbackend: vllm\nmodel: {id: meta-llama/Llama-3.1-8B-Instruct}\nspeculative: {method: mtp}\n"
+    )
     with pytest.raises(ProfileError) as exc:
         resolve_profile(load_profile(path), use_lock=False)
     assert "has no MTP layers" in str(exc.value) and exc.value.problems[0].field == "speculative.method"
@@ -233,11 +304,12 @@ def test_mtp_refused_on_a_target_without_mtp_layers(fake_hub, tmp_path):
     res = resolve(synthetic_profile("deepseek-ai/DeepSeek-V3", method="mtp"))
     assert res.choice.method is Method.MTP and res.profile.speculative.draft is None
     auto = resolve(synthetic_profile("deepseek-ai/DeepSeek-V3"))
-    assert auto.choice.method is Method.MTP                     # no EAGLE head published: MTP comes next
+    assert auto.choice.method is Method.MTP  # no EAGLE head published: MTP comes next
     assert {"catalog", "target config"} <= set(auto.choice.signals)
 
 
 # ------------------------------------------------------------------------------------------ checks
+
 
 def test_head_checks_hidden_aux_layers_and_method_mismatch(fake_hub):
     seed_llama31(fake_hub)
@@ -246,8 +318,12 @@ def test_head_checks_hidden_aux_layers_and_method_mismatch(fake_hub):
     fake_hub.add_model("x/wrong-hidden", {"config.json": speculators_eagle3(t, hidden=5120)})
 
     def run(method, draft):
-        return resolve(Profile.model_validate({"name": "c", "backend": "vllm", "model": {"id": t},
-                                               "speculative": {"method": method, "draft": draft}}))
+        return resolve(
+            Profile.model_validate(
+                {"name": "c", "backend": "vllm", "model": {"id": t}, "speculative": {"method": method, "draft": draft}}
+            )
+        )
+
     aux = run("eagle3", "x/aux-too-deep")
     assert any(f.check == "aux_layers" and "include 32, but the target has 32 layers" in f.message for f in aux.errors)
     hidden = run("eagle3", "x/wrong-hidden")
@@ -258,30 +334,50 @@ def test_head_checks_hidden_aux_layers_and_method_mismatch(fake_hub):
     assert any("looks like a complete model (16 layers" in f.message for f in full.errors)
     eagle1 = run("eagle", "yuhuili/EAGLE-LLaMA3.1-Instruct-8B")
     assert eagle1.choice is not None and not eagle1.errors
-    old = resolve(Profile.model_validate({"name": "c", "backend": "vllm", "engine": {"version": "0.8.4"},
-                                          "model": {"id": t},
-                                          "speculative": {"method": "eagle3",
-                                                          "draft": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}}))
+    old = resolve(
+        Profile.model_validate(
+            {
+                "name": "c",
+                "backend": "vllm",
+                "engine": {"version": "0.8.4"},
+                "model": {"id": t},
+                "speculative": {"method": "eagle3", "draft": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"},
+            }
+        )
+    )
     assert any("needs vLLM >= 0.8.5" in f.message for f in old.errors)
 
 
 def test_tokenizer_identity_and_memory_budget(fake_hub):
     seed_llama31(fake_hub)
-    fake_hub.add_model("acme/Llama-3.2-1B-Instruct-retok",
-                       {"config.json": {**LLAMA31_8B, "hidden_size": 2048, "num_hidden_layers": 16},
-                        "tokenizer.json": '{"version": "1.0", "model": {"type": "BPE", "vocab": {}}}',
-                        "model.safetensors": 2_400_000_000})
-    p = Profile.model_validate({"name": "t", "backend": "vllm", "model": {"id": "meta-llama/Llama-3.1-8B-Instruct"},
-                                "gpus": {"memory_gb": 16},
-                                "speculative": {"method": "draft_model", "draft": "acme/Llama-3.2-1B-Instruct-retok"}})
+    fake_hub.add_model(
+        "acme/Llama-3.2-1B-Instruct-retok",
+        {
+            "config.json": {**LLAMA31_8B, "hidden_size": 2048, "num_hidden_layers": 16},
+            "tokenizer.json": '{"version": "1.0", "model": {"type": "BPE", "vocab": {}}}',
+            "model.safetensors": 2_400_000_000,
+        },
+    )
+    p = Profile.model_validate(
+        {
+            "name": "t",
+            "backend": "vllm",
+            "model": {"id": "meta-llama/Llama-3.1-8B-Instruct"},
+            "gpus": {"memory_gb": 16},
+            "speculative": {"method": "draft_model", "draft": "acme/Llama-3.2-1B-Instruct-retok"},
+        }
+    )
     res = resolve(p)
     tok = [f for f in res.findings if f.check == "tokenizer"]
     assert tok and tok[0].severity == "warning" and "tokenizer differs" in tok[0].message
     mem = [f for f in res.findings if f.check == "memory"]
     assert mem[0].severity == "warning" and "over the gpus.memory_gb budget" in mem[0].message
     assert res.memory.target.source == "safetensors metadata" and res.memory.draft.source == "file sizes"
-    same = resolve(p.model_copy(update={"speculative": p.speculative.model_copy(
-        update={"draft": "meta-llama/Llama-3.2-1B-Instruct"})}))
+    same = resolve(
+        p.model_copy(
+            update={"speculative": p.speculative.model_copy(update={"draft": "meta-llama/Llama-3.2-1B-Instruct"})}
+        )
+    )
     assert any(f.check == "tokenizer" and f.severity == "info" and "identical" in f.message for f in same.findings)
 
 
@@ -289,8 +385,9 @@ def test_ranking_prefers_method_then_trust_then_downloads(fake_hub):
     fake_hub.add_model("mistralai/Mistral-7B-Instruct-v0.3", {"config.json": MISTRAL_7B_V03})
     head = {**EAGLE3_LLAMA31_8B, "vocab_size": 32768, "draft_vocab_size": 16384, "max_position_embeddings": 32768}
     for name, dl in (("a/head-low", 10), ("b/head-high", 5000)):
-        fake_hub.add_model(name, {"config.json": head}, card_data={"base_model": "mistralai/Mistral-7B-Instruct-v0.3"},
-                           downloads=dl)
+        fake_hub.add_model(
+            name, {"config.json": head}, card_data={"base_model": "mistralai/Mistral-7B-Instruct-v0.3"}, downloads=dl
+        )
     fake_hub.add_model("c/EAGLE3-Mistral-7B-Instruct-v0.3", {"config.json": head}, downloads=90_000)  # name only
     res = resolve(synthetic_profile("mistralai/Mistral-7B-Instruct-v0.3", method="eagle3"))
     order = [c.draft for c in res.candidates if c.method is Method.EAGLE3]
@@ -299,6 +396,7 @@ def test_ranking_prefers_method_then_trust_then_downloads(fake_hub):
 
 
 # ------------------------------------------------------------------------------------------ Hub failures
+
 
 def test_hub_down_falls_back_to_the_catalog_with_a_note(monkeypatch, fake_hub):
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
@@ -318,13 +416,16 @@ def test_rate_limit_is_one_line_and_falls_back(fake_hub):
     assert time.monotonic() - t0 < 10
     assert any("rate-limited by the Hub" in n and "retry in 55 s" in n for n in res.notes), res.notes
     assert res.choice is not None and "catalog" in res.choice.signals
-    assert len(fake_hub.requests) <= 3          # the breaker stops asking after the first 429
+    assert len(fake_hub.requests) <= 3  # the breaker stops asking after the first 429
 
 
 def test_repo_not_found(fake_hub, tmp_path):
     seed_llama31(fake_hub)
-    path = write_profile(tmp_path, "name: n\nbackend: vllm\nmodel: {id: meta-llama/Llama-3.1-8B-Instruct}\n"
-                                   "speculative: {method: eagle3, draft: nobody/missing-eagle3}\n")
+    path = write_profile(
+        tmp_path,
+        "name: n\nbackend: vllm\nmodel: {id: meta-llama/Llama-3.1-8B-Instruct}\n"
+        "speculative: {method: eagle3, draft: nobody/missing-eagle3}\n",
+    )
     with pytest.raises(ProfileError) as exc:
         resolve_profile(load_profile(path), use_lock=False)
     assert "nobody/missing-eagle3 not found on the Hub" in str(exc.value)
@@ -336,8 +437,14 @@ def test_repo_not_found(fake_hub, tmp_path):
 def test_gated_repo_needs_a_token(fake_hub, monkeypatch):
     seed_llama31(fake_hub)
     fake_hub.repos["meta-llama/Llama-3.2-1B-Instruct"].gated = "manual"
-    p = Profile.model_validate({"name": "g", "backend": "vllm", "model": {"id": "meta-llama/Llama-3.1-8B-Instruct"},
-                                "speculative": {"method": "draft_model", "draft": "meta-llama/Llama-3.2-1B-Instruct"}})
+    p = Profile.model_validate(
+        {
+            "name": "g",
+            "backend": "vllm",
+            "model": {"id": "meta-llama/Llama-3.1-8B-Instruct"},
+            "speculative": {"method": "draft_model", "draft": "meta-llama/Llama-3.2-1B-Instruct"},
+        }
+    )
     res = resolve(p)
     assert res.choice is None
     msg = res.errors[0].message
@@ -355,9 +462,9 @@ def test_offline_uses_the_cache_then_the_catalog(fake_hub, monkeypatch, tmp_path
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cached = resolve(synthetic_profile("meta-llama/Llama-3.1-8B-Instruct", max_model_len=2048))
-    assert len(fake_hub.requests) == n                                   # not a single request
+    assert len(fake_hub.requests) == n  # not a single request
     assert any(note.startswith("offline") for note in cached.notes)
-    assert cached.target.revision == online.target.revision              # commit from the cache's refs/main
+    assert cached.target.revision == online.target.revision  # commit from the cache's refs/main
     assert cached.target.facts.vocab == 128256 and cached.target.facts_source == "config.json"
     # both published EAGLE-3 heads pass; offline there are no download counts to break the tie, so the
     # pick may differ from the online one (a lock pins it) — but it comes checked from the cache
@@ -366,13 +473,20 @@ def test_offline_uses_the_cache_then_the_catalog(fake_hub, monkeypatch, tmp_path
     assert cached.choice.verdict == "ok" and cached.choice.view.facts_source == "config.json"
     assert cached.profile.speculative.draft_revision == fake_hub.repos[cached.choice.draft].sha
 
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-cache"))        # offline, nothing cached
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-cache"))  # offline, nothing cached
     bare = resolve(synthetic_profile("meta-llama/Llama-3.1-8B-Instruct"))
     assert bare.target.facts_source == "catalog" and bare.target.facts.vocab == 128256
     assert bare.choice is not None and "catalog" in bare.choice.signals
-    unknown = resolve(Profile.model_validate({
-        "name": "u", "backend": "vllm", "model": {"id": "meta-llama/Llama-3.1-8B-Instruct"},
-        "speculative": {"method": "eagle3", "draft": "someone/unknown-eagle3"}}))
+    unknown = resolve(
+        Profile.model_validate(
+            {
+                "name": "u",
+                "backend": "vllm",
+                "model": {"id": "meta-llama/Llama-3.1-8B-Instruct"},
+                "speculative": {"method": "eagle3", "draft": "someone/unknown-eagle3"},
+            }
+        )
+    )
     msg = next(f.message for f in unknown.findings if f.check == "hub")
     assert msg.startswith("offline: someone/unknown-eagle3 is not in the lock, the HF cache or the catalog")
     assert len(fake_hub.requests) == n
@@ -390,7 +504,7 @@ def test_progress_reports_config_downloads(fake_hub):
 def test_a_hub_that_does_not_answer_is_cut_off_by_the_deadline(fake_hub, monkeypatch):
     seed_llama31(fake_hub)
     fake_hub.latency = 4.0
-    monkeypatch.setenv("SPECOPS_HUB_TIMEOUT", "0.5")          # deadline per call: 2 × 0.5 + 1 = 2 s
+    monkeypatch.setenv("SPECOPS_HUB_TIMEOUT", "0.5")  # deadline per call: 2 × 0.5 + 1 = 2 s
     t0 = time.monotonic()
     res = resolve(synthetic_profile("meta-llama/Llama-3.1-8B-Instruct"))
     assert time.monotonic() - t0 < 3.5
@@ -401,8 +515,10 @@ def test_a_hub_that_does_not_answer_is_cut_off_by_the_deadline(fake_hub, monkeyp
 
 # ------------------------------------------------------------------------------------------ capabilities
 
+
 def _register(monkeypatch, backend):
     from specops.plugins import get_registry
+
     monkeypatch.setitem(get_registry().backends, backend.name, backend)
 
 
@@ -423,21 +539,36 @@ def test_the_resolver_reads_backend_capabilities_not_names(fake_hub, monkeypatch
     _register(monkeypatch, GgufEngine())
     _register(monkeypatch, PlainEngine())
     _seed_qwen(fake_hub)
-    gguf = resolve(Profile.model_validate({"name": "g", "backend": "ggufish",
-                                           "model": {"id": "Qwen/Qwen2.5-7B-Instruct-GGUF"},
-                                           "speculative": {"method": "draft_model",
-                                                           "draft": "Qwen/Qwen2.5-0.5B-Instruct-GGUF"}}))
+    gguf = resolve(
+        Profile.model_validate(
+            {
+                "name": "g",
+                "backend": "ggufish",
+                "model": {"id": "Qwen/Qwen2.5-7B-Instruct-GGUF"},
+                "speculative": {"method": "draft_model", "draft": "Qwen/Qwen2.5-0.5B-Instruct-GGUF"},
+            }
+        )
+    )
     assert not gguf.errors
     assert gguf.profile.speculative.draft_file == "qwen2.5-0.5b-instruct-q4_k_m.gguf"
     assert any(f.check == "vocab" and "differ by 128: GGUFish accepts up to 128" in f.message for f in gguf.findings)
-    assert "device(s)" in gguf.memory.layout                                       # not parallel_layout
-    plain = resolve(Profile.model_validate({"name": "p", "backend": "plain",
-                                            "model": {"id": "Qwen/Qwen2.5-7B-Instruct"},
-                                            "speculative": {"method": "draft_model",
-                                                            "draft": "Qwen/Qwen2.5-0.5B-Instruct"}}))
-    assert any(f.check == "vocab" and f.severity == "error" and
-               "vocab_size 151936 != target's 152064: plain needs equal vocabularies" in f.message
-               for f in plain.findings), plain.findings
+    assert "device(s)" in gguf.memory.layout  # not parallel_layout
+    plain = resolve(
+        Profile.model_validate(
+            {
+                "name": "p",
+                "backend": "plain",
+                "model": {"id": "Qwen/Qwen2.5-7B-Instruct"},
+                "speculative": {"method": "draft_model", "draft": "Qwen/Qwen2.5-0.5B-Instruct"},
+            }
+        )
+    )
+    assert any(
+        f.check == "vocab"
+        and f.severity == "error"
+        and "vocab_size 151936 != target's 152064: plain needs equal vocabularies" in f.message
+        for f in plain.findings
+    ), plain.findings
     assert plain.profile.speculative.draft_file is None
 
 
@@ -452,11 +583,20 @@ def test_pinned_versions_are_checked_by_the_backend(monkeypatch):
         def method_version_problem(self, method, version):
             return f"{method} needs pinned >= 2 (profile pins {version})" if version == "1" else None
 
-    p = Profile.model_validate({"name": "v", "backend": "pinned", "model": {"id": "a/b"}, "engine": {"version": "1"},
-                                "speculative": {"method": "eagle3", "draft": "c/d"}})
+    p = Profile.model_validate(
+        {
+            "name": "v",
+            "backend": "pinned",
+            "model": {"id": "a/b"},
+            "engine": {"version": "1"},
+            "speculative": {"method": "eagle3", "draft": "c/d"},
+        }
+    )
     assert [f.message for f in backend_findings(Method.EAGLE3, p, Pinned())] == [
-        "eagle3 needs pinned >= 2 (profile pins 1)"]
+        "eagle3 needs pinned >= 2 (profile pins 1)"
+    ]
+
     class Ungated(Backend):
         methods = Pinned.methods
 
-    assert backend_findings(Method.EAGLE3, p, Ungated()) == []                      # the default knows no gates
+    assert backend_findings(Method.EAGLE3, p, Ungated()) == []  # the default knows no gates

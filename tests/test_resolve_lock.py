@@ -1,14 +1,15 @@
 """Lock files: round trip, determinism, pins applied without the Hub, staleness, offline use."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from fakehub import EAGLE3_LLAMA31_8B, fake_hub, seed_llama31  # noqa: F401
+
+from specops.config.profile import load_profile
 from specops.errors import SpecopsError
 from specops.methods import Method
-from specops.config.profile import load_profile
 from specops.resolve import check_loaded, lock_path, lock_profile, resolve_profile
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,17 +39,19 @@ def test_lock_round_trip_pins_everything_and_needs_no_hub(fake_hub, tmp_path):
     assert lock_file == tmp_path / "llama-auto.lock.json" == lock_path(path)
     text = lock_file.read_text()
     data = json.loads(text)
-    assert text == json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"   # sorted, stable
+    assert text == json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"  # sorted, stable
     spec = data["speculative"]
     draft = res.choice.draft
-    assert spec == {"method": "eagle3", "draft": draft, "draft_revision": fake_hub.repos[draft].sha,
-                    "draft_file": None}
-    assert data["target"] == {"id": "meta-llama/Llama-3.1-8B-Instruct", "file": None,
-                              "revision": fake_hub.repos["meta-llama/Llama-3.1-8B-Instruct"].sha}
+    assert spec == {"method": "eagle3", "draft": draft, "draft_revision": fake_hub.repos[draft].sha, "draft_file": None}
+    assert data["target"] == {
+        "id": "meta-llama/Llama-3.1-8B-Instruct",
+        "file": None,
+        "revision": fake_hub.repos["meta-llama/Llama-3.1-8B-Instruct"].sha,
+    }
     assert data["choice"]["draft"] == draft and data["choice"]["verdict"] == "ok"
     alts = {(a["method"], a["draft"]): a["verdict"] for a in data["alternatives"]}
     assert alts[("ngram", None)] == "ok" and len(alts) >= 4
-    assert "downloads" not in text and fake_hub.url not in text          # nothing that drifts by itself
+    assert "downloads" not in text and fake_hub.url not in text  # nothing that drifts by itself
 
     # the same Hub state gives the same bytes
     lock_profile(load_profile(path))
@@ -74,7 +77,7 @@ def test_lock_keeps_the_pinned_commit_when_the_hub_moves_on(fake_hub, tmp_path):
     new_sha = fake_hub.update_file(res.choice.draft, "README.md", "retrained!")
     assert new_sha != pinned
     again = resolve_profile(load_profile(path))
-    assert again.profile.speculative.draft_revision == pinned           # reproducible deploy
+    assert again.profile.speculative.draft_revision == pinned  # reproducible deploy
     # validate --resolve checks the pinned commit, not the new head
     n = len(fake_hub.requests)
     assert [f for f in check_loaded(load_profile(path)) if f.severity == "error"] == []
@@ -120,8 +123,10 @@ def test_offline_render_uses_the_lock(fake_hub, tmp_path, monkeypatch):
 def test_lock_of_an_explicit_draft_pins_its_commit(fake_hub, tmp_path):
     seed_llama31(fake_hub)
     path = tmp_path / "explicit.yaml"
-    path.write_text("name: x\nbackend: vllm\nmodel: {id: meta-llama/Llama-3.1-8B-Instruct, max_model_len: 2048}\n"
-                    "speculative: {method: eagle3, draft: yuhuili/EAGLE3-LLaMA3.1-Instruct-8B}\n")
+    path.write_text(
+        "name: x\nbackend: vllm\nmodel: {id: meta-llama/Llama-3.1-8B-Instruct, max_model_len: 2048}\n"
+        "speculative: {method: eagle3, draft: yuhuili/EAGLE3-LLaMA3.1-Instruct-8B}\n"
+    )
     lock_file, _ = lock_profile(load_profile(path))
     data = json.loads(lock_file.read_text())
     assert data["speculative"]["draft_revision"] == fake_hub.repos["yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"].sha
@@ -132,8 +137,10 @@ def test_lock_refuses_a_profile_whose_draft_does_not_fit(fake_hub, tmp_path):
     seed_llama31(fake_hub)
     fake_hub.add_model("x/head-for-another-model", {"config.json": {**EAGLE3_LLAMA31_8B, "hidden_size": 8192}})
     path = tmp_path / "bad.yaml"
-    path.write_text("name: x\nbackend: vllm\nmodel: {id: meta-llama/Llama-3.1-8B-Instruct}\n"
-                    "speculative: {method: eagle3, draft: x/head-for-another-model}\n")
+    path.write_text(
+        "name: x\nbackend: vllm\nmodel: {id: meta-llama/Llama-3.1-8B-Instruct}\n"
+        "speculative: {method: eagle3, draft: x/head-for-another-model}\n"
+    )
     with pytest.raises(SpecopsError, match="hidden_size 8192 != target hidden_size 4096"):
         lock_profile(load_profile(path))
     assert not lock_path(path).exists()
@@ -156,10 +163,10 @@ def test_relocking_keeps_a_tune_record_only_while_it_describes_the_locked_draft(
     data = json.loads(lock_file.read_text())
     data["tune"] = {"date": "2026-11-30", "chosen": {"k": 3}}
     lock_file.write_text(json.dumps(data))
-    lock_profile(load_profile(path))                       # same method and draft: the record stays
+    lock_profile(load_profile(path))  # same method and draft: the record stays
     assert json.loads(lock_file.read_text())["tune"]["chosen"] == {"k": 3}
     data = json.loads(lock_file.read_text())
-    data["speculative"]["draft"] = "someone/else"          # the record was measured on another draft
+    data["speculative"]["draft"] = "someone/else"  # the record was measured on another draft
     lock_file.write_text(json.dumps(data))
     lock_profile(load_profile(path))
     assert "tune" not in json.loads(lock_file.read_text())

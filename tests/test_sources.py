@@ -1,16 +1,27 @@
 """Metric sources against real servers: a static exporter on loopback, and a real Prometheus scraping it."""
+
 from __future__ import annotations
 
 import socket
 import threading
 
 import pytest
+from support_prometheus import (
+    PrometheusServer,
+    StaticExporter,
+    free_port,
+    llamacpp_text,
+    require_prometheus,
+    vllm_one,
+    vllm_v1_text,
+    wait_until,
+)
 
-from specops.methods import Method
 from specops.backends.counters import SpecCounters
+from specops.config.profile import ChainStep
+from specops.methods import Method
 from specops.plugins import get_registry
 from specops.watch.policy import KEEP, SWITCH, Policy, PolicyConfig
-from specops.config.profile import ChainStep
 from specops.watch.sources import (
     ACCEPTANCE_LINE,
     LogLineSource,
@@ -22,11 +33,12 @@ from specops.watch.sources import (
     selector,
 )
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, Sample, SampleBuffer, WindowStats, window_stats
-from support_prometheus import (PrometheusServer, StaticExporter, free_port, llamacpp_text, require_prometheus,
-                                vllm_one, vllm_v1_text, wait_until)
 
-CHAIN = [ChainStep(method=Method.EAGLE3, draft="org/head"), ChainStep(method=Method.NGRAM),
-         ChainStep(method=Method.NONE)]
+CHAIN = [
+    ChainStep(method=Method.EAGLE3, draft="org/head"),
+    ChainStep(method=Method.NGRAM),
+    ChainStep(method=Method.NONE),
+]
 
 
 def tick(source, buf: SampleBuffer, now: float) -> WindowStats:
@@ -42,6 +54,7 @@ def tick(source, buf: SampleBuffer, now: float) -> WindowStats:
 # ---------------------------------------------------------------------------------------------------
 # scrape source against a real HTTP server
 
+
 def test_scrape_reads_vllm_and_llamacpp():
     with StaticExporter(vllm_v1_text({"tiny": {"0": (10, 40, 30, [9, 8, 7, 6])}, "x": {"0": (1, 4, 0, [])}})) as ex:
         c = ScrapeSource(ex.url, "vllm:", "tiny", timeout=3).read()
@@ -50,12 +63,13 @@ def test_scrape_reads_vllm_and_llamacpp():
         c = ScrapeSource(ex.url, "llamacpp:").read()
         assert (c.draft_tokens, c.accepted, c.source) == (115, 80, "llamacpp")
         ex.set("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n")
-        assert ScrapeSource(ex.url, "vllm:").read() is None           # speculation off: None, not an error
+        assert ScrapeSource(ex.url, "vllm:").read() is None  # speculation off: None, not an error
 
 
 def test_scrape_openmetrics_answer():
     from prometheus_client import CollectorRegistry, Counter
     from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST, generate_latest
+
     reg = CollectorRegistry()
     for name, v in (("num_drafts", 5), ("num_draft_tokens", 20), ("num_accepted_tokens", 13)):
         Counter(f"vllm:spec_decode_{name}", name, ["model_name"], registry=reg).labels("m").inc(v)
@@ -81,11 +95,11 @@ def test_scrape_failures_raise_source_error():
             ScrapeSource(ex.url.replace("/metrics", "/nope"), "vllm:").read()
         port = ex.port
     with pytest.raises(SourceError, match="127.0.0.1"):
-        ScrapeSource(f"http://127.0.0.1:{port}/metrics", "vllm:", timeout=3).read()   # nothing listens
+        ScrapeSource(f"http://127.0.0.1:{port}/metrics", "vllm:", timeout=3).read()  # nothing listens
 
 
 def test_scrape_timeout_raises_source_error():
-    with socket.socket() as s:                        # accepts connections (backlog) but never answers
+    with socket.socket() as s:  # accepts connections (backlog) but never answers
         s.bind(("127.0.0.1", 0))
         s.listen(4)
         url = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
@@ -103,7 +117,7 @@ def test_endpoint_down_no_switch_warning_then_recovery():
     src = ScrapeSource(ex.url, "vllm:", "tiny", timeout=3)
     decisions = []
     try:
-        down = range(3, 12)                           # ticks 3..11 the endpoint is gone
+        down = range(3, 12)  # ticks 3..11 the endpoint is gone
         for i in range(0, 30):
             now = 5.0 * i
             n = i + 1
@@ -112,7 +126,7 @@ def test_endpoint_down_no_switch_warning_then_recovery():
             if i == down.stop:
                 ex = StaticExporter(vllm_one(25 * n, 100 * n, 30 * n), port=port).start()
             if i not in down:
-                ex.set(vllm_one(25 * n, 100 * n, 30 * n))   # acceptance 0.3, 100 tokens per tick
+                ex.set(vllm_one(25 * n, 100 * n, 30 * n))  # acceptance 0.3, 100 tokens per tick
             stats = tick(src, buf, now)
             d = policy.observe(stats, now)
             decisions.append((i, stats, d))
@@ -137,7 +151,7 @@ def test_counter_reset_seen_through_scrape():
         buf.add(Sample(0, src.read()))
         ex.set(vllm_one(2600, 10_400, 9_100))
         buf.add(Sample(20, src.read()))
-        ex.set(vllm_one(25, 100, 20))                 # the engine restarted
+        ex.set(vllm_one(25, 100, 20))  # the engine restarted
         buf.add(Sample(40, src.read()))
         ex.set(vllm_one(75, 300, 60))
         buf.add(Sample(60, src.read()))
@@ -149,7 +163,7 @@ def test_counter_reset_seen_through_scrape():
 def test_idle_engine_through_scrape_never_decides():
     policy = Policy(PolicyConfig(window_s=20, consecutive_windows=1, min_draft_tokens=1), CHAIN)
     buf = SampleBuffer(20)
-    with StaticExporter(vllm_one(250, 1000, 100)) as ex:   # acceptance 0.1 in the past, nothing new
+    with StaticExporter(vllm_one(250, 1000, 100)) as ex:  # acceptance 0.1 in the past, nothing new
         src = ScrapeSource(ex.url, "vllm:")
         for i in range(12):
             d = policy.observe(tick(src, buf, 5.0 * i), 5.0 * i)
@@ -170,7 +184,7 @@ LINES = [
 
 def test_log_line_source_adds_up_requests():
     src = LogLineSource()
-    assert src.read() == SpecCounters(0.0, 0.0, source="llamacpp-log")   # zero, not None, before any request
+    assert src.read() == SpecCounters(0.0, 0.0, source="llamacpp-log")  # zero, not None, before any request
     took = [src.feed(line) for line in LINES]
     assert took == [False, True, True, True, False]
     c = src.read()
@@ -191,6 +205,7 @@ def test_log_line_source_is_thread_safe():
     def feed():
         for _ in range(2000):
             src.feed(line)
+
     threads = [threading.Thread(target=feed) for _ in range(4)]
     for t in threads:
         t.start()
@@ -202,6 +217,7 @@ def test_log_line_source_is_thread_safe():
 # ---------------------------------------------------------------------------------------------------
 # PromQL building blocks
 
+
 def test_selector_and_duration():
     assert selector({}) == ""
     assert selector({"model_name": 'a"b\\c', "job": "e"}) == '{job="e",model_name="a\\"b\\\\c"}'
@@ -209,8 +225,10 @@ def test_selector_and_duration():
         selector({"bad-name": "x"})
     assert promql_duration(60) == "60s" and promql_duration(1.5) == "1500ms"
     q = PromQLSource("http://127.0.0.1:1", "vllm:", {"model_name": "m", "job": "engine"}, 120)
-    assert q.acceptance_query() == ('sum(rate(vllm:spec_decode_num_accepted_tokens_total{job="engine",model_name="m"}[120s])) / '
-                                    'sum(rate(vllm:spec_decode_num_draft_tokens_total{job="engine",model_name="m"}[120s]))')
+    assert q.acceptance_query() == (
+        'sum(rate(vllm:spec_decode_num_accepted_tokens_total{job="engine",model_name="m"}[120s])) / '
+        'sum(rate(vllm:spec_decode_num_draft_tokens_total{job="engine",model_name="m"}[120s]))'
+    )
     assert 'min(up{job="engine"})' in q.query()
     assert "up{" not in PromQLSource("http://127.0.0.1:1", "vllm:", {"model_name": "m"}, 60).query()
     # model_name defaults to the served model on vLLM only (llama-server labels nothing)
@@ -225,6 +243,7 @@ def test_bad_labels_and_windows_are_clean_source_errors():
     SourceConfigError (a SpecopsError, so the CLI prints it) — never an OverflowError or a traceback."""
     from specops.errors import SpecopsError
     from specops.watch.sources import SourceConfigError
+
     for labels in ({"bad-name": "x"}, {"1x": "y"}, {"": "z"}, {"a b": "c"}):
         with pytest.raises(SourceConfigError) as exc:
             PromQLSource("http://127.0.0.1:1", "vllm:", labels, 60)
@@ -236,7 +255,7 @@ def test_bad_labels_and_windows_are_clean_source_errors():
         with pytest.raises(SourceConfigError):
             PromQLSource("http://127.0.0.1:1", "vllm:", {}, window)
     with pytest.raises(SourceConfigError):
-        promql_duration(10 ** 400)  # an int too large for a float
+        promql_duration(10**400)  # an int too large for a float
 
 
 def test_source_errors_never_show_credentials_or_query_values():
@@ -259,6 +278,7 @@ def test_source_errors_never_show_credentials_or_query_values():
 def test_watcher_reading_of_a_credentialed_url_is_redacted():
     from specops.plugins import get_registry
     from specops.watch.watcher import AcceptanceReader
+
     reader = AcceptanceReader("scrape", get_registry().backend("llamacpp"), 5.0, 1.0)
     reader.attach(f"http://u:s3cretpw@127.0.0.1:{free_port()}/metrics?sig=tok3n", None)
     stats = reader.read_blocking(1.0).stats
@@ -269,12 +289,16 @@ def test_watcher_reading_of_a_credentialed_url_is_redacted():
 # ---------------------------------------------------------------------------------------------------
 # a real Prometheus
 
-T0 = {"tiny": {"0": (250, 1000, 900, [240, 220, 240, 200]), "1": (100, 400, 300, [90, 80, 70, 60])},
-      "other": {"0": (100, 400, 360, [100, 90, 90, 80])}}
+T0 = {
+    "tiny": {"0": (250, 1000, 900, [240, 220, 240, 200]), "1": (100, 400, 300, [90, 80, 70, 60])},
+    "other": {"0": (100, 400, 360, [100, 90, 90, 80])},
+}
 # in the next state "tiny" drafted 1000 more tokens (600 on engine 0, 400 on engine 1), accepted 400 → 0.4;
 # "other" drafted 400 more and accepted 360 → 0.9
-T1 = {"tiny": {"0": (400, 1600, 1140, [330, 280, 290, 240]), "1": (200, 800, 460, [150, 110, 100, 100])},
-      "other": {"0": (200, 800, 720, [200, 180, 180, 160])}}
+T1 = {
+    "tiny": {"0": (400, 1600, 1140, [330, 280, 290, 240]), "1": (200, 800, 460, [150, 110, 100, 100])},
+    "other": {"0": (200, 800, 720, [200, 180, 180, 160])},
+}
 
 
 class World:
@@ -329,7 +353,7 @@ def test_promql_reaches_the_same_decision_as_scrape(world):
     assert promql_stats.acceptance == pytest.approx(scrape_stats.acceptance, rel=1e-9)
     assert promql_stats.mean_acceptance_length == pytest.approx(scrape_stats.mean_acceptance_length, rel=1e-9)
     assert promql_stats.per_position == pytest.approx(scrape_stats.per_position, rel=1e-9)
-    assert promql_stats.draft_tokens >= 1000 - 1e-6     # Prometheus extrapolates over the window
+    assert promql_stats.draft_tokens >= 1000 - 1e-6  # Prometheus extrapolates over the window
     # the issue's ratio-of-rates, evaluated by Prometheus itself, is the same number
     assert prom.value(promql.acceptance_query(), at=t1 + 0.01) == pytest.approx(promql_stats.acceptance, rel=1e-9)
 
@@ -357,7 +381,7 @@ def test_promql_idle_and_target_down(world):
     wait_until(lambda: (prom.value(f"count_over_time({sel}[1m])") or 0) >= 3, 60, "three scrapes of exporter b")
     src = PromQLSource(prom.url, "llamacpp:", labels, window_s=3, timeout=3)
     idle = src.read(now=100.0)
-    assert idle.status == NO_DATA and "idle" in idle.reason      # counters unchanged: no data, never 0
+    assert idle.status == NO_DATA and "idle" in idle.reason  # counters unchanged: no data, never 0
     assert Policy(PolicyConfig(window_s=3, consecutive_windows=1), CHAIN).observe(idle, 100).rule == "no-data"
 
     port = ex.port
@@ -380,7 +404,6 @@ def test_prometheus_unreachable_then_back(world, tmp_path):
     with pytest.raises(SourceError, match="unreachable"):
         src.read()
     policy = Policy(PolicyConfig(window_s=3, consecutive_windows=1), CHAIN)
-    buf = SampleBuffer(3)
 
     def read_tick(now):
         try:

@@ -1,4 +1,5 @@
 """The §8 performance model: exact limits, known values, best k, and the rate ↔ α inverse."""
+
 from __future__ import annotations
 
 import math
@@ -60,9 +61,9 @@ def test_speedup_bounds(alpha, k, c):
 
 
 def test_best_k():
-    assert best_k(0.0, 0.05) == 0           # nothing is accepted: do not speculate
-    assert best_k(1.0, 0.0, k_max=8) == 8   # free drafts, all accepted: as many as allowed
-    assert best_k(0.8, 0.05) == 8            # S rises to k = 8 (3.092) and falls after
+    assert best_k(0.0, 0.05) == 0  # nothing is accepted: do not speculate
+    assert best_k(1.0, 0.0, k_max=8) == 8  # free drafts, all accepted: as many as allowed
+    assert best_k(0.8, 0.05) == 8  # S rises to k = 8 (3.092) and falls after
     assert best_k(0.8, 0.05, k_max=12) == 8
     assert best_k(0.6, 0.1) == 3
     assert best_k(0.9, 0.0, k_max=0) == 0
@@ -100,18 +101,21 @@ def test_speedup_from_measured_length():
     assert speedup_from_length(1.0, 2.5, 0.0) == 1.0
 
 
-@pytest.mark.parametrize("call", [
-    lambda: expected_tokens_per_step(1.2, 3),
-    lambda: expected_tokens_per_step(math.nan, 3),
-    lambda: expected_tokens_per_step(0.5, -1),
-    lambda: expected_tokens_per_step(0.5, 2.0),
-    lambda: expected_speedup(0.5, 2, -0.1),
-    lambda: expected_speedup(0.5, 2, math.inf),
-    lambda: acceptance_rate(0.5, 0),
-    lambda: alpha_from_acceptance_rate(0.5, 0),
-    lambda: speedup_from_length(0.5, 2, 0.1),
-    lambda: best_k(0.5, 0.1, k_max=-1),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: expected_tokens_per_step(1.2, 3),
+        lambda: expected_tokens_per_step(math.nan, 3),
+        lambda: expected_tokens_per_step(0.5, -1),
+        lambda: expected_tokens_per_step(0.5, 2.0),
+        lambda: expected_speedup(0.5, 2, -0.1),
+        lambda: expected_speedup(0.5, 2, math.inf),
+        lambda: acceptance_rate(0.5, 0),
+        lambda: alpha_from_acceptance_rate(0.5, 0),
+        lambda: speedup_from_length(0.5, 2, 0.1),
+        lambda: best_k(0.5, 0.1, k_max=-1),
+    ],
+)
 def test_invalid_inputs(call):
     with pytest.raises(ValueError):
         call()

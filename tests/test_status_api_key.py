@@ -1,13 +1,13 @@
 """`specops status` of an instance whose proxy wants an API key (server.api_key) on its public port: the
 live section is fetched with the key when status is given the profile file, and the row says how to get
 it when status only has the name. The key never appears in the output."""
+
 from __future__ import annotations
 
 import json
 import subprocess
 
 import pytest
-
 from support_up import SPECOPS, UpRun, free_port, write_profile
 
 pytestmark = pytest.mark.engines
@@ -15,12 +15,17 @@ KEY = "sk-status-test-4f1d9c"
 
 
 def test_status_fetches_the_live_section_with_the_profiles_key(tmp_path, tiny_models):
-    profile = write_profile(tmp_path / "keyed.yaml", {
-        "name": "keyed", "backend": "llamacpp",
-        "model": {"id": str(tiny_models / "gguf-target.gguf"), "max_model_len": 512},
-        "speculative": {"method": "ngram"}, "gpus": {"devices": []},
-        "server": {"port": free_port(), "api_key": "${STATUS_TEST_KEY}"},
-    })
+    profile = write_profile(
+        tmp_path / "keyed.yaml",
+        {
+            "name": "keyed",
+            "backend": "llamacpp",
+            "model": {"id": str(tiny_models / "gguf-target.gguf"), "max_model_len": 512},
+            "speculative": {"method": "ngram"},
+            "gpus": {"devices": []},
+            "server": {"port": free_port(), "api_key": "${STATUS_TEST_KEY}"},
+        },
+    )
     env = {"STATUS_TEST_KEY": KEY}
     with UpRun(profile, tmp_path / "state", "keyed", env=env) as run:
         run.wait_ready(timeout=60)

@@ -1,6 +1,7 @@
 """The supervisor alone, on the stand-in engine (tests/support_upstream.py: a real HTTP server process that
 speaks the engine protocol) and a fake clock: its guarded state machine, failed starts, crash loops,
 refusals and switches — each reported as a typed fact and executed as the decider orders."""
+
 from __future__ import annotations
 
 import asyncio
@@ -84,14 +85,18 @@ class ScriptedDecider:
 
 
 def make_profile(**supervisor) -> Profile:
-    return Profile.model_validate({
-        "name": "unit", "backend": "llamacpp", "model": {"id": "/models/target.gguf"},
-        "speculative": {"method": "draft_model", "draft": "/models/draft.gguf"},
-        "gpus": {"devices": []},
-        "engine": {"ready_timeout": supervisor.pop("ready_timeout", 20)},
-        "fallback": {"chain": ["ngram", "none"]},
-        "supervisor": {"stop_timeout": 5, "restart_backoff": 0.05, **supervisor},
-    })
+    return Profile.model_validate(
+        {
+            "name": "unit",
+            "backend": "llamacpp",
+            "model": {"id": "/models/target.gguf"},
+            "speculative": {"method": "draft_model", "draft": "/models/draft.gguf"},
+            "gpus": {"devices": []},
+            "engine": {"ready_timeout": supervisor.pop("ready_timeout", 20)},
+            "fallback": {"chain": ["ngram", "none"]},
+            "supervisor": {"stop_timeout": 5, "restart_backoff": 0.05, **supervisor},
+        }
+    )
 
 
 def standin(index: int, port: int, *, argv: list[str] | None = None, acceptance: float | None = 0.5) -> LaunchPlan:
@@ -100,20 +105,38 @@ def standin(index: int, port: int, *, argv: list[str] | None = None, acceptance:
         argv = [sys.executable, str(STANDIN), "--port", str(port), "--name", f"step{index}"]
         if acceptance is not None:
             argv += ["--acceptance", str(acceptance)]
-    return LaunchPlan(backend="llamacpp", engine_version="test", method=METHODS[index], argv=tuple(argv), env=(),
-                      host="127.0.0.1", port=port, model_name="tiny-test-model")
+    return LaunchPlan(
+        backend="llamacpp",
+        engine_version="test",
+        method=METHODS[index],
+        argv=tuple(argv),
+        env=(),
+        host="127.0.0.1",
+        port=port,
+        model_name="tiny-test-model",
+    )
 
 
 def exits_at_once(code: int = 3) -> list[str]:
     return [sys.executable, "-c", f"import sys; print('cannot load the model', flush=True); sys.exit({code})"]
 
 
-def supervisor(render, decider, *, profile: Profile | None = None, clock=None, events: EventLog | None = None,
-               launch_problem=None) -> tuple[Supervisor, Recorder]:
+def supervisor(
+    render, decider, *, profile: Profile | None = None, clock=None, events: EventLog | None = None, launch_problem=None
+) -> tuple[Supervisor, Recorder]:
     rec = Recorder()
     kw = {"clock": clock} if clock is not None else {}
-    sup = Supervisor(profile or make_profile(), render, events=events or EventLog(None), say=lambda m: None,
-                     decider=decider, listeners=[rec], health_interval=0.05, launch_problem=launch_problem, **kw)
+    sup = Supervisor(
+        profile or make_profile(),
+        render,
+        events=events or EventLog(None),
+        say=lambda m: None,
+        decider=decider,
+        listeners=[rec],
+        health_interval=0.05,
+        launch_problem=launch_problem,
+        **kw,
+    )
     return sup, rec
 
 
@@ -136,13 +159,14 @@ def health(url: str) -> int:
 
 # ------------------------------------------------------------------------------------------- the state machine
 
+
 def test_every_transition_outside_the_table_raises():
     sup, rec = supervisor(lambda i: standin(i, 1), ScriptedDecider())
     for a in State:
         for b in State:
             sup.state = a
             if b is a:
-                sup._set(b)                      # no change: always allowed, nothing reported
+                sup._set(b)  # no change: always allowed, nothing reported
                 continue
             if b in TRANSITIONS[a]:
                 sup._set(b)
@@ -150,8 +174,8 @@ def test_every_transition_outside_the_table_raises():
             else:
                 with pytest.raises(IllegalTransition, match=f"{a.value} → {b.value}"):
                     sup._set(b)
-                assert sup.state is a            # a refused transition changes nothing
-    assert not TRANSITIONS[State.FATAL]          # fatal is final
+                assert sup.state is a  # a refused transition changes nothing
+    assert not TRANSITIONS[State.FATAL]  # fatal is final
     changes = rec.of(StateChanged)
     assert changes and all(c.state in TRANSITIONS[c.previous] for c in changes)
 
@@ -164,6 +188,7 @@ def test_illegal_transition_from_stopped_to_ready():
 
 
 # ------------------------------------------------------------------------------------------- start, serve, stop
+
 
 def test_start_ready_serve_and_stop():
     port = free_port()
@@ -179,7 +204,7 @@ def test_start_ready_serve_and_stop():
         assert await asyncio.to_thread(health, ready.plan.base_url) == 200
         snap = sup.snapshot()
         assert snap["state"] == "ready" and snap["method"] == "draft_model" and snap["engine_pid"]
-        assert "switches" not in snap and "last_decision" not in snap    # the decider's to show
+        assert "switches" not in snap and "last_decision" not in snap  # the decider's to show
         assert any(line.startswith("LISTENING") for line in rec.lines)
         pgid = sup.engine.pid
         sup.request_stop("test over")
@@ -212,6 +237,7 @@ def test_stop_while_starting_stops_the_engine():
 
 
 # ------------------------------------------------------------------------------------------- failed starts
+
 
 def test_failed_start_is_reported_and_the_order_executed():
     port = free_port()
@@ -247,8 +273,11 @@ def test_launch_problem_line_fails_the_start_and_no_step_left_is_fatal():
 
     async def main():
         decider = ScriptedDecider(None)
-        sup, rec = supervisor(lambda i: standin(i, port), decider,
-                              launch_problem=lambda line: "runs without speculation" if "LISTENING" in line else None)
+        sup, rec = supervisor(
+            lambda i: standin(i, port),
+            decider,
+            launch_problem=lambda line: "runs without speculation" if "LISTENING" in line else None,
+        )
         rc = await sup.run()
         return sup, rec, decider, rc
 
@@ -261,6 +290,7 @@ def test_launch_problem_line_fails_the_start_and_no_step_left_is_fatal():
 
 def test_render_failure_is_a_failed_launch():
     from specops.errors import SpecopsError
+
     port = free_port()
 
     def render(i):
@@ -297,7 +327,7 @@ def test_refused_before_launch():
     rec, decider = run(main())
     [failure] = decider.failures
     assert isinstance(failure, RefusedBeforeLaunch) and failure.reason.startswith("refused before launch: ")
-    assert [e.index for e in rec.of(EngineStarting)] == [1]           # the refused step never started
+    assert [e.index for e in rec.of(EngineStarting)] == [1]  # the refused step never started
 
     async def nowhere():
         sup, rec = supervisor(lambda i: standin(i, port), ScriptedDecider(None))
@@ -309,6 +339,7 @@ def test_refused_before_launch():
 
 
 # ------------------------------------------------------------------------------------------- crashes
+
 
 def test_restart_then_crash_loop_on_a_fake_clock():
     """Exits within crash_loop_window count; an exit outside it is forgotten; the loop goes to the decider."""
@@ -325,13 +356,13 @@ def test_restart_then_crash_loop_on_a_fake_clock():
         sup, rec = supervisor(lambda i: standin(i, port), decider, profile=profile, clock=clock)
         task = asyncio.create_task(sup.run())
         await wait_until(lambda: rec.of(EngineReady), what="ready")
-        await kill_and_wait_ready(sup, rec, 2)                 # exit 1: a restart
+        await kill_and_wait_ready(sup, rec, 2)  # exit 1: a restart
         assert sup.restarts == 1 and not decider.failures
-        clock.advance(120)                                     # exit 1 is now outside the window
-        await kill_and_wait_ready(sup, rec, 3)                 # exit 2: a restart again
+        clock.advance(120)  # exit 1 is now outside the window
+        await kill_and_wait_ready(sup, rec, 3)  # exit 2: a restart again
         assert sup.restarts == 2 and not decider.failures
         clock.advance(10)
-        await kill_and_wait_ready(sup, rec, 4)                 # exit 3, 10 s after exit 2: a crash loop
+        await kill_and_wait_ready(sup, rec, 4)  # exit 3, 10 s after exit 2: a crash loop
         sup.request_stop()
         assert await task == 0
         return sup, rec, decider
@@ -345,6 +376,7 @@ def test_restart_then_crash_loop_on_a_fake_clock():
 
 
 # ------------------------------------------------------------------------------------------- switches
+
 
 def test_switch_order_is_executed():
     port = free_port()
@@ -371,11 +403,16 @@ def test_switch_order_is_executed():
     [switch] = [e for e in log.recent if e["event"] == "switch"]
     assert (switch["from"], switch["to"], switch["decision"]["rule"]) == ("draft_model", "ngram", "threshold")
     [complete] = [e for e in log.recent if e["event"] == "switch-complete"]
-    assert complete["method"] == "ngram" and set(sup.last_switch_timing) == {"drain_s", "stop_s",
-                                                                               "start_to_ready_s", "total_s"}
+    assert complete["method"] == "ngram" and set(sup.last_switch_timing) == {
+        "drain_s",
+        "stop_s",
+        "start_to_ready_s",
+        "total_s",
+    }
 
 
 # ------------------------------------------------------------------------------------------- with the policy
+
 
 def test_policy_decider_orders_and_logs_every_failure():
     """The real decider: the next step on a failure, FATAL at the end; decisions logged, switches counted."""
@@ -387,16 +424,26 @@ def test_policy_decider_orders_and_logs_every_failure():
     async def main():
         decider = FallbackDecider.from_profile(profile, events=log, say=lambda m: None, clock=clock)
         rec = Recorder()
-        sup = Supervisor(profile, lambda i: standin(i, port, argv=exits_at_once()), events=log,
-                         say=lambda m: None, decider=decider, listeners=[decider.on_event, rec],
-                         health_interval=0.05, clock=clock)
+        sup = Supervisor(
+            profile,
+            lambda i: standin(i, port, argv=exits_at_once()),
+            events=log,
+            say=lambda m: None,
+            decider=decider,
+            listeners=[decider.on_event, rec],
+            health_interval=0.05,
+            clock=clock,
+        )
         return sup, decider, await sup.run()
 
     sup, decider, rc = run(main())
     assert rc == 1 and sup.state is State.FATAL
     decisions = [e for e in log.recent if e["event"] == "decision"]
     assert [(d["action"], d.get("to"), d["rule"]) for d in decisions] == [
-        ("switch", "ngram", "launch failure"), ("switch", "none", "launch failure"), ("fatal", None, "chain exhausted")]
+        ("switch", "ngram", "launch failure"),
+        ("switch", "none", "launch failure"),
+        ("fatal", None, "chain exhausted"),
+    ]
     assert [d["policy_rule"] for d in decisions] == ["failed-start", "failed-start", "chain-end"]
     snap = decider.snapshot()
     assert snap["switches"] == 2 and snap["last_decision"]["action"] == "fatal"

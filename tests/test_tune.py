@@ -1,5 +1,6 @@
 """`specops tune`, the parts without engines: the sweep plan, the race (with a scripted engine and clock),
 the per-batch-size proposal, the YAML write-back (comments, order, overlays, lock) and the report."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +10,10 @@ import re
 
 import pytest
 
+from specops.backends.counters import SpecCounters
+from specops.config.profile import load_profile
 from specops.errors import SpecopsError
 from specops.methods import Method
-from specops.backends.counters import SpecCounters
-from specops.plugins import get_registry
-from specops.config.profile import load_profile
 from specops.perf.tune import (
     UNSET_VALUE,
     BudgetTooSmall,
@@ -23,8 +23,8 @@ from specops.perf.tune import (
     Setting,
     SettingResult,
     TuneOptions,
-    TuneResult,
     Tuner,
+    TuneResult,
     comment_line,
     coverage_order,
     current_setting,
@@ -38,6 +38,7 @@ from specops.perf.tune import (
     tune_record_path,
     write_back,
 )
+from specops.plugins import get_registry
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,6 +50,7 @@ def dm(k: int) -> Setting:
 
 
 # ------------------------------------------------------------------------------------------- the plan
+
 
 def test_coverage_order_spans_the_range_first():
     assert coverage_order([1, 2, 3, 4, 6, 8], key=lambda k: k, first=4) == [4, 8, 1, 6, 2, 3]
@@ -107,6 +109,7 @@ def test_parsers():
 
 # ------------------------------------------------------------------------------------------- the race
 
+
 class Clock:
     def __init__(self):
         self.t = 0.0
@@ -118,8 +121,19 @@ class Clock:
 class FakeDriver:
     """A scripted engine: tokens/s per setting label (a list cycled per round), time advanced on a fake clock."""
 
-    def __init__(self, clock, speeds, *, launch_s=1.0, round_s=0.5, fail=(), acceptance=0.8, k_of=None,
-                 counters=True, launch_prior_s=2.0):
+    def __init__(
+        self,
+        clock,
+        speeds,
+        *,
+        launch_s=1.0,
+        round_s=0.5,
+        fail=(),
+        acceptance=0.8,
+        k_of=None,
+        counters=True,
+        launch_prior_s=2.0,
+    ):
         self.clock, self.speeds = clock, speeds
         self.launch_s, self.round_s = launch_s, round_s
         self.fail = set(fail)
@@ -162,8 +176,13 @@ class FakeSession:
         self.drafts += 10
         self.drafted += 10 * k
         self.accepted += 10 * k * self.d.acceptance
-        return Round(tokens_per_s=v, output_tokens=int(v * self.d.round_s), requests=4,
-                     draft_tokens=int(10 * k), accepted=int(10 * k * 0.5))
+        return Round(
+            tokens_per_s=v,
+            output_tokens=int(v * self.d.round_s),
+            requests=4,
+            draft_tokens=int(10 * k),
+            accepted=int(10 * k * 0.5),
+        )
 
     async def counters(self):
         if not self.d.counters or not self.s.k:
@@ -172,6 +191,7 @@ class FakeSession:
 
     async def acceptance_since(self, before):
         from specops.perf.launch import acceptance_between
+
         return acceptance_between(before, await self.counters())
 
 
@@ -182,15 +202,19 @@ def race(settings, driver, clock, **opts):
 
 def test_race_picks_the_best_median_and_stops_clearly_worse_settings_early():
     clock = Clock()
-    speeds = {"draft_model k=1": [50, 52, 51], "draft_model k=2": [70, 90, 71, 69, 72],
-              "draft_model k=4": [30, 31, 29], "draft_model k=3": [69, 75, 68, 74, 70]}
+    speeds = {
+        "draft_model k=1": [50, 52, 51],
+        "draft_model k=2": [70, 90, 71, 69, 72],
+        "draft_model k=4": [30, 31, 29],
+        "draft_model k=3": [69, 75, 68, 74, 70],
+    }
     drv = FakeDriver(clock, speeds)
     res = race([dm(2), dm(1), dm(4), dm(3)], drv, clock)
     assert res.winner.setting == dm(2) and res.winner.median(1) == 71
     by = {r.setting.k: r for r in res.results}
     assert by[1].status == by[4].status == "pruned" and by[1].rounds(1) == by[4].rounds(1) == 3
     assert "clearly worse" in by[1].reason
-    assert by[3].status == "measured" and by[3].rounds(1) == 5       # close to the best: measured in full
+    assert by[3].status == "measured" and by[3].rounds(1) == 5  # close to the best: measured in full
     # the chosen one is the best median of everything recorded (pruned ones included)
     assert res.winner.median(1) == max(r.median(1) for r in res.results if r.median(1) is not None)
     assert drv.launched == [dm(2), dm(1), dm(4), dm(3)] and drv.open == 0
@@ -203,7 +227,7 @@ def test_a_noisy_close_setting_is_not_pruned():
     speeds = {"draft_model k=2": [100, 100, 100, 100, 100], "draft_model k=4": [90, 99, 91, 120, 118]}
     res = race([dm(2), dm(4)], FakeDriver(clock, speeds), clock)
     k4 = res.result_for(dm(4))
-    assert k4.status == "measured" and res.winner.setting == dm(2)   # median 99 < 100, but it got its full rounds
+    assert k4.status == "measured" and res.winner.setting == dm(2)  # median 99 < 100, but it got its full rounds
     assert k4.rounds(1) == 5
 
 
@@ -224,13 +248,14 @@ def test_a_budget_too_small_for_one_setting_is_refused_up_front():
     drv = FakeDriver(clock, {"draft_model k=1": [1]}, launch_prior_s=30.0)
     with pytest.raises(BudgetTooSmall, match=r"too small to measure one setting.*Nothing was changed"):
         race([dm(1)], drv, clock, budget_s=10.0)
-    assert drv.launched == []                                         # no engine was started
+    assert drv.launched == []  # no engine was started
 
 
 def test_a_budget_that_runs_out_inside_the_first_setting_is_refused():
     clock = Clock()
-    drv = FakeDriver(clock, {"draft_model k=1": [5], "draft_model k=2": [6]}, launch_s=1.0, round_s=4.0,
-                     launch_prior_s=1.0)
+    drv = FakeDriver(
+        clock, {"draft_model k=1": [5], "draft_model k=2": [6]}, launch_s=1.0, round_s=4.0, launch_prior_s=1.0
+    )
     with pytest.raises(BudgetTooSmall, match=r"then measured \d of 3 rounds at concurrency 1.*--budget"):
         race([dm(1), dm(2)], drv, clock, budget_s=9.0)
     assert drv.open == 0
@@ -239,8 +264,9 @@ def test_a_budget_that_runs_out_inside_the_first_setting_is_refused():
 def test_failed_settings_are_recorded_and_the_others_still_run():
     clock = Clock()
     speeds = {"draft_model k=1": [10, 11, 12], "draft_model k=2": [20, 21, 22]}
-    res = race([dm(1), dm(2), dm(4)], FakeDriver(clock, {**speeds, "draft_model k=4": [1]}, fail={"draft_model k=4"}),
-               clock)
+    res = race(
+        [dm(1), dm(2), dm(4)], FakeDriver(clock, {**speeds, "draft_model k=4": [1]}, fail={"draft_model k=4"}), clock
+    )
     k4 = res.result_for(dm(4))
     assert k4.status == "failed" and "did not start" in k4.reason
     assert res.winner.setting == dm(2)
@@ -256,8 +282,10 @@ def test_request_errors_fail_the_setting():
         async def session(self, setting):
             async with super().session(setting) as s:
                 if setting.k == 2:
+
                     async def run(c):
                         return Round(0.0, 0, 4, errors=4, first_error="HTTP 500: boom")
+
                     s.run = run
                 yield s
 
@@ -269,16 +297,18 @@ def test_request_errors_fail_the_setting():
 
 def test_every_level_is_measured_and_acceptance_falls_back_to_response_timings():
     clock = Clock()
-    drv = FakeDriver(clock, {"draft_model k=2": lambda c: 100.0 * c, "draft_model k=1": lambda c: 90.0 * c},
-                     counters=False)
+    drv = FakeDriver(
+        clock, {"draft_model k=2": lambda c: 100.0 * c, "draft_model k=1": lambda c: 90.0 * c}, counters=False
+    )
     res = race([dm(1), dm(2)], drv, clock, levels=(4, 1))
     assert res.primary == 4 and res.winner.setting == dm(2)
     assert res.winner.median(4) == 400 and res.winner.median(1) == 100
-    assert res.winner.levels[4].acceptance == pytest.approx(0.5)     # from per-response draft counts
+    assert res.winner.levels[4].acceptance == pytest.approx(0.5)  # from per-response draft counts
     assert res.winner.levels[4].mean_acceptance_length is None
 
 
 # ------------------------------------------------------------------------------------------- results
+
 
 def result_with(medians: dict[int, dict[Setting, float]], levels=(8, 1), current=None) -> TuneResult:
     settings = list(dict.fromkeys(s for per in medians.values() for s in per))
@@ -303,13 +333,14 @@ def test_per_batch_size_proposal_when_speculation_only_helps_at_low_load():
     prop = res.per_batch_size("vllm", "0.32.0", 8)
     assert prop["value"] == [[1, 2, 4], [3, 8, 0]] and prop["method"] == "draft_model"
     assert "concurrency 8: best none" in prop["why"]
-    res3 = result_with({16: {vdm(4): 100, vdm(2): 120}, 4: {vdm(4): 99, vdm(2): 98}, 1: {vdm(4): 60, vdm(2): 50}},
-                       levels=(16, 4, 1))
+    res3 = result_with(
+        {16: {vdm(4): 100, vdm(2): 120}, 4: {vdm(4): 99, vdm(2): 98}, 1: {vdm(4): 60, vdm(2): 50}}, levels=(16, 4, 1)
+    )
     assert res3.per_batch_size("vllm", "0.32.0", 16)["value"] == [[1, 8, 4], [9, 16, 2]]
-    assert res.per_batch_size("vllm", "0.20.0", 8) is None            # the field arrived in 0.24
+    assert res.per_batch_size("vllm", "0.20.0", 8) is None  # the field arrived in 0.24
     assert res.per_batch_size("llamacpp", None, 8) is None
     same = result_with({8: {vdm(4): 100, vdm(2): 90}, 1: {vdm(4): 60, vdm(2): 50}})
-    assert same.per_batch_size("vllm", "0.32.0", 8) is None           # the same k wins everywhere
+    assert same.per_batch_size("vllm", "0.32.0", 8) is None  # the same k wins everywhere
 
 
 def test_table_marks_the_winner_and_shows_every_setting():
@@ -319,10 +350,11 @@ def test_table_marks_the_winner_and_shows_every_setting():
     assert "c=8 tok/s" in lines[0] and "c=1 tok/s" in lines[0]
     star = [x for x in lines if x.startswith("*")]
     assert len(star) == 1 and "draft_model k=2" in star[0] and "120.0 (3)" in star[0]
-    assert "vs current" in lines[0] and "1.20x" in star[0]                  # vs the current setting
+    assert "vs current" in lines[0] and "1.20x" in star[0]  # vs the current setting
     assert any("draft_model k=4 (now)" in x and "1.00x" in x for x in lines)
     assert comment_line(res, "2026-01-02", "p.tune.json").startswith(
-        "specops tune 2026-01-02: draft_model k=2 best at concurrency 8, 120.0 tok/s median (vs k=4 100.0)")
+        "specops tune 2026-01-02: draft_model k=2 best at concurrency 8, 120.0 tok/s median (vs k=4 100.0)"
+    )
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -358,45 +390,63 @@ def comments(text: str) -> list[str]:
 
 
 def test_edit_keeps_comments_order_and_formatting():
-    new, notes = edit_yaml(ODD, {("speculative", "num_speculative_tokens"): 4}, comment="specops tune 2026-01-01: x",
-                           comment_at=("speculative", "num_speculative_tokens"))
+    new, notes = edit_yaml(
+        ODD,
+        {("speculative", "num_speculative_tokens"): 4},
+        comment="specops tune 2026-01-01: x",
+        comment_at=("speculative", "num_speculative_tokens"),
+    )
     assert notes == []
     assert comments(new) == comments(ODD)
-    assert "name:   chat            # odd spacing is kept" in new        # untouched lines are byte-identical
+    assert "name:   chat            # odd spacing is kept" in new  # untouched lines are byte-identical
     assert "      - ngram\n" in new
     lines = new.splitlines()
     i = lines.index("  num_speculative_tokens: 4")
     assert lines[i - 1] == "  # specops tune 2026-01-01: x"
     assert lines[i - 2] == "  draft: /models/draft.gguf   # same family"
-    assert lines[i + 1] == "# ---- layout ----"                       # the next section's comment stays with it
+    assert lines[i + 1] == "# ---- layout ----"  # the next section's comment stays with it
     # running again replaces specops' comment instead of stacking a second one
-    again, _ = edit_yaml(new, {("speculative", "num_speculative_tokens"): 2}, comment="specops tune 2026-01-02: y",
-                         comment_at=("speculative", "num_speculative_tokens"))
+    again, _ = edit_yaml(
+        new,
+        {("speculative", "num_speculative_tokens"): 2},
+        comment="specops tune 2026-01-02: y",
+        comment_at=("speculative", "num_speculative_tokens"),
+    )
     assert again.count("specops tune") == 1 and "# specops tune 2026-01-02: y" in again
     assert "num_speculative_tokens: 2" in again and comments(again) == comments(ODD)
 
 
 def test_edit_removes_keys_without_losing_the_comments_around_them():
-    edits = {("speculative", "method"): "ngram", ("speculative", "draft"): UNSET_VALUE,
-             ("speculative", "ngram", "type"): "ngram-simple", ("fallback", "chain"): ["none"]}
+    edits = {
+        ("speculative", "method"): "ngram",
+        ("speculative", "draft"): UNSET_VALUE,
+        ("speculative", "ngram", "type"): "ngram-simple",
+        ("fallback", "chain"): ["none"],
+    }
     new, _ = edit_yaml(ODD, edits, comment="specops tune 2026-01-01: x", comment_at=("speculative", "method"))
     assert "draft:" not in new
     assert comments(new) == [c for c in comments(ODD) if c != "draft: /models/draft.gguf   # same family"]
     assert "name:   chat            # odd spacing is kept" in new
     assert "  method: ngram\n  ngram:\n    type: ngram-simple\n" in new
-    assert re.search(r"  chain:\n +- none\n# end\n$", new)                   # a block list stays a block list
+    assert re.search(r"  chain:\n +- none\n# end\n$", new)  # a block list stays a block list
     assert new.index("type: ngram-simple") < new.index("# ---- layout ----") < new.index("gpus:")
 
 
 def test_an_overlay_gets_null_for_what_only_its_base_sets():
     overlay = "extends: base.yaml\nname: prod  # prod\nserver:\n  port: 8000\n"
     base = {"speculative": {"method": "draft_model", "draft": "x", "num_speculative_tokens": 3}}
-    edits = {("speculative", "method"): "none", ("speculative", "draft"): UNSET_VALUE,
-             ("speculative", "num_speculative_tokens"): UNSET_VALUE}
-    new, _ = edit_yaml(overlay, edits, base_data=base, comment="specops tune 2026-01-01: x",
-                       comment_at=("speculative", "method"))
-    assert new.startswith("extends: base.yaml\nname: prod  # prod\nspeculative:\n  # specops tune 2026-01-01: x\n"
-                          "  method: none\n  draft: null\n  num_speculative_tokens: null\nserver:\n")
+    edits = {
+        ("speculative", "method"): "none",
+        ("speculative", "draft"): UNSET_VALUE,
+        ("speculative", "num_speculative_tokens"): UNSET_VALUE,
+    }
+    new, _ = edit_yaml(
+        overlay, edits, base_data=base, comment="specops tune 2026-01-01: x", comment_at=("speculative", "method")
+    )
+    assert new.startswith(
+        "extends: base.yaml\nname: prod  # prod\nspeculative:\n  # specops tune 2026-01-01: x\n"
+        "  method: none\n  draft: null\n  num_speculative_tokens: null\nserver:\n"
+    )
 
 
 # ------------------------------------------------------------------------------------------- write-back
@@ -438,14 +488,24 @@ def test_write_back_writes_the_best_median_and_a_record_and_the_profile_still_va
     cur = current_setting(loaded.profile)
     best = Setting(DM, 2, draft="/models/draft.gguf")
     res = llama_result(cur, {cur: 100.0, best: 130.0, Setting(DM, 1, draft="/models/draft.gguf"): 90.0})
-    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded),
-                     workload={"sets": ["code"]}, date="2026-01-02")
+    out = write_back(
+        loaded,
+        loaded.profile,
+        res,
+        get_registry(),
+        engine=engine_for(loaded),
+        workload={"sets": ["code"]},
+        date="2026-01-02",
+    )
     assert out.written and out.changes == ["speculative.num_speculative_tokens: 2"]
     text = path.read_text()
     assert comments(text) == comments(LLAMA)
-    assert re.search(r"  # specops tune 2026-01-02: draft_model k=2 best at concurrency 2, 130.0 tok/s median "
-                     r"\(vs k=3 100.0, k=1 90.0\), acceptance 0.90, mean length 2.50; record chat.tune.json\n"
-                     r"  num_speculative_tokens: 2\n", text)
+    assert re.search(
+        r"  # specops tune 2026-01-02: draft_model k=2 best at concurrency 2, 130.0 tok/s median "
+        r"\(vs k=3 100.0, k=1 90.0\), acceptance 0.90, mean length 2.50; record chat.tune.json\n"
+        r"  num_speculative_tokens: 2\n",
+        text,
+    )
     again = load_profile(path)
     assert again.profile.speculative.num_speculative_tokens == 2
     record = json.loads(tune_record_path(path).read_text())
@@ -460,8 +520,16 @@ def test_dry_run_changes_nothing_and_shows_the_diff(tmp_path):
     loaded = load_profile(path)
     cur = current_setting(loaded.profile)
     res = llama_result(cur, {cur: 100.0, Setting(DM, 6, draft="/models/draft.gguf"): 130.0})
-    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={},
-                     dry_run=True, date="2026-01-02")
+    out = write_back(
+        loaded,
+        loaded.profile,
+        res,
+        get_registry(),
+        engine=engine_for(loaded),
+        workload={},
+        dry_run=True,
+        date="2026-01-02",
+    )
     assert not out.written and path.read_text() == LLAMA and not tune_record_path(path).exists()
     assert "-  num_speculative_tokens: 3\n" in out.profile_diff and "+  num_speculative_tokens: 6\n" in out.profile_diff
     assert out.profile_diff.startswith("--- a/chat.yaml\n+++ b/chat.yaml\n")
@@ -479,7 +547,7 @@ def test_a_method_switch_rewrites_the_chain_and_validates(tmp_path):
     assert p.speculative.method is Method.NGRAM and p.speculative.draft is None
     assert p.speculative.ngram.type == "ngram-simple" and p.speculative.num_speculative_tokens is None
     assert [s.method for s in p.chain] == [Method.NONE]
-    assert "fallback.chain: [\"none\"]" in out.changes
+    assert 'fallback.chain: ["none"]' in out.changes
     assert re.search(r"\n  chain: \[none\] +# what to fall back to\n", path.read_text())
 
 
@@ -503,13 +571,24 @@ def test_an_overlay_is_written_and_its_base_is_not_touched(tmp_path):
 
 def test_a_fresh_lock_gets_the_record_and_stays_fresh(tmp_path):
     from specops.resolve.lock import digest, inputs_of, lock_path, read_lock, stale_reason, write_lock
+
     path = tmp_path / "chat.yaml"
     path.write_text(LLAMA)
     loaded = load_profile(path)
     inputs = inputs_of(loaded.profile)
-    lock = {"lock_version": 1, "profile": "chat.yaml", "inputs": inputs, "inputs_sha256": digest(inputs),
-            "speculative": {"method": "draft_model", "draft": "/models/draft.gguf", "draft_revision": None,
-                            "draft_file": None}, "alternatives": []}
+    lock = {
+        "lock_version": 1,
+        "profile": "chat.yaml",
+        "inputs": inputs,
+        "inputs_sha256": digest(inputs),
+        "speculative": {
+            "method": "draft_model",
+            "draft": "/models/draft.gguf",
+            "draft_revision": None,
+            "draft_file": None,
+        },
+        "alternatives": [],
+    }
     write_lock(lock_path(path), lock)
     cur = current_setting(loaded.profile)
     res = llama_result(cur, {cur: 100.0, Setting(DM, 4, draft="/models/draft.gguf"): 130.0})
@@ -517,7 +596,7 @@ def test_a_fresh_lock_gets_the_record_and_stays_fresh(tmp_path):
     assert out.record_path == lock_path(path) and not tune_record_path(path).exists()
     new_lock = read_lock(lock_path(path))
     assert new_lock["tune"]["chosen"]["k"] == 4 and new_lock["speculative"] == lock["speculative"]
-    assert stale_reason(new_lock, load_profile(path).profile) is None       # still applies at render/up
+    assert stale_reason(new_lock, load_profile(path).profile) is None  # still applies at render/up
     # a method switch leaves the lock alone (it pins the old method): the record gets its own file
     loaded = load_profile(path)
     cur = current_setting(loaded.profile)
@@ -529,6 +608,7 @@ def test_a_fresh_lock_gets_the_record_and_stays_fresh(tmp_path):
 
 def test_a_change_that_would_not_validate_changes_nothing(tmp_path, monkeypatch):
     import specops.perf.tune.writeback as tune
+
     path = tmp_path / "chat.yaml"
     path.write_text(LLAMA)
     loaded = load_profile(path)
@@ -538,13 +618,14 @@ def test_a_change_that_would_not_validate_changes_nothing(tmp_path, monkeypatch)
     with pytest.raises(SpecopsError, match="would not validate, so nothing was changed.*num_speculative_tokens"):
         write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={})
     assert path.read_text() == LLAMA and not tune_record_path(path).exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.yaml"]     # no temporary file left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.yaml"]  # no temporary file left behind
 
 
 def test_desired_changes_leave_auto_alone_when_it_resolves_to_the_winner(tmp_path):
     path = tmp_path / "p.yaml"
-    path.write_text(LLAMA.replace("method: draft_model", "method: draft_model").replace(
-        "draft: /models/draft.gguf", "draft: auto"))
+    path.write_text(
+        LLAMA.replace("method: draft_model", "method: draft_model").replace("draft: /models/draft.gguf", "draft: auto")
+    )
     file_prof = load_profile(path).profile
     resolved = Setting(DM, 3, draft="/models/draft.gguf").apply(file_prof)
     ch = desired_changes(file_prof, resolved, Setting(DM, 5, draft="/models/draft.gguf"))
@@ -556,6 +637,7 @@ def test_desired_changes_leave_auto_alone_when_it_resolves_to_the_winner(tmp_pat
 
 def repo_profiles():
     from pathlib import Path
+
     root = Path(__file__).resolve().parent.parent
     return sorted([*root.glob("profiles/**/*.yaml"), *root.glob("examples/*.yaml")])
 
@@ -564,10 +646,17 @@ def repo_profiles():
 def test_every_shipped_profile_takes_a_new_k_with_a_two_line_diff(path):
     """Only the k line (and specops' comment, and a `speculative:` header an overlay lacks) may change."""
     import difflib
+
     from specops.perf.tune import base_data_of
+
     text = path.read_text()
-    new, notes = edit_yaml(text, {("speculative", "num_speculative_tokens"): 7}, base_data=base_data_of(path),
-                           comment="specops tune 2026-01-01: x", comment_at=("speculative", "num_speculative_tokens"))
+    new, notes = edit_yaml(
+        text,
+        {("speculative", "num_speculative_tokens"): 7},
+        base_data=base_data_of(path),
+        comment="specops tune 2026-01-01: x",
+        comment_at=("speculative", "num_speculative_tokens"),
+    )
     assert notes == []
     diff = [d for d in difflib.ndiff(text.splitlines(), new.splitlines()) if d[:2] in ("- ", "+ ")]
     removed = [d[2:] for d in diff if d.startswith("- ")]
@@ -576,38 +665,51 @@ def test_every_shipped_profile_takes_a_new_k_with_a_two_line_diff(path):
     eol = lambda line: line.split("#", 1)[1] if "#" in line else None  # noqa: E731
     k_lines = [line for line in added if line.startswith("  num_speculative_tokens: 7")]
     assert len(k_lines) == 1 and added.count("  # specops tune 2026-01-01: x") == 1
-    assert [eol(line) for line in removed] in ([], [eol(k_lines[0])])   # the user's end-of-line comment stays
+    assert [eol(line) for line in removed] in ([], [eol(k_lines[0])])  # the user's end-of-line comment stays
     assert set(added) <= {k_lines[0], "  # specops tune 2026-01-01: x", "speculative:"}
 
 
 def test_no_change_only_refreshes_specops_comment(tmp_path):
     path = tmp_path / "chat.yaml"
-    path.write_text(LLAMA.replace("  num_speculative_tokens: 3\n",
-                                  "  # specops tune 2025-12-01: old numbers\n  num_speculative_tokens: 3\n"))
+    path.write_text(
+        LLAMA.replace(
+            "  num_speculative_tokens: 3\n", "  # specops tune 2025-12-01: old numbers\n  num_speculative_tokens: 3\n"
+        )
+    )
     loaded = load_profile(path)
     cur = current_setting(loaded.profile)
     res = llama_result(cur, {cur: 140.0, Setting(DM, 1, draft="/models/draft.gguf"): 90.0})
-    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={},
-                     date="2026-01-02")
+    out = write_back(
+        loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={}, date="2026-01-02"
+    )
     text = path.read_text()
     assert out.changes == [] and "only specops' comment is updated" in out.notes[-1]
     assert "old numbers" not in text and "  # specops tune 2026-01-02: draft_model k=3 best" in text
-    assert re.sub(r"  # specops tune .*\n", "", text) == LLAMA                   # nothing else moved
+    assert re.sub(r"  # specops tune .*\n", "", text) == LLAMA  # nothing else moved
 
 
 def test_per_batch_size_is_written_with_the_low_load_best(tmp_path):
-    vllm = ("name: chat\nbackend: vllm\nengine:\n  version: 0.32.0\nmodel:\n  id: org/target\nspeculative:\n"
-            "  method: draft_model\n  draft: org/draft   # the small one\n  num_speculative_tokens: 3\n"
-            "server:\n  parallel: 8\n")
+    vllm = (
+        "name: chat\nbackend: vllm\nengine:\n  version: 0.32.0\nmodel:\n  id: org/target\nspeculative:\n"
+        "  method: draft_model\n  draft: org/draft   # the small one\n  num_speculative_tokens: 3\n"
+        "server:\n  parallel: 8\n"
+    )
     path = tmp_path / "v.yaml"
     path.write_text(vllm)
     loaded = load_profile(path)
     none = Setting(Method.NONE)
-    res = result_with({8: {vdm(4): 100, vdm(2): 120, none: 130}, 1: {vdm(4): 60, vdm(2): 50, none: 20}},
-                      current=vdm(3))
+    res = result_with({8: {vdm(4): 100, vdm(2): 120, none: 130}, 1: {vdm(4): 60, vdm(2): 50, none: 20}}, current=vdm(3))
     prop = res.per_batch_size("vllm", "0.32.0", 8)
-    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={},
-                     per_batch=prop, apply_per_batch=True)
+    out = write_back(
+        loaded,
+        loaded.profile,
+        res,
+        get_registry(),
+        engine=engine_for(loaded),
+        workload={},
+        per_batch=prop,
+        apply_per_batch=True,
+    )
     spec = load_profile(path).profile.speculative
     assert spec.method is DM and spec.k == 4 and spec.per_batch_size == [(1, 2, 4), (3, 8, 0)]
     assert out.record["written"]["k"] == 4 and out.record["chosen"]["label"] == "none"
@@ -618,13 +720,18 @@ def test_per_batch_size_is_written_with_the_low_load_best(tmp_path):
 
 def test_method_choices_and_concurrency_levels(tmp_path):
     from specops.perf.tune import concurrency_levels, method_choices
+
     path = tmp_path / "chat.yaml"
     path.write_text(LLAMA)
     loaded = load_profile(path)
     reg, prof = get_registry(), loaded.profile
     primary = MethodChoice(DM, "/models/draft.gguf")
     assert method_choices(loaded, prof, reg, None) == [primary]
-    assert method_choices(loaded, prof, reg, "chain") == [primary, MethodChoice(Method.NGRAM), MethodChoice(Method.NONE)]
+    assert method_choices(loaded, prof, reg, "chain") == [
+        primary,
+        MethodChoice(Method.NGRAM),
+        MethodChoice(Method.NONE),
+    ]
     assert method_choices(loaded, prof, reg, "none,draft_model") == [primary, MethodChoice(Method.NONE)]
     with pytest.raises(SpecopsError, match="unknown method 'eagle9'"):
         method_choices(loaded, prof, reg, "eagle9")
@@ -638,6 +745,7 @@ def test_method_choices_and_concurrency_levels(tmp_path):
 
 def test_cli_refuses_bad_options_before_anything_runs(tmp_path):
     from support_cli import run
+
     path = tmp_path / "chat.yaml"
     path.write_text(LLAMA)
     res = run("tune", path, "--k", "two")
@@ -651,9 +759,11 @@ def test_cli_refuses_bad_options_before_anything_runs(tmp_path):
 
 def test_a_best_k_at_the_edge_of_the_grid_says_so():
     from specops.commands.tune import _grid_edge
+
     edge = result_with({1: {vdm(4): 100.0, vdm(8): 120.0}}, levels=(1,))
-    assert _grid_edge(edge, [vdm(4), vdm(8)]) == ("the best k is the largest tried (8); a larger k may be faster "
-                                                  "still: try --k 8,10,12,16")
+    assert _grid_edge(edge, [vdm(4), vdm(8)]) == (
+        "the best k is the largest tried (8); a larger k may be faster still: try --k 8,10,12,16"
+    )
     inside = result_with({1: {vdm(4): 130.0, vdm(8): 120.0, vdm(2): 90.0}}, levels=(1,))
     assert _grid_edge(inside, [vdm(2), vdm(4), vdm(8)]) is None
 
@@ -665,28 +775,48 @@ def test_requests_the_engine_refuses_stop_the_sweep_at_once():
         @contextlib.asynccontextmanager
         async def session(self, setting):
             async with super().session(setting) as s:
+
                 async def run(c):
-                    return Round(0.0, 0, 4, errors=1, first_error="HTTP 400: request (398 tokens) exceeds the "
-                                                                  "available context size (256 tokens)")
+                    return Round(
+                        0.0,
+                        0,
+                        4,
+                        errors=1,
+                        first_error="HTTP 400: request (398 tokens) exceeds the available context size (256 tokens)",
+                    )
+
                 s.run = run
                 yield s
 
     drv = TooLong(clock, {})
-    with pytest.raises(SpecopsError, match=r"the workload does not fit this deployment \(draft_model k=1: the engine "
-                                           r"refused the requests: 1 of 4 requests failed: HTTP 400: .*--max-tokens"):
+    with pytest.raises(
+        SpecopsError,
+        match=r"the workload does not fit this deployment \(draft_model k=1: the engine "
+        r"refused the requests: 1 of 4 requests failed: HTTP 400: .*--max-tokens",
+    ):
         race([dm(1), dm(2), dm(4)], drv, clock)
-    assert drv.launched == [dm(1)]                                     # not three times the same failure
+    assert drv.launched == [dm(1)]  # not three times the same failure
 
 
 def test_a_profile_with_per_batch_size_is_written_without_it_and_says_so(tmp_path):
-    vllm = ("name: chat\nbackend: vllm\nengine:\n  version: 0.32.0\nmodel:\n  id: org/target\nspeculative:\n"
-            "  method: draft_model\n  draft: org/draft\n  num_speculative_tokens: 3\n"
-            "  per_batch_size: [[1, 4, 3], [5, 8, 1]]\nserver:\n  parallel: 8\n")
+    vllm = (
+        "name: chat\nbackend: vllm\nengine:\n  version: 0.32.0\nmodel:\n  id: org/target\nspeculative:\n"
+        "  method: draft_model\n  draft: org/draft\n  num_speculative_tokens: 3\n"
+        "  per_batch_size: [[1, 4, 3], [5, 8, 1]]\nserver:\n  parallel: 8\n"
+    )
     path = tmp_path / "v.yaml"
     path.write_text(vllm)
     loaded = load_profile(path)
     res = result_with({1: {vdm(4): 100.0, vdm(3): 90.0}}, levels=(1,), current=vdm(3))
-    out = write_back(loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={},
-                     dry_run=True, date="2026-01-02")
+    out = write_back(
+        loaded,
+        loaded.profile,
+        res,
+        get_registry(),
+        engine=engine_for(loaded),
+        workload={},
+        dry_run=True,
+        date="2026-01-02",
+    )
     assert "speculative.per_batch_size is set and overrides k for the batch sizes it lists" in out.notes[0]
     assert out.changes == ["speculative.num_speculative_tokens: 4"] and path.read_text() == vllm

@@ -1,5 +1,6 @@
 """`specops up` with a real llama-server (built from source) on tiny GGUF models: launch, serve, stop,
 restart after a crash, and fall down the chain when a launch fails."""
+
 from __future__ import annotations
 
 import os
@@ -7,9 +8,9 @@ import signal
 import time
 
 import pytest
+from support_up import UpRun, free_port, http_json, http_text, write_profile
 
 from specops.run.process import group_members
-from support_up import UpRun, free_port, http_json, http_text, write_profile
 
 pytestmark = pytest.mark.engines
 
@@ -19,14 +20,24 @@ def models(tiny_models):
     return tiny_models
 
 
-def llama_profile(tmp_path, models, name, *, method="draft_model", draft="gguf-draft-same.gguf", target="gguf-target.gguf",
-                  chain=None, **extra):
+def llama_profile(
+    tmp_path,
+    models,
+    name,
+    *,
+    method="draft_model",
+    draft="gguf-draft-same.gguf",
+    target="gguf-target.gguf",
+    chain=None,
+    **extra,
+):
     spec = {"method": method}
     if method == "draft_model":
         spec["draft"] = draft if os.path.isabs(draft) else str(models / draft)
         spec["num_speculative_tokens"] = 4
     data = {
-        "name": name, "backend": "llamacpp",
+        "name": name,
+        "backend": "llamacpp",
         "model": {"id": str(models / target), "max_model_len": 512},
         "speculative": spec,
         "gpus": {"devices": []},
@@ -63,14 +74,22 @@ def assert_group_gone(pgid: int, timeout: float = 10) -> None:
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_up_serves_with_speculation_and_stops_cleanly(tmp_path, models, method):
-    profile = llama_profile(tmp_path, models, f"llama-{method.replace('_', '-')}", method=method,
-                            target="gguf-cycle.gguf" if method == "ngram" else "gguf-target.gguf")
+    profile = llama_profile(
+        tmp_path,
+        models,
+        f"llama-{method.replace('_', '-')}",
+        method=method,
+        target="gguf-cycle.gguf" if method == "ngram" else "gguf-target.gguf",
+    )
     with UpRun(profile, tmp_path / "state", profile.stem) as run:
         st = run.wait_ready(timeout=120)
         assert st["method"] == method and st["backend"] == "llamacpp"
         # ngram-mod matches long n-grams: the cycling target needs ~100 tokens before its output repeats
-        body = complete(st["url"], "the quick brown fox jumps over the lazy dog the quick brown fox",
-                        200 if method == "ngram" else 48)
+        body = complete(
+            st["url"],
+            "the quick brown fox jumps over the lazy dog the quick brown fox",
+            200 if method == "ngram" else 48,
+        )
         assert body["usage"]["completion_tokens"] > 0
         metrics = http_text(st["engine_url"] + "/metrics")
         assert spec_counter(metrics, "spec_decode_num_draft_tokens_total") > 0, "speculation did not draft"
@@ -89,8 +108,11 @@ def test_engine_killed_is_restarted_and_counted(tmp_path, models):
         st = run.wait_ready(timeout=120)
         first_pid = st["engine_pid"]
         os.killpg(first_pid, signal.SIGKILL)
-        st = run.wait_for(lambda s: s.get("state") == "ready" and s.get("engine_pid") not in (None, first_pid),
-                          60, "restart after SIGKILL")
+        st = run.wait_for(
+            lambda s: s.get("state") == "ready" and s.get("engine_pid") not in (None, first_pid),
+            60,
+            "restart after SIGKILL",
+        )
         assert st["restarts"] == 1 and st["method"] == "draft_model"
         complete(st["url"])
         status = run.status_json()
@@ -103,8 +125,9 @@ def test_engine_killed_is_restarted_and_counted(tmp_path, models):
 
 
 def test_missing_draft_is_refused_before_launch_and_the_chain_moves_on(tmp_path, models):
-    profile = llama_profile(tmp_path, models, "llama-missing-draft", draft=str(tmp_path / "no-such-draft.gguf"),
-                            chain=["ngram", "none"])
+    profile = llama_profile(
+        tmp_path, models, "llama-missing-draft", draft=str(tmp_path / "no-such-draft.gguf"), chain=["ngram", "none"]
+    )
     with UpRun(profile, tmp_path / "state", "llama-missing-draft") as run:
         st = run.wait_ready(timeout=120, method="ngram")
         decisions = run.events("decision")
@@ -119,10 +142,12 @@ def test_missing_draft_is_refused_before_launch_and_the_chain_moves_on(tmp_path,
 @pytest.mark.parametrize("checks", ["enforce", "warn"])
 def test_incompatible_vocab_draft_falls_back(tmp_path, models, checks):
     """enforce: specops' own vocab check refuses the draft; warn: llama-server itself refuses it at load."""
-    profile = llama_profile(tmp_path, models, f"llama-badvocab-{checks}", draft="gguf-draft-badvocab.gguf",
-                            chain=["ngram", "none"])
-    profile.write_text(profile.read_text().replace("  method: draft_model\n",
-                                                   f"  method: draft_model\n  checks: {checks}\n"))
+    profile = llama_profile(
+        tmp_path, models, f"llama-badvocab-{checks}", draft="gguf-draft-badvocab.gguf", chain=["ngram", "none"]
+    )
+    profile.write_text(
+        profile.read_text().replace("  method: draft_model\n", f"  method: draft_model\n  checks: {checks}\n")
+    )
     with UpRun(profile, tmp_path / "state", f"llama-badvocab-{checks}") as run:
         st = run.wait_ready(timeout=120, method="ngram")
         decision = run.events("decision")[0]
@@ -140,11 +165,18 @@ def test_incompatible_vocab_draft_falls_back(tmp_path, models, checks):
 
 
 def test_chain_exhausted_exits_with_code_1(tmp_path, models):
-    profile = llama_profile(tmp_path, models, "llama-hopeless", draft=str(tmp_path / "missing.gguf"),
-                            target="missing-target.gguf", chain=["none"])
+    profile = llama_profile(
+        tmp_path,
+        models,
+        "llama-hopeless",
+        draft=str(tmp_path / "missing.gguf"),
+        target="missing-target.gguf",
+        chain=["none"],
+    )
     # the target itself is missing: every method fails, so specops must give up rather than loop
-    profile.write_text(profile.read_text().replace(str(models / "missing-target.gguf"),
-                                                   str(tmp_path / "missing-target.gguf")))
+    profile.write_text(
+        profile.read_text().replace(str(models / "missing-target.gguf"), str(tmp_path / "missing-target.gguf"))
+    )
     with UpRun(profile, tmp_path / "state", "llama-hopeless") as run:
         rc = run.proc.wait(timeout=120)
         assert rc == 1

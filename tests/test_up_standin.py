@@ -3,6 +3,7 @@ traffic through the proxy, then `specops status` and `specops down` from outside
 
 The stand-in (support_standin.py) renders support_upstream.py for every method; ngram "accepts" 0.2, so
 the watcher decides a switch to `none` within a few windows of traffic."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,9 @@ def events(state_dir: Path, name: str, kind: str) -> list[dict]:
 
 
 def status(state_dir: Path, name: str) -> dict:
-    out = subprocess.run(SPECOPS + ["status", name, "--json", "--state-dir", str(state_dir)], capture_output=True,
-                         text=True, timeout=30)
+    out = subprocess.run(
+        SPECOPS + ["status", name, "--json", "--state-dir", str(state_dir)], capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -53,19 +55,31 @@ def test_fallback_status_and_down_through_the_real_wiring(tmp_path):
     state_dir = tmp_path / "state"
     name = "standin"
     port = free_port()
-    profile = write_profile(tmp_path / "standin.yaml", {
-        "name": name, "backend": "llamacpp", "model": {"id": str(tmp_path / "target.gguf")},
-        "speculative": {"method": "ngram"}, "gpus": {"devices": []},
-        "server": {"port": port},
-        "fallback": {"chain": ["none"], "window": 1, "min_draft_tokens": 20, "consecutive_windows": 2,
-                     "cooldown": 0},
-        "monitor": {"interval": 0.1, "timeout": 1},
-        "supervisor": {"state_dir": str(state_dir), "stop_timeout": 5, "restart_backoff": 0.1},
-        "proxy": {"enabled": True},
-    })
+    profile = write_profile(
+        tmp_path / "standin.yaml",
+        {
+            "name": name,
+            "backend": "llamacpp",
+            "model": {"id": str(tmp_path / "target.gguf")},
+            "speculative": {"method": "ngram"},
+            "gpus": {"devices": []},
+            "server": {"port": port},
+            "fallback": {
+                "chain": ["none"],
+                "window": 1,
+                "min_draft_tokens": 20,
+                "consecutive_windows": 2,
+                "cooldown": 0,
+            },
+            "monitor": {"interval": 0.1, "timeout": 1},
+            "supervisor": {"state_dir": str(state_dir), "stop_timeout": 5, "restart_backoff": 0.1},
+            "proxy": {"enabled": True},
+        },
+    )
     log = open(tmp_path / "up.log", "w")
-    proc = subprocess.Popen([sys.executable, str(HERE / "support_standin.py"), str(profile)], stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "support_standin.py"), str(profile)], stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         st = wait_for(state_dir, name, lambda s: s.get("state") == "ready", 30, "ready", proc)
         assert st["method"] == "ngram" and st["switches"] == 0 and st["last_decision"] is None
@@ -76,8 +90,15 @@ def test_fallback_status_and_down_through_the_real_wiring(tmp_path):
         def traffic(_st):
             http_json(f"http://127.0.0.1:{port}/v1/completions", {"prompt": "x", "max_tokens": 20}, timeout=10)
 
-        st = wait_for(state_dir, name, lambda s: s.get("method") == "none" and s.get("state") == "ready", 60,
-                      "the fallback to none", proc, tick=traffic)
+        st = wait_for(
+            state_dir,
+            name,
+            lambda s: s.get("method") == "none" and s.get("state") == "ready",
+            60,
+            "the fallback to none",
+            proc,
+            tick=traffic,
+        )
         assert st["switches"] == 1 and st["last_decision"]["rule"] == "threshold"
         assert st["last_decision"]["from"] == "ngram" and st["last_decision"]["to"] == "none"
         [decision] = [d for d in events(state_dir, name, "decision") if d["action"] == "switch"]
@@ -89,15 +110,17 @@ def test_fallback_status_and_down_through_the_real_wiring(tmp_path):
         assert 'specops_active_method{method="none"} 1.0' in metrics
         assert http_json(f"http://127.0.0.1:{port}/v1/completions", {"prompt": "x", "max_tokens": 4})[0] == 200
 
-        down = subprocess.run(SPECOPS + ["down", name, "--state-dir", str(state_dir)], capture_output=True,
-                              text=True, timeout=60)
+        down = subprocess.run(
+            SPECOPS + ["down", name, "--state-dir", str(state_dir)], capture_output=True, text=True, timeout=60
+        )
         assert down.returncode == 0 and f"{name}: stopped" in down.stdout, down.stdout + down.stderr
         assert proc.wait(10) == 0
         row = status(state_dir, name)
         assert row["state"] == "stopped" and row["running"] is False and row["switches"] == 1
         assert events(state_dir, name, "down")[-1]["exit_code"] == 0
-        again = subprocess.run(SPECOPS + ["down", name, "--state-dir", str(state_dir)], capture_output=True,
-                               text=True, timeout=30)
+        again = subprocess.run(
+            SPECOPS + ["down", name, "--state-dir", str(state_dir)], capture_output=True, text=True, timeout=30
+        )
         assert again.returncode == 0 and "not running" in again.stdout
     finally:
         if proc.poll() is None:

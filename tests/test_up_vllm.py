@@ -5,15 +5,16 @@ Three engine starts cover issue 4's vLLM checks and issue 5's: a draft model tha
 (acceptance ≈ 0) is left for n-gram within two windows, and the n-gram engine serves. Each engine is
 stopped with SIGTERM and no process of its group may remain.
 """
+
 from __future__ import annotations
 
 import time
 
 import pytest
-
-from specops.run.process import group_members
 from support_up import UpRun, free_port, http_json, http_text, write_profile
 from test_fallback_llamacpp import Traffic
+
+from specops.run.process import group_members
 
 pytestmark = pytest.mark.engines
 
@@ -26,17 +27,26 @@ def models(tiny_models):
 
 
 def vllm_profile(tmp_path, models, name, draft: str):
-    return write_profile(tmp_path / f"{name}.yaml", {
-        "name": name, "backend": "vllm",
-        "model": {"id": str(models / "hf-target"), "dtype": "float32", "max_model_len": 512},
-        "speculative": {"method": "draft_model", "draft": str(models / draft), "num_speculative_tokens": 3},
-        "server": {"port": free_port(), "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
-        "fallback": {"window": f"{WINDOW}s", "min_draft_tokens": 60, "consecutive_windows": 2, "cooldown": "5m",
-                     "chain": ["ngram", "none"]},
-        "monitor": {"interval": "1s"},
-        "supervisor": {"stop_timeout": 30},
-        "engine": {"ready_timeout": "5m"},
-    })
+    return write_profile(
+        tmp_path / f"{name}.yaml",
+        {
+            "name": name,
+            "backend": "vllm",
+            "model": {"id": str(models / "hf-target"), "dtype": "float32", "max_model_len": 512},
+            "speculative": {"method": "draft_model", "draft": str(models / draft), "num_speculative_tokens": 3},
+            "server": {"port": free_port(), "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+            "fallback": {
+                "window": f"{WINDOW}s",
+                "min_draft_tokens": 60,
+                "consecutive_windows": 2,
+                "cooldown": "5m",
+                "chain": ["ngram", "none"],
+            },
+            "monitor": {"interval": "1s"},
+            "supervisor": {"stop_timeout": 30},
+            "engine": {"ready_timeout": "5m"},
+        },
+    )
 
 
 def spec_counter(text: str, name: str) -> float:
@@ -57,13 +67,20 @@ def test_draft_equal_to_target_is_kept_and_stops_cleanly(tmp_path, models):
         assert st["method"] == "draft_model" and st["engine_version"] == "0.32.0"
         argv = run.events("start")[0]["argv"]
         assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], "vllm-cpu needs the module form"
-        status, body = http_json(st["url"] + "/v1/completions", {"model": str(models / "hf-target"),
-                                                                 "prompt": "the quick brown fox", "max_tokens": 16,
-                                                                 "temperature": 0})
+        status, body = http_json(
+            st["url"] + "/v1/completions",
+            {"model": str(models / "hf-target"), "prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0},
+        )
         assert status == 200 and body["usage"]["completion_tokens"] == 16
         with Traffic(st["url"], max_tokens=48) as traffic:
-            st = run.wait_for(lambda s: (s.get("acceptance") or {}).get("status") == "ok"
-                              and ((s.get("acceptance") or {}).get("draft_tokens") or 0) >= 60, 90, "a full window")
+            st = run.wait_for(
+                lambda s: (
+                    (s.get("acceptance") or {}).get("status") == "ok"
+                    and ((s.get("acceptance") or {}).get("draft_tokens") or 0) >= 60
+                ),
+                90,
+                "a full window",
+            )
             time.sleep(2 * WINDOW + 2)
             st = run.state()
         assert traffic.failed == 0 and traffic.ok > 0
@@ -99,9 +116,15 @@ def test_unrelated_draft_falls_back_to_ngram_which_serves(tmp_path, models):
         assert 'specops_fallbacks_total{from_method="draft_model",reason="threshold",to_method="ngram"} 1.0' in metrics
         # the n-gram engine serves, and speculates
         for _ in range(3):
-            status_code, body = http_json(st["url"] + "/v1/completions", {
-                "model": str(models / "hf-target"), "prompt": "the quick brown fox jumps over the lazy dog " * 3,
-                "max_tokens": 64, "temperature": 0})
+            status_code, body = http_json(
+                st["url"] + "/v1/completions",
+                {
+                    "model": str(models / "hf-target"),
+                    "prompt": "the quick brown fox jumps over the lazy dog " * 3,
+                    "max_tokens": 64,
+                    "temperature": 0,
+                },
+            )
             assert status_code == 200
         assert spec_counter(http_text(st["engine_url"] + "/metrics"), "spec_decode_num_draft_tokens_total") > 0
         pgid = st["engine_pid"]

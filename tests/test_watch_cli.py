@@ -3,6 +3,7 @@
 Every server is on 127.0.0.1 and started by the test (a growing /metrics exporter, a webhook receiver);
 every `specops watch` run is bounded by --once or a kill after a short time.
 """
+
 from __future__ import annotations
 
 import base64
@@ -18,10 +19,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from support_prometheus import free_port, llamacpp_text
 
 from specops.errors import SpecopsError
 from specops.urls import check_http_url, redact_text, redact_url, split_userinfo, url_problem
-from support_prometheus import free_port, llamacpp_text
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,8 +32,9 @@ SECRETS = ("s3cretpw", "tok3n-value", "hunter2", "QUERYSECRET")
 
 
 def watch(*args, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run(SPECOPS + ["watch", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "NO_COLOR": "1"})
+    return subprocess.run(
+        SPECOPS + ["watch", *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, "NO_COLOR": "1"}
+    )
 
 
 class GrowingExporter:
@@ -76,8 +78,13 @@ class Hook:
         class H(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
                 n = int(self.headers.get("Content-Length", 0))
-                hook.calls.append({"path": self.path, "auth": self.headers.get("Authorization"),
-                                   "body": json.loads(self.rfile.read(n))})
+                hook.calls.append(
+                    {
+                        "path": self.path,
+                        "auth": self.headers.get("Authorization"),
+                        "body": json.loads(self.rfile.read(n)),
+                    }
+                )
                 self.send_response(status)
                 if status in (301, 302, 307):
                     self.send_header("Location", "file:///etc/hostname")
@@ -106,29 +113,59 @@ def exporter():
         e.close()
 
 
-SWITCH_NOW = ["--backend", "llamacpp", "--method", "draft_model", "--window", "0.3", "--min-draft-tokens", "10",
-              "--consecutive-windows", "1", "--once", "--json"]
+SWITCH_NOW = [
+    "--backend",
+    "llamacpp",
+    "--method",
+    "draft_model",
+    "--window",
+    "0.3",
+    "--min-draft-tokens",
+    "10",
+    "--consecutive-windows",
+    "1",
+    "--once",
+    "--json",
+]
 
 
 # ------------------------------------------------------------------------------------------ option bounds
 
-@pytest.mark.parametrize("args,needle", [
-    (["--window", "0"], "--window"), (["--window", "-1"], "--window"), (["--window", "nan"], "--window"),
-    (["--window", "inf"], "--window"), (["--window", "1e400"], "--window"), (["--window", "30d"], "--window"),
-    (["--window", "soon"], "--window"),
-    (["--interval", "0"], "--interval"), (["--interval", "-5"], "--interval"), (["--interval", "nan"], "--interval"),
-    (["--interval", "0.01"], "--interval"), (["--interval", "2h"], "--interval"),
-    (["--min-acceptance", "5"], "--min-acceptance"), (["--min-acceptance", "-0.1"], "--min-acceptance"),
-    (["--min-acceptance", "nan"], "--min-acceptance"),
-    (["--min-draft-tokens", "0"], "--min-draft-tokens"), (["--consecutive-windows", "0"], "--consecutive-windows"),
-    (["--on-decision", "echo 'x"], "--on-decision"), (["--on-decision", ""], "--on-decision"),
-    (["--on-decision", "no-such-program-specops-test"], "--on-decision"),
-    (["--webhook", "file:///etc/hostname"], "--webhook"), (["--webhook", "http://"], "--webhook"),
-    (["--webhook", "ftp://127.0.0.1/x"], "--webhook"), (["--webhook", "http://127.0.0.1:99999/"], "--webhook"),
-    (["--webhook", "javascript:alert(1)"], "--webhook"), (["--webhook", "http://h/a b"], "--webhook"),
-    (["--prometheus-url", "file:///tmp/x"], "--prometheus-url"), (["--url", "gopher://x"], "--url"),
-    (["--backend", "nope"], "--backend"),
-])
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--window", "0"], "--window"),
+        (["--window", "-1"], "--window"),
+        (["--window", "nan"], "--window"),
+        (["--window", "inf"], "--window"),
+        (["--window", "1e400"], "--window"),
+        (["--window", "30d"], "--window"),
+        (["--window", "soon"], "--window"),
+        (["--interval", "0"], "--interval"),
+        (["--interval", "-5"], "--interval"),
+        (["--interval", "nan"], "--interval"),
+        (["--interval", "0.01"], "--interval"),
+        (["--interval", "2h"], "--interval"),
+        (["--min-acceptance", "5"], "--min-acceptance"),
+        (["--min-acceptance", "-0.1"], "--min-acceptance"),
+        (["--min-acceptance", "nan"], "--min-acceptance"),
+        (["--min-draft-tokens", "0"], "--min-draft-tokens"),
+        (["--consecutive-windows", "0"], "--consecutive-windows"),
+        (["--on-decision", "echo 'x"], "--on-decision"),
+        (["--on-decision", ""], "--on-decision"),
+        (["--on-decision", "no-such-program-specops-test"], "--on-decision"),
+        (["--webhook", "file:///etc/hostname"], "--webhook"),
+        (["--webhook", "http://"], "--webhook"),
+        (["--webhook", "ftp://127.0.0.1/x"], "--webhook"),
+        (["--webhook", "http://127.0.0.1:99999/"], "--webhook"),
+        (["--webhook", "javascript:alert(1)"], "--webhook"),
+        (["--webhook", "http://h/a b"], "--webhook"),
+        (["--prometheus-url", "file:///tmp/x"], "--prometheus-url"),
+        (["--url", "gopher://x"], "--url"),
+        (["--backend", "nope"], "--backend"),
+    ],
+)
 def test_bad_options_are_one_clean_click_error(args, needle):
     port = free_port()  # nothing listens: an option that slipped through would show as a read failure
     r = watch(f"http://127.0.0.1:{port}", "--once", *args, timeout=20)
@@ -160,9 +197,12 @@ def test_durations_accept_units(exporter):
 
 def test_interval_floor_holds_in_the_loop(exporter):
     """--interval 0.1 reads about ten times a second, not hundreds (the old busy loop)."""
-    proc = subprocess.Popen(SPECOPS + ["watch", exporter.url, "--backend", "llamacpp", "--interval", "0.1",
-                                       "--window", "1", "--json"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        SPECOPS + ["watch", exporter.url, "--backend", "llamacpp", "--interval", "0.1", "--window", "1", "--json"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while exporter.requests == 0:  # the first read (after the backend is known)
@@ -183,8 +223,9 @@ def test_interval_floor_holds_in_the_loop(exporter):
 
 def test_profile_interval_below_the_floor_is_raised_with_a_warning(exporter, tmp_path):
     p = tmp_path / "w.yaml"
-    p.write_text("name: w\nbackend: llamacpp\nmodel: {id: x/y}\nspeculative: {method: ngram}\n"
-                 "monitor: {interval: 0.001}\n")
+    p.write_text(
+        "name: w\nbackend: llamacpp\nmodel: {id: x/y}\nspeculative: {method: ngram}\nmonitor: {interval: 0.001}\n"
+    )
     port = exporter.url.rsplit(":", 1)[1]
     r = watch(str(p), "--url", f"http://127.0.0.1:{port}", "--window", "0.3", "--once", "--json")
     if r.returncode == 1:  # the profile loader may refuse such an interval itself (a located error)
@@ -196,11 +237,14 @@ def test_profile_interval_below_the_floor_is_raised_with_a_warning(exporter, tmp
 
 # ------------------------------------------------------------------------------------------ notifications
 
+
 def test_on_decision_runs_without_a_shell(exporter, tmp_path):
     record = tmp_path / "argv.json"
     marker = tmp_path / "pwned"
-    script = (f"import json,os,sys; open({str(record)!r},'w').write(json.dumps("
-              f"{{'argv': sys.argv[1:], 'stdin': sys.stdin.read(), 'env': os.environ['SPECOPS_DECISION']}}))")
+    script = (
+        f"import json,os,sys; open({str(record)!r},'w').write(json.dumps("
+        f"{{'argv': sys.argv[1:], 'stdin': sys.stdin.read(), 'env': os.environ['SPECOPS_DECISION']}}))"
+    )
     cmd = f"{sys.executable} -c \"{script}\" 'two words' '$(touch {marker})' ';' 'rm -rf /nonexistent'"
     r = watch(exporter.url, *SWITCH_NOW, "--on-decision", cmd)
     assert r.returncode == 0, r.stderr
@@ -233,7 +277,7 @@ def test_failing_webhook_is_a_redacted_warning(exporter):
     url = f"https://user:hunter2@127.0.0.1:{free_port()}/x?sig=QUERYSECRET"
     r = watch(exporter.url, *SWITCH_NOW, "--webhook", url)
     assert r.returncode == 0, r.stderr
-    assert f"warning: webhook https://***@127.0.0.1:" in r.stderr and "/x?sig=*** failed" in r.stderr
+    assert "warning: webhook https://***@127.0.0.1:" in r.stderr and "/x?sig=*** failed" in r.stderr
     assert not any(s in r.stdout + r.stderr for s in SECRETS)
     assert "Traceback" not in r.stderr
 
@@ -250,8 +294,15 @@ def test_webhook_redirects_are_not_followed(exporter):
 
 def test_engine_url_with_credentials_is_redacted_in_ticks():
     port = free_port()
-    r = watch(f"http://user:s3cretpw@127.0.0.1:{port}/?token=tok3n-value", "--backend", "llamacpp",
-              "--window", "0.2", "--once", "--json")
+    r = watch(
+        f"http://user:s3cretpw@127.0.0.1:{port}/?token=tok3n-value",
+        "--backend",
+        "llamacpp",
+        "--window",
+        "0.2",
+        "--once",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     tick = json.loads(r.stdout.splitlines()[-1])
     assert tick["window"]["status"] == "unavailable"
@@ -261,11 +312,14 @@ def test_engine_url_with_credentials_is_redacted_in_ticks():
 
 # ------------------------------------------------------------------------------------------ labels and windows
 
+
 def test_bad_label_name_reaching_watch_is_a_clean_error(tmp_path):
     p = tmp_path / "w.yaml"
-    p.write_text("name: w\nbackend: vllm\nmodel: {id: x/y}\nspeculative: {method: ngram}\n"
-                 f"monitor: {{source: promql, prometheus_url: 'http://127.0.0.1:{free_port()}', "
-                 "labels: {bad-name: x}}\n")
+    p.write_text(
+        "name: w\nbackend: vllm\nmodel: {id: x/y}\nspeculative: {method: ngram}\n"
+        f"monitor: {{source: promql, prometheus_url: 'http://127.0.0.1:{free_port()}', "
+        "labels: {bad-name: x}}\n"
+    )
     r = watch(str(p), "--once", timeout=20)
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr and "bad-name" in r.stderr
@@ -274,12 +328,25 @@ def test_bad_label_name_reaching_watch_is_a_clean_error(tmp_path):
 def test_check_bounds_refuses_what_a_profile_object_may_hold():
     from specops.commands.watch import _check_bounds
     from specops.config.profile import Profile
-    base = Profile.model_validate({"name": "w", "backend": "vllm", "model": {"id": "x/y"},
-                                   "speculative": {"method": "ngram"},
-                                   "monitor": {"source": "promql", "prometheus_url": "http://127.0.0.1:1"}})
-    bad = [("fallback", {"window": math.inf}), ("fallback", {"window": math.nan}), ("fallback", {"window": 0.0}),
-           ("monitor", {"interval": math.inf}), ("fallback", {"min_acceptance": 5.0}),
-           ("monitor", {"labels": {"bad-name": "x"}}), ("monitor", {"prometheus_url": "file:///etc/x"})]
+
+    base = Profile.model_validate(
+        {
+            "name": "w",
+            "backend": "vllm",
+            "model": {"id": "x/y"},
+            "speculative": {"method": "ngram"},
+            "monitor": {"source": "promql", "prometheus_url": "http://127.0.0.1:1"},
+        }
+    )
+    bad = [
+        ("fallback", {"window": math.inf}),
+        ("fallback", {"window": math.nan}),
+        ("fallback", {"window": 0.0}),
+        ("monitor", {"interval": math.inf}),
+        ("fallback", {"min_acceptance": 5.0}),
+        ("monitor", {"labels": {"bad-name": "x"}}),
+        ("monitor", {"prometheus_url": "file:///etc/x"}),
+    ]
     for section, update in bad:
         p = base.model_copy(update={section: getattr(base, section).model_copy(update=update)})
         with pytest.raises(SpecopsError) as exc:
@@ -290,16 +357,22 @@ def test_check_bounds_refuses_what_a_profile_object_may_hold():
 
 # ------------------------------------------------------------------------------------------ urls
 
-@pytest.mark.parametrize("url,shown", [
-    ("http://127.0.0.1:9000/hook", "http://127.0.0.1:9000/hook"),
-    ("https://u:p@h.example/x?token=abc&a=1#frag", "https://***@h.example/x?token=***&a=***#***"),
-    ("https://tok@h/", "https://***@h/"),
-    ("https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXX12XXXXXXXXXXXX",
-     "https://hooks.slack.com/services/T00000000/B00000000/***"),
-    ("http://h/?secret", "http://h/?***"),
-    ("http://[::1/x", "http://***"),
-    ("http://h/metrics", "http://h/metrics"),
-])
+
+@pytest.mark.parametrize(
+    "url,shown",
+    [
+        ("http://127.0.0.1:9000/hook", "http://127.0.0.1:9000/hook"),
+        ("https://u:p@h.example/x?token=abc&a=1#frag", "https://***@h.example/x?token=***&a=***#***"),
+        ("https://tok@h/", "https://***@h/"),
+        (
+            "https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXX12XXXXXXXXXXXX",
+            "https://hooks.slack.com/services/T00000000/B00000000/***",
+        ),
+        ("http://h/?secret", "http://h/?***"),
+        ("http://[::1/x", "http://***"),
+        ("http://h/metrics", "http://h/metrics"),
+    ],
+)
 def test_redact_url(url, shown):
     assert redact_url(url) == shown
 

@@ -1,6 +1,7 @@
 """`specops watch` on an engine specops does not run: a llama-server started by the test, with a noisy
 draft, under real traffic. The scrape source and the PromQL source (a real Prometheus scraping the same
 engine) reach the same recommendation; the webhook and the command receive it."""
+
 from __future__ import annotations
 
 import json
@@ -11,12 +12,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
-from specops.devenv.engines import llama_server_bin
-from specops.paths import tiny_models_dir
 from support_prometheus import PrometheusServer
 from support_up import SPECOPS, free_port
 from test_fallback_llamacpp import Traffic
+
+from specops.devenv.engines import llama_server_bin
+from specops.paths import tiny_models_dir
 
 pytestmark = [pytest.mark.engines, pytest.mark.prometheus]
 
@@ -24,18 +25,44 @@ pytestmark = [pytest.mark.engines, pytest.mark.prometheus]
 @pytest.fixture(scope="module")
 def noisy_engine(tmp_path_factory):
     from specops.devenv.testmodels import ensure_tiny_models
+
     ensure_tiny_models(["gguf"])
     models = tiny_models_dir()
     port = free_port()
     log = open(tmp_path_factory.mktemp("engine") / "llama.log", "w")
-    proc = subprocess.Popen([str(llama_server_bin()), "-m", str(models / "gguf-target.gguf"),
-                             "-md", str(models / "gguf-draft-noisy.gguf"), "--spec-type", "draft-simple",
-                             "--spec-draft-n-max", "8", "-c", "1024", "-np", "2", "-dev", "none", "-devd", "none",
-                             "--host", "127.0.0.1", "--port", str(port), "--metrics"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(llama_server_bin()),
+            "-m",
+            str(models / "gguf-target.gguf"),
+            "-md",
+            str(models / "gguf-draft-noisy.gguf"),
+            "--spec-type",
+            "draft-simple",
+            "--spec-draft-n-max",
+            "8",
+            "-c",
+            "1024",
+            "-np",
+            "2",
+            "-dev",
+            "none",
+            "-devd",
+            "none",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     import urllib.request
+
     while True:
         try:
             with urllib.request.urlopen(url + "/health", timeout=1) as r:
@@ -47,7 +74,9 @@ def noisy_engine(tmp_path_factory):
         time.sleep(0.2)
     with Traffic(url):
         # the traffic is flowing once llama-server has counted drafts of finished requests
-        while "llamacpp:spec_decode_num_draft_tokens_total 0" in urllib.request.urlopen(url + "/metrics").read().decode():
+        while (
+            "llamacpp:spec_decode_num_draft_tokens_total 0" in urllib.request.urlopen(url + "/metrics").read().decode()
+        ):
             assert time.monotonic() < deadline + 60, "no request finished"
             time.sleep(0.2)
         yield url, port

@@ -1,6 +1,7 @@
 """The watcher alone, on the stand-in engine (tests/support_upstream.py) and a fake clock: which window the
 reader trusts (the proxy's live timings or the engine's counters), ticks through a source outage and back,
 acting on a decision (and a refused one), and following the supervisor through its events."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,7 @@ import json
 import urllib.request
 
 import pytest
+from support_upstream import Upstream
 
 from specops.backends.base import LaunchPlan
 from specops.config.profile import Profile
@@ -18,15 +20,24 @@ from specops.run.instance import EventLog
 from specops.watch.decide import FallbackDecider
 from specops.watch.policy import Action, Policy, PolicyConfig
 from specops.watch.watcher import AcceptanceReader, LiveCounters, SpecopsMetrics, Watcher
-from support_upstream import Upstream
 
-PROFILE = Profile.model_validate({
-    "name": "unit", "backend": "llamacpp", "model": {"id": "/models/target.gguf"},
-    "speculative": {"method": "draft_model", "draft": "/models/draft.gguf"}, "gpus": {"devices": []},
-    "fallback": {"chain": ["ngram", "none"], "window": 2, "min_draft_tokens": 10, "consecutive_windows": 1,
-                 "cooldown": 0},
-    "monitor": {"interval": 0.1, "timeout": 1},
-})
+PROFILE = Profile.model_validate(
+    {
+        "name": "unit",
+        "backend": "llamacpp",
+        "model": {"id": "/models/target.gguf"},
+        "speculative": {"method": "draft_model", "draft": "/models/draft.gguf"},
+        "gpus": {"devices": []},
+        "fallback": {
+            "chain": ["ngram", "none"],
+            "window": 2,
+            "min_draft_tokens": 10,
+            "consecutive_windows": 1,
+            "cooldown": 0,
+        },
+        "monitor": {"interval": 0.1, "timeout": 1},
+    }
+)
 
 
 class FakeClock:
@@ -42,22 +53,34 @@ def backend():
 
 
 def complete(url: str, max_tokens: int) -> None:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "x", "max_tokens": max_tokens}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps({"prompt": "x", "max_tokens": max_tokens}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200
 
 
 def plan_for(up: Upstream) -> LaunchPlan:
-    return LaunchPlan(backend="llamacpp", engine_version="test", method=Method.DRAFT_MODEL, argv=("x",), env=(),
-                      host="127.0.0.1", port=up.port, model_name="tiny-test-model")
+    return LaunchPlan(
+        backend="llamacpp",
+        engine_version="test",
+        method=Method.DRAFT_MODEL,
+        argv=("x",),
+        env=(),
+        host="127.0.0.1",
+        port=up.port,
+        model_name="tiny-test-model",
+    )
 
 
 # ------------------------------------------------------------------------------------------- the reader
 
+
 def test_backend_capabilities_choose_the_sources():
     reader = AcceptanceReader.for_profile(PROFILE, backend(), live=LiveCounters())
-    assert reader.log is not None and reader.live is not None          # llama.cpp logs acceptance lines
+    assert reader.log is not None and reader.live is not None  # llama.cpp logs acceptance lines
     vllm = get_registry().backend("vllm")
     assert AcceptanceReader.for_profile(PROFILE, vllm).log is None
     assert backend().live_timings and not vllm.live_timings
@@ -72,15 +95,15 @@ def test_reader_takes_the_window_that_saw_more_drafts():
         reader.attach(up.url + "/metrics", None)
         first = reader.read_blocking(0.0)
         assert first.stats.status == "no-data"
-        live.add(100, 80)                                 # timings of a request still running
+        live.add(100, 80)  # timings of a request still running
         during = reader.read_blocking(1.0)
         assert during.stats.status == "ok" and during.stats.source == "proxy-timings"
         assert (during.stats.draft_tokens, during.stats.acceptance) == (100, 0.8)
         assert during.counters.source == "llamacpp" and during.counters.draft_tokens == 0
-        complete(up.url, 200)                             # the engine counts 400 drafted, 200 accepted
+        complete(up.url, 200)  # the engine counts 400 drafted, 200 accepted
         after = reader.read_blocking(2.0)
         assert after.stats.source == "llamacpp" and (after.stats.draft_tokens, after.stats.acceptance) == (400, 0.5)
-        reader.attach(up.url + "/metrics", None)          # a new engine: a fresh window, live counters reset
+        reader.attach(up.url + "/metrics", None)  # a new engine: a fresh window, live counters reset
         assert live.read().draft_tokens == 0 and reader.read_blocking(3.0).stats.status == "no-data"
 
 
@@ -95,12 +118,22 @@ def test_reader_of_an_unreachable_source_never_raises():
 
 # ------------------------------------------------------------------------------------------- ticks
 
+
 def make_watcher(reader, clock, act, log: EventLog, said: list):
-    decider = FallbackDecider(Policy(PolicyConfig.from_profile(PROFILE), PROFILE.steps), events=log,
-                              say=said.append, clock=clock)
+    decider = FallbackDecider(
+        Policy(PolicyConfig.from_profile(PROFILE), PROFILE.steps), events=log, say=said.append, clock=clock
+    )
     ticks = []
-    watcher = Watcher(PROFILE, reader, decider, say=said.append, act=act, metrics=SpecopsMetrics(), clock=clock,
-                      on_tick=lambda: ticks.append(clock()))
+    watcher = Watcher(
+        PROFILE,
+        reader,
+        decider,
+        say=said.append,
+        act=act,
+        metrics=SpecopsMetrics(),
+        clock=clock,
+        on_tick=lambda: ticks.append(clock()),
+    )
     return watcher, decider, ticks
 
 
@@ -116,7 +149,7 @@ def test_ticks_through_a_source_outage_then_a_switch():
         watcher, decider, ticks = make_watcher(reader, clock, lambda d: acted.append(d) or True, log, said)
         try:
             assert (await watcher.tick()).rule == "no-data"
-            up.stop()                                          # the engine's /metrics goes away
+            up.stop()  # the engine's /metrics goes away
             outage = []
             for t in (1.0, 2.0, 3.0):
                 clock.t = t
@@ -125,7 +158,7 @@ def test_ticks_through_a_source_outage_then_a_switch():
             assert sum(1 for d in outage if d.warning) == 1 and sum("unavailable" in s for s in said) == 1
             assert watcher.snapshot()["acceptance"]["status"] == "unavailable"
             assert decider.snapshot()["policy"]["source_down_since"] == 1.0
-            up = Upstream.start("engine", acceptance=0.2, port=port)     # back (its counters from zero)
+            up = Upstream.start("engine", acceptance=0.2, port=port)  # back (its counters from zero)
             clock.t = 4.0
             back = await watcher.tick()
             assert "recovered" in back.reason and decider.snapshot()["policy"]["source_down_since"] is None
@@ -137,10 +170,15 @@ def test_ticks_through_a_source_outage_then_a_switch():
                     break
             assert (d.action, d.rule, d.to_index) == (Action.SWITCH, "threshold", 1)
             assert acted == [d] and ticks[:5] == [0.0, 1.0, 2.0, 3.0, 4.0] and ticks[-1] == clock.t
-            assert (await watcher.tick()).rule == "switch-pending"          # until the supervisor confirms
+            assert (await watcher.tick()).rule == "switch-pending"  # until the supervisor confirms
             metrics = watcher.metrics.registry
-            assert metrics.get_sample_value("specops_fallbacks_total", {"from_method": "draft_model",
-                                            "to_method": "ngram", "reason": "threshold"}) == 1.0
+            assert (
+                metrics.get_sample_value(
+                    "specops_fallbacks_total",
+                    {"from_method": "draft_model", "to_method": "ngram", "reason": "threshold"},
+                )
+                == 1.0
+            )
             assert metrics.get_sample_value("specops_source_up") == 1.0
         finally:
             up.stop()
@@ -167,15 +205,20 @@ def test_a_refused_switch_leaves_no_pending_decision():
                 clock.t = t
                 d = await watcher.tick()
             assert d.action is Action.SWITCH and decider.policy.pending is None
-            assert decider.switches == 0 and decider.last_decision is None   # nothing was executed
+            assert decider.switches == 0 and decider.last_decision is None  # nothing was executed
             return watcher
 
     watcher = asyncio.run(asyncio.wait_for(main(), 60))
-    assert watcher.metrics.registry.get_sample_value("specops_fallbacks_total", {
-        "from_method": "draft_model", "to_method": "ngram", "reason": "threshold"}) is None
+    assert (
+        watcher.metrics.registry.get_sample_value(
+            "specops_fallbacks_total", {"from_method": "draft_model", "to_method": "ngram", "reason": "threshold"}
+        )
+        is None
+    )
 
 
 # ------------------------------------------------------------------------------------------- supervisor events
+
 
 def test_watcher_and_decider_follow_the_supervisor_events():
     clock = FakeClock(10.0)
@@ -195,8 +238,9 @@ def test_watcher_and_decider_follow_the_supervisor_events():
         assert m.get_sample_value("specops_supervisor_state", {"state": "ready"}) == 1.0
         watcher.on_event(StateChanged(State.READY, State.STOPPING, 0, Method.DRAFT_MODEL, 0))
         assert not watcher.serving
-        decider.on_event(StepChanged(0, 1, Method.DRAFT_MODEL, Method.NGRAM, "low", True,
-                                     {"action": "switch", "rule": "threshold"}))
+        decider.on_event(
+            StepChanged(0, 1, Method.DRAFT_MODEL, Method.NGRAM, "low", True, {"action": "switch", "rule": "threshold"})
+        )
         decider.on_event(EngineReady(1, Method.NGRAM, plan_for(up), 1.0))
     snap = decider.snapshot()
     assert snap["switches"] == 1 and snap["policy"]["index"] == 1 and snap["policy"]["method"] == "ngram"

@@ -1,4 +1,5 @@
 """Windowed acceptance from counter samples: deltas, resets, idle, absent series, coarse, the buffer."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,15 +11,21 @@ from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, Sample, Sam
 
 
 def c(tokens, accepted, drafts=None, per_pos=(), **kw) -> SpecCounters:
-    return SpecCounters(draft_tokens=float(tokens), accepted=float(accepted),
-                        drafts=None if drafts is None else float(drafts),
-                        per_position=tuple(float(x) for x in per_pos), **kw)
+    return SpecCounters(
+        draft_tokens=float(tokens),
+        accepted=float(accepted),
+        drafts=None if drafts is None else float(drafts),
+        per_position=tuple(float(x) for x in per_pos),
+        **kw,
+    )
 
 
 def test_acceptance_and_mean_length_from_deltas():
-    samples = [Sample(0, c(1000, 900, 250, [240, 220, 200, 180])),
-               Sample(30, c(1200, 1000, 300, [260, 240, 210, 190])),
-               Sample(60, c(1400, 1100, 350, [280, 260, 220, 200]))]
+    samples = [
+        Sample(0, c(1000, 900, 250, [240, 220, 200, 180])),
+        Sample(30, c(1200, 1000, 300, [260, 240, 210, 190])),
+        Sample(60, c(1400, 1100, 350, [280, 260, 220, 200])),
+    ]
     s = window_stats(samples, now=60, window_s=60)
     assert s.status == OK and s.full
     assert (s.draft_tokens, s.accepted, s.drafts) == (400.0, 200.0, 100.0)
@@ -32,7 +39,7 @@ def test_acceptance_and_mean_length_from_deltas():
 def test_baseline_is_newest_sample_at_or_before_window_start():
     samples = [Sample(t, c(100 * t, 50 * t)) for t in range(0, 101, 10)]
     s = window_stats(samples, now=100, window_s=35)
-    assert s.start == 60 and s.end == 100 and s.full       # 60 <= 100 - 35 < 70
+    assert s.start == 60 and s.end == 100 and s.full  # 60 <= 100 - 35 < 70
     assert s.draft_tokens == 4000.0
 
 
@@ -68,11 +75,15 @@ def test_future_samples_are_ignored():
 
 def test_counter_reset_mid_window():
     # the engine restarted between t=30 and t=45: counters start again from zero
-    samples = [Sample(0, c(10_000, 9_000, 2_500)), Sample(30, c(10_400, 9_100, 2_600)),
-               Sample(45, c(100, 20, 25)), Sample(60, c(300, 60, 75))]
+    samples = [
+        Sample(0, c(10_000, 9_000, 2_500)),
+        Sample(30, c(10_400, 9_100, 2_600)),
+        Sample(45, c(100, 20, 25)),
+        Sample(60, c(300, 60, 75)),
+    ]
     s = window_stats(samples, now=60, window_s=60)
     assert s.status == OK and s.resets == 1
-    assert s.draft_tokens == 400 + 100 + 200          # before, the restart's new totals, after
+    assert s.draft_tokens == 400 + 100 + 200  # before, the restart's new totals, after
     assert s.accepted == 100 + 20 + 40
     assert s.acceptance == pytest.approx(160 / 700)
     assert "restarted" in s.reason
@@ -128,6 +139,7 @@ def test_invalid_window():
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), -1, 0, "60", None, True])
 def test_non_finite_windows_are_refused_with_one_line(bad):
     from specops.watch.window import WindowError
+
     with pytest.raises(WindowError) as exc:
         window_stats([], now=0, window_s=bad)
     assert "\n" not in str(exc.value)
@@ -140,7 +152,7 @@ def test_sample_buffer_keeps_only_what_the_window_needs():
     for t in range(0, 101, 5):
         buf.add(Sample(t, c(10 * t, 7 * t)))
     times = [s.t for s in buf]
-    assert times[0] == 70 and times[-1] == 100          # 70 = newest sample at or before 100 - 30
+    assert times[0] == 70 and times[-1] == 100  # 70 = newest sample at or before 100 - 30
     s = buf.stats(100)
     assert s.full and s.draft_tokens == 300 and s.acceptance == pytest.approx(0.7)
     with pytest.raises(ValueError):
@@ -158,10 +170,10 @@ def traces(draw):
     hidden = False
     t = 0.0
     for i in range(n):
-        if i and draw(st.integers(0, 9)) == 0:      # restart: counters from zero, then some new work
+        if i and draw(st.integers(0, 9)) == 0:  # restart: counters from zero, then some new work
             new_t = draw(st.integers(0, 50))
             new_a = draw(st.integers(0, new_t))
-            hidden |= new_t >= tokens and new_a >= accepted   # no counter fell: invisible, as in Prometheus
+            hidden |= new_t >= tokens and new_a >= accepted  # no counter fell: invisible, as in Prometheus
             tokens, accepted = new_t, new_a
             true_tok += new_t
             true_acc += new_a

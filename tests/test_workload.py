@@ -1,4 +1,5 @@
 """Prompt sets and the workload runner: parsing, derived numbers, and real streamed requests to llama-server."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,8 @@ from specops.perf.workload import (
     run_workload,
 )
 
-
 # ------------------------------------------------------------------------------------ prompt sets
+
 
 def test_builtin_sets_exist_and_differ_where_speculation_differs():
     sets = {name: load_prompts(name) for name in BUILTIN_SETS}
@@ -39,15 +40,18 @@ def test_user_jsonl(tmp_path):
     assert prompts == [Prompt("a", 5, 0.0, "mine"), Prompt("b", 128, 0.5, "x")]
 
 
-@pytest.mark.parametrize("line, message", [
-    ("not json", "not JSON"),
-    ('["a"]', "expected an object"),
-    ('{"prompt": ""}', "non-empty string"),
-    ('{"prompt": "a", "max_tokens": 0}', "max_tokens"),
-    ('{"prompt": "a", "max_tokens": true}', "max_tokens"),
-    ('{"prompt": "a", "temperature": -1}', "temperature"),
-    ('{"prompt": "a", "top_p": 0.9}', "unknown key"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("not json", "not JSON"),
+        ('["a"]', "expected an object"),
+        ('{"prompt": ""}', "non-empty string"),
+        ('{"prompt": "a", "max_tokens": 0}', "max_tokens"),
+        ('{"prompt": "a", "max_tokens": true}', "max_tokens"),
+        ('{"prompt": "a", "temperature": -1}', "temperature"),
+        ('{"prompt": "a", "top_p": 0.9}', "unknown key"),
+    ],
+)
 def test_bad_lines_are_located(tmp_path, line, message):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"prompt": "ok"}\n' + line + "\n")
@@ -67,6 +71,7 @@ def test_unknown_set_and_empty_file(tmp_path):
 
 # ------------------------------------------------------------------------------------ numbers
 
+
 def test_percentile_and_median_by_hand():
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile([10, 20, 30, 40, 50], 90) == pytest.approx(46.0)
@@ -75,14 +80,36 @@ def test_percentile_and_median_by_hand():
 
 
 def test_derived_numbers_by_hand():
-    a = RequestResult("s", True, start=0.0, end=2.0, output_tokens=11, ttft=0.5, itl=[0.1, 0.3], chunks=3,
-                      draft_tokens=10, accepted=8, usage_reported=True)
-    b = RequestResult("s", True, start=1.0, end=4.0, output_tokens=21, ttft=1.0, itl=[0.2], chunks=2,
-                      draft_tokens=20, accepted=4, usage_reported=True)
+    a = RequestResult(
+        "s",
+        True,
+        start=0.0,
+        end=2.0,
+        output_tokens=11,
+        ttft=0.5,
+        itl=[0.1, 0.3],
+        chunks=3,
+        draft_tokens=10,
+        accepted=8,
+        usage_reported=True,
+    )
+    b = RequestResult(
+        "s",
+        True,
+        start=1.0,
+        end=4.0,
+        output_tokens=21,
+        ttft=1.0,
+        itl=[0.2],
+        chunks=2,
+        draft_tokens=20,
+        accepted=4,
+        usage_reported=True,
+    )
     err = RequestResult("s", False, start=1.0, end=1.5, error="HTTP 500")
     res = WorkloadResult(2, [a, b, err], wall_s=4.0)
     assert a.tpot == pytest.approx((2.0 - 0.5) / 10) and b.tpot == pytest.approx(2.0 / 20)
-    assert res.output_tokens == 32 and res.tokens_per_s == 8.0          # failed requests add nothing
+    assert res.output_tokens == 32 and res.tokens_per_s == 8.0  # failed requests add nothing
     assert res.ttft_median == 0.75 and res.itl_median == pytest.approx(0.2)
     assert res.acceptance == pytest.approx(12 / 30)
     s = res.summary()
@@ -91,13 +118,14 @@ def test_derived_numbers_by_hand():
 
 # ------------------------------------------------------------------------------------ real engine
 
+
 @pytest.fixture(scope="module")
 def llama():
     """A real llama-server (tiny target + same-weights draft) launched by specops.perf.launch for this module."""
+    from specops.config.profile import load_profile
     from specops.devenv.testmodels import ensure_tiny_models
     from specops.perf.launch import launched
     from specops.plugins import get_registry
-    from specops.config.profile import load_profile
 
     models = ensure_tiny_models(["gguf"])
     import tempfile
@@ -105,10 +133,12 @@ def llama():
 
     tmp = Path(tempfile.mkdtemp(prefix="specops-workload-"))
     prof = tmp / "w.yaml"
-    prof.write_text(f"name: w\nbackend: llamacpp\nmodel:\n  id: {models['gguf-target.gguf']}\n  max_model_len: 1024\n"
-                    f"speculative:\n  method: draft_model\n  draft: {models['gguf-draft-same.gguf']}\n"
-                    "  num_speculative_tokens: 4\ngpus:\n  devices: []\nserver:\n  parallel: 2\n"
-                    "supervisor:\n  stop_timeout: 10\n")
+    prof.write_text(
+        f"name: w\nbackend: llamacpp\nmodel:\n  id: {models['gguf-target.gguf']}\n  max_model_len: 1024\n"
+        f"speculative:\n  method: draft_model\n  draft: {models['gguf-draft-same.gguf']}\n"
+        "  num_speculative_tokens: 4\ngpus:\n  devices: []\nserver:\n  parallel: 2\n"
+        "supervisor:\n  stop_timeout: 10\n"
+    )
     registry = get_registry()
     loaded = load_profile(prof, registry=registry)
     loop = asyncio.new_event_loop()
@@ -128,12 +158,20 @@ def test_streamed_requests_against_llama_server(llama):
     loop, eng = llama
     prompts = [Prompt("the quick brown fox", 24, 0.0, "a"), Prompt("def hello world", 16, 0.0, "b")]
     seen = []
-    res = loop.run_until_complete(run_workload(eng.base_url, eng.model_name, prompts, concurrency=2, requests=6,
-                                               extra_body={"ignore_eos": True},
-                                               on_progress=lambda done, total: seen.append((done, total))))
+    res = loop.run_until_complete(
+        run_workload(
+            eng.base_url,
+            eng.model_name,
+            prompts,
+            concurrency=2,
+            requests=6,
+            extra_body={"ignore_eos": True},
+            on_progress=lambda done, total: seen.append((done, total)),
+        )
+    )
     assert [r.error for r in res.errors] == []
     assert len(res.requests) == 6 and seen[-1] == (6, 6) and len(seen) == 6
-    assert sorted(r.output_tokens for r in res.requests) == [16] * 3 + [24] * 3      # from usage, exact
+    assert sorted(r.output_tokens for r in res.requests) == [16] * 3 + [24] * 3  # from usage, exact
     assert all(r.usage_reported and r.finish_reason == "length" for r in res.requests)
     assert all(0 < r.ttft <= r.latency for r in res.requests)
     assert all(len(r.itl) == r.chunks - 1 for r in res.requests)
@@ -148,11 +186,19 @@ def test_streamed_requests_against_llama_server(llama):
 def test_counters_before_and_after_match_the_responses(llama):
     loop, eng = llama
     before = loop.run_until_complete(eng.counters())
-    res = loop.run_until_complete(run_workload(eng.base_url, eng.model_name, [Prompt("lazy dog over", 32)],
-                                               concurrency=1, requests=3, extra_body={"ignore_eos": True}))
+    res = loop.run_until_complete(
+        run_workload(
+            eng.base_url,
+            eng.model_name,
+            [Prompt("lazy dog over", 32)],
+            concurrency=1,
+            requests=3,
+            extra_body={"ignore_eos": True},
+        )
+    )
     stats = loop.run_until_complete(eng.acceptance_since(before))
     assert stats.status == "ok"
-    assert stats.draft_tokens == res.draft_tokens and stats.accepted == res.accepted   # two views, one truth
+    assert stats.draft_tokens == res.draft_tokens and stats.accepted == res.accepted  # two views, one truth
     assert stats.mean_acceptance_length == pytest.approx(1 + stats.accepted / stats.drafts)
     assert 1.0 <= stats.mean_draft_length <= 4.0
 
@@ -161,13 +207,15 @@ def test_counters_before_and_after_match_the_responses(llama):
 @pytest.mark.timeout(120)
 def test_failures_are_recorded_not_raised(llama):
     loop, eng = llama
-    too_long = Prompt("fox " * 2000, 8)                     # far beyond the context: HTTP 400
-    res = loop.run_until_complete(run_workload(eng.base_url, eng.model_name, [too_long, Prompt("ok", 4)],
-                                               concurrency=1, requests=2))
+    too_long = Prompt("fox " * 2000, 8)  # far beyond the context: HTTP 400
+    res = loop.run_until_complete(
+        run_workload(eng.base_url, eng.model_name, [too_long, Prompt("ok", 4)], concurrency=1, requests=2)
+    )
     assert len(res.errors) == 1 and res.errors[0].error.startswith("HTTP 400")
     assert len(res.ok) == 1 and res.output_tokens == res.ok[0].output_tokens
-    dead = loop.run_until_complete(run_workload("http://127.0.0.1:9", "x", [Prompt("a", 4)], concurrency=1,
-                                                requests=1, timeout=5))
+    dead = loop.run_until_complete(
+        run_workload("http://127.0.0.1:9", "x", [Prompt("a", 4)], concurrency=1, requests=1, timeout=5)
+    )
     assert len(dead.errors) == 1 and "Error" in dead.errors[0].error
 
 
@@ -175,8 +223,9 @@ def test_failures_are_recorded_not_raised(llama):
 @pytest.mark.timeout(120)
 def test_duration_bound_run_stops_starting_requests(llama):
     loop, eng = llama
-    res = loop.run_until_complete(run_workload(eng.base_url, eng.model_name, [Prompt("the and of", 8)],
-                                               concurrency=2, duration=0.5))
+    res = loop.run_until_complete(
+        run_workload(eng.base_url, eng.model_name, [Prompt("the and of", 8)], concurrency=2, duration=0.5)
+    )
     assert len(res.requests) >= 2 and not res.errors
     assert max(r.start for r in res.requests) - min(r.start for r in res.requests) < 0.5 + 0.1
-    assert json.dumps(res.summary())                        # JSON-ready
+    assert json.dumps(res.summary())  # JSON-ready

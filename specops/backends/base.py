@@ -5,20 +5,32 @@ it can run, how to find and probe its engine, how to render a :class:`LaunchPlan
 health and metrics live, and how to read acceptance from its metrics. Rendering is pure: the same profile
 and :class:`EngineInfo` always give the byte-identical plan.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable
 
-from specops.methods import Method
-from specops.urls import http_url  # re-exported for backends
-from specops.redact import MARK, MIN_SUBSTRING, Redactor, looks_secret, shell_quote, unmark
 from specops.config.profile import check_version_text  # re-exported for backends
+from specops.methods import Method
+from specops.redact import MARK, MIN_SUBSTRING, Redactor, looks_secret, shell_quote, unmark
+from specops.urls import http_url  # re-exported for backends
 
-__all__ = ["Backend", "EngineInfo", "LaunchPlan", "RenderError", "check_extra_args", "check_version_text",
-           "counter_total", "flag_of", "http_url", "looks_secret"]
+__all__ = [
+    "Backend",
+    "EngineInfo",
+    "LaunchPlan",
+    "RenderError",
+    "check_extra_args",
+    "check_version_text",
+    "counter_total",
+    "flag_of",
+    "http_url",
+    "looks_secret",
+]
+
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -26,10 +38,10 @@ class EngineInfo:
 
     backend: str
     version: str
-    source: str                                  # where the version came from, for messages
-    invocation: tuple[str, ...] = ()             # program prefix, e.g. ("vllm", "serve") or (python, "-m", ...)
-    flags: frozenset[str] | None = None          # flags the binary's --help lists (None: not probed)
-    executable: str | None = None                # resolved program path when probed
+    source: str  # where the version came from, for messages
+    invocation: tuple[str, ...] = ()  # program prefix, e.g. ("vllm", "serve") or (python, "-m", ...)
+    flags: frozenset[str] | None = None  # flags the binary's --help lists (None: not probed)
+    executable: str | None = None  # resolved program path when probed
     flag_values: dict = field(default_factory=dict, compare=False, hash=False)  # flag -> values its help lists
 
     def knows(self, flag: str) -> bool | None:
@@ -50,7 +62,7 @@ class LaunchPlan:
     port: int
     health_path: str = "/health"
     metrics_path: str = "/metrics"
-    model_name: str = ""                         # the name the engine reports in metrics and /v1/models
+    model_name: str = ""  # the name the engine reports in metrics and /v1/models
     secrets: tuple[str, ...] = field(default=(), repr=False)
     notes: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)  # for specops' own requests (e.g. llama /metrics)
@@ -157,6 +169,7 @@ class LaunchPlan:
 
     def to_dict(self) -> dict:
         """A JSON-ready description; secrets redacted."""
+
         def walk(value):
             if isinstance(value, str):
                 return unmark(value)
@@ -165,6 +178,7 @@ class LaunchPlan:
             if isinstance(value, dict):
                 return {k: walk(v) for k, v in value.items()}
             return value
+
         return walk(self._marked())
 
 
@@ -244,6 +258,7 @@ class Backend:
         reads the ``<metric_prefix>spec_decode_*`` counters; a backend with other metrics overrides this.
         """
         from specops.backends.counters import parse_spec_counters  # prometheus_client: only when watching
+
         return parse_spec_counters(metrics_text, self.metric_prefix, model_name, openmetrics=openmetrics)
 
     def generated_tokens(self, metrics_text: str) -> float | None:
@@ -299,12 +314,18 @@ def flag_of(arg: str) -> str | None:
     return arg.split("=", 1)[0]
 
 
-def check_extra_args(extra: list[str], rendered: tuple[str, ...], aliases: list[frozenset[str]],
-                     forbidden: dict[str, str] | None = None, known: frozenset[str] | None = None) -> None:
+def check_extra_args(
+    extra: list[str],
+    rendered: tuple[str, ...],
+    aliases: list[frozenset[str]],
+    forbidden: dict[str, str] | None = None,
+    known: frozenset[str] | None = None,
+) -> None:
     """Refuse extra args that contradict the rendered flags, are forbidden, or the engine does not know.
 
     ``aliases`` lists groups of spellings of the same flag (``-tp``/``--tensor-parallel-size``).
     """
+
     def group(flag: str) -> frozenset[str]:
         for g in aliases:
             if flag in g:
@@ -321,7 +342,9 @@ def check_extra_args(extra: list[str], rendered: tuple[str, ...], aliases: list[
             raise RenderError(path, f"{flag}: {forbidden[flag]}")
         clash = sorted(group(flag) & taken)
         if clash:
-            raise RenderError(path, f"{flag} contradicts {clash[0]}, which specops renders from the profile; "
-                                    f"set the profile field instead")
+            raise RenderError(
+                path,
+                f"{flag} contradicts {clash[0]}, which specops renders from the profile; set the profile field instead",
+            )
         if known is not None and not (group(flag) & known):
             raise RenderError(path, f"{flag} is not an option of this engine build (not in its --help)")

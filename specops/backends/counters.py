@@ -17,11 +17,13 @@ Engines expose running totals; acceptance over a window comes from their differe
 
 No speculative series at all returns ``None``: speculation is off or stats are disabled — not acceptance 0.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -62,9 +64,15 @@ class SpecCounters:
         return self.accepted / self.draft_tokens if self.draft_tokens > 0 else None
 
     def to_dict(self) -> dict:
-        return {"draft_tokens": self.draft_tokens, "accepted": self.accepted, "drafts": self.drafts,
-                "per_position": list(self.per_position), "source": self.source, "coarse": self.coarse,
-                "lifetime_acceptance": self.lifetime_acceptance}
+        return {
+            "draft_tokens": self.draft_tokens,
+            "accepted": self.accepted,
+            "drafts": self.drafts,
+            "per_position": list(self.per_position),
+            "source": self.source,
+            "coarse": self.coarse,
+            "lifetime_acceptance": self.lifetime_acceptance,
+        }
 
 
 def normalize_prefix(prefix: str) -> str:
@@ -83,8 +91,8 @@ def series_names(prefix: str) -> dict[str, str]:
         "draft_tokens": p + "num_draft_tokens_total",
         "accepted": p + "num_accepted_tokens_total",
         "per_position": p + "num_accepted_tokens_per_pos_total",
-        "emitted": p + "num_emitted_tokens_total",             # vLLM V0 only
-        "lifetime_acceptance": p + "draft_acceptance_rate",    # vLLM V0 only (gauge)
+        "emitted": p + "num_emitted_tokens_total",  # vLLM V0 only
+        "lifetime_acceptance": p + "draft_acceptance_rate",  # vLLM V0 only (gauge)
     }
 
 
@@ -96,8 +104,9 @@ def _source_for(prefix: str, coarse: bool) -> str:
     return prefix.rstrip(":")
 
 
-def parse_spec_counters(text: str, prefix: str, model_name: str | None = None,
-                        openmetrics: bool = False) -> SpecCounters | None:
+def parse_spec_counters(
+    text: str, prefix: str, model_name: str | None = None, openmetrics: bool = False
+) -> SpecCounters | None:
     """The spec-decode counters in exposition ``text``; None when it has no spec-decode series at all.
 
     ``model_name`` keeps only samples whose ``model_name`` label equals it (samples without that label, as
@@ -118,8 +127,9 @@ def parse_spec_counters(text: str, prefix: str, model_name: str | None = None,
         raise MetricsError(f"not a Prometheus exposition: {exc or type(exc).__name__}") from None
 
 
-def spec_counters_from_families(families: Iterable[Any], prefix: str,
-                                model_name: str | None = None) -> SpecCounters | None:
+def spec_counters_from_families(
+    families: Iterable[Any], prefix: str, model_name: str | None = None
+) -> SpecCounters | None:
     """Like :func:`parse_spec_counters`, over metric families already parsed by ``prometheus_client``."""
     prefix = normalize_prefix(prefix)
     names = series_names(prefix)
@@ -160,8 +170,9 @@ def spec_counters_from_families(families: Iterable[Any], prefix: str,
     missing = [names[r] for r in ("draft_tokens", "accepted") if r not in sums]
     if missing and not (coarse and "lifetime_acceptance" in sums):
         present = sorted(names[r] for r in sums) + ([names["per_position"]] if per_pos else [])
-        raise MetricsError(f"incomplete spec-decode series: {', '.join(present)} present but "
-                           f"{', '.join(missing)} missing")
+        raise MetricsError(
+            f"incomplete spec-decode series: {', '.join(present)} present but {', '.join(missing)} missing"
+        )
     positions = tuple(per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)) if per_pos else ()
     lifetime = sums.get("lifetime_acceptance")
     if coarse and lifetime is not None and not 0.0 <= lifetime <= 1.0:

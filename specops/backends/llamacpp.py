@@ -4,6 +4,7 @@ llama-server renamed its speculative flags in 2026 and exits on a removed one, s
 the probed binary's ``--help`` (or a pinned flag generation; see :mod:`specops.backends.versions`). Facts with
 their sources in :mod:`specops.backends.versions` (llama.cpp's ``common/arg.cpp``).
 """
+
 from __future__ import annotations
 
 import os
@@ -12,36 +13,63 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from specops.backends.base import (
+    Backend,
+    EngineInfo,
+    LaunchPlan,
+    RenderError,
+    check_extra_args,
+    check_version_text,
+    counter_total,
+    looks_secret,
+)
+from specops.backends.versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
 from specops.errors import SpecopsError
 from specops.hookspecs import hookimpl
 from specops.methods import Method
 from specops.paths import engines_dir
-from specops.backends.versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
-from specops.backends.base import (Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text,
-                                   counter_total, looks_secret)
 
 #: specops method → llama-server ``--spec-type`` value, per flag generation (absent: not supported).
 SPEC_TYPE = {
     "legacy": {},
     "spec-type": {Method.DRAFT_MODEL: "draft", Method.NGRAM: "ngram-simple"},
     "spec-draft": {Method.DRAFT_MODEL: "draft", Method.NGRAM: "ngram-mod"},
-    "current": {Method.DRAFT_MODEL: "draft-simple", Method.EAGLE3: "draft-eagle3", Method.MTP: "draft-mtp",
-                Method.NGRAM: "ngram-mod"},
+    "current": {
+        Method.DRAFT_MODEL: "draft-simple",
+        Method.EAGLE3: "draft-eagle3",
+        Method.MTP: "draft-mtp",
+        Method.NGRAM: "ngram-mod",
+    },
 }
 NGRAM_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 DEFAULT_DRAFT_QUANT = "Q4_K_M"
 
 #: Spellings of the same option, so extra_args cannot sneak in a second value for a rendered flag.
-ALIASES = [frozenset(g) for g in (
-    {"-m", "--model"}, {"-hf", "-hfr", "--hf-repo"}, {"-hff", "--hf-file"},
-    {"-md", "--model-draft", "--spec-draft-model"}, {"-hfd", "-hfrd", "--hf-repo-draft", "--spec-draft-hf"},
-    {"-c", "--ctx-size"}, {"--api-key", "--api-key-file"}, {"-np", "--parallel"}, {"-a", "--alias"},
-    {"-ngl", "--gpu-layers", "--n-gpu-layers"}, {"-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl"},
-    {"-dev", "--device"}, {"-devd", "--device-draft", "--spec-draft-device"},
-    {"-sm", "--split-mode"}, {"-ts", "--tensor-split"}, {"-mg", "--main-gpu"}, {"-fit", "--fit"},
-    {"--draft", "--draft-n", "--draft-max", "--spec-draft-n-max"}, {"--draft-min", "--draft-n-min", "--spec-draft-n-min"},
-    {"--draft-p-min", "--spec-draft-p-min"},
-)]
+ALIASES = [
+    frozenset(g)
+    for g in (
+        {"-m", "--model"},
+        {"-hf", "-hfr", "--hf-repo"},
+        {"-hff", "--hf-file"},
+        {"-md", "--model-draft", "--spec-draft-model"},
+        {"-hfd", "-hfrd", "--hf-repo-draft", "--spec-draft-hf"},
+        {"-c", "--ctx-size"},
+        {"--api-key", "--api-key-file"},
+        {"-np", "--parallel"},
+        {"-a", "--alias"},
+        {"-ngl", "--gpu-layers", "--n-gpu-layers"},
+        {"-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl"},
+        {"-dev", "--device"},
+        {"-devd", "--device-draft", "--spec-draft-device"},
+        {"-sm", "--split-mode"},
+        {"-ts", "--tensor-split"},
+        {"-mg", "--main-gpu"},
+        {"-fit", "--fit"},
+        {"--draft", "--draft-n", "--draft-max", "--spec-draft-n-max"},
+        {"--draft-min", "--draft-n-min", "--spec-draft-n-min"},
+        {"--draft-p-min", "--spec-draft-p-min"},
+    )
+]
 FORBIDDEN = {"--no-metrics": "specops reads acceptance from /metrics; it must stay on"}
 
 
@@ -52,17 +80,23 @@ class LlamaCppBackend(Backend):
     metric_prefix = "llamacpp:"
     display_name = "llama.cpp"
     model_format = "gguf"
-    draft_vocab_tolerance = 128   # common/speculative.cpp: SPEC_VOCAB_MAX_SIZE_DIFFERENCE
-    concurrency_note = ("llama-server has no per-batch-size k: under high concurrency keep "
-                        "num_speculative_tokens small or serve fewer parallel slots")
-    live_timings = True     # with timings_per_token the proxy sees acceptance chunk by chunk
-    log_acceptance = True   # builds without spec_decode counters still log `draft acceptance = …`
-    install_hint = ("llama-server not found: put it on PATH, set engine.executable, "
-                    "or run `specops engines setup llamacpp` to build it from source")
+    draft_vocab_tolerance = 128  # common/speculative.cpp: SPEC_VOCAB_MAX_SIZE_DIFFERENCE
+    concurrency_note = (
+        "llama-server has no per-batch-size k: under high concurrency keep "
+        "num_speculative_tokens small or serve fewer parallel slots"
+    )
+    live_timings = True  # with timings_per_token the proxy sees acceptance chunk by chunk
+    log_acceptance = True  # builds without spec_decode counters still log `draft acceptance = …`
+    install_hint = (
+        "llama-server not found: put it on PATH, set engine.executable, "
+        "or run `specops engines setup llamacpp` to build it from source"
+    )
 
     #: llama-server logs these and keeps serving *without* speculation (e.g. a draft with another vocab).
-    SPEC_FAILED = re.compile(r"failed to initiali[sz]e speculative decoding|target and draft vocabs are not compatible"
-                             r"|draft model vocab type must match|failed to load draft model")
+    SPEC_FAILED = re.compile(
+        r"failed to initiali[sz]e speculative decoding|target and draft vocabs are not compatible"
+        r"|draft model vocab type must match|failed to load draft model"
+    )
 
     def method_version_problem(self, method, version):
         try:
@@ -78,7 +112,7 @@ class LlamaCppBackend(Backend):
 
     def launch_problem(self, line):
         m = self.SPEC_FAILED.search(line)
-        return f"llama-server runs without speculation: {line[m.start():].strip()[:200]}" if m else None
+        return f"llama-server runs without speculation: {line[m.start() :].strip()[:200]}" if m else None
 
     # ------------------------------------------------------------------ what `specops tune` sweeps
     launch_prior_s = 3.0  # llama-server on tiny models is ready in < 1 s
@@ -101,7 +135,8 @@ class LlamaCppBackend(Backend):
     def check_profile(self, p):
         spec, g = p.speculative, p.gpus
         vllm_only = [
-            (("model", "dtype"), p.model.dtype != "auto"), (("model", "trust_remote_code"), p.model.trust_remote_code),
+            (("model", "dtype"), p.model.dtype != "auto"),
+            (("model", "trust_remote_code"), p.model.trust_remote_code),
             (("gpus", "tensor_parallel_size"), g.tensor_parallel_size > 1),
             (("gpus", "pipeline_parallel_size"), g.pipeline_parallel_size > 1),
             (("gpus", "memory_utilization"), g.memory_utilization is not None),
@@ -118,21 +153,31 @@ class LlamaCppBackend(Backend):
         if spec.draft and spec.draft != "auto":
             yield from _check_gguf_ref(("speculative", "draft"), spec.draft, spec.draft_file)
         if spec.ngram.type is not None and spec.ngram.type not in NGRAM_TYPES:
-            yield ("speculative", "ngram", "type"), (f"unknown llama.cpp n-gram type {spec.ngram.type!r} "
-                                                    f"(one of {', '.join(NGRAM_TYPES)})")
+            yield (
+                ("speculative", "ngram", "type"),
+                (f"unknown llama.cpp n-gram type {spec.ngram.type!r} (one of {', '.join(NGRAM_TYPES)})"),
+            )
         if g.tensor_split and not g.devices:
             yield ("gpus", "tensor_split"), "tensor_split needs gpus.devices"
         # llama-server's n-gram drafters have their own knobs; specops renders none of these for them,
         # so accepting them would silently ignore what the profile asks for.
         for key in ("min", "max"):
             if key in spec.ngram.model_fields_set:
-                yield ("speculative", "ngram", key), (
-                    f"ngram.{key} is vLLM's prompt_lookup_{key}; llama-server's n-gram drafters take their own "
-                    f"flags (e.g. --spec-ngram-mod-n-match, --spec-ngram-simple-size-n): put them in server.extra_args")
+                yield (
+                    ("speculative", "ngram", key),
+                    (
+                        f"ngram.{key} is vLLM's prompt_lookup_{key}; llama-server's n-gram drafters take their own "
+                        f"flags (e.g. --spec-ngram-mod-n-match, --spec-ngram-simple-size-n): put them in server.extra_args"
+                    ),
+                )
         if spec.method is Method.NGRAM and spec.num_speculative_tokens is not None:
-            yield ("speculative", "num_speculative_tokens"), (
-                "llama-server's n-gram drafters size their drafts with their own flags (e.g. "
-                "--spec-ngram-mod-n-max, --spec-ngram-simple-size-m): put them in server.extra_args")
+            yield (
+                ("speculative", "num_speculative_tokens"),
+                (
+                    "llama-server's n-gram drafters size their drafts with their own flags (e.g. "
+                    "--spec-ngram-mod-n-max, --spec-ngram-simple-size-m): put them in server.extra_args"
+                ),
+            )
 
     # ------------------------------------------------------------------ engine discovery
     def find_executable(self, profile) -> str | None:
@@ -141,12 +186,21 @@ class LlamaCppBackend(Backend):
         found = shutil.which("llama-server")
         if found:
             return found
-        builds = sorted((p for p in engines_dir().glob("llama-server-*/bin/llama-server")
-                         if (p.parent.parent / ".specops-ready").is_file()), key=os.path.getmtime, reverse=True)
+        builds = sorted(
+            (
+                p
+                for p in engines_dir().glob("llama-server-*/bin/llama-server")
+                if (p.parent.parent / ".specops-ready").is_file()
+            ),
+            key=os.path.getmtime,
+            reverse=True,
+        )
         return str(builds[0]) if builds else None
 
     def engine_info(self, profile, version=None, *, probe=True):
-        pinned, source = (version, "--backend-version") if version else (profile.engine.version, "profile engine.version")
+        pinned, source = (
+            (version, "--backend-version") if version else (profile.engine.version, "profile engine.version")
+        )
         if pinned and check_version_text(pinned):
             raise SpecopsError(f"{source}: {check_version_text(pinned)}")
         if pinned and not (probe and profile.engine.executable):
@@ -163,8 +217,11 @@ class LlamaCppBackend(Backend):
     # ------------------------------------------------------------------ rendering
     def render(self, profile, engine, *, host=None, port=None):
         p, spec, g = profile, profile.speculative, profile.gpus
-        gen = (llama_generation_from_help(engine.flags, _spec_types(engine)) if engine.flags is not None
-               else llama_generation(engine.version))
+        gen = (
+            llama_generation_from_help(engine.flags, _spec_types(engine))
+            if engine.flags is not None
+            else llama_generation(engine.version)
+        )
         host = host or p.server.host
         port = port or p.server.port
         argv: list[str] = list(engine.invocation or ("llama-server",))
@@ -201,10 +258,19 @@ class LlamaCppBackend(Backend):
         env_items = tuple(sorted(env.items()))
         secrets = [v for k, v in env_items if looks_secret(k)]
         return LaunchPlan(
-            backend=self.name, engine_version=engine.version, method=spec.method, argv=tuple(argv), env=env_items,
-            host=host, port=port, health_path=self.health_path, metrics_path=self.metrics_path,
-            model_name=p.model.served_name or _default_alias(p.model.id), secrets=tuple(secrets),
-            notes=(f"llama-server flag generation: {gen}",), api_key=p.server.api_key,
+            backend=self.name,
+            engine_version=engine.version,
+            method=spec.method,
+            argv=tuple(argv),
+            env=env_items,
+            host=host,
+            port=port,
+            health_path=self.health_path,
+            metrics_path=self.metrics_path,
+            model_name=p.model.served_name or _default_alias(p.model.id),
+            secrets=tuple(secrets),
+            notes=(f"llama-server flag generation: {gen}",),
+            api_key=p.server.api_key,
         )
 
     def _spec_args(self, p, gen: str, engine: EngineInfo) -> list[str]:
@@ -212,17 +278,23 @@ class LlamaCppBackend(Backend):
         if method is Method.NONE:
             return []
         if method is Method.AUTO or spec.draft == "auto":
-            raise RenderError(("speculative", "method" if method is Method.AUTO else "draft"),
-                              "`auto` must be resolved first: run `specops resolve` / `specops lock`")
+            raise RenderError(
+                ("speculative", "method" if method is Method.AUTO else "draft"),
+                "`auto` must be resolved first: run `specops resolve` / `specops lock`",
+            )
         types = SPEC_TYPE[gen]
         if method not in types and not (gen == "legacy" and method is Method.DRAFT_MODEL):
             supported = sorted({Method.DRAFT_MODEL.value} | {m.value for m in types})
-            raise RenderError(("speculative", "method"), f"this llama-server build ({engine.version}, flag "
-                              f"generation {gen}) cannot run {method}; it supports {', '.join(supported)}")
+            raise RenderError(
+                ("speculative", "method"),
+                f"this llama-server build ({engine.version}, flag "
+                f"generation {gen}) cannot run {method}; it supports {', '.join(supported)}",
+            )
         out: list[str] = []
         if spec.draft:
-            out += _model_args(spec.draft, spec.draft_file, spec.draft_quantization or DEFAULT_DRAFT_QUANT,
-                               "-md", "-hfd", None)
+            out += _model_args(
+                spec.draft, spec.draft_file, spec.draft_quantization or DEFAULT_DRAFT_QUANT, "-md", "-hfd", None
+            )
         if method is Method.NGRAM:
             ngram_type = spec.ngram.type or types[Method.NGRAM]
             if gen == "spec-type" and ngram_type == "ngram-mod":
@@ -261,8 +333,9 @@ def _check_gguf_ref(path: tuple, ref: str, file: str | None):
         yield path, f"{ref!r} is neither a local .gguf file nor a Hub repo id (org/name)"
 
 
-def _model_args(ref: str, file: str | None, quant: str | None, local_flag: str, hub_flag: str,
-                hub_file_flag: str | None) -> list[str]:
+def _model_args(
+    ref: str, file: str | None, quant: str | None, local_flag: str, hub_flag: str, hub_file_flag: str | None
+) -> list[str]:
     """``-m FILE`` for local files; ``-hf repo[:QUANT]`` (plus ``-hff FILE``) for Hub repos."""
     if _is_local(ref):
         return [local_flag, ref]
@@ -283,12 +356,15 @@ def _default_alias(model_id: str) -> str:
 
 # ---------------------------------------------------------------------- probing a llama-server binary
 
+
 def probe_llama_server(exe: str) -> EngineInfo:
     """Version from ``--version`` (stderr) and the flag set from ``--help`` (flags marked removed excluded)."""
+
     def run(flag: str) -> subprocess.CompletedProcess:
         try:
-            return subprocess.run([exe, flag], capture_output=True, text=True, timeout=30,
-                                  env={**os.environ, "LLAMA_LOG_COLORS": "0"})
+            return subprocess.run(
+                [exe, flag], capture_output=True, text=True, timeout=30, env={**os.environ, "LLAMA_LOG_COLORS": "0"}
+            )
         except FileNotFoundError:
             raise SpecopsError(f"llama-server not found at {exe}") from None
         except PermissionError:
@@ -303,8 +379,9 @@ def probe_llama_server(exe: str) -> EngineInfo:
     if helptext.returncode != 0 or "--port" not in helptext.stdout:
         raise SpecopsError(f"{exe} --help failed (exit {helptext.returncode}); is it llama-server?")
     flags, spec_types = parse_help(helptext.stdout)
-    return EngineInfo("llamacpp", version, f"probed {exe}", (exe,), frozenset(flags), exe,
-                      {"--spec-type": frozenset(spec_types)})
+    return EngineInfo(
+        "llamacpp", version, f"probed {exe}", (exe,), frozenset(flags), exe, {"--spec-type": frozenset(spec_types)}
+    )
 
 
 def parse_help(text: str) -> tuple[set[str], set[str]]:

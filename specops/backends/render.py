@@ -9,6 +9,7 @@ JSON config), the plan is rendered a second time from a *probe* profile in which
 replaced by a marker; a printed element that differs between the two renders depends on the secret, and
 shows ``***`` where the marker stands (or, when the marker cannot be followed, in its place as a whole).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,17 +20,25 @@ from typing import Any
 from pydantic import BaseModel
 
 from specops.backends.base import EngineInfo, LaunchPlan, RenderError
+from specops.config.profile import LoadedProfile, Profile
+from specops.config.yamlsource import format_path
 from specops.errors import ProfileError, SpecopsError
 from specops.methods import NEEDS_DRAFT
-from specops.config.profile import LoadedProfile, Profile
 from specops.redact import MARK, EnvText, redact_message
-from specops.config.yamlsource import format_path
 
 FORMATS = ("shell", "json", "args")
 
 
-def render_plan(loaded: LoadedProfile, registry, *, engine: EngineInfo | None = None, backend_version: str | None = None,
-         probe: bool = True, host: str | None = None, port: int | None = None) -> LaunchPlan:
+def render_plan(
+    loaded: LoadedProfile,
+    registry,
+    *,
+    engine: EngineInfo | None = None,
+    backend_version: str | None = None,
+    probe: bool = True,
+    host: str | None = None,
+    port: int | None = None,
+) -> LaunchPlan:
     """Render ``loaded`` for its backend; render errors come back located in the profile."""
     backend = registry.backend(loaded.profile.backend)
     texts = list(loaded.document.env_texts)
@@ -48,8 +57,9 @@ def render_plan(loaded: LoadedProfile, registry, *, engine: EngineInfo | None = 
     except RenderError as exc:
         raise ProfileError([loaded.problem(exc.path, str(exc))]) from None
     if texts:
-        result = with_env_secrets(result, loaded.profile, texts,
-                                  lambda prof: backend.render(prof, engine, host=host, port=port))
+        result = with_env_secrets(
+            result, loaded.profile, texts, lambda prof: backend.render(prof, engine, host=host, port=port)
+        )
     return result
 
 
@@ -68,6 +78,7 @@ def format_plan(p: LaunchPlan, fmt: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # values from the environment
+
 
 def _marker(i: int) -> str:
     # letters and digits only: survives JSON, repr, shell quoting and path handling unchanged
@@ -145,7 +156,9 @@ def _same(value: Any, text: str) -> bool:
 def _get(node: Any, path: tuple) -> Any:
     for part in path:
         if isinstance(node, BaseModel):
-            node = getattr(node, part, _MISSING) if isinstance(part, str) and part in type(node).model_fields else _MISSING
+            node = (
+                getattr(node, part, _MISSING) if isinstance(part, str) and part in type(node).model_fields else _MISSING
+            )
         elif isinstance(node, dict):
             node = node.get(part, _MISSING)
         elif isinstance(node, (list, tuple)) and isinstance(part, int) and 0 <= part < len(node):

@@ -6,6 +6,7 @@ it, so a new engine release means editing one table. Sources: vLLM's ``vllm/conf
 named below. A gate was read in those sources, not
 measured, unless its comment says it was seen on a running engine.
 """
+
 from __future__ import annotations
 
 import re
@@ -48,7 +49,7 @@ class Version:
         return f"Version({self.text!r})"
 
     @classmethod
-    def of(cls, v) -> "Version":
+    def of(cls, v) -> Version:
         return v if isinstance(v, Version) else cls(v)
 
 
@@ -83,24 +84,44 @@ VLLM_DRAFT_MODEL_V1 = Version("0.15.0")
 #: User-settable fields of ``SpeculativeConfig`` and the versions that have them: (since, until-exclusive).
 #: Extracted from the ``SpeculativeConfig`` class of every released wheel 0.6.6 … 0.33.0.
 VLLM_SPEC_FIELDS = {
-    "method": ("0.8.2", None), "model": ("0.8.2", None), "num_speculative_tokens": ("0.8.2", None),
-    "quantization": ("0.8.2", None), "max_model_len": ("0.8.2", None), "revision": ("0.8.2", None),
-    "code_revision": ("0.8.2", None), "draft_tensor_parallel_size": ("0.8.2", None),
-    "prompt_lookup_min": ("0.8.2", None), "prompt_lookup_max": ("0.8.2", None),
-    "disable_mqa_scorer": ("0.8.2", "0.10.0"), "acceptance_method": ("0.8.2", "0.10.0"),
-    "posterior_threshold": ("0.8.2", "0.10.0"), "posterior_alpha": ("0.8.2", "0.10.0"),
-    "disable_logprobs": ("0.8.2", "0.11.1"), "disable_log_stats": ("0.8.2", "0.11.1"),
-    "disable_by_batch_size": ("0.8.2", "0.17.0"), "speculative_token_tree": ("0.9.0", "0.21.0"),
-    "disable_padded_drafter_batch": ("0.11.0", None), "enforce_eager": ("0.11.0", None),
-    "suffix_decoding_max_tree_depth": ("0.11.1", None), "suffix_decoding_max_cached_requests": ("0.11.1", None),
-    "suffix_decoding_max_spec_factor": ("0.11.1", None), "suffix_decoding_min_token_prob": ("0.11.1", None),
-    "parallel_drafting": ("0.16.0", None), "use_local_argmax_reduction": ("0.17.0", None),
-    "rejection_sample_method": ("0.18.0", None), "moe_backend": ("0.19.0", None),
-    "synthetic_acceptance_length": ("0.20.0", None), "synthetic_acceptance_rates": ("0.20.0", None),
-    "draft_sample_method": ("0.21.0", None), "attention_backend": ("0.21.0", None),
-    "num_speculative_tokens_per_batch_size": ("0.24.0", None), "use_heterogeneous_vocab": ("0.25.0", None),
-    "kv_cache_dtype": ("0.26.0", None), "enable_adaptive_verification": ("0.28.0", None),
-    "dspark_draft_topk": ("0.28.0", None), "disable_eagle_block_drop": ("0.30.0", None),
+    "method": ("0.8.2", None),
+    "model": ("0.8.2", None),
+    "num_speculative_tokens": ("0.8.2", None),
+    "quantization": ("0.8.2", None),
+    "max_model_len": ("0.8.2", None),
+    "revision": ("0.8.2", None),
+    "code_revision": ("0.8.2", None),
+    "draft_tensor_parallel_size": ("0.8.2", None),
+    "prompt_lookup_min": ("0.8.2", None),
+    "prompt_lookup_max": ("0.8.2", None),
+    "disable_mqa_scorer": ("0.8.2", "0.10.0"),
+    "acceptance_method": ("0.8.2", "0.10.0"),
+    "posterior_threshold": ("0.8.2", "0.10.0"),
+    "posterior_alpha": ("0.8.2", "0.10.0"),
+    "disable_logprobs": ("0.8.2", "0.11.1"),
+    "disable_log_stats": ("0.8.2", "0.11.1"),
+    "disable_by_batch_size": ("0.8.2", "0.17.0"),
+    "speculative_token_tree": ("0.9.0", "0.21.0"),
+    "disable_padded_drafter_batch": ("0.11.0", None),
+    "enforce_eager": ("0.11.0", None),
+    "suffix_decoding_max_tree_depth": ("0.11.1", None),
+    "suffix_decoding_max_cached_requests": ("0.11.1", None),
+    "suffix_decoding_max_spec_factor": ("0.11.1", None),
+    "suffix_decoding_min_token_prob": ("0.11.1", None),
+    "parallel_drafting": ("0.16.0", None),
+    "use_local_argmax_reduction": ("0.17.0", None),
+    "rejection_sample_method": ("0.18.0", None),
+    "moe_backend": ("0.19.0", None),
+    "synthetic_acceptance_length": ("0.20.0", None),
+    "synthetic_acceptance_rates": ("0.20.0", None),
+    "draft_sample_method": ("0.21.0", None),
+    "attention_backend": ("0.21.0", None),
+    "num_speculative_tokens_per_batch_size": ("0.24.0", None),
+    "use_heterogeneous_vocab": ("0.25.0", None),
+    "kv_cache_dtype": ("0.26.0", None),
+    "enable_adaptive_verification": ("0.28.0", None),
+    "dspark_draft_topk": ("0.28.0", None),
+    "disable_eagle_block_drop": ("0.30.0", None),
 }
 #: Never inside the JSON: the draft's TP has its own field (0.15+ refuses it with that hint; older: TypeError).
 VLLM_FORBIDDEN_SPEC_FIELDS = {"tensor_parallel_size": "use draft_tensor_parallel_size"}
@@ -141,8 +162,10 @@ def llama_generation(version: str) -> str:
         return text
     m = re.fullmatch(r"b?(\d+)", text) or re.search(r"build (\d+)", text)
     if not m:
-        raise ValueError(f"llama-server version {version!r}: use a release build such as b9100, "
-                         f"or a flag generation ({', '.join(LLAMA_GENERATIONS)})")
+        raise ValueError(
+            f"llama-server version {version!r}: use a release build such as b9100, "
+            f"or a flag generation ({', '.join(LLAMA_GENERATIONS)})"
+        )
     build = int(m.group(1))
     gen = "legacy"
     for name in LLAMA_GENERATIONS[1:]:

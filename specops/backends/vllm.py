@@ -5,6 +5,7 @@ marker, and vLLM otherwise guesses from the repo name); 0.8.2 parses the same op
 ≤ 0.8.1 only knows separate ``--speculative-*`` flags. Facts with their sources, and every gate,
 in :mod:`specops.backends.versions`.
 """
+
 from __future__ import annotations
 
 import ast
@@ -14,10 +15,16 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from specops.errors import SpecopsError
-from specops.hookspecs import hookimpl
-from specops.methods import Method
-from specops.paths import engines_dir
+from specops.backends.base import (
+    Backend,
+    EngineInfo,
+    LaunchPlan,
+    RenderError,
+    check_extra_args,
+    check_version_text,
+    counter_total,
+    looks_secret,
+)
 from specops.backends.versions import (
     VLLM_DRAFT_MODEL_V1,
     VLLM_LEGACY_METHODS,
@@ -30,26 +37,53 @@ from specops.backends.versions import (
     Version,
     vllm_field_problem,
 )
-from specops.backends.base import (Backend, EngineInfo, LaunchPlan, RenderError, check_extra_args, check_version_text,
-                                   counter_total, looks_secret)
+from specops.errors import SpecopsError
+from specops.hookspecs import hookimpl
+from specops.methods import Method
+from specops.paths import engines_dir
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: Fields of the speculative config that specops renders from dedicated profile fields.
-OWN_FIELDS = {"method": "speculative.method", "model": "speculative.draft",
-              "num_speculative_tokens": "speculative.num_speculative_tokens",
-              "prompt_lookup_min": "speculative.ngram.min", "prompt_lookup_max": "speculative.ngram.max",
-              "draft_tensor_parallel_size": "speculative.draft_tensor_parallel_size",
-              "revision": "speculative.draft_revision", "quantization": "speculative.draft_quantization",
-              "max_model_len": "speculative.draft_max_model_len",
-              "num_speculative_tokens_per_batch_size": "speculative.per_batch_size"}
+OWN_FIELDS = {
+    "method": "speculative.method",
+    "model": "speculative.draft",
+    "num_speculative_tokens": "speculative.num_speculative_tokens",
+    "prompt_lookup_min": "speculative.ngram.min",
+    "prompt_lookup_max": "speculative.ngram.max",
+    "draft_tensor_parallel_size": "speculative.draft_tensor_parallel_size",
+    "revision": "speculative.draft_revision",
+    "quantization": "speculative.draft_quantization",
+    "max_model_len": "speculative.draft_max_model_len",
+    "num_speculative_tokens_per_batch_size": "speculative.per_batch_size",
+}
 
-ALIASES = [frozenset(g) for g in (
-    {"--model"}, {"-tp", "--tensor-parallel-size"}, {"-pp", "--pipeline-parallel-size"},
-    {"-sc", "--speculative-config", "--speculative-model", "--spec-method", "--spec-model", "--spec-tokens",
-     "--num-speculative-tokens"},
-    {"--max-model-len"}, {"--host"}, {"--port"}, {"--api-key"}, {"--served-model-name"},
-    {"--gpu-memory-utilization"}, {"--max-num-seqs"}, {"--dtype"}, {"--quantization", "-q"}, {"--revision"},
-)]
+ALIASES = [
+    frozenset(g)
+    for g in (
+        {"--model"},
+        {"-tp", "--tensor-parallel-size"},
+        {"-pp", "--pipeline-parallel-size"},
+        {
+            "-sc",
+            "--speculative-config",
+            "--speculative-model",
+            "--spec-method",
+            "--spec-model",
+            "--spec-tokens",
+            "--num-speculative-tokens",
+        },
+        {"--max-model-len"},
+        {"--host"},
+        {"--port"},
+        {"--api-key"},
+        {"--served-model-name"},
+        {"--gpu-memory-utilization"},
+        {"--max-num-seqs"},
+        {"--dtype"},
+        {"--quantization", "-q"},
+        {"--revision"},
+    )
+]
 FORBIDDEN = {"--disable-log-stats": "specops reads acceptance from the engine's metrics; stats must stay on"}
 
 
@@ -58,9 +92,11 @@ class VllmBackend(Backend):
     methods = frozenset(m for m in Method if m is not Method.AUTO)
     metric_prefix = "vllm:"
     display_name = "vLLM"
-    model_name_label = True   # every series carries model_name
-    install_hint = ("vLLM not found: `pip install vllm` (GPU) or `specops engines setup vllm` (CPU build), "
-                    "or point engine.python at a virtualenv that has it")
+    model_name_label = True  # every series carries model_name
+    install_hint = (
+        "vLLM not found: `pip install vllm` (GPU) or `specops engines setup vllm` (CPU build), "
+        "or point engine.python at a virtualenv that has it"
+    )
 
     def method_version_problem(self, method, version):
         try:
@@ -95,12 +131,17 @@ class VllmBackend(Backend):
     def check_profile(self, p):
         spec, g = p.speculative, p.gpus
         llama_only = [
-            (("model", "file"), p.model.file), (("speculative", "draft_file"), spec.draft_file),
+            (("model", "file"), p.model.file),
+            (("speculative", "draft_file"), spec.draft_file),
             (("speculative", "num_speculative_tokens_min"), spec.num_speculative_tokens_min),
-            (("speculative", "draft_p_min"), spec.draft_p_min), (("speculative", "ngram", "type"), spec.ngram.type),
-            (("gpus", "gpu_layers"), g.gpu_layers), (("gpus", "draft_gpu_layers"), g.draft_gpu_layers),
-            (("gpus", "draft_devices"), g.draft_devices), (("gpus", "split_mode"), g.split_mode),
-            (("gpus", "tensor_split"), g.tensor_split), (("gpus", "main_gpu"), g.main_gpu),
+            (("speculative", "draft_p_min"), spec.draft_p_min),
+            (("speculative", "ngram", "type"), spec.ngram.type),
+            (("gpus", "gpu_layers"), g.gpu_layers),
+            (("gpus", "draft_gpu_layers"), g.draft_gpu_layers),
+            (("gpus", "draft_devices"), g.draft_devices),
+            (("gpus", "split_mode"), g.split_mode),
+            (("gpus", "tensor_split"), g.tensor_split),
+            (("gpus", "main_gpu"), g.main_gpu),
         ]
         for path, value in llama_only:
             if value is not None:
@@ -111,7 +152,10 @@ class VllmBackend(Backend):
             if key in OWN_FIELDS:
                 yield ("speculative", "options", key), f"set {OWN_FIELDS[key]} instead of options.{key}"
             elif key == "tensor_parallel_size":
-                yield ("speculative", "options", key), "not allowed in the speculative config; use draft_tensor_parallel_size"
+                yield (
+                    ("speculative", "options", key),
+                    "not allowed in the speculative config; use draft_tensor_parallel_size",
+                )
 
     # ------------------------------------------------------------------ engine discovery
     def find_python(self, profile) -> str | None:
@@ -123,12 +167,17 @@ class VllmBackend(Backend):
         if script:
             return _shebang_python(script)
         # only venvs whose set-up finished (the marker is written last): never a half-installed one
-        venvs = sorted((p for p in engines_dir().glob("vllm-*/bin/python") if (p.parent.parent / ".specops-ready").is_file()),
-                       key=os.path.getmtime, reverse=True)
+        venvs = sorted(
+            (p for p in engines_dir().glob("vllm-*/bin/python") if (p.parent.parent / ".specops-ready").is_file()),
+            key=os.path.getmtime,
+            reverse=True,
+        )
         return str(venvs[0]) if venvs else None
 
     def engine_info(self, profile, version=None, *, probe=True):
-        pinned, source = (version, "--backend-version") if version else (profile.engine.version, "profile engine.version")
+        pinned, source = (
+            (version, "--backend-version") if version else (profile.engine.version, "profile engine.version")
+        )
         if pinned and check_version_text(pinned):
             raise SpecopsError(f"{source}: {check_version_text(pinned)}")
         if pinned:
@@ -191,9 +240,18 @@ class VllmBackend(Backend):
         env_items = tuple(sorted(env.items()))
         secrets = [v for k, v in env_items if looks_secret(k)]
         return LaunchPlan(
-            backend=self.name, engine_version=engine.version, method=spec.method, argv=tuple(argv), env=env_items,
-            host=host, port=port, health_path=self.health_path, metrics_path=self.metrics_path,
-            model_name=p.model.served_name or p.model.id, secrets=tuple(secrets), notes=tuple(notes),
+            backend=self.name,
+            engine_version=engine.version,
+            method=spec.method,
+            argv=tuple(argv),
+            env=env_items,
+            host=host,
+            port=port,
+            health_path=self.health_path,
+            metrics_path=self.metrics_path,
+            model_name=p.model.served_name or p.model.id,
+            secrets=tuple(secrets),
+            notes=tuple(notes),
             api_key=p.server.api_key,
         )
 
@@ -202,14 +260,18 @@ class VllmBackend(Backend):
         if method is Method.NONE:
             return [], {}, []
         if method is Method.AUTO or spec.draft == "auto":
-            raise RenderError(("speculative", "method" if method is Method.AUTO else "draft"),
-                              "`auto` must be resolved first: run `specops resolve` / `specops lock`")
+            raise RenderError(
+                ("speculative", "method" if method is Method.AUTO else "draft"),
+                "`auto` must be resolved first: run `specops resolve` / `specops lock`",
+            )
         env, notes = _draft_model_engine(method, version)
         if version < VLLM_SPEC_CONFIG:
             if method is not Method.NGRAM:
-                notes.append(f"vLLM {version} has no `method` setting: it infers the method from the draft "
-                             f"(EAGLE from 'eagle-' in the repo name, Medusa and MLP speculator from `model_type` in "
-                             f"the draft's config.json) and otherwise runs it as a plain draft model")
+                notes.append(
+                    f"vLLM {version} has no `method` setting: it infers the method from the draft "
+                    f"(EAGLE from 'eagle-' in the repo name, Medusa and MLP speculator from `model_type` in "
+                    f"the draft's config.json) and otherwise runs it as a plain draft model"
+                )
             return self._legacy_flags(p, version), env, notes
         _check_method_versions(method, version)
         if version < Version("0.8.5") and method is not Method.NGRAM:
@@ -220,10 +282,17 @@ class VllmBackend(Backend):
         """≤ 0.8.1: separate flags; the method follows from the draft's config (medusa/mlp/eagle)."""
         spec, method = p.speculative, p.speculative.method
         if method.value not in VLLM_LEGACY_METHODS:
-            raise RenderError(("speculative", "method"), f"method {method} needs vLLM >= "
-                              f"{VLLM_METHOD_SINCE.get(method.value, VLLM_SPEC_CONFIG_ONLY)} (rendering for {version})")
-        out = ["--speculative-model", "[ngram]" if method is Method.NGRAM else spec.draft,
-               "--num-speculative-tokens", str(spec.k)]
+            raise RenderError(
+                ("speculative", "method"),
+                f"method {method} needs vLLM >= "
+                f"{VLLM_METHOD_SINCE.get(method.value, VLLM_SPEC_CONFIG_ONLY)} (rendering for {version})",
+            )
+        out = [
+            "--speculative-model",
+            "[ngram]" if method is Method.NGRAM else spec.draft,
+            "--num-speculative-tokens",
+            str(spec.k),
+        ]
         if method is Method.NGRAM:
             out += ["--ngram-prompt-lookup-max", str(spec.ngram.max), "--ngram-prompt-lookup-min", str(spec.ngram.min)]
         if spec.draft_tensor_parallel_size is not None:
@@ -232,12 +301,16 @@ class VllmBackend(Backend):
             out += ["--speculative-max-model-len", str(spec.draft_max_model_len)]
         if spec.draft_quantization:
             out += ["--speculative-model-quantization", spec.draft_quantization]
-        for path, value in ((("speculative", "draft_revision"), spec.draft_revision),
-                            (("speculative", "per_batch_size"), spec.per_batch_size),
-                            (("speculative", "options"), spec.options or None)):
+        for path, value in (
+            (("speculative", "draft_revision"), spec.draft_revision),
+            (("speculative", "per_batch_size"), spec.per_batch_size),
+            (("speculative", "options"), spec.options or None),
+        ):
             if value is not None:
-                raise RenderError(path, f"{'.'.join(path)} cannot be expressed with vLLM {version}'s flags "
-                                        f"(needs >= {VLLM_SPEC_CONFIG})")
+                raise RenderError(
+                    path,
+                    f"{'.'.join(path)} cannot be expressed with vLLM {version}'s flags (needs >= {VLLM_SPEC_CONFIG})",
+                )
         return out
 
 
@@ -247,8 +320,11 @@ def _draft_model_engine(method: Method, version: Version) -> tuple[dict[str, str
     env: dict[str, str] = {}
     notes: list[str] = []
     if method is Method.DRAFT_MODEL and VLLM_V0_REMOVED <= version < VLLM_DRAFT_MODEL_V1:
-        raise RenderError(("speculative", "method"), f"vLLM {version} cannot run a separate draft model "
-                          f"(V1 supports it from {VLLM_DRAFT_MODEL_V1}; V0 was removed in {VLLM_V0_REMOVED})")
+        raise RenderError(
+            ("speculative", "method"),
+            f"vLLM {version} cannot run a separate draft model "
+            f"(V1 supports it from {VLLM_DRAFT_MODEL_V1}; V0 was removed in {VLLM_V0_REMOVED})",
+        )
     if method is Method.DRAFT_MODEL and VLLM_V1_DEFAULT <= version < VLLM_V0_REMOVED:
         env["VLLM_USE_V1"] = "0"
         notes.append(f"draft_model runs on vLLM's V0 engine before {VLLM_DRAFT_MODEL_V1}: VLLM_USE_V1=0")
@@ -259,11 +335,12 @@ def _check_method_versions(method: Method, version: Version) -> None:
     """Raise when ``version`` predates ``method`` or no longer has it."""
     since, until = VLLM_METHOD_SINCE[method.value], VLLM_METHOD_UNTIL.get(method.value)
     if version < since:
-        raise RenderError(("speculative", "method"), f"method {method} needs vLLM >= {since} "
-                          f"(rendering for {version})")
+        raise RenderError(("speculative", "method"), f"method {method} needs vLLM >= {since} (rendering for {version})")
     if until is not None and version >= until:
-        raise RenderError(("speculative", "method"), f"vLLM {until} removed method {method} "
-                          f"(rendering for {version}); pin an older vLLM or pick another method")
+        raise RenderError(
+            ("speculative", "method"),
+            f"vLLM {until} removed method {method} (rendering for {version}); pin an older vLLM or pick another method",
+        )
 
 
 def _speculative_config(spec, version: Version) -> dict:
@@ -371,4 +448,3 @@ def probe_vllm(python: str, script: str | None = None) -> EngineInfo:
 @hookimpl
 def specops_backends():
     return [VllmBackend()]
-

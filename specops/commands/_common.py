@@ -1,12 +1,13 @@
 """Options and helpers shared by several commands."""
+
 from __future__ import annotations
 
 import json
 
 import click
 
-from specops.plugins import get_registry
 from specops.config.profile import LoadedProfile, load_profile
+from specops.plugins import get_registry
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
 profile_argument = click.argument("profile", type=click.Path(dir_okay=False, path_type=str))
@@ -26,6 +27,7 @@ def version_param(ctx, param, value):
     if value is None:
         return None
     from specops.config.profile import check_version_text
+
     problem = check_version_text(value)
     if problem:
         raise click.BadParameter(problem)
@@ -41,6 +43,7 @@ def duration_param(ctx, param, value):
     if value is None:
         return None
     from specops.config.durations import parse_duration
+
     try:
         return parse_duration(value)
     except ValueError as exc:

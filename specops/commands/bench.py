@@ -1,4 +1,5 @@
 """``specops bench``: speculation on vs off on the profile's engine, per prompt set and concurrency."""
+
 from __future__ import annotations
 
 import sys
@@ -19,8 +20,6 @@ def _levels(ctx, param, value):
     return levels
 
 
-
-
 class _Bar:
     """click's progress bar on stderr, one per engine launch."""
 
@@ -36,8 +35,9 @@ class _Bar:
         if not total:  # duration-bound cells: no known length, a line per cell instead
             click.echo(label, err=True)
             return
-        self.bar = click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True,
-                                     show_eta=False, width=28)
+        self.bar = click.progressbar(
+            length=total, label=label, file=sys.stderr, show_pos=True, show_eta=False, width=28
+        )
         self.bar.__enter__()
 
     def advance(self, label):
@@ -56,34 +56,90 @@ class _Bar:
 
 @click.command()
 @profile_argument
-@click.option("-p", "--prompts", "prompt_sets", default="code,summarize,chat,creative", show_default=True,
-              help="Comma-separated built-in prompt sets (code, summarize, chat, creative) and/or JSONL files "
-                   "(one {\"prompt\", \"max_tokens\", \"temperature\", \"set\"} per line).")
-@click.option("-c", "--concurrency", default="1,2,4,8", show_default=True, callback=_levels,
-              help="Concurrency levels (concurrent client requests).")
-@click.option("-n", "--requests", type=int, help="Requests per cell (set × level × on/off). "
-              "Default: max(8, 2 × concurrency).")
-@click.option("--duration", callback=duration_param, metavar="DURATION", help="Run each cell this long instead "
-              "of a request count (e.g. 30s).")
+@click.option(
+    "-p",
+    "--prompts",
+    "prompt_sets",
+    default="code,summarize,chat,creative",
+    show_default=True,
+    help="Comma-separated built-in prompt sets (code, summarize, chat, creative) and/or JSONL files "
+    '(one {"prompt", "max_tokens", "temperature", "set"} per line).',
+)
+@click.option(
+    "-c",
+    "--concurrency",
+    default="1,2,4,8",
+    show_default=True,
+    callback=_levels,
+    help="Concurrency levels (concurrent client requests).",
+)
+@click.option(
+    "-n", "--requests", type=int, help="Requests per cell (set × level × on/off). Default: max(8, 2 × concurrency)."
+)
+@click.option(
+    "--duration",
+    callback=duration_param,
+    metavar="DURATION",
+    help="Run each cell this long instead of a request count (e.g. 30s).",
+)
 @click.option("--max-tokens", type=int, help="Override every prompt's max_tokens.")
-@click.option("--rounds", type=int, default=1, show_default=True,
-              help="Launch both engines this many times, alternating which goes first; medians over rounds.")
+@click.option(
+    "--rounds",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Launch both engines this many times, alternating which goes first; medians over rounds.",
+)
 @click.option("--warmup", type=int, default=2, show_default=True, help="Unmeasured requests after each launch.")
-@click.option("--step", type=int, default=0, show_default=True,
-              help="Chain step to bench against no speculation (0: the profile's method).")
-@click.option("--interleave", is_flag=True, help="Run both engines at once and alternate cell by cell (drift "
-              "hits both equally; needs memory for two engines: on a GPU lower gpus.memory_utilization).")
+@click.option(
+    "--step",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Chain step to bench against no speculation (0: the profile's method).",
+)
+@click.option(
+    "--interleave",
+    is_flag=True,
+    help="Run both engines at once and alternate cell by cell (drift "
+    "hits both equally; needs memory for two engines: on a GPU lower gpus.memory_utilization).",
+)
 @click.option("--ignore-eos", is_flag=True, help="Ask the engine to ignore end-of-sequence (fixed output lengths).")
-@click.option("--draft-cost", type=float, help="c for the model speedup column (default: the profile's "
-              "fallback.draft_cost_ratio, else 0.05).")
+@click.option(
+    "--draft-cost",
+    type=float,
+    help="c for the model speedup column (default: the profile's fallback.draft_cost_ratio, else 0.05).",
+)
 @click.option("--backend-version", metavar="VERSION", callback=version_param, help="Expect this engine version.")
-@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Where results.json, summary.md "
-              "and the plots go (default: ./specops-bench/<name>-<time>).")
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    help="Where results.json, summary.md and the plots go (default: ./specops-bench/<name>-<time>).",
+)
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output on stderr.")
 @json_option
-def bench(profile, prompt_sets, concurrency, requests, duration, max_tokens, rounds, warmup, step, interleave, ignore_eos,
-          draft_cost, backend_version, out_dir, no_plots, quiet, as_json):
+def bench(
+    profile,
+    prompt_sets,
+    concurrency,
+    requests,
+    duration,
+    max_tokens,
+    rounds,
+    warmup,
+    step,
+    interleave,
+    ignore_eos,
+    draft_cost,
+    backend_version,
+    out_dir,
+    no_plots,
+    quiet,
+    as_json,
+):
     """Measure PROFILE's engine with speculation and without, side by side.
 
     Launches the engine as the profile says and again with method none (same engine, same model), in
@@ -109,10 +165,21 @@ def bench(profile, prompt_sets, concurrency, requests, duration, max_tokens, rou
     out = out_dir or f"specops-bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     from pathlib import Path
 
-    cfg = BenchConfig(prompt_sets=[x for x in prompt_sets.split(",") if x.strip()], concurrency=concurrency,
-                      requests=requests, duration=duration, max_tokens=max_tokens, rounds=rounds, warmup=warmup,
-                      step_index=step, interleave=interleave, ignore_eos=ignore_eos, draft_cost=draft_cost,
-                      backend_version=backend_version, log_dir=Path(out))
+    cfg = BenchConfig(
+        prompt_sets=[x for x in prompt_sets.split(",") if x.strip()],
+        concurrency=concurrency,
+        requests=requests,
+        duration=duration,
+        max_tokens=max_tokens,
+        rounds=rounds,
+        warmup=warmup,
+        step_index=step,
+        interleave=interleave,
+        ignore_eos=ignore_eos,
+        draft_cost=draft_cost,
+        backend_version=backend_version,
+        log_dir=Path(out),
+    )
     say = (lambda m: None) if quiet else (lambda m: click.echo(f"specops: {m}", err=True))
     report = run_bench_blocking(loaded, get_registry(), cfg, say=say, progress=_Bar(quiet))
     written = write_outputs(report, out, plots=not no_plots)
@@ -122,7 +189,7 @@ def bench(profile, prompt_sets, concurrency, requests, duration, max_tokens, rou
         return
     click.echo(Path(written["markdown"]).read_text(encoding="utf-8"), nl=False)
     click.echo("")
-    for kind, path in written.items():
+    for path in written.values():
         click.echo(f"wrote {path}")
     if report["errors"]:
         click.echo(f"warning: {report['errors']} requests failed; see results.json (first_error per cell)", err=True)

@@ -1,13 +1,14 @@
 """``specops engines``: set up, inspect and locate the engines and test models used on CPU machines."""
+
 from __future__ import annotations
 
 import time
 
 import click
 
+from specops.commands._common import echo_json, json_option
 from specops.devenv import engines as eng
 from specops.errors import SpecopsError
-from specops.commands._common import echo_json, json_option
 
 
 @click.group()
@@ -103,7 +104,9 @@ def status(no_sizes, as_json):
     lc = st["engines"]["llamacpp"]
     row("llama-server", lc["ready"], lc["path"], lc["version"], _size(lc["size"]))
     for name, other in st["engines"]["other"].items():
-        rows.append((name, "", f"{other['path']}" + (f"  ({_size(other['size'])})" if other["size"] is not None else "")))
+        rows.append(
+            (name, "", f"{other['path']}" + (f"  ({_size(other['size'])})" if other["size"] is not None else ""))
+        )
     for name, m in st["models"].items():
         row(name, m["ready"], m["path"], f"{len(m['outputs'])} models", _size(m["size"]))
     pr = st["prometheus"]
@@ -120,11 +123,14 @@ def _size(n):
     return eng.human_size(n) if n is not None else None
 
 
-_PATH_HELP = """Print the path behind NAME (for scripts); fails when it is not set up.
+_PATH_HELP = (
+    """Print the path behind NAME (for scripts); fails when it is not set up.
 
 \b
 Names:
-""" + "\n".join(f"  {k:<14} {v}" for k, v in eng.PATH_NAMES.items()) + """
+"""
+    + "\n".join(f"  {k:<14} {v}" for k, v in eng.PATH_NAMES.items())
+    + """
 
 \b
 Examples:
@@ -133,6 +139,7 @@ Examples:
       --model $(specops engines path model:hf-target) --dtype float32
   specops engines path --ensure model:layerskip-gguf-768x16/target.gguf
 """
+)
 
 
 @engines.command(help=_PATH_HELP)
@@ -145,30 +152,67 @@ def path(name, ensure):
         from specops.devenv import testmodels as fixtures
 
         t0 = time.monotonic()
-        model = fixtures.model_path(name[len("model:"):], ensure=True,
-                                    progress=lambda msg: click.echo(f"[{time.monotonic() - t0:7.1f}s] {msg}", err=True))
+        model = fixtures.model_path(
+            name[len("model:") :],
+            ensure=True,
+            progress=lambda msg: click.echo(f"[{time.monotonic() - t0:7.1f}s] {msg}", err=True),
+        )
         click.echo(str(model))
         return
     click.echo(str(eng.resolve_path(name)))
 
 
 @engines.command()
-@click.option("--engine", "engine_names", multiple=True, type=click.Choice(("vllm", "llamacpp")),
-              help="Engines to measure (repeatable; default: both).")
-@click.option("--version", "versions", multiple=True, metavar="VERSION",
-              help="Installed engine versions to measure (repeatable; default: every installed one).")
-@click.option("--method", "methods", multiple=True, metavar="METHOD",
-              help="Only cells of this method (repeatable): eagle, eagle3, medusa, mlp_speculator, draft_model, "
-                   "mtp, ngram, suffix, dflash.")
-@click.option("--format", "formats", multiple=True, metavar="TEXT",
-              help="Only cells whose draft format contains TEXT (repeatable, case-insensitive), e.g. speculators.")
+@click.option(
+    "--engine",
+    "engine_names",
+    multiple=True,
+    type=click.Choice(("vllm", "llamacpp")),
+    help="Engines to measure (repeatable; default: both).",
+)
+@click.option(
+    "--version",
+    "versions",
+    multiple=True,
+    metavar="VERSION",
+    help="Installed engine versions to measure (repeatable; default: every installed one).",
+)
+@click.option(
+    "--method",
+    "methods",
+    multiple=True,
+    metavar="METHOD",
+    help="Only cells of this method (repeatable): eagle, eagle3, medusa, mlp_speculator, draft_model, "
+    "mtp, ngram, suffix, dflash.",
+)
+@click.option(
+    "--format",
+    "formats",
+    multiple=True,
+    metavar="TEXT",
+    help="Only cells whose draft format contains TEXT (repeatable, case-insensitive), e.g. speculators.",
+)
 @click.option("--force", is_flag=True, help="Measure again cells already in the data for the same engine version.")
-@click.option("--data", "data_path", type=click.Path(dir_okay=False), default=None,
-              help="The results file (default: specops/data/support_matrix.json in the package).")
-@click.option("--ready-timeout", type=float, default=None, metavar="SECONDS",
-              help="How long an engine may take to become ready (default: vLLM 240, llama-server 30).")
-@click.option("--readme", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Also rewrite the generated support-matrix table in this README.")
+@click.option(
+    "--data",
+    "data_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The results file (default: specops/data/support_matrix.json in the package).",
+)
+@click.option(
+    "--ready-timeout",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="How long an engine may take to become ready (default: vLLM 240, llama-server 30).",
+)
+@click.option(
+    "--readme",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Also rewrite the generated support-matrix table in this README.",
+)
 @click.option("--list", "list_only", is_flag=True, help="Print the cells and installed engines; measure nothing.")
 @json_option
 def matrix(engine_names, versions, methods, formats, force, data_path, ready_timeout, readme, list_only, as_json):
@@ -195,8 +239,10 @@ def matrix(engine_names, versions, methods, formats, force, data_path, ready_tim
     engine_names = engine_names or mx.ENGINES
     if list_only:
         installed = [{"engine": e.engine, "version": e.version, "path": str(e.path)} for e in mx.installed_engines()]
-        cells = [{"engine": c.engine, "method": c.method, "format": c.format, "target": c.target, "draft": c.draft}
-                 for c in mx.cells_for(engine_names, methods or None, formats or None)]
+        cells = [
+            {"engine": c.engine, "method": c.method, "format": c.format, "target": c.target, "draft": c.draft}
+            for c in mx.cells_for(engine_names, methods or None, formats or None)
+        ]
         if as_json:
             echo_json({"installed": installed, "cells": cells})
             return
@@ -210,9 +256,16 @@ def matrix(engine_names, versions, methods, formats, force, data_path, ready_tim
     def say(msg: str) -> None:
         click.echo(f"[{time.monotonic() - t0:7.1f}s] {msg}", err=as_json)
 
-    records = mx.run(engines=engine_names, versions=versions or None, methods=methods or None,
-                     formats=formats or None, force=force, data_path=Path(data_path) if data_path else None,
-                     ready_timeout=ready_timeout, say=say)
+    records = mx.run(
+        engines=engine_names,
+        versions=versions or None,
+        methods=methods or None,
+        formats=formats or None,
+        force=force,
+        data_path=Path(data_path) if data_path else None,
+        ready_timeout=ready_timeout,
+        say=say,
+    )
     if readme:
         changed = mx.write_readme(Path(readme), mx.load_data(Path(data_path) if data_path else None))
         say(f"{readme}: {'table updated' if changed else 'table already current'}")

@@ -1,10 +1,11 @@
 """``specops plugins``: which backends are installed, what they support, and where they come from."""
+
 from __future__ import annotations
 
 import click
 
-from specops.plugins import get_registry
 from specops.commands._common import echo_json, json_option
+from specops.plugins import get_registry
 
 
 @click.command()
@@ -20,9 +21,16 @@ def plugins(as_json):
       specops plugins --json
     """
     reg = get_registry()
-    rows = [{"backend": name, "methods": sorted(m.value for m in b.methods), "origin": reg.origins[name],
-             "health_path": b.health_path, "metrics_path": b.metrics_path}
-            for name, b in sorted(reg.backends.items())]
+    rows = [
+        {
+            "backend": name,
+            "methods": sorted(m.value for m in b.methods),
+            "origin": reg.origins[name],
+            "health_path": b.health_path,
+            "metrics_path": b.metrics_path,
+        }
+        for name, b in sorted(reg.backends.items())
+    ]
     if as_json:
         echo_json(rows)
         return

@@ -1,13 +1,14 @@
 """``specops render``: print the exact engine command line for a profile."""
+
 from __future__ import annotations
 
 import click
 
-from specops.plugins import get_registry
 from specops.backends.render import FORMATS, format_plan, render_plan
-from specops.methods import Method
-from specops.config.profile import LoadedProfile
 from specops.commands._common import load, port_type, profile_argument, version_param
+from specops.config.profile import LoadedProfile
+from specops.methods import Method
+from specops.plugins import get_registry
 
 
 def resolved(loaded: LoadedProfile, *, offline: bool, use_lock: bool) -> LoadedProfile:
@@ -17,9 +18,11 @@ def resolved(loaded: LoadedProfile, *, offline: bool, use_lock: bool) -> LoadedP
     if not needs and not use_lock:
         return loaded
     from specops.resolve.lock import lock_path
+
     if not needs and not lock_path(loaded.path).is_file():
         return loaded
     from specops.resolve import resolve_profile
+
     res = resolve_profile(loaded, offline=offline, use_lock=use_lock)
     for note in res.notes:
         click.echo(f"note: {note}", err=True)
@@ -28,12 +31,22 @@ def resolved(loaded: LoadedProfile, *, offline: bool, use_lock: bool) -> LoadedP
 
 @click.command()
 @profile_argument
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="shell", show_default=True,
-              help="shell: one paste-able line; json: argv, env and URLs; args: one argument per line.")
-@click.option("--backend-version", metavar="VERSION", callback=version_param,
-              help="Render for this engine version (vLLM: 0.32.0; llama-server: a release build such as b9100 "
-                   "or a flag generation: legacy, spec-type, spec-draft, current). Default: engine.version "
-                   "in the profile, else probe the installed engine.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default="shell",
+    show_default=True,
+    help="shell: one paste-able line; json: argv, env and URLs; args: one argument per line.",
+)
+@click.option(
+    "--backend-version",
+    metavar="VERSION",
+    callback=version_param,
+    help="Render for this engine version (vLLM: 0.32.0; llama-server: a release build such as b9100 "
+    "or a flag generation: legacy, spec-type, spec-draft, current). Default: engine.version "
+    "in the profile, else probe the installed engine.",
+)
 @click.option("--host", help="Bind address for the engine (default: server.host).")
 @click.option("--port", type=port_type, help="Port for the engine, 1-65535 (default: server.port).")
 @click.option("--offline", is_flag=True, help="Resolve `auto` from the lock file, HF cache and catalog only.")

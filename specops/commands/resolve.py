@@ -1,4 +1,5 @@
 """``specops resolve`` and ``specops lock``: find, check and pin the draft for a target."""
+
 from __future__ import annotations
 
 import os
@@ -6,9 +7,9 @@ import os
 import click
 
 from specops.backends import DEFAULT_BACKEND
+from specops.commands._common import echo_json, json_option, load, version_param
 from specops.errors import SpecopsError
 from specops.methods import Method
-from specops.commands._common import echo_json, json_option, load, version_param
 
 METHOD_CHOICES = [m.value for m in Method if m not in (Method.NONE, Method.SUFFIX)]
 SEVERITY_MARK = {"error": "error  ", "warning": "warning", "info": "info   "}
@@ -20,19 +21,38 @@ def _progress(msg: str) -> None:
 
 @click.command()
 @click.argument("target")
-@click.option("--method", type=click.Choice(METHOD_CHOICES), default=None,
-              help="Method to resolve (default: auto, or the profile's when TARGET is a profile).")
+@click.option(
+    "--method",
+    type=click.Choice(METHOD_CHOICES),
+    default=None,
+    help="Method to resolve (default: auto, or the profile's when TARGET is a profile).",
+)
 @click.option("--backend", default=None, help="vllm (default) or llamacpp; with a profile: the profile's.")
 @click.option("--max-model-len", type=int, help="Context to serve (checked against the draft's trained context).")
-@click.option("--tp", "tensor_parallel_size", type=int, default=1, show_default=True, help="Target tensor parallel size.")
+@click.option(
+    "--tp", "tensor_parallel_size", type=int, default=1, show_default=True, help="Target tensor parallel size."
+)
 @click.option("--quant", help="llama.cpp: GGUF quantisation of the draft (default Q4_K_M).")
 @click.option("--memory-gb", type=float, help="Memory budget per GPU (GiB) for the fit warning.")
 @click.option("--backend-version", callback=version_param, help="Check method support against this engine version.")
-@click.option("--offline", is_flag=True, help="Use only the lock, the HF cache and the catalog (also HF_HUB_OFFLINE=1).")
+@click.option(
+    "--offline", is_flag=True, help="Use only the lock, the HF cache and the catalog (also HF_HUB_OFFLINE=1)."
+)
 @click.option("--all", "show_all", is_flag=True, help="Also print info findings for every candidate.")
 @json_option
-def resolve(target, method, backend, max_model_len, tensor_parallel_size, quant, memory_gb, backend_version, offline,
-            show_all, as_json):
+def resolve(
+    target,
+    method,
+    backend,
+    max_model_len,
+    tensor_parallel_size,
+    quant,
+    memory_gb,
+    backend_version,
+    offline,
+    show_all,
+    as_json,
+):
     """Rank the drafts for TARGET (a Hub id, or a profile file) and check each against it.
 
     Candidates come from the curated catalog, then the Hub (base_model tags, eagle / speculator /
@@ -47,7 +67,8 @@ def resolve(target, method, backend, max_model_len, tensor_parallel_size, quant,
       specops resolve Qwen/Qwen2.5-7B-Instruct-GGUF --backend llamacpp --quant Q8_0
       specops resolve profiles/llama31-8b-eagle3.yaml --offline
     """
-    from specops.resolve.resolver import resolve as run_resolve, resolve_profile, synthetic_profile
+    from specops.resolve.resolver import resolve as run_resolve
+    from specops.resolve.resolver import resolve_profile, synthetic_profile
 
     progress = None if as_json else _progress
     if target.endswith((".yaml", ".yml")) and os.path.isfile(target):
@@ -58,8 +79,9 @@ def resolve(target, method, backend, max_model_len, tensor_parallel_size, quant,
             update = {}
             if method:
                 m = Method(method)
-                update["speculative"] = spec.model_copy(update={"method": m, "draft": "auto" if m.value not in
-                                                                ("auto", "mtp", "ngram") else None})
+                update["speculative"] = spec.model_copy(
+                    update={"method": m, "draft": "auto" if m.value not in ("auto", "mtp", "ngram") else None}
+                )
             if backend:
                 update["backend"] = backend
             profile = profile.model_copy(update=update)
@@ -67,9 +89,16 @@ def resolve(target, method, backend, max_model_len, tensor_parallel_size, quant,
         else:
             res = resolve_profile(loaded, offline=offline, use_lock=False, raise_errors=False, progress=progress)
     else:
-        profile = synthetic_profile(target, backend=backend or DEFAULT_BACKEND, method=method or "auto",
-                                    max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-                                    quant=quant, memory_gb=memory_gb, engine_version=backend_version)
+        profile = synthetic_profile(
+            target,
+            backend=backend or DEFAULT_BACKEND,
+            method=method or "auto",
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            quant=quant,
+            memory_gb=memory_gb,
+            engine_version=backend_version,
+        )
         res = run_resolve(profile, offline=offline, progress=progress)
     if as_json:
         echo_json(res.to_dict())
@@ -82,8 +111,12 @@ def resolve(target, method, backend, max_model_len, tensor_parallel_size, quant,
 @click.command()
 @click.argument("profile", type=click.Path(dir_okay=False, path_type=str))
 @click.option("--offline", is_flag=True, help="Use only the HF cache and the catalog (also HF_HUB_OFFLINE=1).")
-@click.option("--check", "check_only", is_flag=True,
-              help="Do not resolve: exit 1 unless the lock exists and matches the profile (for CI).")
+@click.option(
+    "--check",
+    "check_only",
+    is_flag=True,
+    help="Do not resolve: exit 1 unless the lock exists and matches the profile (for CI).",
+)
 @json_option
 def lock(profile, offline, check_only, as_json):
     """Resolve PROFILE's draft and pin it in <profile>.lock.json next to it.
@@ -120,6 +153,7 @@ def lock(profile, offline, check_only, as_json):
 
 # ------------------------------------------------------------------------------------------- output
 
+
 def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
@@ -135,14 +169,23 @@ def format_resolution(res, *, show_all: bool = False) -> str:
     p = res.profile
     if t is not None:
         f = t.facts
-        facts = ", ".join(x for x in (
-            f"vocab {f.vocab}" if f.vocab else "", f"hidden {f.hidden}" if f.hidden else "",
-            f"{f.layers} layers" if f.layers else "", f"context {f.context}" if f.context else "",
-            f"{f.mtp_layers} MTP layer(s)" if f.mtp_layers else "") if x)
+        facts = ", ".join(
+            x
+            for x in (
+                f"vocab {f.vocab}" if f.vocab else "",
+                f"hidden {f.hidden}" if f.hidden else "",
+                f"{f.layers} layers" if f.layers else "",
+                f"context {f.context}" if f.context else "",
+                f"{f.mtp_layers} MTP layer(s)" if f.mtp_layers else "",
+            )
+            if x
+        )
         rev = f" @ {t.revision[:10]}" if t.revision else ""
         lines.append(f"target   {t.ref}{rev}" + (f"  ({facts}; from {t.facts_source})" if facts else ""))
     served = p.model.max_model_len
-    lines.append(f"backend  {p.backend}   requested: {res.requested}" + (f"   served context {served}" if served else ""))
+    lines.append(
+        f"backend  {p.backend}   requested: {res.requested}" + (f"   served context {served}" if served else "")
+    )
     if res.candidates:
         lines.append("")
         width = max(len(_name(c)) for c in res.candidates)

@@ -1,4 +1,5 @@
 """``specops schema``: the profile's JSON Schema, for editors and CI."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """``specops status`` and ``specops down``: reach running instances through their state files."""
+
 from __future__ import annotations
 
 import json
@@ -10,12 +11,12 @@ import urllib.request
 
 import click
 
+from specops.commands._common import echo_json, json_option
 from specops.config.durations import format_duration
 from specops.errors import SpecopsError
 from specops.run.identity import owner_problem, signal_process
 from specops.run.instance import InstancePaths, StateError, find_instances, read_state
 from specops.run.lock import remove_stale_state
-from specops.commands._common import echo_json, json_option
 
 #: The most of /specops/status read from a live instance.
 MAX_LIVE_BYTES = 4 << 20
@@ -25,6 +26,7 @@ def _profile_file(name: str | None):
     """The profile when NAME names a profile file (else None: NAME is an instance name)."""
     if name and name.endswith((".yaml", ".yml")) and os.path.isfile(name):
         from specops.commands._common import load
+
         return load(name).profile
     return None
 
@@ -36,7 +38,9 @@ def _instances(name: str | None, state_dir: str | None, profile=None) -> list[In
     if name:
         found = [i for i in found if i.root.name == name]
         if not found:
-            raise SpecopsError(f"no instance named {name!r} (state files are in {InstancePaths.for_profile('x', state_dir).root.parent})")
+            raise SpecopsError(
+                f"no instance named {name!r} (state files are in {InstancePaths.for_profile('x', state_dir).root.parent})"
+            )
     return found
 
 
@@ -59,8 +63,11 @@ def _live(state: dict, api_key: str | None = None) -> dict:
             return {**state, "live": json.loads(resp.read(MAX_LIVE_BYTES))}
     except urllib.error.HTTPError as exc:
         if exc.code == 401:
-            return {**state, "live_problem": "the proxy wants the API key: run `specops status PROFILE.yaml` with "
-                                             "the key's variable set, or set proxy.admin_port"}
+            return {
+                **state,
+                "live_problem": "the proxy wants the API key: run `specops status PROFILE.yaml` with "
+                "the key's variable set, or set proxy.admin_port",
+            }
         return state
     except (OSError, ValueError, RecursionError):
         return state
@@ -74,8 +81,13 @@ def _row(inst: InstancePaths, api_key: str | None = None) -> dict:
     except StateError as exc:
         return {"name": name, "state": "unreadable", "running": False, "stale": False, "problem": str(exc)}
     if st is None:
-        return {"name": name, "state": "absent", "running": False, "stale": False,
-                "problem": f"no state file {inst.state}"}
+        return {
+            "name": name,
+            "state": "absent",
+            "running": False,
+            "stale": False,
+            "problem": f"no state file {inst.state}",
+        }
     if not isinstance(st.get("name"), str):
         st["name"] = name
     why = owner_problem(st)
@@ -130,8 +142,13 @@ def _num(value) -> float | None:
 
 
 def _text(value, limit: int = 200) -> str:
-    text = value if isinstance(value, str) else str(value) if type(value) in (int, float, bool) or value is None \
+    text = (
+        value
+        if isinstance(value, str)
+        else str(value)
+        if type(value) in (int, float, bool) or value is None
         else type(value).__name__
+    )
     text = " ".join(text.split())  # one line, whatever the file holds
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -149,26 +166,34 @@ def _print(st: dict) -> None:
     if since is not None and st.get("running"):
         uptime = f", ready for {format_duration(max(0, round(time.time() - since)))}"
     click.echo(f"{name}: {state}{uptime}")
-    click.echo(f"  url        {_text(st.get('url'))}  (engine {_text(st.get('engine_url'))}, "
-               f"{_text(st.get('backend'))} {_text(st.get('engine_version'))})")
+    click.echo(
+        f"  url        {_text(st.get('url'))}  (engine {_text(st.get('engine_url'))}, "
+        f"{_text(st.get('backend'))} {_text(st.get('engine_version'))})"
+    )
     chain = st.get("chain") if isinstance(st.get("chain"), list) else []
     click.echo(f"  method     {_text(st.get('method'))}  (chain {' → '.join(_text(c, 40) for c in chain[:20])})")
     acc = st.get("acceptance")
     if isinstance(acc, dict):
         a, mal = _num(acc.get("acceptance")), _num(acc.get("mean_acceptance_length"))
-        click.echo(f"  acceptance {('%.3f' % a) if a is not None else 'no data'} over {_text(acc.get('window_s'))}s "
-                   f"(mean length {('%.2f' % mal) if mal is not None else '-'}, "
-                   f"{_num(acc.get('draft_tokens')) or 0:.0f} drafted, {_text(acc.get('status', ''))})")
+        click.echo(
+            f"  acceptance {f'{a:.3f}' if a is not None else 'no data'} over {_text(acc.get('window_s'))}s "
+            f"(mean length {f'{mal:.2f}' if mal is not None else '-'}, "
+            f"{_num(acc.get('draft_tokens')) or 0:.0f} drafted, {_text(acc.get('status', ''))})"
+        )
     tps = _num(st.get("tokens_per_s"))
     if tps is not None:
         click.echo(f"  tokens/s   {tps:.1f}")
-    click.echo(f"  restarts   {_text(st.get('restarts', 0))}, switches {_text(st.get('switches', 0))}, "
-               f"pid {_text(st.get('pid'))}, engine pid {_text(st.get('engine_pid'))}")
+    click.echo(
+        f"  restarts   {_text(st.get('restarts', 0))}, switches {_text(st.get('switches', 0))}, "
+        f"pid {_text(st.get('pid'))}, engine pid {_text(st.get('engine_pid'))}"
+    )
     d = st.get("last_decision")
     if isinstance(d, dict):
         to = f" → {_text(d['to'])}" if d.get("to") else ""
-        click.echo(f"  decision   {_text(d.get('action', 'switch'))} {_text(d.get('from', ''))}{to}: "
-                   f"{_text(d.get('reason'), 300)}")
+        click.echo(
+            f"  decision   {_text(d.get('action', 'switch'))} {_text(d.get('from', ''))}{to}: "
+            f"{_text(d.get('reason'), 300)}"
+        )
     if st.get("live_problem"):
         click.echo(f"  live       {_text(st['live_problem'], 300)}")
     click.echo(f"  logs       {_text(st.get('engine_log'), 400)}  events {_text(st.get('events'), 400)}")
@@ -217,8 +242,10 @@ def down(name, state_dir, timeout):
                 failed.append(label)
             else:
                 removed = remove_stale_state(inst)
-                click.echo(f"{label}: not running (stale state: {why}); nothing signalled"
-                           + ("; removed the stale state file" if removed else ""))
+                click.echo(
+                    f"{label}: not running (stale state: {why}); nothing signalled"
+                    + ("; removed the stale state file" if removed else "")
+                )
             continue
         identity = st["identity"]
         refused = signal_process(identity, signal.SIGTERM)

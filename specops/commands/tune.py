@@ -1,4 +1,5 @@
 """``specops tune``: sweep the speculative settings on the real engine and write the best into the profile."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,24 +14,29 @@ from specops.commands._common import duration_param, echo_json, json_option, loa
 
 def _parsed_by(parse):
     """A click callback: ``parse(value)``, its SpecopsError shown as a bad parameter (None stays None)."""
+
     def callback(ctx, param, value):
         if value is None:
             return None
         from specops.errors import SpecopsError
+
         try:
             return parse(value)
         except SpecopsError as exc:
             raise click.BadParameter(str(exc)) from None
+
     return callback
 
 
 def _parse_ks(value):
     from specops.perf.tune import parse_ints
+
     return parse_ints(value, "--k")
 
 
 def _parse_pairs(value):
     from specops.perf.tune import parse_pairs
+
     return parse_pairs(value)
 
 
@@ -58,14 +64,19 @@ class _Progress:
             self.what = self.what.split(":")[0] + f": ready in {kw['seconds']:.1f}s, warming up"
             self._draw()
         elif kind == "round":
-            self.what = (self.what.split(":")[0] + f": c={kw['level']} round {kw['round']}/{kw['rounds']} "
-                         f"{kw['tokens_per_s']:.1f} tok/s")
+            self.what = (
+                self.what.split(":")[0] + f": c={kw['level']} round {kw['round']}/{kw['rounds']} "
+                f"{kw['tokens_per_s']:.1f} tok/s"
+            )
             self._draw()
         elif kind in ("done", "skipped"):
             r = kw["result"]
             med = r.median(next(iter(r.levels), 0)) if r.levels else None
-            msg = f"{r.setting.label}: {r.status}" + (f" ({med:.1f} tok/s)" if med else "") + (
-                f" - {r.reason}" if r.reason and r.status != "measured" else "")
+            msg = (
+                f"{r.setting.label}: {r.status}"
+                + (f" ({med:.1f} tok/s)" if med else "")
+                + (f" - {r.reason}" if r.reason and r.status != "measured" else "")
+            )
             self._line(msg)
 
     def _bar(self) -> str:
@@ -117,78 +128,184 @@ Examples:
 
 @click.command(help=TUNE_HELP)
 @profile_argument
-@click.option("-w", "--workload", metavar="SETS", help="Built-in prompt sets (code, summarize, chat, creative) "
-              "and/or JSONL files, comma-separated. Default: all four built-in sets.")
-@click.option("--budget", default="10m", show_default=True, callback=duration_param, metavar="DURATION",
-              help="Time for the whole sweep, engine starts included (e.g. 90s, 10m, 1h).")
-@click.option("-k", "--k", "k_values", callback=_parsed_by(_parse_ks), metavar="LIST",
-              help="Draft tokens per step to try, e.g. 1,2,4 or 1-6. Default: 1,2,3,4,6,8 and the profile's k.")
-@click.option("--methods", metavar="LIST", help="Also sweep other methods: `chain` (the fallback chain), "
-              "`fitting` (what the resolver finds fitting, plus ngram and none), or names such as "
-              "draft_model,ngram,none. Default: the profile's method only.")
-@click.option("--ngram", "ngram_pairs", callback=_parsed_by(_parse_pairs), metavar="PAIRS",
-              help="vLLM n-gram prompt_lookup min:max pairs to try, e.g. 1:3,2:5 (default: the profile's).")
-@click.option("--ngram-types", metavar="LIST", help="llama.cpp n-gram drafters to try (default: every type "
-              "the build knows).")
-@click.option("-c", "--concurrency", metavar="LIST", help="Concurrency levels; the first decides. Default: "
-              "server.parallel (what the profile serves), then 1.")
-@click.option("--rounds", "max_rounds", type=click.IntRange(1), default=7, show_default=True,
-              help="Most measured rounds per setting and concurrency (fewer when the budget is short).")
-@click.option("--min-rounds", type=click.IntRange(1), default=3, show_default=True,
-              help="Rounds before a setting counts (and may be stopped early as clearly worse).")
-@click.option("--margin", type=click.FloatRange(0, 0.9), default=0.05, show_default=True,
-              help="Clearly worse: even the best round is this fraction below the best median so far.")
-@click.option("-n", "--requests", type=click.IntRange(1),
-              help="Requests per round (default: max(4, 2 × concurrency)).")
+@click.option(
+    "-w",
+    "--workload",
+    metavar="SETS",
+    help="Built-in prompt sets (code, summarize, chat, creative) "
+    "and/or JSONL files, comma-separated. Default: all four built-in sets.",
+)
+@click.option(
+    "--budget",
+    default="10m",
+    show_default=True,
+    callback=duration_param,
+    metavar="DURATION",
+    help="Time for the whole sweep, engine starts included (e.g. 90s, 10m, 1h).",
+)
+@click.option(
+    "-k",
+    "--k",
+    "k_values",
+    callback=_parsed_by(_parse_ks),
+    metavar="LIST",
+    help="Draft tokens per step to try, e.g. 1,2,4 or 1-6. Default: 1,2,3,4,6,8 and the profile's k.",
+)
+@click.option(
+    "--methods",
+    metavar="LIST",
+    help="Also sweep other methods: `chain` (the fallback chain), "
+    "`fitting` (what the resolver finds fitting, plus ngram and none), or names such as "
+    "draft_model,ngram,none. Default: the profile's method only.",
+)
+@click.option(
+    "--ngram",
+    "ngram_pairs",
+    callback=_parsed_by(_parse_pairs),
+    metavar="PAIRS",
+    help="vLLM n-gram prompt_lookup min:max pairs to try, e.g. 1:3,2:5 (default: the profile's).",
+)
+@click.option(
+    "--ngram-types", metavar="LIST", help="llama.cpp n-gram drafters to try (default: every type the build knows)."
+)
+@click.option(
+    "-c",
+    "--concurrency",
+    metavar="LIST",
+    help="Concurrency levels; the first decides. Default: server.parallel (what the profile serves), then 1.",
+)
+@click.option(
+    "--rounds",
+    "max_rounds",
+    type=click.IntRange(1),
+    default=7,
+    show_default=True,
+    help="Most measured rounds per setting and concurrency (fewer when the budget is short).",
+)
+@click.option(
+    "--min-rounds",
+    type=click.IntRange(1),
+    default=3,
+    show_default=True,
+    help="Rounds before a setting counts (and may be stopped early as clearly worse).",
+)
+@click.option(
+    "--margin",
+    type=click.FloatRange(0, 0.9),
+    default=0.05,
+    show_default=True,
+    help="Clearly worse: even the best round is this fraction below the best median so far.",
+)
+@click.option("-n", "--requests", type=click.IntRange(1), help="Requests per round (default: max(4, 2 × concurrency)).")
 @click.option("--max-tokens", type=click.IntRange(1), help="Cap every prompt's max_tokens (shorter rounds).")
 @click.option("--ignore-eos", is_flag=True, help="Ask the engine to ignore end-of-sequence (fixed output lengths).")
 @click.option("--dry-run", is_flag=True, help="Measure, then print the change as a diff; write nothing.")
-@click.option("--per-batch-size", "apply_per_batch", is_flag=True, help="Also write the proposed "
-              "speculative.per_batch_size (vLLM) when the best k falls with load.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Where the PNG goes (default: "
-              "<profile>.tune.png beside the profile; with --dry-run only when given).")
+@click.option(
+    "--per-batch-size",
+    "apply_per_batch",
+    is_flag=True,
+    help="Also write the proposed speculative.per_batch_size (vLLM) when the best k falls with load.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    help="Where the PNG goes (default: <profile>.tune.png beside the profile; with --dry-run only when given).",
+)
 @click.option("--no-plot", is_flag=True, help="No PNG.")
 @click.option("--backend-version", metavar="VERSION", callback=version_param, help="Expect this engine version.")
 @click.option("--offline", is_flag=True, help="Resolve drafts without the Hub (lock, HF cache, catalog).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @json_option
-def tune(profile, workload, budget, k_values, methods, ngram_pairs, ngram_types, concurrency, max_rounds, min_rounds,
-         margin, requests, max_tokens, ignore_eos, dry_run, apply_per_batch, plot_path, no_plot, backend_version,
-         offline, quiet, as_json):
+def tune(
+    profile,
+    workload,
+    budget,
+    k_values,
+    methods,
+    ngram_pairs,
+    ngram_types,
+    concurrency,
+    max_rounds,
+    min_rounds,
+    margin,
+    requests,
+    max_tokens,
+    ignore_eos,
+    dry_run,
+    apply_per_batch,
+    plot_path,
+    no_plot,
+    backend_version,
+    offline,
+    quiet,
+    as_json,
+):
     from specops.errors import SpecopsError
-    from specops.plugins import get_registry
     from specops.perf.tune import TuneConfig, prepare, write_back
+    from specops.plugins import get_registry
 
     registry = get_registry()
     loaded = load(profile)
     say = (lambda m: None) if quiet else (lambda m: click.echo(f"specops: {m}", err=True))
-    cfg = TuneConfig(workload=workload, max_tokens=max_tokens, budget_s=budget, k_values=k_values, methods=methods,
-                     ngram_pairs=ngram_pairs,
-                     ngram_types=[x.strip() for x in ngram_types.split(",") if x.strip()] if ngram_types else None,
-                     concurrency=concurrency, min_rounds=min_rounds, max_rounds=max(max_rounds, min_rounds),
-                     margin=margin, requests_per_round=requests, backend_version=backend_version, offline=offline,
-                     ignore_eos=ignore_eos)
+    cfg = TuneConfig(
+        workload=workload,
+        max_tokens=max_tokens,
+        budget_s=budget,
+        k_values=k_values,
+        methods=methods,
+        ngram_pairs=ngram_pairs,
+        ngram_types=[x.strip() for x in ngram_types.split(",") if x.strip()] if ngram_types else None,
+        concurrency=concurrency,
+        min_rounds=min_rounds,
+        max_rounds=max(max_rounds, min_rounds),
+        margin=margin,
+        requests_per_round=requests,
+        backend_version=backend_version,
+        offline=offline,
+        ignore_eos=ignore_eos,
+    )
     plan = prepare(loaded, registry, cfg)
     _announce(plan, budget, say)
     result = _sweep(loaded, registry, plan, cfg, quiet)
 
     p = plan.resolved
     per_batch = result.per_batch_size(p.backend, plan.engine.version, p.server.parallel)
-    outcome = write_back(loaded, p, result, registry, engine=plan.engine, workload=plan.workload, dry_run=dry_run,
-                         per_batch=per_batch, apply_per_batch=apply_per_batch)
+    outcome = write_back(
+        loaded,
+        p,
+        result,
+        registry,
+        engine=plan.engine,
+        workload=plan.workload,
+        dry_run=dry_run,
+        per_batch=per_batch,
+        apply_per_batch=apply_per_batch,
+    )
     png = None
     if not no_plot and (plot_path or not dry_run):
         png = _plot(result, plan, Path(plot_path) if plot_path else None, profile, say)
 
     if as_json:
-        echo_json({"profile": str(outcome.profile_path), "record_file": str(outcome.record_path),
-                   "written": outcome.written, "changes": outcome.changes, "notes": outcome.notes,
-                   "plot": str(png) if png else None, "profile_diff": outcome.profile_diff, "record": outcome.record})
+        echo_json(
+            {
+                "profile": str(outcome.profile_path),
+                "record_file": str(outcome.record_path),
+                "written": outcome.written,
+                "changes": outcome.changes,
+                "notes": outcome.notes,
+                "plot": str(png) if png else None,
+                "profile_diff": outcome.profile_diff,
+                "record": outcome.record,
+            }
+        )
         return
     _echo_best(result, plan)
     if per_batch:
-        click.echo(f"proposal: speculative.per_batch_size: {per_batch['value']}  ({per_batch['why']})"
-                   + ("" if apply_per_batch else "; write it with --per-batch-size"))
+        click.echo(
+            f"proposal: speculative.per_batch_size: {per_batch['value']}  ({per_batch['why']})"
+            + ("" if apply_per_batch else "; write it with --per-batch-size")
+        )
     _echo_written(outcome, dry_run, png)
     if not result.eligible():
         raise SpecopsError("no setting measured")
@@ -199,9 +316,11 @@ def _announce(plan, budget: float, say) -> None:
     for note in plan.notes:
         say(note)
     p = plan.resolved
-    say(f"{p.name}: {p.backend} {plan.engine.version}; {len(plan.settings)} settings "
+    say(
+        f"{p.name}: {p.backend} {plan.engine.version}; {len(plan.settings)} settings "
         f"({', '.join(s.label for s in plan.settings)}) at concurrency {', '.join(map(str, plan.levels))}; "
-        f"workload {', '.join(plan.workload['sets'])}; budget {click.style(_fmt(budget), bold=True)}")
+        f"workload {', '.join(plan.workload['sets'])}; budget {click.style(_fmt(budget), bold=True)}"
+    )
 
 
 def _sweep(loaded, registry, plan, cfg, quiet: bool):
@@ -220,12 +339,17 @@ def _sweep(loaded, registry, plan, cfg, quiet: bool):
 
 def _plot(result, plan, plot_path: Path | None, profile: str, say) -> Path | None:
     """The PNG of tokens/s against the settings (None, said, without matplotlib)."""
-    from specops.perf.tune import plot as draw, tune_plot_path
+    from specops.perf.tune import plot as draw
+    from specops.perf.tune import tune_plot_path
 
     p = plan.resolved
     target = plot_path or tune_plot_path(profile)
-    png = draw(result, target, title=f"{p.name}: {p.backend} {plan.engine.version.split(' ')[0]}, "
-                                     f"concurrency {', '.join(map(str, plan.levels))}")
+    png = draw(
+        result,
+        target,
+        title=f"{p.name}: {p.backend} {plan.engine.version.split(' ')[0]}, "
+        f"concurrency {', '.join(map(str, plan.levels))}",
+    )
     if png is None:
         say("no plot: matplotlib is not installed (pip install 'specops[plots]')")
     return png
@@ -280,4 +404,5 @@ def _grid_edge(result, settings) -> str | None:
 
 def _fmt(seconds: float) -> str:
     from specops.config.durations import format_duration
+
     return format_duration(seconds)

@@ -1,16 +1,22 @@
 """``specops up``: launch and supervise the engine for a profile."""
+
 from __future__ import annotations
 
 import click
 
+from specops.commands._common import load, profile_argument, version_param
 from specops.plugins import get_registry
 from specops.up import UpOptions, up_blocking
-from specops.commands._common import load, profile_argument, version_param
 
 
 @click.command()
 @profile_argument
-@click.option("--backend-version", metavar="VERSION", callback=version_param, help="Expect this engine version (checked against the probe).")
+@click.option(
+    "--backend-version",
+    metavar="VERSION",
+    callback=version_param,
+    help="Expect this engine version (checked against the probe).",
+)
 @click.option("--quiet-engine", is_flag=True, help="Do not echo the engine's output (it still goes to the log file).")
 @click.option("--offline", is_flag=True, help="Resolve drafts from the lock file, HF cache and catalog only.")
 def up(profile, backend_version, quiet_engine, offline):
@@ -27,6 +33,10 @@ def up(profile, backend_version, quiet_engine, offline):
       specops up profiles/llama31-8b-eagle3.yaml --quiet-engine
     """
     loaded = load(profile)
-    raise SystemExit(up_blocking(loaded, get_registry(), UpOptions(backend_version=backend_version,
-                                                                   show_engine_output=not quiet_engine,
-                                                                   offline=offline)))
+    raise SystemExit(
+        up_blocking(
+            loaded,
+            get_registry(),
+            UpOptions(backend_version=backend_version, show_engine_output=not quiet_engine, offline=offline),
+        )
+    )

@@ -1,16 +1,17 @@
 """``specops validate``: check profiles (files and directories) the way CI should."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
+from specops.commands._common import echo_json
+from specops.config.profile import LoadedProfile, load_profile
+from specops.config.yamlsource import parse, read_text
 from specops.errors import Location, Problem, ProfileError, SpecopsError
 from specops.plugins import Registry, get_registry
-from specops.config.profile import LoadedProfile, load_profile
 from specops.redact import MASK
-from specops.config.yamlsource import parse, read_text
-from specops.commands._common import echo_json
 
 PROFILE_SUFFIXES = (".yaml", ".yml")
 
@@ -66,10 +67,20 @@ class _AnyEnv(dict):
 
 @click.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
-@click.option("--format", "fmt", type=click.Choice(["text", "json", "github"]), default="text", show_default=True,
-              help="text for people; json for scripts; github for GitHub Actions annotations.")
-@click.option("--resolve", "do_resolve", is_flag=True,
-              help="Also resolve drafts and run the compatibility checks (uses the Hub unless offline).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json", "github"]),
+    default="text",
+    show_default=True,
+    help="text for people; json for scripts; github for GitHub Actions annotations.",
+)
+@click.option(
+    "--resolve",
+    "do_resolve",
+    is_flag=True,
+    help="Also resolve drafts and run the compatibility checks (uses the Hub unless offline).",
+)
 @click.option("--offline", is_flag=True, help="With --resolve: use only the lock file, the HF cache and the catalog.")
 def validate(paths, fmt, do_resolve, offline):
     """Validate profiles: schema, cross-field rules and backend support, with file:line:column errors.
@@ -96,8 +107,9 @@ def validate(paths, fmt, do_resolve, offline):
     if not profiles:
         raise SpecopsError(f"no profiles found in {', '.join(paths)} (looked for *.yaml, *.yml)")
     if fmt == "json":
-        echo_json({"ok": all(r["ok"] for r in results), "profiles": results,
-                   "skipped_bases": [str(s) for s in skipped]})
+        echo_json(
+            {"ok": all(r["ok"] for r in results), "profiles": results, "skipped_bases": [str(s) for s in skipped]}
+        )
     elif fmt == "github":
         _print_github(results)
     else:
@@ -114,10 +126,14 @@ def _check_one(path: Path, registry: Registry, *, is_base: bool, do_resolve: boo
     try:
         loaded = load_profile(path, registry=registry)
         p = loaded.profile
-        summary = {"name": _shown(loaded, ("name",), p.name), "backend": _shown(loaded, ("backend",), p.backend),
-                   "method": p.speculative.method.value}
+        summary = {
+            "name": _shown(loaded, ("name",), p.name),
+            "backend": _shown(loaded, ("backend",), p.backend),
+            "method": p.speculative.method.value,
+        }
         if do_resolve:
             from specops.resolve.check import check_loaded  # the resolver pulls in the Hub client: only when asked
+
             for finding in check_loaded(loaded, offline=offline):
                 target = problems if finding.severity == "error" else warnings
                 target.append(loaded.problem(finding.path, finding.message))
@@ -127,8 +143,13 @@ def _check_one(path: Path, registry: Registry, *, is_base: bool, do_resolve: boo
         problems = exc.problems
     except SpecopsError as exc:
         problems = [Problem(Location(str(path), 1, 1), "", str(exc))]
-    return {"file": str(path), "ok": not problems, **summary,
-            "errors": [p.to_dict() for p in problems], "warnings": [w.to_dict() for w in warnings]}
+    return {
+        "file": str(path),
+        "ok": not problems,
+        **summary,
+        "errors": [p.to_dict() for p in problems],
+        "warnings": [w.to_dict() for w in warnings],
+    }
 
 
 def _print_github(results: list[dict]) -> None:

@@ -3,6 +3,7 @@
 Run ``python -m specops.config.docs`` to print it, or ``python -m specops.config.docs --write README.md`` to replace the
 section between the ``<!-- profile-reference:start -->`` and ``<!-- profile-reference:end -->`` markers.
 """
+
 from __future__ import annotations
 
 import sys
@@ -27,8 +28,9 @@ def _type_name(annotation: Any, metadata: list) -> str:
         if isinstance(annotation, type):
             if issubclass(annotation, BaseModel):
                 return "mapping"
-            return {"str": "string", "int": "integer", "float": "number", "bool": "boolean",
-                    "Method": "method"}.get(annotation.__name__, annotation.__name__)
+            return {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "Method": "method"}.get(
+                annotation.__name__, annotation.__name__
+            )
         return str(annotation)
     name = getattr(origin, "__name__", str(origin))
     if name in ("Union", "UnionType") or str(origin) == "typing.Union":
@@ -85,12 +87,16 @@ def _submodel(annotation):
 
 def profile_reference() -> str:
     """Markdown tables, one per profile section, from the models' fields and descriptions."""
-    lines = ["Every field of a profile, generated from the same pydantic models that validate it "
-             "(`specops schema` prints the JSON Schema). Durations accept seconds or `500ms`, `30s`, `10m`, `1h30m`.",
-             "", "| field | type | default | meaning |", "|---|---|---|---|",
-             "| `extends` | string \\| list of string | unset | Base profile(s) deep-merged under this one "
-             "(paths relative to this file, inside its git work tree or a folder in `$SPECOPS_PROFILE_ROOT`; "
-             "mappings merge, lists and scalars are replaced). |"]
+    lines = [
+        "Every field of a profile, generated from the same pydantic models that validate it "
+        "(`specops schema` prints the JSON Schema). Durations accept seconds or `500ms`, `30s`, `10m`, `1h30m`.",
+        "",
+        "| field | type | default | meaning |",
+        "|---|---|---|---|",
+        "| `extends` | string \\| list of string | unset | Base profile(s) deep-merged under this one "
+        "(paths relative to this file, inside its git work tree or a folder in `$SPECOPS_PROFILE_ROOT`; "
+        "mappings merge, lists and scalars are replaced). |",
+    ]
     sections: list[tuple[str, type[BaseModel]]] = []
     _rows(Profile, "", lines, sections)
     while sections:

@@ -3,6 +3,7 @@
 Every duration is finite and at most :data:`MAX_DURATION` (7 days): no setting of specops needs more,
 and an unbounded one (``.inf``, ``99999999999999999999h``) only overflows later, far from the profile.
 """
+
 from __future__ import annotations
 
 import math

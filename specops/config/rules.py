@@ -4,6 +4,7 @@ Pydantic checks each field on its own (:mod:`specops.config.sections`); these ru
 once and at the backend the profile names, and give every problem the path of the field to change, which
 :mod:`specops.config.yamlsource` maps back to file:line:column.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -30,13 +31,20 @@ def semantic_problems(loaded: LoadedProfile, registry: Registry) -> list[Problem
     p = loaded.profile
     backend = registry.backends.get(p.backend)
     out: list[Problem] = []
-    for findings in (_unknown_backend(p.backend, registry) if backend is None else iter(()),
-                     _draft_problems(p), _layout_problems(p, backend), _chain_problems(p, backend)):
+    for findings in (
+        _unknown_backend(p.backend, registry) if backend is None else iter(()),
+        _draft_problems(p),
+        _layout_problems(p, backend),
+        _chain_problems(p, backend),
+    ):
         out += [loaded.problem(path, msg) for path, msg in findings]
     # names that end up in a shell line, an environment, a PromQL selector
     out += _name_problems(loaded)
-    for findings in (_secret_and_option_problems(p), _monitor_and_port_problems(p),
-                     _backend_problems(p, backend) if backend is not None else iter(())):
+    for findings in (
+        _secret_and_option_problems(p),
+        _monitor_and_port_problems(p),
+        _backend_problems(p, backend) if backend is not None else iter(()),
+    ):
         out += [loaded.problem(path, msg) for path, msg in findings]
     return out
 
@@ -44,8 +52,14 @@ def semantic_problems(loaded: LoadedProfile, registry: Registry) -> list[Problem
 def _unknown_backend(name: str, registry: Registry) -> Findings:
     names = sorted(registry.backends)
     hint = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-    yield ("backend",), (f"unknown backend {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
-                         + f" (installed: {', '.join(names) or 'none'})")
+    yield (
+        ("backend",),
+        (
+            f"unknown backend {name!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + f" (installed: {', '.join(names) or 'none'})"
+        ),
+    )
 
 
 def _draft_problems(p: Profile) -> Findings:
@@ -68,15 +82,22 @@ def _layout_problems(p: Profile, backend: Any) -> Findings:
     spec, g = p.speculative, p.gpus
     tp = g.tensor_parallel_size
     if spec.draft_tensor_parallel_size not in (None, 1, tp):
-        yield ("speculative", "draft_tensor_parallel_size"), (
-            f"draft TP must be 1 or the target's tensor_parallel_size ({tp}), not {spec.draft_tensor_parallel_size}")
+        yield (
+            ("speculative", "draft_tensor_parallel_size"),
+            (f"draft TP must be 1 or the target's tensor_parallel_size ({tp}), not {spec.draft_tensor_parallel_size}"),
+        )
     if g.devices:
         if len(set(g.devices)) != len(g.devices):
             yield ("gpus", "devices"), "a GPU is listed twice"
         elif len(g.devices) != tp * g.pipeline_parallel_size and getattr(backend, "parallel_layout", True):
-            yield ("gpus", "devices"), (f"{len(g.devices)} devices listed but tensor_parallel_size × "
-                                        f"pipeline_parallel_size = {tp} × {g.pipeline_parallel_size} = "
-                                        f"{tp * g.pipeline_parallel_size}")
+            yield (
+                ("gpus", "devices"),
+                (
+                    f"{len(g.devices)} devices listed but tensor_parallel_size × "
+                    f"pipeline_parallel_size = {tp} × {g.pipeline_parallel_size} = "
+                    f"{tp * g.pipeline_parallel_size}"
+                ),
+            )
     if g.devices == [] and (tp > 1 or g.pipeline_parallel_size > 1):
         yield ("gpus", "tensor_parallel_size"), "devices: [] means CPU only; tensor/pipeline parallelism needs GPUs"
     if g.tensor_split and g.devices and len(g.tensor_split) != len(g.devices):
@@ -85,9 +106,14 @@ def _layout_problems(p: Profile, backend: Any) -> Findings:
         yield ("speculative", "draft_max_model_len"), "draft_max_model_len cannot exceed model.max_model_len"
     for i, (start, end, k) in enumerate(spec.per_batch_size or []):
         if not 1 <= start <= end <= MAX_SEQUENCES or not 0 <= k <= MAX_K:
-            yield ("speculative", "per_batch_size", i), (f"[{_num(start)}, {_num(end)}, {_num(k)}]: need "
-                                                         f"1 <= start_bs <= end_bs <= {MAX_SEQUENCES} and "
-                                                         f"0 <= k <= {MAX_K}")
+            yield (
+                ("speculative", "per_batch_size", i),
+                (
+                    f"[{_num(start)}, {_num(end)}, {_num(k)}]: need "
+                    f"1 <= start_bs <= end_bs <= {MAX_SEQUENCES} and "
+                    f"0 <= k <= {MAX_K}"
+                ),
+            )
 
 
 def _chain_problems(p: Profile, backend: Any) -> Findings:
@@ -106,8 +132,13 @@ def _chain_problems(p: Profile, backend: Any) -> Findings:
         elif step.method not in NEEDS_DRAFT and step.draft:
             yield path, f"fallback step {step.method} takes no draft"
         elif backend is not None and step.method not in backend.methods:
-            yield path, (f"backend {p.backend} does not support {step.method} "
-                         f"(supported: {', '.join(sorted(m.value for m in backend.methods))})")
+            yield (
+                path,
+                (
+                    f"backend {p.backend} does not support {step.method} "
+                    f"(supported: {', '.join(sorted(m.value for m in backend.methods))})"
+                ),
+            )
         seen.add(step.method)
 
 
@@ -117,14 +148,26 @@ def _name_problems(loaded: LoadedProfile) -> list[Problem]:
     out: list[Problem] = []
     for name in p.server.env:
         if not ENV_NAME.match(name):
-            out.append(loaded.problem(("server", "env", name), f"{quote_value(name)} is not an environment variable "
-                                      f"name: use letters, digits and _, not starting with a digit",
-                                      key=True, field="server.env"))
+            out.append(
+                loaded.problem(
+                    ("server", "env", name),
+                    f"{quote_value(name)} is not an environment variable "
+                    f"name: use letters, digits and _, not starting with a digit",
+                    key=True,
+                    field="server.env",
+                )
+            )
     for name in p.monitor.labels:
         if not LABEL_NAME.match(name):
-            out.append(loaded.problem(("monitor", "labels", name), f"{quote_value(name)} is not a Prometheus label "
-                                      f"name: use letters, digits and _, not starting with a digit",
-                                      key=True, field="monitor.labels"))
+            out.append(
+                loaded.problem(
+                    ("monitor", "labels", name),
+                    f"{quote_value(name)} is not a Prometheus label "
+                    f"name: use letters, digits and _, not starting with a digit",
+                    key=True,
+                    field="monitor.labels",
+                )
+            )
     return out
 
 
@@ -133,9 +176,14 @@ def _secret_and_option_problems(p: Profile) -> Findings:
     for i, arg in enumerate(p.server.extra_args):
         flag = secret_flag(arg)
         if flag:
-            yield ("server", "extra_args", i), (f"{flag} would put a secret on the engine's command line, which "
-                                                "every user can read in `ps`: set server.api_key, or the engine's "
-                                                "variable in server.env (e.g. HF_TOKEN: ${HF_TOKEN})")
+            yield (
+                ("server", "extra_args", i),
+                (
+                    f"{flag} would put a secret on the engine's command line, which "
+                    "every user can read in `ps`: set server.api_key, or the engine's "
+                    "variable in server.env (e.g. HF_TOKEN: ${HF_TOKEN})"
+                ),
+            )
     yield from _option_number_problems(p.speculative.options, ("speculative", "options"))
 
 
@@ -152,8 +200,13 @@ def _backend_problems(p: Profile, backend: Any) -> Findings:
     """What the named backend supports, and its own checks of the profile."""
     method = p.speculative.method
     if method is not Method.AUTO and method not in backend.methods:
-        yield ("speculative", "method"), (f"backend {p.backend} does not support method {method} "
-                                          f"(supported: {', '.join(sorted(m.value for m in backend.methods))})")
+        yield (
+            ("speculative", "method"),
+            (
+                f"backend {p.backend} does not support method {method} "
+                f"(supported: {', '.join(sorted(m.value for m in backend.methods))})"
+            ),
+        )
     yield from backend.check_profile(p)
 
 

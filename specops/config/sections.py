@@ -4,6 +4,7 @@ These classes are the single source of truth for the profile's shape: validation
 (`specops schema`) and the field reference in the README (:mod:`specops.config.docs`) all come from them.
 Rules that span fields live in :mod:`specops.config.rules`; loading in :mod:`specops.config.profile`.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,22 +19,28 @@ from specops.reponames import repo_file_problem
 Duration = Annotated[
     float,
     BeforeValidator(parse_duration),
-    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0, "maximum": MAX_DURATION},
-                              {"type": "string", "pattern": r"^\s*(\d+(\.\d+)?(ms|s|m|h|d)?)+\s*$"}],
-                    "description": "seconds, or a duration such as 500ms, 30s, 10m, 1h30m (at most 7d)"}),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "minimum": 0, "maximum": MAX_DURATION},
+                {"type": "string", "pattern": r"^\s*(\d+(\.\d+)?(ms|s|m|h|d)?)+\s*$"},
+            ],
+            "description": "seconds, or a duration such as 500ms, 30s, 10m, 1h30m (at most 7d)",
+        }
+    ),
 ]
 
 # Upper bounds of numbers: generous for any real deployment, small enough that nothing downstream
 # overflows or renders nonsense (a k of 10**9, a GPU index of 2**40).
-MAX_K = 64                      # draft tokens per step
-MAX_NGRAM = 1024                # n-gram sizes
-MAX_CONTEXT = 1 << 24           # tokens of context (16 Mi)
-MAX_PARALLEL = 1024             # tensor/pipeline parallel sizes
+MAX_K = 64  # draft tokens per step
+MAX_NGRAM = 1024  # n-gram sizes
+MAX_CONTEXT = 1 << 24  # tokens of context (16 Mi)
+MAX_PARALLEL = 1024  # tensor/pipeline parallel sizes
 MAX_GPU_INDEX = 1023
-MAX_SEQUENCES = 65536           # concurrent sequences, batch sizes
+MAX_SEQUENCES = 65536  # concurrent sequences, batch sizes
 MAX_LAYERS = 100_000
-MAX_COUNT = 1_000_000_000       # token counts
-MAX_SHARE = 1_000_000.0         # tensor_split shares, GiB per GPU
+MAX_COUNT = 1_000_000_000  # token counts
+MAX_SHARE = 1_000_000.0  # tensor_split shares, GiB per GPU
 #: Environment variable names the engine gets (``server.env``): what a POSIX shell accepts.
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Prometheus label names (``monitor.labels``).
@@ -49,8 +56,7 @@ def check_version_text(text: str) -> str | None:
     """Why ``text`` cannot be an engine version (without repeating it: it may be anything), else None."""
     if isinstance(text, str) and VERSION_TEXT.match(text):
         return None
-    return ("not a version: use letters, digits and . + _ - (at most 64 characters), e.g. 0.32.0, "
-            "b9100 or current")
+    return "not a version: use letters, digits and . + _ - (at most 64 characters), e.g. 0.32.0, b9100 or current"
 
 
 def _version_text(value: str | None) -> str | None:
@@ -85,32 +91,55 @@ class Section(BaseModel):
 class EngineSpec(Section):
     """Where the engine comes from and which version to render for."""
 
-    version: VersionText | None = Field(None, description="Engine version to render for (e.g. `0.32.0` for vLLM, "
-                                        "a release build such as `b9100` or a flag generation `legacy|spec-type|spec-draft|current` "
-                                        "for llama-server; letters, digits, `.+_-`, at most 64 characters). Unset: probe the "
-                                        "installed engine.")
-    executable: str | None = Field(None, description="Path to the engine program (`vllm` or `llama-server`). "
-                                   "Unset: search PATH and the specops engine cache.")
-    python: str | None = Field(None, description="vLLM only: a Python interpreter or virtualenv directory "
-                               "that has vLLM installed; specops runs `python -m vllm.entrypoints.openai.api_server`.")
-    ready_timeout: Duration = Field(600.0, description="How long the engine may take to answer `/health` "
-                                    "with 200 before the launch counts as failed.")
+    version: VersionText | None = Field(
+        None,
+        description="Engine version to render for (e.g. `0.32.0` for vLLM, "
+        "a release build such as `b9100` or a flag generation `legacy|spec-type|spec-draft|current` "
+        "for llama-server; letters, digits, `.+_-`, at most 64 characters). Unset: probe the "
+        "installed engine.",
+    )
+    executable: str | None = Field(
+        None,
+        description="Path to the engine program (`vllm` or `llama-server`). "
+        "Unset: search PATH and the specops engine cache.",
+    )
+    python: str | None = Field(
+        None,
+        description="vLLM only: a Python interpreter or virtualenv directory "
+        "that has vLLM installed; specops runs `python -m vllm.entrypoints.openai.api_server`.",
+    )
+    ready_timeout: Duration = Field(
+        600.0,
+        description="How long the engine may take to answer `/health` with 200 before the launch counts as failed.",
+    )
 
 
 class ModelSpec(Section):
     """The target model that serves the requests."""
 
-    id: str = Field(..., min_length=1, description="Hugging Face repo id (`org/name`), a local directory, "
-                    "or for llama.cpp a local `.gguf` file or a GGUF repo id with `file`/`quantization`.")
+    id: str = Field(
+        ...,
+        min_length=1,
+        description="Hugging Face repo id (`org/name`), a local directory, "
+        "or for llama.cpp a local `.gguf` file or a GGUF repo id with `file`/`quantization`.",
+    )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the target.")
     file: RepoFile | None = Field(None, description="llama.cpp: the `.gguf` file inside a Hub repo.")
-    quantization: str | None = Field(None, description="vLLM `--quantization`; llama.cpp: which GGUF quant to pick "
-                                     "from a Hub repo (e.g. `Q4_K_M`).")
-    max_model_len: int | None = Field(None, gt=0, le=MAX_CONTEXT, description="Context length to serve (vLLM `--max-model-len`, "
-                                      "llama.cpp `-c`). Also checked against the draft's trained context.")
+    quantization: str | None = Field(
+        None, description="vLLM `--quantization`; llama.cpp: which GGUF quant to pick from a Hub repo (e.g. `Q4_K_M`)."
+    )
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_CONTEXT,
+        description="Context length to serve (vLLM `--max-model-len`, "
+        "llama.cpp `-c`). Also checked against the draft's trained context.",
+    )
     dtype: str = Field("auto", description="vLLM `--dtype` (auto, float16, bfloat16, float32).")
-    served_name: str | None = Field(None, description="Name clients use in requests (`--served-model-name` / "
-                                    "`--alias`). Unset: the engine's default.")
+    served_name: str | None = Field(
+        None,
+        description="Name clients use in requests (`--served-model-name` / `--alias`). Unset: the engine's default.",
+    )
     trust_remote_code: bool = Field(False, description="vLLM `--trust-remote-code`.")
 
 
@@ -119,8 +148,11 @@ class NgramSpec(Section):
 
     min: int = Field(2, ge=1, le=MAX_NGRAM, description="Shortest n-gram to match (vLLM `prompt_lookup_min`).")
     max: int = Field(5, ge=1, le=MAX_NGRAM, description="Longest n-gram to match (vLLM `prompt_lookup_max`).")
-    type: str | None = Field(None, description="llama.cpp n-gram implementation: `ngram-mod` (default), "
-                             "`ngram-simple`, `ngram-map-k`, `ngram-map-k4v` or `ngram-cache`.")
+    type: str | None = Field(
+        None,
+        description="llama.cpp n-gram implementation: `ngram-mod` (default), "
+        "`ngram-simple`, `ngram-map-k`, `ngram-map-k4v` or `ngram-cache`.",
+    )
 
 
 class ChainStep(Section):
@@ -128,7 +160,9 @@ class ChainStep(Section):
 
     method: Method = Field(..., description="Method of this step (`auto` is not allowed here).")
     draft: str | None = Field(None, description="Draft for this step when it needs one (`draft_model`, `eagle`, ...).")
-    num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_K, description="k for this step; unset: the method default.")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=MAX_K, description="k for this step; unset: the method default."
+    )
 
 
 def _method_name(v: Any) -> Any:
@@ -153,39 +187,66 @@ def _inlined_schema(model: type[BaseModel]) -> dict:
 
 # A step's schema is written inline: WithJsonSchema replaces ChainStep's own schema, so a `$ref` to it
 # would point at a definition pydantic never emits (`specops schema` failed with KeyError on it).
-ChainItem = Annotated[ChainStep, BeforeValidator(_method_name),
-                      WithJsonSchema({"anyOf": [{"type": "string", "enum": [m.value for m in Method]},
-                                                _inlined_schema(ChainStep)]})]
+ChainItem = Annotated[
+    ChainStep,
+    BeforeValidator(_method_name),
+    WithJsonSchema({"anyOf": [{"type": "string", "enum": [m.value for m in Method]}, _inlined_schema(ChainStep)]}),
+]
 
 
 class Speculative(Section):
     """The speculative decoding method and its draft."""
 
-    method: Method = Field(Method.NONE, description="eagle | eagle3 | medusa | mlp_speculator | draft_model | "
-                           "mtp | ngram | suffix | none | auto (pick the best that fits, see `specops resolve`).")
-    draft: str | None = Field(None, description="`auto` (resolved from the catalog and the Hub), a Hub repo id, "
-                              "a local directory, or a local `.gguf` file. Not used by mtp/ngram/suffix/none.")
+    method: Method = Field(
+        Method.NONE,
+        description="eagle | eagle3 | medusa | mlp_speculator | draft_model | "
+        "mtp | ngram | suffix | none | auto (pick the best that fits, see `specops resolve`).",
+    )
+    draft: str | None = Field(
+        None,
+        description="`auto` (resolved from the catalog and the Hub), a Hub repo id, "
+        "a local directory, or a local `.gguf` file. Not used by mtp/ngram/suffix/none.",
+    )
     draft_revision: str | None = Field(None, description="Hub revision of the draft.")
     draft_file: RepoFile | None = Field(None, description="llama.cpp: the `.gguf` file inside the draft's Hub repo.")
-    num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_K, description="Draft tokens per step (k). Unset: 4 for "
-                                               "EAGLE-family and draft models, 1 for MTP, 4 for n-gram.")
+    num_speculative_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_K,
+        description="Draft tokens per step (k). Unset: 4 for EAGLE-family and draft models, 1 for MTP, 4 for n-gram.",
+    )
     num_speculative_tokens_min: int | None = Field(None, ge=0, le=MAX_K, description="llama.cpp `--spec-draft-n-min`.")
-    draft_p_min: float | None = Field(None, ge=0, le=1, description="llama.cpp `--spec-draft-p-min`: stop drafting "
-                                      "below this draft probability.")
+    draft_p_min: float | None = Field(
+        None, ge=0, le=1, description="llama.cpp `--spec-draft-p-min`: stop drafting below this draft probability."
+    )
     ngram: NgramSpec = Field(default_factory=NgramSpec)
-    draft_tensor_parallel_size: int | None = Field(None, ge=1, le=MAX_PARALLEL, description="vLLM: TP of the draft; 1 or the "
-                                                   "target's tensor_parallel_size.")
-    draft_max_model_len: int | None = Field(None, gt=0, le=MAX_CONTEXT, description="vLLM `max_model_len` of the draft.")
-    draft_quantization: str | None = Field(None, description="vLLM `quantization` of the draft; llama.cpp: "
-                                           "GGUF quant to pick from the draft repo (default Q4_K_M).")
+    draft_tensor_parallel_size: int | None = Field(
+        None, ge=1, le=MAX_PARALLEL, description="vLLM: TP of the draft; 1 or the target's tensor_parallel_size."
+    )
+    draft_max_model_len: int | None = Field(
+        None, gt=0, le=MAX_CONTEXT, description="vLLM `max_model_len` of the draft."
+    )
+    draft_quantization: str | None = Field(
+        None,
+        description="vLLM `quantization` of the draft; llama.cpp: "
+        "GGUF quant to pick from the draft repo (default Q4_K_M).",
+    )
     per_batch_size: list[tuple[int, int, int]] | None = Field(
-        None, description="vLLM `num_speculative_tokens_per_batch_size`: `[[start_bs, end_bs, k], ...]` "
-        "to draft less under high concurrency (k may be 0).")
-    options: dict[str, Any] = Field(default_factory=dict, description="Extra `--speculative-config` fields for "
-                                    "vLLM, passed through after a check against the target version.")
-    checks: Literal["enforce", "warn"] = Field("enforce", description="When specops' compatibility checks refuse "
-                                               "the draft at `up`: `enforce` starts the next method of the chain "
-                                               "(and says why); `warn` prints the findings and lets the engine decide.")
+        None,
+        description="vLLM `num_speculative_tokens_per_batch_size`: `[[start_bs, end_bs, k], ...]` "
+        "to draft less under high concurrency (k may be 0).",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra `--speculative-config` fields for "
+        "vLLM, passed through after a check against the target version.",
+    )
+    checks: Literal["enforce", "warn"] = Field(
+        "enforce",
+        description="When specops' compatibility checks refuse "
+        "the draft at `up`: `enforce` starts the next method of the chain "
+        "(and says why); `warn` prints the findings and lets the engine decide.",
+    )
 
     @property
     def k(self) -> int:
@@ -196,20 +257,30 @@ class Speculative(Section):
 class Gpus(Section):
     """GPU layout. `devices: []` means CPU only."""
 
-    devices: list[Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]] | None = Field(None, description="GPU indices to use "
-                                                              "(`CUDA_VISIBLE_DEVICES` / `--device`). Unset: engine default; [] = CPU.")
+    devices: list[Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]] | None = Field(
+        None, description="GPU indices to use (`CUDA_VISIBLE_DEVICES` / `--device`). Unset: engine default; [] = CPU."
+    )
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL, description="vLLM `--tensor-parallel-size`.")
     pipeline_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL, description="vLLM `--pipeline-parallel-size`.")
-    memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM `--gpu-memory-utilization` "
-                                             "(engine default 0.9).")
-    memory_gb: float | None = Field(None, gt=0, le=MAX_SHARE, description="Memory budget per GPU in GiB, for the fit check.")
+    memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vLLM `--gpu-memory-utilization` (engine default 0.9)."
+    )
+    memory_gb: float | None = Field(
+        None, gt=0, le=MAX_SHARE, description="Memory budget per GPU in GiB, for the fit check."
+    )
     gpu_layers: Annotated[int, Field(ge=0, le=MAX_LAYERS)] | Literal["all", "auto"] | None = Field(
-        None, description="llama.cpp `-ngl`: layers on GPU.")
+        None, description="llama.cpp `-ngl`: layers on GPU."
+    )
     draft_gpu_layers: Annotated[int, Field(ge=0, le=MAX_LAYERS)] | Literal["all", "auto"] | None = Field(
-        None, description="llama.cpp `-ngld`.")
-    draft_devices: list[Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]] | None = Field(None, description="llama.cpp `-devd`: GPUs for the draft.")
+        None, description="llama.cpp `-ngld`."
+    )
+    draft_devices: list[Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]] | None = Field(
+        None, description="llama.cpp `-devd`: GPUs for the draft."
+    )
     split_mode: Literal["none", "layer", "row", "tensor"] | None = Field(None, description="llama.cpp `-sm`.")
-    tensor_split: list[Annotated[float, Field(ge=0, le=MAX_SHARE)]] | None = Field(None, description="llama.cpp `-ts`: share per GPU.")
+    tensor_split: list[Annotated[float, Field(ge=0, le=MAX_SHARE)]] | None = Field(
+        None, description="llama.cpp `-ts`: share per GPU."
+    )
     main_gpu: int | None = Field(None, ge=0, le=MAX_GPU_INDEX, description="llama.cpp `-mg`.")
 
 
@@ -217,17 +288,30 @@ class Server(Section):
     """Where clients reach the deployment."""
 
     host: str = Field("127.0.0.1", description="Address to bind. Loopback unless you mean to expose it.")
-    port: int = Field(8000, ge=1, le=65535, description="Public port (served by the specops proxy, or the engine "
-                      "itself when the proxy is off).")
-    api_key: str | None = Field(None, description="API key clients must send (`--api-key`). Use `${ENV_VAR}`; "
-                                "it is redacted in every printed form.")
-    parallel: int | None = Field(None, ge=1, le=MAX_SEQUENCES, description="Concurrent sequences: llama.cpp `-np`, "
-                                 "vLLM `--max-num-seqs`.")
-    extra_args: list[str] = Field(default_factory=list, description="Extra engine arguments, appended after a check "
-                                  "that they do not contradict rendered flags. No secrets (`--api-key`, `--hf-token`): "
-                                  "argv is visible in `ps`; use `api_key` or `env`.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process "
-                                "(names: letters, digits, `_`, not starting with a digit).")
+    port: int = Field(
+        8000,
+        ge=1,
+        le=65535,
+        description="Public port (served by the specops proxy, or the engine itself when the proxy is off).",
+    )
+    api_key: str | None = Field(
+        None,
+        description="API key clients must send (`--api-key`). Use `${ENV_VAR}`; it is redacted in every printed form.",
+    )
+    parallel: int | None = Field(
+        None, ge=1, le=MAX_SEQUENCES, description="Concurrent sequences: llama.cpp `-np`, vLLM `--max-num-seqs`."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Extra engine arguments, appended after a check "
+        "that they do not contradict rendered flags. No secrets (`--api-key`, `--hf-token`): "
+        "argv is visible in `ps`; use `api_key` or `env`.",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment for the engine process "
+        "(names: letters, digits, `_`, not starting with a digit).",
+    )
 
 
 class Retry(Section):
@@ -242,33 +326,50 @@ class Fallback(Section):
     """When and how to leave a method whose acceptance is too low."""
 
     enabled: bool = Field(True, description="Switch methods automatically (false: watch and report only).")
-    mode: Literal["threshold", "model"] = Field("threshold", description="`threshold`: switch when acceptance < "
-                                                "min_acceptance; `model`: switch when predicted speedup < 1.")
-    min_acceptance: float = Field(0.6, ge=0, le=1, description="Acceptance rate below which speculation costs more "
-                                  "than it gains (published rule of thumb: 0.6).")
+    mode: Literal["threshold", "model"] = Field(
+        "threshold",
+        description="`threshold`: switch when acceptance < min_acceptance; `model`: switch when predicted speedup < 1.",
+    )
+    min_acceptance: float = Field(
+        0.6,
+        ge=0,
+        le=1,
+        description="Acceptance rate below which speculation costs more than it gains (published rule of thumb: 0.6).",
+    )
     window: Duration = Field(60.0, gt=0, description="Acceptance is measured over this sliding window.")
-    min_draft_tokens: int = Field(200, ge=1, le=MAX_COUNT, description="Decide only once the window holds this many drafted tokens.")
-    consecutive_windows: int = Field(2, ge=1, le=1000, description="Hysteresis: this many consecutive low windows before a switch.")
-    chain: list[ChainItem] | None = Field(None, description="Methods to fall back to, in order. Unset: "
-                                          "model-based → [ngram, none]; ngram/suffix → [none].")
+    min_draft_tokens: int = Field(
+        200, ge=1, le=MAX_COUNT, description="Decide only once the window holds this many drafted tokens."
+    )
+    consecutive_windows: int = Field(
+        2, ge=1, le=1000, description="Hysteresis: this many consecutive low windows before a switch."
+    )
+    chain: list[ChainItem] | None = Field(
+        None,
+        description="Methods to fall back to, in order. Unset: model-based → [ngram, none]; ngram/suffix → [none].",
+    )
     cooldown: Duration = Field(600.0, description="No further switch for this long after one.")
     max_switches_per_hour: int = Field(4, ge=1, le=3600, description="Flap guard: past this, hold the method and warn.")
-    draft_cost_ratio: float | None = Field(None, ge=0, le=1, description="Model mode: cost of one draft step "
-                                           "relative to a target step (c). Unset: 0.05.")
+    draft_cost_ratio: float | None = Field(
+        None, ge=0, le=1, description="Model mode: cost of one draft step relative to a target step (c). Unset: 0.05."
+    )
     retry: Retry = Field(default_factory=Retry)
 
 
 class Monitor(Section):
     """Where acceptance is read from."""
 
-    source: Literal["scrape", "promql"] = Field("scrape", description="`scrape`: the engine's /metrics; "
-                                                "`promql`: a Prometheus server.")
+    source: Literal["scrape", "promql"] = Field(
+        "scrape", description="`scrape`: the engine's /metrics; `promql`: a Prometheus server."
+    )
     interval: Duration = Field(5.0, gt=0, description="How often to read.")
     timeout: Duration = Field(3.0, gt=0, description="Timeout of each read.")
     prometheus_url: str | None = Field(None, description="Prometheus base URL for `promql`.")
-    labels: dict[str, str] = Field(default_factory=dict, description="Label matchers for PromQL "
-                                   "(e.g. job, instance; for vLLM model_name defaults to the served model). Names "
-                                   "follow Prometheus: letters, digits, `_`, not starting with a digit.")
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Label matchers for PromQL "
+        "(e.g. job, instance; for vLLM model_name defaults to the served model). Names "
+        "follow Prometheus: letters, digits, `_`, not starting with a digit.",
+    )
 
 
 class SupervisorSettings(Section):
@@ -276,8 +377,12 @@ class SupervisorSettings(Section):
 
     restart_backoff: Duration = Field(1.0, description="First wait before restarting a crashed engine (doubles).")
     restart_backoff_max: Duration = Field(60.0, description="Upper bound of the restart wait.")
-    crash_loop_exits: int = Field(5, ge=1, le=1000, description="This many exits within `crash_loop_window` is a crash loop: "
-                                  "move to the next method of the chain.")
+    crash_loop_exits: int = Field(
+        5,
+        ge=1,
+        le=1000,
+        description="This many exits within `crash_loop_window` is a crash loop: move to the next method of the chain.",
+    )
     crash_loop_window: Duration = Field(600.0, description="See `crash_loop_exits`.")
     stop_timeout: Duration = Field(30.0, description="After SIGTERM, wait this long before SIGKILL.")
     state_dir: str | None = Field(None, description="Where state and logs live. Unset: ~/.local/state/specops.")
@@ -287,34 +392,62 @@ class ProxySettings(Section):
     """The front proxy that keeps the public address stable across restarts and switches."""
 
     enabled: bool = Field(True, description="Serve `server.port` through specops (false: the engine binds it).")
-    engine_port: int | None = Field(None, ge=1, le=65535, description="Internal loopback port of the engine. "
-                                    "Unset: a free port.")
+    engine_port: int | None = Field(
+        None, ge=1, le=65535, description="Internal loopback port of the engine. Unset: a free port."
+    )
     queue_size: int = Field(256, ge=0, description="Requests that may wait while the engine is switching.")
     queue_timeout: Duration = Field(120.0, description="Longest wait in the queue before a 503 with Retry-After.")
-    drain_timeout: Duration = Field(60.0, description="How long in-flight requests may finish before a switch stops the engine.")
-    retry_unstarted: bool = Field(True, description="Retry once on the next engine a request that failed before "
-                                  "any response byte (false: 502).")
-    admin_port: int | None = Field(None, ge=1, le=65535, description="Serve /specops/status and /specops/metrics only "
-                                   "on this loopback port. Unset: on the public port.")
-    max_body_size: int = Field(16 * 1024 * 1024, ge=1024, le=1024 ** 3, description="Largest request body in bytes "
-                               "(16 MiB); larger ones get 413, refused from their Content-Length without reading.")
-    max_buffered_bytes: int = Field(128 * 1024 * 1024, ge=1024, le=64 * 1024 ** 3, description="Request bodies the "
-                                    "proxy may hold at once, queued ones included (128 MiB); past it a request gets "
-                                    "503 with Retry-After.")
-    max_connections: int = Field(1024, ge=1, le=65536, description="Open client connections; past it a new one gets "
-                                 "503 and is closed at once.")
-    header_timeout: Duration = Field(10.0, gt=0, le=3600, description="A client must send a request's headers within "
-                                     "this long after connecting or after its previous answer, else it is "
-                                     "disconnected (also the idle keep-alive timeout).")
-    body_timeout: Duration = Field(60.0, gt=0, le=3600, description="A request body must arrive within this long, "
-                                   "else 408.")
+    drain_timeout: Duration = Field(
+        60.0, description="How long in-flight requests may finish before a switch stops the engine."
+    )
+    retry_unstarted: bool = Field(
+        True, description="Retry once on the next engine a request that failed before any response byte (false: 502)."
+    )
+    admin_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Serve /specops/status and /specops/metrics only on this loopback port. Unset: on the public port.",
+    )
+    max_body_size: int = Field(
+        16 * 1024 * 1024,
+        ge=1024,
+        le=1024**3,
+        description="Largest request body in bytes "
+        "(16 MiB); larger ones get 413, refused from their Content-Length without reading.",
+    )
+    max_buffered_bytes: int = Field(
+        128 * 1024 * 1024,
+        ge=1024,
+        le=64 * 1024**3,
+        description="Request bodies the "
+        "proxy may hold at once, queued ones included (128 MiB); past it a request gets "
+        "503 with Retry-After.",
+    )
+    max_connections: int = Field(
+        1024, ge=1, le=65536, description="Open client connections; past it a new one gets 503 and is closed at once."
+    )
+    header_timeout: Duration = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="A client must send a request's headers within "
+        "this long after connecting or after its previous answer, else it is "
+        "disconnected (also the idle keep-alive timeout).",
+    )
+    body_timeout: Duration = Field(
+        60.0, gt=0, le=3600, description="A request body must arrive within this long, else 408."
+    )
 
 
 class Profile(Section):
     """One deployment: a target model, a speculative method, a GPU layout and the safety net around it."""
 
-    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", description="Deployment name (letters, "
-                      "digits, `.`, `_`, `-`); names state files and logs.")
+    name: str = Field(
+        ...,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+        description="Deployment name (letters, digits, `.`, `_`, `-`); names state files and logs.",
+    )
     description: str = Field("", description="Free text for humans.")
     backend: str = Field(..., min_length=1, description="`vllm`, `llamacpp`, or a backend a plugin registers.")
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -341,17 +474,19 @@ class Profile(Section):
         primary = ChainStep(method=spec.method, draft=spec.draft, num_speculative_tokens=spec.num_speculative_tokens)
         return [primary] + self.chain
 
-    def at_step(self, index: int) -> "Profile":
+    def at_step(self, index: int) -> Profile:
         """This deployment running step ``index`` of :attr:`steps` (0: the primary method as written)."""
         return self if index == 0 else self.with_step(self.steps[index])
 
-    def with_step(self, step: ChainStep) -> "Profile":
+    def with_step(self, step: ChainStep) -> Profile:
         """This profile switched to a chain step: the method changes, the rest of the deployment stays."""
-        spec = self.speculative.model_copy(update={
-            "method": step.method,
-            "draft": step.draft if step.method in NEEDS_DRAFT else None,
-            "num_speculative_tokens": step.num_speculative_tokens,
-        })
+        spec = self.speculative.model_copy(
+            update={
+                "method": step.method,
+                "draft": step.draft if step.method in NEEDS_DRAFT else None,
+                "num_speculative_tokens": step.num_speculative_tokens,
+            }
+        )
         return self.model_copy(update={"speculative": spec})
 
 

@@ -3,6 +3,7 @@
 Besides pydantic's own errors: YAML booleans where a number belongs (pydantic would take ``true`` as 1),
 unknown fields with a "did you mean", and enum values with the closest option.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -52,8 +53,11 @@ def _boolean_number_problems(doc: Document) -> list[Problem]:
             members = [_strip_annotated(a)[0] for a in (args if origin in (Union, type(int | None)) else (annotation,))]
             if bool not in members and any(m in (int, float) for m in members):
                 kind = "an integer" if int in members else "a number"
-                out.append(Problem(doc.locate(path), format_path(path),
-                                   f"expected {kind}, not the boolean {str(value).lower()}"))
+                out.append(
+                    Problem(
+                        doc.locate(path), format_path(path), f"expected {kind}, not the boolean {str(value).lower()}"
+                    )
+                )
             return
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             if isinstance(value, dict):
@@ -65,9 +69,10 @@ def _boolean_number_problems(doc: Document) -> list[Problem]:
         if origin in (Union, type(int | None)):
             for member in args:
                 inner = _strip_annotated(member)[0]
-                if (isinstance(value, dict) and ((isinstance(inner, type) and issubclass(inner, BaseModel))
-                                                 or get_origin(inner) is dict)) or \
-                        (isinstance(value, list) and get_origin(inner) in (list, tuple)):
+                if (
+                    isinstance(value, dict)
+                    and ((isinstance(inner, type) and issubclass(inner, BaseModel)) or get_origin(inner) is dict)
+                ) or (isinstance(value, list) and get_origin(inner) in (list, tuple)):
                     walk(member, value, path, [])
                     return
             return
@@ -106,10 +111,12 @@ def _problem_from_pydantic(doc: Document, err: dict) -> Problem:
         if hint:
             msg += f"; did you mean {hint[0]!r}?"
     elif msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        msg = msg[len("Value error, ") :]
     elif kind == "string_type" and isinstance(err.get("input"), bool):
-        msg = (f"expected a string, but YAML reads this as the boolean {str(err['input']).lower()} "
-               f"(yes/no/on/off/true/false are booleans): quote it")
+        msg = (
+            f"expected a string, but YAML reads this as the boolean {str(err['input']).lower()} "
+            f"(yes/no/on/off/true/false are booleans): quote it"
+        )
     return Problem(doc.locate(loc), format_path(loc), msg)
 
 

@@ -20,6 +20,7 @@ Checked against ruamel.yaml 0.19.1 (the version installed in the development env
 allows >= 0.18). ``tests/test_tune.py`` (the YAML edit tests, and a k change in every shipped profile with
 a two-line diff) fails if a ruamel release changes this layout.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -42,11 +43,16 @@ UNSET = _Unset()
 
 #: Where a new key of a profile goes in its mapping: after the last of these that is present (else at the end).
 PLACE_AFTER = {
-    "method": (), "draft": ("method",), "num_speculative_tokens": ("draft_file", "draft_revision", "draft", "method"),
+    "method": (),
+    "draft": ("method",),
+    "num_speculative_tokens": ("draft_file", "draft_revision", "draft", "method"),
     "ngram": ("num_speculative_tokens", "draft_p_min", "num_speculative_tokens_min", "draft", "method"),
     "per_batch_size": ("ngram", "num_speculative_tokens", "draft", "method"),
-    "speculative": ("model", "backend", "name"), "fallback": ("proxy", "server", "gpus", "speculative"),
-    "min": (), "max": ("min",), "type": ("max", "min"),
+    "speculative": ("model", "backend", "name"),
+    "fallback": ("proxy", "server", "gpus", "speculative"),
+    "min": (),
+    "max": ("min",),
+    "type": ("max", "min"),
 }
 #: Indentation styles tried (mapping, sequence, offset), the most common first.
 INDENT_STYLES = ((2, 2, 0), (2, 4, 2), (4, 4, 2), (4, 4, 0), (2, 3, 1), (4, 6, 4), (3, 3, 0), (4, 4, 4))
@@ -55,8 +61,16 @@ INDENT_STYLES = ((2, 2, 0), (2, 4, 2), (4, 4, 2), (4, 4, 0), (2, 3, 1), (4, 6, 4
 # ---------------------------------------------------------------------------------------------------
 # the public functions
 
-def edit_yaml(text: str, edits: dict[tuple, Any], *, base_data: dict | None = None, comment: str | None = None,
-              comment_at: tuple | None = None, replace: re.Pattern | None = None) -> tuple[str, list[str]]:
+
+def edit_yaml(
+    text: str,
+    edits: dict[tuple, Any],
+    *,
+    base_data: dict | None = None,
+    comment: str | None = None,
+    comment_at: tuple | None = None,
+    replace: re.Pattern | None = None,
+) -> tuple[str, list[str]]:
     """``text`` with ``edits`` applied (path → value or :data:`UNSET`), comments and order kept.
 
     ``base_data`` is what the file's ``extends`` bases give (merged): a value to unset that a base sets
@@ -65,6 +79,7 @@ def edit_yaml(text: str, edits: dict[tuple, Any], *, base_data: dict | None = No
     Returns (new text, notes).
     """
     from ruamel.yaml.comments import CommentedMap
+
     notes: list[str] = []
     if replace is not None:
         text = replace.sub("", text)
@@ -92,6 +107,7 @@ def base_data_of(path: str | Path, env: dict | None = None) -> dict:
     """The merged data of the files ``path`` extends (``{}`` when it extends nothing)."""
     from specops.config import yamlsource
     from specops.paths import builtin_env
+
     env = {**builtin_env(), **(os.environ if env is None else env)}
     p = Path(path)
     doc = yamlsource.parse(yamlsource.read_text(p, str(path)), str(path), env)
@@ -113,6 +129,7 @@ def unified_diff(old: str, new: str, name: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 # one edit
 
+
 def _apply(data, path: tuple, value: Any, base_data: dict) -> None:
     """Apply one edit to the loaded tree ``data``."""
     parent = _parent_of(data, path, value, base_data)
@@ -124,6 +141,7 @@ def _parent_of(data, path: tuple, value: Any, base_data: dict):
     """The mapping that holds ``path[-1]``; None when a section on the way was missing (it is then written
     whole, with the value, by :func:`_add_branch`)."""
     from ruamel.yaml.comments import CommentedMap
+
     parent = data
     for i, part in enumerate(path[:-1]):
         if not isinstance(parent.get(part), CommentedMap):
@@ -141,12 +159,12 @@ def _add_branch(parent, path: tuple, i: int, value: Any, base_data: dict) -> Non
     if value is UNSET and not _base_sets(base_data, path):
         return  # nothing there to unset
     nested: Any = None if value is UNSET else value  # unset where a base sets it: written as null
-    for sub in reversed(path[i + 1:]):
+    for sub in reversed(path[i + 1 :]):
         nested = {sub: nested}
     if part in parent:  # `part: null`
-        parent[part] = _to_node(nested, path[:i + 1])
+        parent[part] = _to_node(nested, path[: i + 1])
     else:  # the whole missing branch at once, so comments that follow it land after all of it
-        _insert_key(parent, part, nested, path[:i + 1])
+        _insert_key(parent, part, nested, path[: i + 1])
 
 
 def _set_leaf(parent, path: tuple, value: Any, base_data: dict) -> None:
@@ -218,8 +236,10 @@ def _key_column(text: str, data, path: tuple, indent: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 # ruamel.yaml set-up
 
+
 def _yaml(indent: tuple[int, int, int] = (2, 2, 0)):
     from ruamel.yaml import YAML
+
     y = YAML()  # round-trip
     y.preserve_quotes = True
     y.width = 4096
@@ -247,8 +267,11 @@ def _best_style(text: str):
             continue
         if out == text:
             return style, 0
-        score = sum(1 for op in difflib.SequenceMatcher(None, text.splitlines(), out.splitlines(), autojunk=False)
-                    .get_opcodes() if op[0] != "equal")
+        score = sum(
+            1
+            for op in difflib.SequenceMatcher(None, text.splitlines(), out.splitlines(), autojunk=False).get_opcodes()
+            if op[0] != "equal"
+        )
         if best is None or score < best[1]:
             best = (style, score)
     return best or ((2, 2, 0), 1)
@@ -257,16 +280,18 @@ def _best_style(text: str):
 # ---------------------------------------------------------------------------------------------------
 # keys and the comment lines that follow them (ruamel internals: see the module docstring)
 
+
 def _split_post(token_value: str) -> tuple[str, str]:
     """A post-comment token's text → (the end of its own line, the comment lines after it)."""
     nl = token_value.find("\n")
     if nl < 0:
         return token_value, ""
-    return token_value[:nl + 1], token_value[nl + 1:]
+    return token_value[: nl + 1], token_value[nl + 1 :]
 
 
 def _is_block(node) -> bool:
     from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
     return isinstance(node, (CommentedMap, CommentedSeq)) and len(node) > 0 and not node.fa.flow_style()
 
 
@@ -274,6 +299,7 @@ def _post_slot(container, key):
     """(container, key, index) of the post comment of ``container[key]``: for a block collection value, that
     of its deepest last item (where ruamel attaches the comments that follow the whole block)."""
     from ruamel.yaml.comments import CommentedMap
+
     value = container[key]
     if _is_block(value):
         last = list(value.keys())[-1] if isinstance(value, CommentedMap) else len(value) - 1
@@ -313,6 +339,7 @@ def _attach_following(container, key, rest: str) -> None:
     """Put comment lines ``rest`` after ``container[key]`` (after its end-of-line comment, if any)."""
     from ruamel.yaml.error import CommentMark
     from ruamel.yaml.tokens import CommentToken
+
     if not rest:
         return
     slot = _post_slot(container, key)
@@ -325,6 +352,7 @@ def _attach_following(container, key, rest: str) -> None:
 
 def _to_node(value: Any, path: tuple):
     from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
     if isinstance(value, dict):
         m = CommentedMap()
         for k, v in value.items():
@@ -363,6 +391,7 @@ def _delete_key(cmap, key) -> None:
 # ---------------------------------------------------------------------------------------------------
 # formatting ruamel does not reproduce: keep the original's lines
 
+
 def transplant(original: str, rt_before: str, rt_after: str) -> str | None:
     """Apply the change rt_before → rt_after (both ruamel dumps) to ``original`` line by line.
 
@@ -370,18 +399,18 @@ def transplant(original: str, rt_before: str, rt_after: str) -> str | None:
     to the lines around them that ruamel reformatted) are taken from ruamel, every other line stays
     byte-identical. None when a change cannot be placed.
     """
-    O, A, B = original.splitlines(True), rt_before.splitlines(True), rt_after.splitlines(True)
-    a_to_o = _line_map(O, A)
+    orig, A, B = original.splitlines(True), rt_before.splitlines(True), rt_after.splitlines(True)
+    a_to_o = _line_map(orig, A)
     ops = difflib.SequenceMatcher(None, A, B, autojunk=False).get_opcodes()
-    out = list(O)
+    out = list(orig)
     for s, e in reversed(_changed_regions(ops, a_to_o, len(A))):
         o1 = a_to_o[s - 1] + 1 if s > 0 else 0
-        o2 = a_to_o[e] if e < len(A) else len(O)
+        o2 = a_to_o[e] if e < len(A) else len(orig)
         if o2 < o1:
             return None
         if s == e:  # a pure insertion: keep whatever lines of the original stand between its neighbours
             o1 = o2
-        out[o1:o2] = B[_b_line(ops, s, False, len(B)):_b_line(ops, e, True, len(B))]
+        out[o1:o2] = B[_b_line(ops, s, False, len(B)) : _b_line(ops, e, True, len(B))]
     return "".join(out)
 
 
@@ -415,6 +444,9 @@ def _changed_regions(ops, a_to_o: dict[int, int], n_a: int) -> list[list[int]]:
 def _b_line(ops, i: int, end: bool, n_b: int) -> int:
     """The line of the second dump at boundary ``i`` of the first (an insertion at ``i`` lies between its
     start and its end)."""
-    js = [j1 + (i - i1) if tag == "equal" else (j1 if i == i1 else j2)
-          for tag, i1, i2, j1, j2 in ops if i1 <= i <= i2 and (tag == "equal" or i in (i1, i2))]
+    js = [
+        j1 + (i - i1) if tag == "equal" else (j1 if i == i1 else j2)
+        for tag, i1, i2, j1, j2 in ops
+        if i1 <= i <= i2 and (tag == "equal" or i in (i1, i2))
+    ]
     return (max(js) if end else min(js)) if js else n_b

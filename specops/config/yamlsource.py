@@ -11,6 +11,7 @@ once it reads as a profile (a YAML mapping of profile fields), so ``extends: /et
 a line of it. Text that ``${VAR}`` put into a value is remembered (:class:`~specops.redact.EnvText`) so every
 printed form can hide it.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -18,9 +19,10 @@ import errno
 import os
 import re
 import stat
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import yaml
 
@@ -93,8 +95,7 @@ def _shown_path(text: str) -> str:
 def redact_problems(problems: Iterable[Problem], texts: Iterable[EnvText]) -> list[Problem]:
     """``problems`` with every secret value that ``${VAR}`` interpolated hidden in their messages."""
     texts = list(texts)
-    return [Problem(p.location, p.field, redact_message(p.message, p.field, texts, _format_field))
-            for p in problems]
+    return [Problem(p.location, p.field, redact_message(p.message, p.field, texts, _format_field)) for p in problems]
 
 
 def _format_field(path: Path_) -> str:
@@ -126,8 +127,15 @@ class _Builder:
         self.values[path] = _loc(self.file, node.start_mark)
         self._count += 1
         if self._count > MAX_VALUES:
-            raise ProfileError([Problem(_loc(self.file, node.start_mark), format_path(path),
-                                        f"more than {MAX_VALUES} values: is an alias expanded many times?")])
+            raise ProfileError(
+                [
+                    Problem(
+                        _loc(self.file, node.start_mark),
+                        format_path(path),
+                        f"more than {MAX_VALUES} values: is an alias expanded many times?",
+                    )
+                ]
+            )
         if len(path) > MAX_DEPTH:
             self._problem(path, node, f"nested more than {MAX_DEPTH} levels deep")
             return None
@@ -158,8 +166,9 @@ class _Builder:
                 key = key_node.value
                 if key in out:
                     first = self.keys[path + (key,)]
-                    self._problem(path + (key,), key_node,
-                                  f"duplicate key {key!r} (first defined at line {first.line})")
+                    self._problem(
+                        path + (key,), key_node, f"duplicate key {key!r} (first defined at line {first.line})"
+                    )
                     continue
                 self.keys[path + (key,)] = _loc(self.file, key_node.start_mark)
                 out[key] = self.build(value_node, path + (key,))
@@ -170,8 +179,9 @@ class _Builder:
         try:
             value = self._constructor.construct_object(node, deep=True)
         except yaml.constructor.ConstructorError:
-            self._problem(path, node, f"unsupported YAML tag {node.tag!r}; remove the tag (quote the value "
-                                      f"to keep it as text)")
+            self._problem(
+                path, node, f"unsupported YAML tag {node.tag!r}; remove the tag (quote the value to keep it as text)"
+            )
             return None
         except Exception:  # PyYAML's scalar constructors fail in many ways (`!!int ''` raises IndexError)
             self._problem(path, node, f"{quote_value(node.value)} is not a valid {node.tag.rsplit(':', 1)[-1]}")
@@ -195,7 +205,7 @@ class _Builder:
         spans: list[tuple[int, int, str]] = []
         length, pos = 0, 0
         for m in _ENV.finditer(text):
-            out.append(text[pos:m.start()])
+            out.append(text[pos : m.start()])
             length += m.start() - pos
             pos = m.end()
             if m.group(0) == "$$":
@@ -216,8 +226,9 @@ class _Builder:
         out.append(text[pos:])
         result = "".join(out)
         for name in missing:
-            self._problem(path, node, f"environment variable ${{{name}}} is not set "
-                                      f"(set it, or write ${{{name}:-default}})")
+            self._problem(
+                path, node, f"environment variable ${{{name}}} is not set (set it, or write ${{{name}:-default}})"
+            )
         if spans:
             self.env_texts.append(EnvText(path, result, tuple(spans)))
         return result
@@ -251,8 +262,13 @@ def _build(node: yaml.Node, file: str, env: Mapping[str, str] | None) -> Documen
     if builder.problems:
         raise ProfileError(builder.problems)
     if not isinstance(data, dict):
-        raise ProfileError([Problem(_loc(file, node.start_mark), "",
-                                    f"a profile must be a mapping of fields, not {type(data).__name__}")])
+        raise ProfileError(
+            [
+                Problem(
+                    _loc(file, node.start_mark), "", f"a profile must be a mapping of fields, not {type(data).__name__}"
+                )
+            ]
+        )
     return Document(data, builder.values, builder.keys, [file], builder.env_texts)
 
 
@@ -329,6 +345,7 @@ def profile_roots(path: Path, env: Mapping[str, str] | None = None) -> tuple[Pat
 
 def _profile_fields() -> frozenset[str]:
     from specops.config.profile import Profile  # here: profile imports this module
+
     return frozenset(Profile.model_fields) | {"extends"}
 
 
@@ -345,20 +362,30 @@ class _LoadContext:
         return self._roots
 
 
-def load(path: str | os.PathLike, env: Mapping[str, str] | None = None, *,
-         roots: Iterable[str | os.PathLike] | None = None, fields: Iterable[str] | None = None) -> Document:
+def load(
+    path: str | os.PathLike,
+    env: Mapping[str, str] | None = None,
+    *,
+    roots: Iterable[str | os.PathLike] | None = None,
+    fields: Iterable[str] | None = None,
+) -> Document:
     """Load a profile file and everything it ``extends``, merged into one located document.
 
     ``roots`` overrides :func:`profile_roots`; ``fields`` are the top-level keys a file named by
     ``extends`` may have (default: the profile's fields).
     """
-    ctx = _LoadContext(env, Path(path), frozenset(fields) if fields is not None else None,
-                       tuple(Path(r).resolve() for r in roots) if roots is not None else None)
+    ctx = _LoadContext(
+        env,
+        Path(path),
+        frozenset(fields) if fields is not None else None,
+        tuple(Path(r).resolve() for r in roots) if roots is not None else None,
+    )
     return _load(Path(path), str(path), ctx, stack=(), base_of=None)
 
 
 def _parse_base(text: str, display: str, ctx: _LoadContext, where: Location | None, name: str) -> Document:
     """Parse a file named by ``extends``; until it reads as a profile, no key or value of it is quoted."""
+
     def refuse(what: str, loc: Location | None = None, field_: str = "extends") -> ProfileError:
         return ProfileError([Problem(loc or where, field_, what)])
 
@@ -370,8 +397,10 @@ def _parse_base(text: str, display: str, ctx: _LoadContext, where: Location | No
             raise
         loc = exc.problems[0].location
         at = f" at line {loc.line}, column {loc.column}" if loc else ""
-        raise refuse(f"{name} is not a specops profile: not valid YAML{at} (details are not shown for a file "
-                     f"that does not read as a profile)") from None
+        raise refuse(
+            f"{name} is not a specops profile: not valid YAML{at} (details are not shown for a file "
+            f"that does not read as a profile)"
+        ) from None
     fields = ctx.fields if ctx.fields is not None else _profile_fields()
     if not isinstance(node, yaml.MappingNode) or node.tag != "tag:yaml.org,2002:map":
         raise refuse(f"{name} is not a specops profile (a profile is a YAML mapping of profile fields)")
@@ -381,16 +410,24 @@ def _parse_base(text: str, display: str, ctx: _LoadContext, where: Location | No
         raise refuse(f"{name} is not a specops profile (none of its top-level keys is a profile field)")
     if unknown:
         key = unknown[0]
-        hint = (difflib.get_close_matches(key.value, sorted(fields), n=1, cutoff=0.6)
-                if isinstance(key, yaml.ScalarNode) else [])
-        raise refuse("unknown top-level field" + (f"; did you mean {hint[0]!r}?" if hint else "")
-                     + " (not quoted: files named by `extends` are quoted only once they read as profiles)",
-                     _loc(display, key.start_mark), "")
+        hint = (
+            difflib.get_close_matches(key.value, sorted(fields), n=1, cutoff=0.6)
+            if isinstance(key, yaml.ScalarNode)
+            else []
+        )
+        raise refuse(
+            "unknown top-level field"
+            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + " (not quoted: files named by `extends` are quoted only once they read as profiles)",
+            _loc(display, key.start_mark),
+            "",
+        )
     return _build(node, display, ctx.env)
 
 
-def _load(path: Path, display: str, ctx: _LoadContext, stack: tuple[Path, ...],
-          base_of: tuple[Location | None, str] | None) -> Document:
+def _load(
+    path: Path, display: str, ctx: _LoadContext, stack: tuple[Path, ...], base_of: tuple[Location | None, str] | None
+) -> Document:
     if base_of is None:
         doc = parse(read_text(path, display), display, ctx.env)
     else:
@@ -417,36 +454,57 @@ def _extend(doc: Document, path: Path, ctx: _LoadContext, stack: tuple[Path, ...
         raise ProfileError([Problem(ext_loc, "extends", f"more than {MAX_EXTENDS_DEPTH} levels of extends")])
     merged: Document | None = None
     for i, parent in enumerate(parents):
-        parent_path = (path.parent / parent)
+        parent_path = path.parent / parent
         where = doc.values.get(("extends", i) if (("extends", i) in doc.values) else ("extends",), ext_loc)
         try:
             resolved = path.resolve()
             roots = ctx.roots()
             parent_resolved = parent_path.resolve()
         except RuntimeError:  # Python 3.11's Path.resolve on a symlink loop
-            raise ProfileError([Problem(where, "extends", f"cannot use {quote_value(parent)} as a file path: "
-                                                          f"symlink loop")]) from None
+            raise ProfileError(
+                [Problem(where, "extends", f"cannot use {quote_value(parent)} as a file path: symlink loop")]
+            ) from None
         except (OSError, ValueError) as exc:  # a NUL byte, a name too long for the file system, …
-            why = "symlink loop" if getattr(exc, "errno", None) == errno.ELOOP else (
-                getattr(exc, "strerror", None) or exc)
-            raise ProfileError([Problem(where, "extends", f"cannot use {quote_value(parent)} as a file path: "
-                                                          f"{why}")]) from None
+            why = (
+                "symlink loop"
+                if getattr(exc, "errno", None) == errno.ELOOP
+                else (getattr(exc, "strerror", None) or exc)
+            )
+            raise ProfileError(
+                [Problem(where, "extends", f"cannot use {quote_value(parent)} as a file path: {why}")]
+            ) from None
         if not any(parent_resolved.is_relative_to(root) for root in roots):
-            raise ProfileError([Problem(where, "extends", f"{quote_value(parent)} is outside the profile's tree "
-                                        f"({roots[0]}); extends may only name files inside it (or under "
-                                        f"${PROFILE_ROOT_ENV})")])
+            raise ProfileError(
+                [
+                    Problem(
+                        where,
+                        "extends",
+                        f"{quote_value(parent)} is outside the profile's tree "
+                        f"({roots[0]}); extends may only name files inside it (or under "
+                        f"${PROFILE_ROOT_ENV})",
+                    )
+                ]
+            )
         if parent_resolved in stack + (resolved,):
             chain = " -> ".join([p.name for p in stack + (resolved,)] + [parent_path.name])
             raise ProfileError([Problem(where, "extends", f"extends cycle: {chain}")])
         try:
             parent_is_file = parent_path.is_file()
         except (OSError, ValueError) as exc:
-            raise ProfileError([Problem(where, "extends", f"cannot use {quote_value(parent)} as a file path: "
-                                                          f"{getattr(exc, 'strerror', None) or exc}")]) from None
+            raise ProfileError(
+                [
+                    Problem(
+                        where,
+                        "extends",
+                        f"cannot use {quote_value(parent)} as a file path: {getattr(exc, 'strerror', None) or exc}",
+                    )
+                ]
+            ) from None
         if not parent_is_file:
             what = "not a regular file" if parent_path.exists() else "file not found"
-            raise ProfileError([Problem(where, "extends", f"{what}: {_shown_path(parent)} "
-                                                          f"(relative to {path.parent or '.'})")])
+            raise ProfileError(
+                [Problem(where, "extends", f"{what}: {_shown_path(parent)} (relative to {path.parent or '.'})")]
+            )
         base = _load(parent_path, os.path.relpath(parent_path), ctx, stack + (resolved,), (where, parent))
         merged = base if merged is None else merge(merged, base)
     for p in [k for k in doc.values if k and k[0] == "extends"]:
@@ -491,5 +549,10 @@ def merge(base: Document, overlay: Document) -> Document:
     data = walk(base.data, overlay.data, ())
     keys = {k: v for k, v in keys.items() if v is not None}
     values = {k: v for k, v in values.items() if v is not None}
-    return Document(data, values, keys, base.files + [f for f in overlay.files if f not in base.files],
-                    base.env_texts + overlay.env_texts)
+    return Document(
+        data,
+        values,
+        keys,
+        base.files + [f for f in overlay.files if f not in base.files],
+        base.env_texts + overlay.env_texts,
+    )

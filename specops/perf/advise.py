@@ -19,6 +19,7 @@ and a draft pass costs ``c`` of it. With more concurrent sequences the target be
 verifying k + 1 tokens per sequence is no longer free, and the benefit fades — hence the batch-size
 caveat and, for vLLM, a ``num_speculative_tokens_per_batch_size`` schedule to start from.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,21 +50,28 @@ K_MAX = 8
 class AcceptanceInput:
     """The acceptance number advise works from, what kind it is, and where it came from."""
 
-    alpha: float                              # per-token α used by the model
-    given: str                                # "alpha" | "acceptance_rate" | "mean_length"
-    value: float                              # the number as given / read
-    source: str                               # e.g. "--alpha", "instance llama-noisy (window 60s)"
-    measured_k: int | None = None             # k the rate / length was measured at
-    acceptance_rate: float | None = None      # accepted / drafted, when measured or given
+    alpha: float  # per-token α used by the model
+    given: str  # "alpha" | "acceptance_rate" | "mean_length"
+    value: float  # the number as given / read
+    source: str  # e.g. "--alpha", "instance llama-noisy (window 60s)"
+    measured_k: int | None = None  # k the rate / length was measured at
+    acceptance_rate: float | None = None  # accepted / drafted, when measured or given
     mean_acceptance_length: float | None = None  # 1 + accepted / drafts, when measured or given
-    mean_draft_length: float | None = None    # drafted / drafts (measured k), when the engine counts drafts
-    draft_tokens: float | None = None         # how much evidence a live reading rests on
+    mean_draft_length: float | None = None  # drafted / drafts (measured k), when the engine counts drafts
+    draft_tokens: float | None = None  # how much evidence a live reading rests on
 
     def to_dict(self) -> dict:
-        return {"alpha": self.alpha, "given": self.given, "value": self.value, "source": self.source,
-                "measured_k": self.measured_k, "acceptance_rate": self.acceptance_rate,
-                "mean_acceptance_length": self.mean_acceptance_length,
-                "mean_draft_length": self.mean_draft_length, "draft_tokens": self.draft_tokens}
+        return {
+            "alpha": self.alpha,
+            "given": self.given,
+            "value": self.value,
+            "source": self.source,
+            "measured_k": self.measured_k,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "mean_draft_length": self.mean_draft_length,
+            "draft_tokens": self.draft_tokens,
+        }
 
 
 def _check_unit(name: str, value: float) -> float:
@@ -89,8 +97,15 @@ def from_acceptance_rate(rate: float, k: int, source: str = "--acceptance-rate",
     """An engine's acceptance rate (accepted / drafted) measured at ``k`` draft tokens per step."""
     rate = _check_unit("the acceptance rate", rate)
     k = _check_k(k, "the k the acceptance rate was measured at")
-    return AcceptanceInput(alpha=alpha_from_acceptance_rate(rate, k), given="acceptance_rate", value=rate,
-                           source=source, measured_k=k, acceptance_rate=rate, **measured)
+    return AcceptanceInput(
+        alpha=alpha_from_acceptance_rate(rate, k),
+        given="acceptance_rate",
+        value=rate,
+        source=source,
+        measured_k=k,
+        acceptance_rate=rate,
+        **measured,
+    )
 
 
 def from_mean_length(length: float, k: int, source: str = "--mean-length", **measured) -> AcceptanceInput:
@@ -101,8 +116,15 @@ def from_mean_length(length: float, k: int, source: str = "--mean-length", **mea
         raise SpecopsError(f"a mean acceptance length at k={k} lies within [1, {k + 1}], got {length:g}")
     rate = (length - 1.0) / k
     measured.setdefault("mean_acceptance_length", length)
-    return AcceptanceInput(alpha=alpha_from_acceptance_rate(rate, k), given="mean_length", value=length,
-                           source=source, measured_k=k, acceptance_rate=rate, **measured)
+    return AcceptanceInput(
+        alpha=alpha_from_acceptance_rate(rate, k),
+        given="mean_length",
+        value=length,
+        source=source,
+        measured_k=k,
+        acceptance_rate=rate,
+        **measured,
+    )
 
 
 def from_window(stats, k: int | None, source: str) -> AcceptanceInput:
@@ -121,15 +143,22 @@ def from_window(stats, k: int | None, source: str) -> AcceptanceInput:
     length = stats.mean_acceptance_length
     # α from the measured rate (accepted/drafted) at the configured k; τ as measured (drafts may be shorter
     # than k near the end of a sequence, so (τ − 1)/k would understate the rate)
-    return AcceptanceInput(alpha=alpha_from_acceptance_rate(rate, k),
-                           given="mean_length" if length is not None else "acceptance_rate",
-                           value=length if length is not None else rate, source=source, measured_k=k,
-                           acceptance_rate=rate, mean_acceptance_length=length, mean_draft_length=draft_len,
-                           draft_tokens=stats.draft_tokens)
+    return AcceptanceInput(
+        alpha=alpha_from_acceptance_rate(rate, k),
+        given="mean_length" if length is not None else "acceptance_rate",
+        value=length if length is not None else rate,
+        source=source,
+        measured_k=k,
+        acceptance_rate=rate,
+        mean_acceptance_length=length,
+        mean_draft_length=draft_len,
+        draft_tokens=stats.draft_tokens,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # the advice
+
 
 @dataclass
 class Advice:
@@ -141,7 +170,7 @@ class Advice:
     backend: str | None = None
     tokens_per_pass: float = 0.0
     speedup: float = 0.0
-    measured_speedup: float | None = None      # τ measured / (1 + k_measured·c), no α model involved
+    measured_speedup: float | None = None  # τ measured / (1 + k_measured·c), no α model involved
     best_k: int = 0
     best_speedup: float = 1.0
     table: list[dict] = field(default_factory=list)
@@ -156,16 +185,28 @@ class Advice:
 
     def to_dict(self) -> dict:
         return {
-            "acceptance": self.acceptance.to_dict(), "alpha": self.alpha, "k": self.k, "draft_cost_ratio": self.c,
-            "batch_size": self.batch_size, "backend": self.backend,
-            "cost_model": {"tokens_per_pass": "(1 - alpha^(k+1)) / (1 - alpha)",
-                           "speedup": "(1 - alpha^(k+1)) / ((1 - alpha) * (1 + k*c))",
-                           "assumes": "memory-bound target (batch 1): verifying k+1 tokens costs one target "
-                                      "pass; a draft pass costs c of a target pass"},
-            "tokens_per_pass": self.tokens_per_pass, "speedup": self.speedup,
-            "measured_speedup": self.measured_speedup, "best_k": self.best_k, "best_speedup": self.best_speedup,
-            "table": self.table, "warnings": self.warnings, "batch_caveat": self.batch_caveat,
-            "per_batch_size": self.per_batch_size, "notes": self.notes,
+            "acceptance": self.acceptance.to_dict(),
+            "alpha": self.alpha,
+            "k": self.k,
+            "draft_cost_ratio": self.c,
+            "batch_size": self.batch_size,
+            "backend": self.backend,
+            "cost_model": {
+                "tokens_per_pass": "(1 - alpha^(k+1)) / (1 - alpha)",
+                "speedup": "(1 - alpha^(k+1)) / ((1 - alpha) * (1 + k*c))",
+                "assumes": "memory-bound target (batch 1): verifying k+1 tokens costs one target "
+                "pass; a draft pass costs c of a target pass",
+            },
+            "tokens_per_pass": self.tokens_per_pass,
+            "speedup": self.speedup,
+            "measured_speedup": self.measured_speedup,
+            "best_k": self.best_k,
+            "best_speedup": self.best_speedup,
+            "table": self.table,
+            "warnings": self.warnings,
+            "batch_caveat": self.batch_caveat,
+            "per_batch_size": self.per_batch_size,
+            "notes": self.notes,
         }
 
 
@@ -193,9 +234,17 @@ def per_batch_size_schedule(k: int, max_batch: int | None = None) -> list[list[i
     return out
 
 
-def advise(acc: AcceptanceInput, *, k: int = DEFAULT_K, c: float = DEFAULT_DRAFT_COST, batch_size: int = 1,
-           k_max: int = K_MAX, backend: str | None = None, max_batch: int | None = None,
-           min_acceptance: float | None = None) -> Advice:
+def advise(
+    acc: AcceptanceInput,
+    *,
+    k: int = DEFAULT_K,
+    c: float = DEFAULT_DRAFT_COST,
+    batch_size: int = 1,
+    k_max: int = K_MAX,
+    backend: str | None = None,
+    max_batch: int | None = None,
+    min_acceptance: float | None = None,
+) -> Advice:
     """The model's answer for ``acc`` at ``k`` draft tokens with draft cost ratio ``c``.
 
     ``max_batch`` is the most concurrent sequences the deployment serves (profile ``server.parallel``);
@@ -232,9 +281,16 @@ def _model_numbers(adv: Advice) -> None:
     adv.best_k = best_k(a, c, adv.k_max)
     adv.best_speedup = expected_speedup(a, adv.best_k, c)
     for kk in range(1, adv.k_max + 1):
-        adv.table.append({"k": kk, "tokens_per_pass": expected_tokens_per_step(a, kk),
-                          "acceptance_rate": acceptance_rate(a, kk), "speedup": expected_speedup(a, kk, c),
-                          "current": kk == k, "best": kk == adv.best_k})
+        adv.table.append(
+            {
+                "k": kk,
+                "tokens_per_pass": expected_tokens_per_step(a, kk),
+                "acceptance_rate": acceptance_rate(a, kk),
+                "speedup": expected_speedup(a, kk, c),
+                "current": kk == k,
+                "best": kk == adv.best_k,
+            }
+        )
     if acc.mean_acceptance_length is not None:
         draft_len = acc.mean_draft_length if acc.mean_draft_length else float(acc.measured_k or k)
         adv.measured_speedup = speedup_from_length(acc.mean_acceptance_length, draft_len, c)
@@ -244,14 +300,20 @@ def _warnings(adv: Advice, min_acceptance: float | None) -> None:
     """A draft too weak to pay, a k slower than none, a thin reading, and a threshold that contradicts the model."""
     acc, a, k, c = adv.acceptance, adv.alpha, adv.k, adv.c
     if a < LOW_ALPHA:
-        adv.warnings.append(f"α = {a:.3f} is below {LOW_ALPHA}: the draft is wrong too often for speculation to "
-                            "pay reliably; try another draft (or n-gram for copy-heavy traffic) or turn it off")
+        adv.warnings.append(
+            f"α = {a:.3f} is below {LOW_ALPHA}: the draft is wrong too often for speculation to "
+            "pay reliably; try another draft (or n-gram for copy-heavy traffic) or turn it off"
+        )
     if adv.best_k == 0:
-        adv.warnings.append(f"no k in 1..{adv.k_max} beats decoding without speculation at c = {c:g}: "
-                            "turn speculation off (method: none)")
+        adv.warnings.append(
+            f"no k in 1..{adv.k_max} beats decoding without speculation at c = {c:g}: "
+            "turn speculation off (method: none)"
+        )
     elif adv.speedup < 1.0:
-        adv.warnings.append(f"at k = {k} speculation is slower than none ({adv.speedup:.2f}x); "
-                            f"k = {adv.best_k} would give {adv.best_speedup:.2f}x")
+        adv.warnings.append(
+            f"at k = {k} speculation is slower than none ({adv.speedup:.2f}x); "
+            f"k = {adv.best_k} would give {adv.best_speedup:.2f}x"
+        )
     if acc.draft_tokens is not None and acc.draft_tokens < 200:
         adv.warnings.append(f"the reading rests on only {acc.draft_tokens:g} drafted tokens: treat it as rough")
     if acc.measured_k is not None and acc.measured_k != k:
@@ -259,30 +321,36 @@ def _warnings(adv: Advice, min_acceptance: float | None) -> None:
     if min_acceptance is not None and adv.best_k > 0 and adv.speedup > 1.0:
         rate_here = acceptance_rate(a, k)
         if rate_here < min_acceptance:
-            adv.notes.append(f"at k = {k} this α gives an acceptance rate of {rate_here:.3f}, below the profile's "
-                             f"fallback.min_acceptance {min_acceptance:g}: the threshold watcher would fall back "
-                             f"although the model predicts {adv.speedup:.2f}x (the rate falls as k grows); "
-                             "use fallback.mode: model or a lower min_acceptance")
+            adv.notes.append(
+                f"at k = {k} this α gives an acceptance rate of {rate_here:.3f}, below the profile's "
+                f"fallback.min_acceptance {min_acceptance:g}: the threshold watcher would fall back "
+                f"although the model predicts {adv.speedup:.2f}x (the rate falls as k grows); "
+                "use fallback.mode: model or a lower min_acceptance"
+            )
 
 
 def _batch_advice(adv: Advice, max_batch: int | None) -> None:
     """The batch caveat, and under high concurrency the backend's advice (vLLM: a per-batch-size schedule)."""
     batch_size = adv.batch_size
     fading = ", ".join(f"{s:g}x at {b}" for b, s in PUBLISHED_FADING)
-    adv.batch_caveat = (f"these numbers assume a memory-bound target (batch 1). With more concurrent sequences "
-                        f"the target becomes compute-bound and verifying k+1 tokens per sequence is no longer "
-                        f"free: the benefit fades (one published 70B + EAGLE-2 setup: {fading}). "
-                        f"Measure at your concurrency with `specops bench`.")
+    adv.batch_caveat = (
+        f"these numbers assume a memory-bound target (batch 1). With more concurrent sequences "
+        f"the target becomes compute-bound and verifying k+1 tokens per sequence is no longer "
+        f"free: the benefit fades (one published 70B + EAGLE-2 setup: {fading}). "
+        f"Measure at your concurrency with `specops bench`."
+    )
     high = max(batch_size, max_batch or 0) >= HIGH_CONCURRENCY
     if high and adv.best_k > 0:
         be = _backend(adv.backend)
         if be is not None and be.takes_per_batch_size(None):
             adv.per_batch_size = per_batch_size_schedule(adv.best_k, max_batch)
-            adv.notes.append(f"for {be.engine_name} under high concurrency, draft less as the batch grows: "
-                             f"num_speculative_tokens: {adv.best_k} with speculative.per_batch_size: "
-                             f"{adv.per_batch_size} (vLLM's num_speculative_tokens_per_batch_size: inclusive "
-                             "[start_bs, end_bs, k] ranges, each k capped at num_speculative_tokens) is a "
-                             "starting point")
+            adv.notes.append(
+                f"for {be.engine_name} under high concurrency, draft less as the batch grows: "
+                f"num_speculative_tokens: {adv.best_k} with speculative.per_batch_size: "
+                f"{adv.per_batch_size} (vLLM's num_speculative_tokens_per_batch_size: inclusive "
+                "[start_bs, end_bs, k] ranges, each k capped at num_speculative_tokens) is a "
+                "starting point"
+            )
         elif be is not None and be.concurrency_note:
             adv.notes.append(be.concurrency_note)
     if batch_size > 1:
@@ -293,11 +361,13 @@ def _backend(name: str | None):
     """The installed backend ``name`` (None: the default backend), or None when it is not installed."""
     from specops.backends import DEFAULT_BACKEND
     from specops.plugins import get_registry
+
     return get_registry().backends.get(name or DEFAULT_BACKEND)
 
 
 # ---------------------------------------------------------------------------------------------------
 # printing
+
 
 def format_advice(adv: Advice) -> str:
     acc, a = adv.acceptance, adv.alpha
@@ -305,23 +375,32 @@ def format_advice(adv: Advice) -> str:
     if acc.given == "alpha":
         lines.append(f"acceptance   α = {a:.4f} per draft token ({acc.source})")
     elif acc.given == "acceptance_rate":
-        lines.append(f"acceptance   rate {acc.value:.4f} (accepted/drafted) at k = {acc.measured_k} "
-                     f"→ α = {a:.4f} per draft token ({acc.source})")
+        lines.append(
+            f"acceptance   rate {acc.value:.4f} (accepted/drafted) at k = {acc.measured_k} "
+            f"→ α = {a:.4f} per draft token ({acc.source})"
+        )
     else:
-        lines.append(f"acceptance   mean acceptance length {acc.value:.3f} tokens/pass at k = "
-                     f"{acc.measured_k} (rate {acc.acceptance_rate:.4f}) → α = {a:.4f} ({acc.source})")
+        lines.append(
+            f"acceptance   mean acceptance length {acc.value:.3f} tokens/pass at k = "
+            f"{acc.measured_k} (rate {acc.acceptance_rate:.4f}) → α = {a:.4f} ({acc.source})"
+        )
     if acc.draft_tokens is not None:
         extra = f", {acc.mean_draft_length:.2f} drafted per step" if acc.mean_draft_length else ""
         lines.append(f"evidence     {acc.draft_tokens:g} drafted tokens{extra}")
-    lines.append(f"cost model   τ(α,k) = (1 − α^(k+1)) / (1 − α) tokens per target pass; speedup "
-                 f"S = τ / (1 + k·c), c = {adv.c:g} (a draft pass costs {adv.c:g} of a target pass), "
-                 "memory-bound target (batch 1)")
+    lines.append(
+        f"cost model   τ(α,k) = (1 − α^(k+1)) / (1 − α) tokens per target pass; speedup "
+        f"S = τ / (1 + k·c), c = {adv.c:g} (a draft pass costs {adv.c:g} of a target pass), "
+        "memory-bound target (batch 1)"
+    )
     lines.append("")
-    lines.append(f"at k = {adv.k}: {adv.tokens_per_pass:.3f} tokens per target pass, expected speedup "
-                 f"{adv.speedup:.2f}x")
+    lines.append(
+        f"at k = {adv.k}: {adv.tokens_per_pass:.3f} tokens per target pass, expected speedup {adv.speedup:.2f}x"
+    )
     if adv.measured_speedup is not None:
-        lines.append(f"         from the measured mean acceptance length "
-                     f"{acc.mean_acceptance_length:.3f}: {adv.measured_speedup:.2f}x (no α model)")
+        lines.append(
+            f"         from the measured mean acceptance length "
+            f"{acc.mean_acceptance_length:.3f}: {adv.measured_speedup:.2f}x (no α model)"
+        )
     if adv.best_k == 0:
         lines.append("best k: none (speculation does not pay at this acceptance and cost)")
     else:
@@ -331,8 +410,10 @@ def format_advice(adv: Advice) -> str:
     for row in adv.table:
         mark = " ◀ best" if row["best"] else ""
         mark += " (now)" if row["current"] else ""
-        lines.append(f"  {row['k']:2d}   {row['tokens_per_pass']:11.3f}   {row['acceptance_rate']:15.3f}   "
-                     f"{row['speedup']:6.2f}x{mark}")
+        lines.append(
+            f"  {row['k']:2d}   {row['tokens_per_pass']:11.3f}   {row['acceptance_rate']:15.3f}   "
+            f"{row['speedup']:6.2f}x{mark}"
+        )
     lines.append("  (acceptance rate: what the engine reports at that k, accepted/drafted)")
     lines.append("")
     lines.append(f"batch size {adv.batch_size}: {adv.batch_caveat}")
@@ -345,6 +426,7 @@ def format_advice(adv: Advice) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # live readings
+
 
 def read_instance(name: str, state_dir: str | None = None):
     """The acceptance window of a running ``specops up`` instance → (WindowStats, state dict)."""
@@ -360,16 +442,36 @@ def read_instance(name: str, state_dir: str | None = None):
     acc = state.get("acceptance")
     if not isinstance(acc, dict):
         raise SpecopsError(f"instance {name!r} has no acceptance reading yet (state {state.get('state')})")
-    fields = {k: acc.get(k) for k in ("status", "window_s", "start", "end", "acceptance", "mean_acceptance_length",
-                                      "draft_tokens", "accepted", "drafts", "reason", "source")}
+    fields = {
+        k: acc.get(k)
+        for k in (
+            "status",
+            "window_s",
+            "start",
+            "end",
+            "acceptance",
+            "mean_acceptance_length",
+            "draft_tokens",
+            "accepted",
+            "drafts",
+            "reason",
+            "source",
+        )
+    }
     fields["window_s"] = fields["window_s"] or 0.0
     fields["status"] = fields["status"] or "no-data"
     fields = {k: v for k, v in fields.items() if v is not None or k in ("acceptance",)}
     return WindowStats(**fields), state
 
 
-def read_scrape(url: str, registry, model_name: str | None = None, window: float = 0.0,
-                backend_name: str | None = None, headers: dict | None = None):
+def read_scrape(
+    url: str,
+    registry,
+    model_name: str | None = None,
+    window: float = 0.0,
+    backend_name: str | None = None,
+    headers: dict | None = None,
+):
     """Acceptance from an engine's ``/metrics``: lifetime totals (``window`` 0) or the increase over
     ``window`` seconds between two scrapes. The backend is detected from the series when not named."""
     import time
@@ -398,8 +500,10 @@ def read_scrape(url: str, registry, model_name: str | None = None, window: float
 
     backend, first = read()
     if first is None:
-        raise SpecopsError(f"{url} has no speculative-decoding series: speculation is off, stats are "
-                           "disabled, or the model name matches nothing")
+        raise SpecopsError(
+            f"{url} has no speculative-decoding series: speculation is off, stats are "
+            "disabled, or the model name matches nothing"
+        )
     if window <= 0:
         return window_stats([Sample(0.0, None), Sample(1.0, first)], 1.0, 1.0), backend
     time.sleep(window)

@@ -14,6 +14,7 @@ Outputs (``write_outputs``): ``results.json`` (everything), ``summary.md`` (tabl
 PNG plots (:mod:`specops.perf.plots`) — speedup vs concurrency per prompt set, acceptance per prompt set,
 tokens/s on vs off.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,18 +24,18 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from specops import __version__
+from specops.config.profile import LoadedProfile
 from specops.errors import SpecopsError
 from specops.methods import Method
-from specops.config.profile import LoadedProfile
-from specops.speedup import DEFAULT_DRAFT_COST
 from specops.perf.plots import plot
 from specops.perf.stats import median
 from specops.perf.workload import BUILTIN_SETS, Prompt, load_prompts
+from specops.speedup import DEFAULT_DRAFT_COST
 
 SPEC, BASE = "spec", "base"
 DEFAULT_LEVELS = (1, 2, 4, 8)
@@ -53,7 +54,7 @@ class BenchConfig:
     warmup: int = 2
     step_index: int = 0
     ignore_eos: bool = False
-    interleave: bool = False        # both engines at once, cells alternating (needs memory for two)
+    interleave: bool = False  # both engines at once, cells alternating (needs memory for two)
     draft_cost: float | None = None
     backend_version: str | None = None
     ready_timeout: float | None = None
@@ -111,8 +112,13 @@ def machine() -> dict:
             mem = round(int(f.readline().split()[1]) / 1024 / 1024, 1)
     except (OSError, ValueError, IndexError):
         pass
-    return {"cpu": cpu, "cores": cores, "memory_gib": mem, "platform": platform.platform(),
-            "python": platform.python_version()}
+    return {
+        "cpu": cpu,
+        "cores": cores,
+        "memory_gib": mem,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -129,8 +135,9 @@ class _Progress:
     def finish(self) -> None: ...
 
 
-async def run_bench(loaded: LoadedProfile, registry, cfg: BenchConfig, *, say: Say = lambda m: None,
-                    progress: _Progress | None = None) -> dict:
+async def run_bench(
+    loaded: LoadedProfile, registry, cfg: BenchConfig, *, say: Say = lambda m: None, progress: _Progress | None = None
+) -> dict:
     """Run the comparison and return the report (a JSON-ready dict; see :func:`summarize`)."""
     cfg.check()
     bench = _Bench(loaded, registry, cfg, say, progress or _Progress())
@@ -155,8 +162,10 @@ class _Bench:
         self.sets = load_sets(cfg.prompt_sets, cfg.max_tokens)
         spec = profile_for_step(loaded.profile, cfg.step_index)
         if spec.speculative.method is Method.NONE:
-            raise SpecopsError(f"{loaded.path}: step {cfg.step_index} runs without speculation (method none): "
-                               "nothing to compare; bench a profile whose method drafts")
+            raise SpecopsError(
+                f"{loaded.path}: step {cfg.step_index} runs without speculation (method none): "
+                "nothing to compare; bench a profile whose method drafts"
+            )
         self.profiles = {SPEC: spec, BASE: without_speculation(spec)}
         self.engine = registry.backend(spec.backend).engine_info(spec, cfg.backend_version, probe=True)
         self.extra = {"ignore_eos": True} if cfg.ignore_eos else None
@@ -186,7 +195,7 @@ class _Bench:
                 await self.ready(engines[mode], mode, rnd)
             with self.progress_bar(f"round {rnd + 1}: both engines", 2 * self.per_engine_requests):
                 for i, (set_name, level) in enumerate(self.grid()):
-                    for mode in (order if i % 2 == 0 else order[::-1]):
+                    for mode in order if i % 2 == 0 else order[::-1]:
                         await self.cell(engines[mode], mode, rnd, set_name, level)
 
     @contextlib.contextmanager
@@ -204,23 +213,43 @@ class _Bench:
         what = f"{prof.speculative.method} k={prof.speculative.k}" if mode == SPEC else "no speculation"
         self.say(f"round {rnd + 1}/{cfg.rounds}: launching {prof.backend} {self.engine.version} with {what}")
         log_path = (cfg.log_dir / f"engine-{mode}-r{rnd + 1}.log") if cfg.log_dir else None
-        return launched(self.loaded, self.registry, profile=prof, engine=self.engine, ready_timeout=cfg.ready_timeout,
-                        log_path=log_path)
+        return launched(
+            self.loaded,
+            self.registry,
+            profile=prof,
+            engine=self.engine,
+            ready_timeout=cfg.ready_timeout,
+            log_path=log_path,
+        )
 
     async def ready(self, eng, mode: str, rnd: int) -> None:
         self.say(f"ready in {eng.ready_s:.1f}s on {eng.base_url}")
-        self.launches.append({"mode": mode, "round": rnd + 1, "ready_s": round(eng.ready_s, 3),
-                              "argv": [eng.plan.redact(a) for a in eng.plan.argv]})
+        self.launches.append(
+            {
+                "mode": mode,
+                "round": rnd + 1,
+                "ready_s": round(eng.ready_s, 3),
+                "argv": [eng.plan.redact(a) for a in eng.plan.argv],
+            }
+        )
         await _warmup(eng, self.sets, self.cfg, self.extra)
 
     async def cell(self, eng, mode: str, rnd: int, set_name: str, level: int) -> None:
         label = f"{mode} r{rnd + 1} {set_name} c={level}"
-        out = await _run_cell(eng, self.sets[set_name], level, self.cfg, self.extra,
-                              lambda done, total, label=label: self.progress.advance(label))
+        out = await _run_cell(
+            eng,
+            self.sets[set_name],
+            level,
+            self.cfg,
+            self.extra,
+            lambda done, total, label=label: self.progress.advance(label),
+        )
         self.cells.append({"set": set_name, "concurrency": level, "mode": mode, "round": rnd + 1, **out})
         if not eng.process.running:
-            raise SpecopsError(f"the engine ({mode}) {eng.process.exit.describe()} during {set_name} at "
-                               f"concurrency {level}; see its log in {self.cfg.log_dir or 'the output folder'}")
+            raise SpecopsError(
+                f"the engine ({mode}) {eng.process.exit.describe()} during {set_name} at "
+                f"concurrency {level}; see its log in {self.cfg.log_dir or 'the output folder'}"
+            )
 
     def meta(self, started: float) -> dict:
         """What the report states besides the cells: versions, machine, profile, engine, settings."""
@@ -230,17 +259,31 @@ class _Bench:
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(time.time() - started, 1),
             "machine": machine(),
-            "profile": {"name": spec.name, "path": self.loaded.path, "backend": spec.backend,
-                        "model": spec.model.id, "method": spec.speculative.method.value,
-                        "k": spec.speculative.k, "draft": spec.speculative.draft,
-                        "parallel": spec.server.parallel,
-                        "min_acceptance": spec.fallback.min_acceptance},
+            "profile": {
+                "name": spec.name,
+                "path": self.loaded.path,
+                "backend": spec.backend,
+                "model": spec.model.id,
+                "method": spec.speculative.method.value,
+                "k": spec.speculative.k,
+                "draft": spec.speculative.draft,
+                "parallel": spec.server.parallel,
+                "min_acceptance": spec.fallback.min_acceptance,
+            },
             "engine": {"backend": engine.backend, "version": engine.version, "source": engine.source},
-            "settings": {"prompt_sets": list(self.sets), "concurrency": self.levels,
-                         "requests_per_cell": cfg.requests, "duration_per_cell": cfg.duration,
-                         "max_tokens": cfg.max_tokens, "rounds": cfg.rounds, "warmup": cfg.warmup,
-                         "ignore_eos": cfg.ignore_eos, "step": cfg.step_index, "interleave": cfg.interleave,
-                         "draft_cost_ratio": _draft_cost(cfg, spec)},
+            "settings": {
+                "prompt_sets": list(self.sets),
+                "concurrency": self.levels,
+                "requests_per_cell": cfg.requests,
+                "duration_per_cell": cfg.duration,
+                "max_tokens": cfg.max_tokens,
+                "rounds": cfg.rounds,
+                "warmup": cfg.warmup,
+                "ignore_eos": cfg.ignore_eos,
+                "step": cfg.step_index,
+                "interleave": cfg.interleave,
+                "draft_cost_ratio": _draft_cost(cfg, spec),
+            },
             "launches": self.launches,
         }
 
@@ -265,9 +308,17 @@ async def _run_cell(eng, prompts: list[Prompt], level: int, cfg: BenchConfig, ex
     from specops.perf.workload import run_workload
 
     before = await eng.counters()
-    res = await run_workload(eng.base_url, eng.model_name, prompts, concurrency=level,
-                             requests=cfg.requests_for(level), duration=cfg.duration, api_key=eng.api_key,
-                             on_progress=on_progress, extra_body=extra)
+    res = await run_workload(
+        eng.base_url,
+        eng.model_name,
+        prompts,
+        concurrency=level,
+        requests=cfg.requests_for(level),
+        duration=cfg.duration,
+        api_key=eng.api_key,
+        on_progress=on_progress,
+        extra_body=extra,
+    )
     stats = await eng.acceptance_since(before)
     out = res.summary()
     acceptance = mal = draft_len = None
@@ -279,13 +330,13 @@ async def _run_cell(eng, prompts: list[Prompt], level: int, cfg: BenchConfig, ex
     elif res.acceptance is not None:
         acceptance, source = res.acceptance, "response-timings"
         out.update(draft_tokens=res.draft_tokens, accepted=res.accepted, drafts=None)
-    out.update(acceptance=acceptance, mean_acceptance_length=mal, mean_draft_length=draft_len,
-               acceptance_source=source)
+    out.update(acceptance=acceptance, mean_acceptance_length=mal, mean_draft_length=draft_len, acceptance_source=source)
     return out
 
 
 # ---------------------------------------------------------------------------------------------------
 # summarizing
+
 
 def summarize(cells: list[dict], meta: dict) -> dict:
     """Speedups from the cells: per (set, level), per level (all sets), per set (all levels).
@@ -296,15 +347,30 @@ def summarize(cells: list[dict], meta: dict) -> dict:
     c = meta.get("settings", {}).get("draft_cost_ratio")
     sets = list(dict.fromkeys(cell["set"] for cell in cells))
     levels = sorted({cell["concurrency"] for cell in cells})
-    rows = [_speedup_row([x for x in cells if x["set"] == s and x["concurrency"] == lv], s, lv, c)
-            for s in sets for lv in levels]
+    rows = [
+        _speedup_row([x for x in cells if x["set"] == s and x["concurrency"] == lv], s, lv, c)
+        for s in sets
+        for lv in levels
+    ]
     by_level = [{"concurrency": lv, **_aggregate([x for x in cells if x["concurrency"] == lv])} for lv in levels]
-    by_set = [{"set": s, **_aggregate([x for x in cells if x["set"] == s]),
-               "speedup_by_concurrency": {str(r["concurrency"]): r["speedup"] for r in rows if r["set"] == s}}
-              for s in sets]
+    by_set = [
+        {
+            "set": s,
+            **_aggregate([x for x in cells if x["set"] == s]),
+            "speedup_by_concurrency": {str(r["concurrency"]): r["speedup"] for r in rows if r["set"] == s},
+        }
+        for s in sets
+    ]
     errors = sum(x["errors"] for x in cells)
-    return {**meta, "cells": cells, "speedup": rows, "by_concurrency": by_level, "by_set": by_set,
-            "overall": _aggregate(cells), "errors": errors}
+    return {
+        **meta,
+        "cells": cells,
+        "speedup": rows,
+        "by_concurrency": by_level,
+        "by_set": by_set,
+        "overall": _aggregate(cells),
+        "errors": errors,
+    }
 
 
 def _ratio(a, b):
@@ -321,9 +387,11 @@ def _drafting(cells: list[dict]) -> dict:
     drafted = sum(x.get("draft_tokens") or 0 for x in spec)
     accepted = sum(x.get("accepted") or 0 for x in spec)
     drafts = sum(x.get("drafts") or 0 for x in spec)
-    return {"acceptance": accepted / drafted if drafted else None,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-            "mean_draft_length": drafted / drafts if drafts else None}
+    return {
+        "acceptance": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "mean_draft_length": drafted / drafts if drafts else None,
+    }
 
 
 def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None) -> dict:
@@ -338,8 +406,15 @@ def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None) 
     model = None
     if mal is not None and draft_len is not None and c is not None:
         model = speedup_from_length(max(mal, 1.0), draft_len, c)
-    row = {"set": set_name, "concurrency": level, "spec_tokens_per_s": spec_tps, "base_tokens_per_s": base_tps,
-           "speedup": _ratio(spec_tps, base_tps), **drafting, "model_speedup": model}
+    row = {
+        "set": set_name,
+        "concurrency": level,
+        "spec_tokens_per_s": spec_tps,
+        "base_tokens_per_s": base_tps,
+        "speedup": _ratio(spec_tps, base_tps),
+        **drafting,
+        "model_speedup": model,
+    }
     for name in ("ttft", "itl", "tpot"):
         row[f"spec_{name}_ms"] = median([x[f"{name}_ms"]["median"] for x in sp])
         row[f"base_{name}_ms"] = median([x[f"{name}_ms"]["median"] for x in bs])
@@ -356,12 +431,18 @@ def _aggregate(selected: list[dict]) -> dict:
         wall = sum(x["wall_s"] for x in mine)
         tps[mode] = tokens / wall if wall > 0 else None
     drafting = _drafting(selected)
-    return {"spec_tokens_per_s": tps[SPEC], "base_tokens_per_s": tps[BASE], "speedup": _ratio(tps[SPEC], tps[BASE]),
-            "acceptance": drafting["acceptance"], "mean_acceptance_length": drafting["mean_acceptance_length"]}
+    return {
+        "spec_tokens_per_s": tps[SPEC],
+        "base_tokens_per_s": tps[BASE],
+        "speedup": _ratio(tps[SPEC], tps[BASE]),
+        "acceptance": drafting["acceptance"],
+        "mean_acceptance_length": drafting["mean_acceptance_length"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
 # writing
+
 
 def _f(v, fmt="{:.2f}", none="–"):
     return none if v is None else fmt.format(v)
@@ -370,39 +451,65 @@ def _f(v, fmt="{:.2f}", none="–"):
 def markdown(report: dict, plots: list[str] | None = None) -> str:
     """The summary a person reads: settings, per-set tables, per-level totals, plots."""
     p, e, m, s = report["profile"], report["engine"], report["machine"], report["settings"]
-    lines = [f"# specops bench: {p['name']}", "",
-             f"- profile `{p['path']}`: {p['backend']} {e['version']}, model `{p['model']}`, "
-             f"method **{p['method']}** (k={p['k']}) vs no speculation",
-             f"- machine: {m['cpu'] or 'unknown CPU'}, {m['cores']} cores"
-             + (f", {m['memory_gib']} GiB" if m.get("memory_gib") else "") + f"; {m['platform']}",
-             f"- prompt sets {', '.join(s['prompt_sets'])}; concurrency {', '.join(map(str, s['concurrency']))}; "
-             + (f"{s['requests_per_cell']} requests per cell" if s["requests_per_cell"]
-                else (f"{s['duration_per_cell']:g}s per cell" if s["duration_per_cell"]
-                      else "max(8, 2×concurrency) requests per cell"))
-             + f"; {s['rounds']} round(s), "
-             + ("both engines up at once, cells alternating" if s.get("interleave") else "launches alternating")
-             + "; medians over rounds",
-             f"- speedup = tokens/s with speculation ÷ tokens/s without, same engine and model, one run; "
-             f"model speedup = measured mean acceptance length / (1 + k·c) with c = {s['draft_cost_ratio']}",
-             ""]
+    lines = [
+        f"# specops bench: {p['name']}",
+        "",
+        f"- profile `{p['path']}`: {p['backend']} {e['version']}, model `{p['model']}`, "
+        f"method **{p['method']}** (k={p['k']}) vs no speculation",
+        f"- machine: {m['cpu'] or 'unknown CPU'}, {m['cores']} cores"
+        + (f", {m['memory_gib']} GiB" if m.get("memory_gib") else "")
+        + f"; {m['platform']}",
+        f"- prompt sets {', '.join(s['prompt_sets'])}; concurrency {', '.join(map(str, s['concurrency']))}; "
+        + (
+            f"{s['requests_per_cell']} requests per cell"
+            if s["requests_per_cell"]
+            else (
+                f"{s['duration_per_cell']:g}s per cell"
+                if s["duration_per_cell"]
+                else "max(8, 2×concurrency) requests per cell"
+            )
+        )
+        + f"; {s['rounds']} round(s), "
+        + ("both engines up at once, cells alternating" if s.get("interleave") else "launches alternating")
+        + "; medians over rounds",
+        f"- speedup = tokens/s with speculation ÷ tokens/s without, same engine and model, one run; "
+        f"model speedup = measured mean acceptance length / (1 + k·c) with c = {s['draft_cost_ratio']}",
+        "",
+    ]
     o = report["overall"]
-    lines += [f"**Overall: {_f(o['speedup'])}x** ({_f(o['spec_tokens_per_s'], '{:.1f}')} vs "
-              f"{_f(o['base_tokens_per_s'], '{:.1f}')} output tokens/s), acceptance {_f(o['acceptance'], '{:.3f}')}, "
-              f"mean acceptance length {_f(o['mean_acceptance_length'])}"
-              + (f"; **{report['errors']} failed requests**" if report["errors"] else ""), ""]
-    lines += ["## Speedup by prompt set and concurrency", "",
-              "| set | " + " | ".join(f"c={c}" for c in s["concurrency"]) + " | acceptance | mean acc. length |",
-              "|---|" + "---|" * len(s["concurrency"]) + "---|---|"]
+    lines += [
+        f"**Overall: {_f(o['speedup'])}x** ({_f(o['spec_tokens_per_s'], '{:.1f}')} vs "
+        f"{_f(o['base_tokens_per_s'], '{:.1f}')} output tokens/s), acceptance {_f(o['acceptance'], '{:.3f}')}, "
+        f"mean acceptance length {_f(o['mean_acceptance_length'])}"
+        + (f"; **{report['errors']} failed requests**" if report["errors"] else ""),
+        "",
+    ]
+    lines += [
+        "## Speedup by prompt set and concurrency",
+        "",
+        "| set | " + " | ".join(f"c={c}" for c in s["concurrency"]) + " | acceptance | mean acc. length |",
+        "|---|" + "---|" * len(s["concurrency"]) + "---|---|",
+    ]
     for bs in report["by_set"]:
         vals = [bs["speedup_by_concurrency"].get(str(c)) for c in s["concurrency"]]
-        lines.append(f"| {bs['set']} | " + " | ".join(_f(v, "{:.2f}x") for v in vals)
-                     + f" | {_f(bs['acceptance'], '{:.3f}')} | {_f(bs['mean_acceptance_length'])} |")
-    lines.append("| **all** | " + " | ".join(_f(r["speedup"], "**{:.2f}x**") for r in report["by_concurrency"])
-                 + f" | {_f(o['acceptance'], '{:.3f}')} | {_f(o['mean_acceptance_length'])} |")
-    lines += ["", "## Details", "",
-              "| set | c | tok/s off | tok/s on | speedup | model | acceptance | acc. length | TTFT ms off/on "
-              "| TPOT ms off/on | ITL ms off/on | errors |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {bs['set']} | "
+            + " | ".join(_f(v, "{:.2f}x") for v in vals)
+            + f" | {_f(bs['acceptance'], '{:.3f}')} | {_f(bs['mean_acceptance_length'])} |"
+        )
+    lines.append(
+        "| **all** | "
+        + " | ".join(_f(r["speedup"], "**{:.2f}x**") for r in report["by_concurrency"])
+        + f" | {_f(o['acceptance'], '{:.3f}')} | {_f(o['mean_acceptance_length'])} |"
+    )
+    lines += [
+        "",
+        "## Details",
+        "",
+        "| set | c | tok/s off | tok/s on | speedup | model | acceptance | acc. length | TTFT ms off/on "
+        "| TPOT ms off/on | ITL ms off/on | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["speedup"]:
         lines.append(
             f"| {r['set']} | {r['concurrency']} | {_f(r['base_tokens_per_s'], '{:.1f}')} | "
@@ -410,9 +517,14 @@ def markdown(report: dict, plots: list[str] | None = None) -> str:
             f"{_f(r['model_speedup'], '{:.2f}x')} | {_f(r['acceptance'], '{:.3f}')} | "
             f"{_f(r['mean_acceptance_length'])} | {_f(r['base_ttft_ms'], '{:.1f}')}/{_f(r['spec_ttft_ms'], '{:.1f}')} | "
             f"{_f(r['base_tpot_ms'], '{:.2f}')}/{_f(r['spec_tpot_ms'], '{:.2f}')} | "
-            f"{_f(r['base_itl_ms'], '{:.2f}')}/{_f(r['spec_itl_ms'], '{:.2f}')} | {r['errors']} |")
-    lines += ["", "ITL is per streamed chunk (speculation delivers accepted tokens in bursts); TPOT is "
-              "(latency − TTFT) / (tokens − 1).", ""]
+            f"{_f(r['base_itl_ms'], '{:.2f}')}/{_f(r['spec_itl_ms'], '{:.2f}')} | {r['errors']} |"
+        )
+    lines += [
+        "",
+        "ITL is per streamed chunk (speculation delivers accepted tokens in bursts); TPOT is "
+        "(latency − TTFT) / (tokens − 1).",
+        "",
+    ]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(x).stem}]({Path(x).name})" for x in plots] + [""]
     return "\n".join(lines)
@@ -428,8 +540,9 @@ def write_outputs(report: dict, out_dir: str | Path, *, plots: bool = True) -> d
         try:
             pngs = plot(report, out)
         except ImportError:
-            report.setdefault("notes", []).append("plots skipped: matplotlib is not installed "
-                                                  "(pip install 'specops[plots]')")
+            report.setdefault("notes", []).append(
+                "plots skipped: matplotlib is not installed (pip install 'specops[plots]')"
+            )
     for png in pngs:
         written[png.stem] = png
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")

@@ -13,20 +13,21 @@ the measurement fails::
 The engine binds a free loopback port unless told otherwise, so a launched engine never collides with a
 deployment running under ``specops up``.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable
 
 from specops.backends.base import EngineInfo, LaunchPlan
-from specops.errors import SpecopsError
-from specops.methods import Method
 from specops.backends.counters import SpecCounters
 from specops.config.profile import ChainStep, LoadedProfile, Profile
+from specops.errors import SpecopsError
+from specops.methods import Method
 from specops.resolve.prelaunch import resolve_for_launch
 from specops.run.process import EngineProcess
 from specops.run.start import EngineStart, free_port
@@ -62,8 +63,9 @@ class LaunchedEngine:
 
     async def counters(self, timeout: float = 5.0) -> SpecCounters | None:
         """The engine's spec-decode counters now (None: it exposes none, i.e. speculation is off)."""
-        return await read_counters(self.metrics_url, self.backend, self.model_name,
-                                   headers=self.plan.auth_headers, timeout=timeout)
+        return await read_counters(
+            self.metrics_url, self.backend, self.model_name, headers=self.plan.auth_headers, timeout=timeout
+        )
 
     async def settled_counters(self, settle: float = 0.2, max_wait: float = 3.0) -> SpecCounters | None:
         """Counters read until two reads ``settle`` seconds apart agree (the engine may publish a step late)."""
@@ -82,8 +84,9 @@ class LaunchedEngine:
         return acceptance_between(before, await self.settled_counters())
 
 
-async def read_counters(metrics_url: str, backend, model_name: str | None, *, headers: dict | None = None,
-                        timeout: float = 5.0) -> SpecCounters | None:
+async def read_counters(
+    metrics_url: str, backend, model_name: str | None, *, headers: dict | None = None, timeout: float = 5.0
+) -> SpecCounters | None:
     """GET ``metrics_url`` and read it with ``backend.acceptance_counters`` (raises SpecopsError)."""
     from specops.watch.sources import ScrapeSource, SourceError
 
@@ -112,8 +115,10 @@ def profile_for_step(profile: Profile, step_index: int) -> Profile:
     """``profile`` switched to chain step ``step_index`` (0: the primary method as written)."""
     steps = profile.steps
     if not 0 <= step_index < len(steps):
-        raise SpecopsError(f"step {step_index} does not exist: the chain is "
-                           f"{' → '.join(s.method.value for s in steps)} (0..{len(steps) - 1})")
+        raise SpecopsError(
+            f"step {step_index} does not exist: the chain is "
+            f"{' → '.join(s.method.value for s in steps)} (0..{len(steps) - 1})"
+        )
     return profile.at_step(step_index)
 
 
@@ -129,12 +134,22 @@ def with_k(profile: Profile, k: int) -> Profile:
 
 
 @contextlib.asynccontextmanager
-async def launched(loaded: LoadedProfile, registry, *, step_index: int = 0, profile: Profile | None = None,
-                   host: str = "127.0.0.1", port: int | None = None, ready_timeout: float | None = None,
-                   log_path: str | Path | None = None, engine: EngineInfo | None = None,
-                   on_line: Callable[[str], None] | None = None, offline: bool = False,
-                   stop_timeout: float | None = None,
-                   say: Callable[[str], None] | None = None) -> AsyncIterator[LaunchedEngine]:
+async def launched(
+    loaded: LoadedProfile,
+    registry,
+    *,
+    step_index: int = 0,
+    profile: Profile | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    ready_timeout: float | None = None,
+    log_path: str | Path | None = None,
+    engine: EngineInfo | None = None,
+    on_line: Callable[[str], None] | None = None,
+    offline: bool = False,
+    stop_timeout: float | None = None,
+    say: Callable[[str], None] | None = None,
+) -> AsyncIterator[LaunchedEngine]:
     """Start the engine for ``loaded`` (chain step ``step_index``, or ``profile`` instead) and yield it ready.
 
     A profile that leaves the method or draft ``auto`` is resolved first with
@@ -149,15 +164,17 @@ async def launched(loaded: LoadedProfile, registry, *, step_index: int = 0, prof
     from specops.backends.render import render_plan
 
     prof = profile if profile is not None else profile_for_step(loaded.profile, step_index)
-    resolved, refused = resolve_for_launch(LoadedProfile(prof, loaded.document, loaded.path), offline,
-                                           say or (lambda msg: None), only_auto=True)
+    resolved, refused = resolve_for_launch(
+        LoadedProfile(prof, loaded.document, loaded.path), offline, say or (lambda msg: None), only_auto=True
+    )
     if refused:
         raise SpecopsError(f"{prof.backend} ({prof.speculative.method}): the draft is refused by the checks: {refused}")
     prof = resolved.profile
     backend = registry.backend(prof.backend)
     port = port or free_port(host)
-    the_plan = render_plan(LoadedProfile(prof, loaded.document, loaded.path), registry, engine=engine,
-                           host=host, port=port)
+    the_plan = render_plan(
+        LoadedProfile(prof, loaded.document, loaded.path), registry, engine=engine, host=host, port=port
+    )
     lines: list[str] = []
 
     def take(line: str) -> None:
@@ -167,19 +184,30 @@ async def launched(loaded: LoadedProfile, registry, *, step_index: int = 0, prof
         if on_line is not None:
             on_line(line)
 
-    start = EngineStart(the_plan, on_line=take, launch_problem=backend.launch_problem,
-                        log_path=Path(log_path) if log_path else None)
+    start = EngineStart(
+        the_plan, on_line=take, launch_problem=backend.launch_problem, log_path=Path(log_path) if log_path else None
+    )
     proc = start.process
     timeout = ready_timeout if ready_timeout is not None else prof.engine.ready_timeout
     try:
         result = await start.run(timeout, interval=0.1)
         if not result.ready:
             tail = "\n".join(f"    {line}" for line in result.last_lines)
-            raise SpecopsError(f"{prof.backend} ({prof.speculative.method}) on {the_plan.base_url}: {result.reason}"
-                               + (f"; last engine lines:\n{tail}" if tail else ""))
-        yield LaunchedEngine(plan=the_plan, process=proc, base_url=the_plan.base_url,
-                             metrics_url=the_plan.metrics_url, model_name=the_plan.model_name, profile=prof,
-                             backend=backend, ready_s=result.seconds, lines=lines)
+            raise SpecopsError(
+                f"{prof.backend} ({prof.speculative.method}) on {the_plan.base_url}: {result.reason}"
+                + (f"; last engine lines:\n{tail}" if tail else "")
+            )
+        yield LaunchedEngine(
+            plan=the_plan,
+            process=proc,
+            base_url=the_plan.base_url,
+            metrics_url=the_plan.metrics_url,
+            model_name=the_plan.model_name,
+            profile=prof,
+            backend=backend,
+            ready_s=result.seconds,
+            lines=lines,
+        )
     finally:
         stop = stop_timeout if stop_timeout is not None else prof.supervisor.stop_timeout
         try:

@@ -1,5 +1,6 @@
 """The PNG plots of a ``specops bench`` report: speedup vs concurrency per prompt set, acceptance per prompt
 set, and tokens/s with and without speculation. Needs matplotlib (``pip install 'specops[plots]'``)."""
+
 from __future__ import annotations
 
 import math
@@ -35,12 +36,19 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
     p, e = report["profile"], report["engine"]
     sets = [b["set"] for b in report["by_set"]]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    look = _Look(plt, report, report["settings"]["concurrency"], sets,
-                 {s: colors[i % len(colors)] for i, s in enumerate(sets)},
-                 f"{p['name']} · {p['backend']} {e['version']} · {p['method']} k={p['k']} vs none")
-    return [_save(plt, _speedup_figure(look), out_dir / "speedup.png"),
-            _save(plt, _acceptance_figure(look), out_dir / "acceptance.png"),
-            _save(plt, _throughput_figure(look), out_dir / "throughput.png")]
+    look = _Look(
+        plt,
+        report,
+        report["settings"]["concurrency"],
+        sets,
+        {s: colors[i % len(colors)] for i, s in enumerate(sets)},
+        f"{p['name']} · {p['backend']} {e['version']} · {p['method']} k={p['k']} vs none",
+    )
+    return [
+        _save(plt, _speedup_figure(look), out_dir / "speedup.png"),
+        _save(plt, _acceptance_figure(look), out_dir / "acceptance.png"),
+        _save(plt, _throughput_figure(look), out_dir / "throughput.png"),
+    ]
 
 
 def _save(plt, fig, path: Path) -> Path:
@@ -59,6 +67,7 @@ def _log2_levels(ax, levels: list[int]) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # 1. speedup vs concurrency
+
 
 def _speedup_figure(look: _Look):
     fig, ax = look.plt.subplots(figsize=(9, 5), dpi=120)
@@ -101,6 +110,7 @@ def _end_labels(ax, ends: list[list], gap: float) -> None:
 # ---------------------------------------------------------------------------------------------------
 # 2. acceptance per set (bars per concurrency level), mean acceptance length on top
 
+
 def _acceptance_figure(look: _Look):
     fig, ax = look.plt.subplots(figsize=(8, 5), dpi=120)
     levels, sets = look.levels, look.sets
@@ -111,8 +121,9 @@ def _acceptance_figure(look: _Look):
     thr = look.report["profile"].get("min_acceptance")
     if thr is not None:
         ax.axhline(thr, color=RED, lw=1, ls="--")
-        ax.text(len(sets) - 0.5, thr + 0.01, f"fallback threshold {thr:g}", ha="right", va="bottom", fontsize=8,
-                color=RED)
+        ax.text(
+            len(sets) - 0.5, thr + 0.01, f"fallback threshold {thr:g}", ha="right", va="bottom", fontsize=8, color=RED
+        )
     ax.set_xticks(range(len(sets)))
     ax.set_xticklabels(sets)
     ax.set_ylim(0, 1.3)
@@ -136,19 +147,20 @@ def _acceptance_bars(ax, look: _Look, j: int, level: int, *, width: float, shade
     bars = ax.bar(xs, ys, width=width * 0.95, color=shade, label=f"c={level}")
     for b, mal in zip(bars, labels):
         if mal is not None:
-            ax.text(b.get_x() + b.get_width() / 2, b.get_height() + 0.01, f"{mal:.1f}", ha="center",
-                    va="bottom", fontsize=7)
+            ax.text(
+                b.get_x() + b.get_width() / 2, b.get_height() + 0.01, f"{mal:.1f}", ha="center", va="bottom", fontsize=7
+            )
 
 
 # ---------------------------------------------------------------------------------------------------
 # 3. tokens/s on vs off, one panel per set
 
+
 def _throughput_figure(look: _Look):
     n = len(look.sets)
     cols = min(n, 4)
     rows_n = math.ceil(n / cols)
-    fig, axes = look.plt.subplots(rows_n, cols, figsize=(3.2 * cols + 0.8, 3.0 * rows_n + 0.8), dpi=120,
-                                  squeeze=False)
+    fig, axes = look.plt.subplots(rows_n, cols, figsize=(3.2 * cols + 0.8, 3.0 * rows_n + 0.8), dpi=120, squeeze=False)
     for i, s in enumerate(look.sets):
         _throughput_panel(axes[i // cols][i % cols], look, s, first_in_row=i % cols == 0)
     for j in range(n, rows_n * cols):
@@ -159,10 +171,22 @@ def _throughput_figure(look: _Look):
 
 def _throughput_panel(ax, look: _Look, set_name: str, *, first_in_row: bool) -> None:
     rs = look.rows(set_name)
-    ax.plot([r["concurrency"] for r in rs], [r["base_tokens_per_s"] or 0 for r in rs], marker="s",
-            color="gray", lw=2, label="off")
-    ax.plot([r["concurrency"] for r in rs], [r["spec_tokens_per_s"] or 0 for r in rs], marker="o",
-            color=look.color[set_name], lw=2, label="on")
+    ax.plot(
+        [r["concurrency"] for r in rs],
+        [r["base_tokens_per_s"] or 0 for r in rs],
+        marker="s",
+        color="gray",
+        lw=2,
+        label="off",
+    )
+    ax.plot(
+        [r["concurrency"] for r in rs],
+        [r["spec_tokens_per_s"] or 0 for r in rs],
+        marker="o",
+        color=look.color[set_name],
+        lw=2,
+        label="on",
+    )
     _log2_levels(ax, look.levels)
     ax.set_ylim(bottom=0)
     ax.set_title(set_name)

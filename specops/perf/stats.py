@@ -1,10 +1,11 @@
 """Small statistics shared by the performance tools (bench, tune, workload): medians and percentiles that
 skip missing values (``None``) and NaN, and answer ``None`` when nothing is left."""
+
 from __future__ import annotations
 
 import math
 import statistics
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def present(values: Iterable[float | None]) -> list[float]:

@@ -23,6 +23,7 @@ A user file is JSON Lines: one object per line with ``prompt`` (or ``text``) and
 Speculation makes tokens arrive in bursts (several accepted tokens in one chunk), so ITL here is per
 *chunk*; :attr:`RequestResult.tpot` (time per output token after the first) is the per-token figure.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,9 +31,10 @@ import contextlib
 import itertools
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from specops.errors import SpecopsError
 from specops.perf.stats import median, percentile
@@ -95,28 +97,30 @@ def load_prompts(name_or_path: str | Path) -> list[Prompt]:
 
 def _prompt_from(row: Any, default_set: str, where: str) -> Prompt:
     if not isinstance(row, dict):
-        raise SpecopsError(f"{where}: expected an object with a \"prompt\", got {type(row).__name__}")
+        raise SpecopsError(f'{where}: expected an object with a "prompt", got {type(row).__name__}')
     unknown = sorted(set(row) - {"prompt", "text", "max_tokens", "temperature", "set"})
     if unknown:
-        raise SpecopsError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: prompt, max_tokens, "
-                           "temperature, set)")
+        raise SpecopsError(
+            f"{where}: unknown key(s) {', '.join(unknown)} (allowed: prompt, max_tokens, temperature, set)"
+        )
     text = row.get("prompt", row.get("text"))
     if not isinstance(text, str) or not text:
-        raise SpecopsError(f"{where}: \"prompt\" must be a non-empty string")
+        raise SpecopsError(f'{where}: "prompt" must be a non-empty string')
     max_tokens = row.get("max_tokens", DEFAULT_MAX_TOKENS)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise SpecopsError(f"{where}: \"max_tokens\" must be an integer >= 1, got {max_tokens!r}")
+        raise SpecopsError(f'{where}: "max_tokens" must be an integer >= 1, got {max_tokens!r}')
     temperature = row.get("temperature", 0.0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 5:
-        raise SpecopsError(f"{where}: \"temperature\" must be a number within [0, 5], got {temperature!r}")
+        raise SpecopsError(f'{where}: "temperature" must be a number within [0, 5], got {temperature!r}')
     set_name = row.get("set", default_set)
     if not isinstance(set_name, str) or not set_name:
-        raise SpecopsError(f"{where}: \"set\" must be a non-empty string")
+        raise SpecopsError(f'{where}: "set" must be a non-empty string')
     return Prompt(text, max_tokens, float(temperature), set_name)
 
 
 # ---------------------------------------------------------------------------------------------------
 # results
+
 
 @dataclass
 class RequestResult:
@@ -124,15 +128,15 @@ class RequestResult:
 
     set: str
     ok: bool
-    start: float                  # monotonic seconds
+    start: float  # monotonic seconds
     end: float
     output_tokens: int = 0
     prompt_tokens: int | None = None
-    ttft: float | None = None     # seconds to the first streamed text (None: no text came)
+    ttft: float | None = None  # seconds to the first streamed text (None: no text came)
     itl: list[float] = field(default_factory=list)  # seconds between streamed text chunks
     chunks: int = 0
-    draft_tokens: int | None = None     # llama-server timings.draft_n (None: not reported)
-    accepted: int | None = None         # llama-server timings.draft_n_accepted
+    draft_tokens: int | None = None  # llama-server timings.draft_n (None: not reported)
+    accepted: int | None = None  # llama-server timings.draft_n_accepted
     finish_reason: str | None = None
     usage_reported: bool = False
     error: str | None = None
@@ -229,7 +233,7 @@ class WorkloadResult:
         d, a = self.draft_tokens, self.accepted
         return a / d if d and a is not None else None
 
-    def by_set(self) -> dict[str, "WorkloadResult"]:
+    def by_set(self) -> dict[str, WorkloadResult]:
         """The requests of each prompt set (wall time shared: use for latency, not for tokens/s)."""
         out: dict[str, list[RequestResult]] = {}
         for r in self.requests:
@@ -241,13 +245,19 @@ class WorkloadResult:
         ms = lambda v: None if v is None else round(v * 1000, 3)  # noqa: E731
         first_error = next((r.error for r in self.errors), None)
         return {
-            "concurrency": self.concurrency, "requests": len(self.requests), "ok": len(self.ok),
-            "errors": len(self.errors), "first_error": first_error, "output_tokens": self.output_tokens,
-            "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
+            "concurrency": self.concurrency,
+            "requests": len(self.requests),
+            "ok": len(self.ok),
+            "errors": len(self.errors),
+            "first_error": first_error,
+            "output_tokens": self.output_tokens,
+            "wall_s": self.wall_s,
+            "tokens_per_s": self.tokens_per_s,
             "ttft_ms": {"median": ms(self.ttft_median), "p90": ms(self.ttft_p90)},
             "itl_ms": {"median": ms(self.itl_median), "p90": ms(self.itl_p90)},
             "tpot_ms": {"median": ms(self.tpot_median), "p90": ms(percentile(self.tpots, 90))},
-            "response_draft_tokens": self.draft_tokens, "response_accepted": self.accepted,
+            "response_draft_tokens": self.draft_tokens,
+            "response_accepted": self.accepted,
             "response_acceptance": self.acceptance,
         }
 
@@ -258,11 +268,21 @@ class WorkloadResult:
 ProgressCallback = Callable[[int, "int | None"], None]
 
 
-async def run_workload(base_url: str, model_name: str, prompts: Sequence[Prompt], *, concurrency: int,
-                       requests: int | None = None, duration: float | None = None, stream: bool = True,
-                       api_key: str | None = None, on_progress: ProgressCallback | None = None,
-                       timeout: float = DEFAULT_TIMEOUT, extra_body: dict | None = None,
-                       session=None) -> WorkloadResult:
+async def run_workload(
+    base_url: str,
+    model_name: str,
+    prompts: Sequence[Prompt],
+    *,
+    concurrency: int,
+    requests: int | None = None,
+    duration: float | None = None,
+    stream: bool = True,
+    api_key: str | None = None,
+    on_progress: ProgressCallback | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    extra_body: dict | None = None,
+    session=None,
+) -> WorkloadResult:
     """Send ``prompts`` (cycling) from ``concurrency`` clients to ``base_url``/v1/completions.
 
     Stops starting requests once ``requests`` were sent or ``duration`` seconds passed (requests in flight
@@ -295,8 +315,9 @@ async def run_workload(base_url: str, model_name: str, prompts: Sequence[Prompt]
     return WorkloadResult(concurrency, results, wall)
 
 
-def _requests_to_send(prompts: Sequence[Prompt], concurrency: int, requests: int | None,
-                      duration: float | None) -> int | None:
+def _requests_to_send(
+    prompts: Sequence[Prompt], concurrency: int, requests: int | None, duration: float | None
+) -> int | None:
     """``requests`` checked (ValueError), or every prompt once when neither it nor ``duration`` is given."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -351,8 +372,13 @@ async def _client_session(session, concurrency: int):
 
 
 def _body(model_name: str, prompt: Prompt, stream: bool, extra: dict | None) -> dict:
-    body: dict[str, Any] = {"model": model_name, "prompt": prompt.text, "max_tokens": prompt.max_tokens,
-                            "temperature": prompt.temperature, "stream": stream}
+    body: dict[str, Any] = {
+        "model": model_name,
+        "prompt": prompt.text,
+        "max_tokens": prompt.max_tokens,
+        "temperature": prompt.temperature,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     if extra:
@@ -360,16 +386,16 @@ def _body(model_name: str, prompt: Prompt, stream: bool, extra: dict | None) -> 
     return body
 
 
-async def _one_request(session, url: str, headers: dict, model_name: str, prompt: Prompt, stream: bool,
-                       timeout: float, extra: dict | None) -> RequestResult:
+async def _one_request(
+    session, url: str, headers: dict, model_name: str, prompt: Prompt, stream: bool, timeout: float, extra: dict | None
+) -> RequestResult:
     import aiohttp
 
     body = _body(model_name, prompt, stream, extra)
     start = time.monotonic()
     res = RequestResult(set=prompt.set, ok=False, start=start, end=start)
     try:
-        async with session.post(url, json=body, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:300]
                 res.error = f"HTTP {resp.status}: {text.strip()}"
@@ -451,15 +477,22 @@ def _take_final(data: dict, res: RequestResult) -> None:
 WARMUP_MAX_TOKENS = 16
 
 
-async def warm_up(engine, prompts: list[Prompt], *, concurrency: int = 1, requests: int | None = None,
-                  extra_body: dict | None = None) -> None:
+async def warm_up(
+    engine, prompts: list[Prompt], *, concurrency: int = 1, requests: int | None = None, extra_body: dict | None = None
+) -> None:
     """Short requests before measuring, so first-request costs (allocation, compilation) are not measured.
 
     ``engine`` is a launched engine (``base_url``, ``model_name``, ``api_key``); raises when a request fails.
     """
     short = [Prompt(p.text, min(p.max_tokens, WARMUP_MAX_TOKENS), p.temperature, p.set) for p in prompts]
-    res = await run_workload(engine.base_url, engine.model_name, short, concurrency=concurrency,
-                             requests=len(short) if requests is None else requests, api_key=engine.api_key,
-                             extra_body=extra_body)
+    res = await run_workload(
+        engine.base_url,
+        engine.model_name,
+        short,
+        concurrency=concurrency,
+        requests=len(short) if requests is None else requests,
+        api_key=engine.api_key,
+        extra_body=extra_body,
+    )
     if not res.ok:
         raise SpecopsError(f"warm-up requests to {engine.base_url} failed: {res.errors[0].error}")

@@ -14,30 +14,31 @@ The modules, in the order a request meets them:
 - :mod:`~specops.proxy.errors`: exceptions, JSON error bodies, one-line log text;
 - :mod:`~specops.proxy.metrics`: the Prometheus collector; :mod:`~specops.proxy.loop`: uvloop or asyncio.
 """
+
 from .dispatch import ADMIN_PREFIX
 from .limits import (
-                     DEFAULT_BODY_TIMEOUT,
-                     DEFAULT_HEADER_TIMEOUT,
-                     DEFAULT_MAX_BODY_SIZE,
-                     DEFAULT_MAX_BUFFERED_BYTES,
-                     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_BODY_SIZE,
+    DEFAULT_MAX_BUFFERED_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
 )
 from .loop import loop_factory, run_event_loop
 from .server import DrainResult, Proxy
 from .states import TRANSITIONS, IllegalTransition, ProxyState
 
 __all__ = [
-                     "ADMIN_PREFIX",
-                     "DEFAULT_BODY_TIMEOUT",
-                     "DEFAULT_HEADER_TIMEOUT",
-                     "DEFAULT_MAX_BODY_SIZE",
-                     "DEFAULT_MAX_BUFFERED_BYTES",
-                     "DEFAULT_MAX_CONNECTIONS",
-                     "TRANSITIONS",
-                     "DrainResult",
-                     "IllegalTransition",
-                     "Proxy",
-                     "ProxyState",
-                     "loop_factory",
-                     "run_event_loop",
+    "ADMIN_PREFIX",
+    "DEFAULT_BODY_TIMEOUT",
+    "DEFAULT_HEADER_TIMEOUT",
+    "DEFAULT_MAX_BODY_SIZE",
+    "DEFAULT_MAX_BUFFERED_BYTES",
+    "DEFAULT_MAX_CONNECTIONS",
+    "TRANSITIONS",
+    "DrainResult",
+    "IllegalTransition",
+    "Proxy",
+    "ProxyState",
+    "loop_factory",
+    "run_event_loop",
 ]

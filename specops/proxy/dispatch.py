@@ -18,6 +18,7 @@ requests queue) until the supervisor releases an engine, or the same URL answers
 :class:`RequestPath` is the part of :class:`~specops.proxy.server.Proxy` that serves requests; it works
 on the proxy's state, counters and engine generations, which :mod:`specops.proxy.server` owns.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,7 +48,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - aiohttp depends on async-timeout on 3.10
     from async_timeout import timeout as _timeout
 
-if TYPE_CHECKING:                           # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover
     from .server import Proxy
 
 log = logging.getLogger("specops.proxy")
@@ -88,31 +89,56 @@ class RequestPath:
             return self._refuse(request, exc)
         if request.path.startswith(ADMIN_PREFIX):
             return await self._handle_admin(request)
-        return web.json_response({"error": {"message": "admin listener: only /specops/status and "
-                                            "/specops/metrics", "type": "not_found", "code": 404}}, status=404)
+        return web.json_response(
+            {
+                "error": {
+                    "message": "admin listener: only /specops/status and /specops/metrics",
+                    "type": "not_found",
+                    "code": 404,
+                }
+            },
+            status=404,
+        )
 
     async def _handle_admin(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path.rstrip("/")
         if path == "/specops/status":
-            return web.Response(text=json.dumps(self.status(), indent=1, default=str),
-                                content_type="application/json")
+            return web.Response(text=json.dumps(self.status(), indent=1, default=str), content_type="application/json")
         if path == "/specops/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST
+
             return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-        return web.json_response({"error": {"message": f"unknown specops endpoint {shown(request.path)}",
-                                            "type": "not_found", "code": 404}}, status=404)
+        return web.json_response(
+            {"error": {"message": f"unknown specops endpoint {shown(request.path)}", "type": "not_found", "code": 404}},
+            status=404,
+        )
 
     # ------------------------------------------------------------------------------------ refusals
 
     def _refuse(self: Proxy, request: web.BaseRequest, exc: ClientError) -> web.Response:
         """Answer a request the proxy refused on its own, and log one (rate-limited) line about it."""
         self._c["rejected_" + exc.counter] += 1
-        self._reject_log("proxy: %d %s from %s: %s %s", exc.status, exc.kind, request.remote or "-",
-                         shown(request.method, 16), shown(request.raw_path))
-        headers = {"Retry-After": self._retry_after()} if exc.status == 503 else \
-            {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        resp = web.Response(status=exc.status, body=error_body(exc.status, exc.kind, str(exc)),
-                            content_type="application/json", headers=headers)
+        self._reject_log(
+            "proxy: %d %s from %s: %s %s",
+            exc.status,
+            exc.kind,
+            request.remote or "-",
+            shown(request.method, 16),
+            shown(request.raw_path),
+        )
+        headers = (
+            {"Retry-After": self._retry_after()}
+            if exc.status == 503
+            else {"WWW-Authenticate": "Bearer"}
+            if exc.status == 401
+            else None
+        )
+        resp = web.Response(
+            status=exc.status,
+            body=error_body(exc.status, exc.kind, str(exc)),
+            content_type="application/json",
+            headers=headers,
+        )
         if exc.close:
             resp.force_close()
         return resp
@@ -123,9 +149,12 @@ class RequestPath:
         return str(max(1, min(30, math.ceil(self.queue_timeout / 4 or 1))))
 
     def _reject(self: Proxy, status: int, kind: str, message: str) -> web.Response:
-        return web.Response(status=status, body=error_body(status, kind, message),
-                            content_type="application/json",
-                            headers={"Retry-After": self._retry_after()} if status == 503 else None)
+        return web.Response(
+            status=status,
+            body=error_body(status, kind, message),
+            content_type="application/json",
+            headers={"Retry-After": self._retry_after()} if status == 503 else None,
+        )
 
     # ------------------------------------------------------------------------------------ forwarding
 
@@ -170,26 +199,33 @@ class RequestPath:
                     c["retried_ok"] += 1
                 return resp
             alive = None
-            if failure.stale and not reconnected and flight.cut_reason is None and gen is self._gen \
-                    and self._state is SERVING:
+            if (
+                failure.stale
+                and not reconnected
+                and flight.cut_reason is None
+                and gen is self._gen
+                and self._state is SERVING
+            ):
                 alive = await self._reachable(gen.url)
-                if alive:                   # a pooled connection the engine had closed: just reconnect
+                if alive:  # a pooled connection the engine had closed: just reconnect
                     reconnected = True
                     c["reconnects"] += 1
                     continue
             if retried or not self.retry_unstarted or self._state is STOPPED:
                 c["upstream_errors"] += 1
                 status = 503 if self._state is STOPPED else 502
-                return self._reject(status, "specops_upstream_error",
-                                    f"specops: the engine failed before answering: {failure.reason}")
+                return self._reject(
+                    status, "specops_upstream_error", f"specops: the engine failed before answering: {failure.reason}"
+                )
             retried = True
             c["retried"] += 1
             log.info("proxy: retrying %s %s after: %s", request.method, shown(request.raw_path), failure.reason)
             await self._after_unstarted_failure(flight, failure.reason, alive)
             deadline = loop.time() + self.queue_timeout
 
-    async def _attempt(self: Proxy, request: web.BaseRequest, body: bytes, headers,
-                       flight: Flight) -> tuple[web.StreamResponse | None, Unstarted | None]:
+    async def _attempt(
+        self: Proxy, request: web.BaseRequest, body: bytes, headers, flight: Flight
+    ) -> tuple[web.StreamResponse | None, Unstarted | None]:
         """One exchange, counted in flight on its generation (so drain can wait for it or cut it)."""
         gen = flight.gen
         gen.inflight.add(flight)
@@ -213,8 +249,9 @@ class RequestPath:
         if self._state is STOPPED:
             raise Rejected("stopped", "specops is shutting down")
         if self._waiting >= self.queue_size:
-            raise Rejected("queue_full", f"the engine is switching and the wait queue is full "
-                                         f"({self.queue_size} requests)")
+            raise Rejected(
+                "queue_full", f"the engine is switching and the wait queue is full ({self.queue_size} requests)"
+            )
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         self._waiting += 1
@@ -224,8 +261,10 @@ class RequestPath:
                     raise Rejected("stopped", "specops is shutting down")
                 left = deadline - loop.time()
                 if left <= 0:
-                    raise Rejected("queue_timeout", f"the engine did not come back within the "
-                                                    f"{self.queue_timeout:g}s queue timeout")
+                    raise Rejected(
+                        "queue_timeout",
+                        f"the engine did not come back within the {self.queue_timeout:g}s queue timeout",
+                    )
                 try:
                     async with _timeout(left):
                         await self._open.wait()
@@ -245,11 +284,11 @@ class RequestPath:
         """Decide where the retry goes: the same engine if it is alive, else wait for the next one."""
         gen = flight.gen
         if flight.cut_reason is not None or gen is not self._gen or self._state is not SERVING:
-            return                          # a switch/failure is already being handled: _acquire waits
+            return  # a switch/failure is already being handled: _acquire waits
         if alive is None:
             alive = await self._reachable(gen.url)
         if alive:
-            return                          # a transient error (e.g. a stale keep-alive connection)
+            return  # a transient error (e.g. a stale keep-alive connection)
         if gen is self._gen and self._state is SERVING:
             self._set_state(DOWN)
             self._event("upstream_unreachable", url=gen.url, reason=reason)
@@ -284,8 +323,9 @@ class RequestPath:
         while self._state is DOWN and self._gen is gen:
             await asyncio.sleep(self.recover_interval)
             try:
-                async with self._forwarder.session.get(url, headers={"Connection": "close"},
-                                                       timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                async with self._forwarder.session.get(
+                    url, headers={"Connection": "close"}, timeout=aiohttp.ClientTimeout(total=2.0)
+                ) as r:
                     ok = r.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 ok = False

@@ -1,5 +1,6 @@
 """What goes wrong on the way, and how it is said: the proxy's exceptions, its JSON error bodies, and
 exceptions and client-sent text squeezed into one safe log line."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ class ClientError(Exception):
         super().__init__(message)
         self.status = status
         self.kind = kind
-        self.close = close                  # the body was not read: do not keep the connection
+        self.close = close  # the body was not read: do not keep the connection
         self.counter = counter or kind
 
 
@@ -41,8 +42,9 @@ class Unstarted(Exception):
 
 def error_body(status: int, kind: str, message: str) -> bytes:
     """The OpenAI-style JSON error document every rejection (and a broken stream's last event) carries."""
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, separators=(",", ":")
+    ).encode()
 
 
 def shown(text: str | None, limit: int = 120) -> str:

@@ -20,6 +20,7 @@ only bodies/lines that contain ``"timings"`` (:class:`Timings`). Small non-strea
 (≤ ``buffer_limit``, with a Content-Length and not SSE) are read whole before they are answered, which
 costs nothing (the engine sends them at once) and lets a failure while reading them be retried too.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,11 +47,24 @@ else:  # pragma: no cover - aiohttp depends on async-timeout on 3.10
 log = logging.getLogger("specops.proxy")
 
 #: Hop-by-hop headers (RFC 9110 §7.6.1) plus the non-standard ones proxies commonly strip.
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-                         "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
 # forwarding headers a client could spoof: the proxy writes its own (see the module docstring)
-_FORWARDING = frozenset({"forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto",
-                         "x-forwarded-port", "x-real-ip"})
+_FORWARDING = frozenset(
+    {"forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-forwarded-port", "x-real-ip"}
+)
 _REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect"} | _FORWARDING
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
 _RESPONSE_DROP_NAMES = tuple(sorted(_RESPONSE_DROP))
@@ -75,14 +89,20 @@ _SSE_TAIL_LIMIT = 1 << 20
 
 def engine_session(connect_timeout: float, read_timeout: float | None) -> aiohttp.ClientSession:
     """The client session every engine request goes through (made inside the running loop)."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=_ENGINE_KEEPALIVE,
-                                     ttl_dns_cache=None, use_dns_cache=True)
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=0, keepalive_timeout=_ENGINE_KEEPALIVE, ttl_dns_cache=None, use_dns_cache=True
+    )
     return aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+        connector=connector,
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),
-        timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_timeout,
-                                      sock_read=read_timeout),
-        trust_env=False, raise_for_status=False, max_line_size=65536, max_field_size=65536)
+        timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_timeout, sock_read=read_timeout),
+        trust_env=False,
+        raise_for_status=False,
+        max_line_size=65536,
+        max_field_size=65536,
+    )
 
 
 class Generation:
@@ -100,7 +120,7 @@ class Generation:
         self.path = base.raw_path.rstrip("/")
         self.inflight: set[Flight] = set()
         self.finished = 0
-        self.idle: asyncio.Event | None = None      # made by drain(); set when inflight empties
+        self.idle: asyncio.Event | None = None  # made by drain(); set when inflight empties
 
 
 class Flight:
@@ -113,27 +133,26 @@ class Flight:
         self.cm = None
         self.cut_reason: str | None = None
         self.started = False
-        self.totals: dict | None = None     # timings running totals per choice index
+        self.totals: dict | None = None  # timings running totals per choice index
 
     def cut(self, reason: str) -> None:
         if self.cut_reason is None:
             self.cut_reason = reason
         cm = self.cm
         if cm is not None:
-            move = getattr(cm, "reschedule", None) or cm.update    # asyncio.timeout / async_timeout (3.10)
+            move = getattr(cm, "reschedule", None) or cm.update  # asyncio.timeout / async_timeout (3.10)
             try:
                 move(asyncio.get_running_loop().time())
-            except RuntimeError:            # the block is already exiting
+            except RuntimeError:  # the block is already exiting
                 pass
 
 
 def upstream_url(gen: Generation, target: str) -> URL:
     """The engine URL for an origin-form target (checked to start with '/'): built from its parts."""
-    if target[:1] != "/":                # check_target refused it already; never build from anything else
+    if target[:1] != "/":  # check_target refused it already; never build from anything else
         raise ValueError("not an origin-form request target")
     path, _, query = target.partition("?")
-    return URL.build(scheme=gen.scheme, authority=gen.authority, path=gen.path + path, query_string=query,
-                     encoded=True)
+    return URL.build(scheme=gen.scheme, authority=gen.authority, path=gen.path + path, query_string=query, encoded=True)
 
 
 def request_headers(request: web.BaseRequest, body: bytes) -> CIMultiDict:
@@ -162,7 +181,7 @@ def request_headers(request: web.BaseRequest, body: bytes) -> CIMultiDict:
 
 
 def _response_headers(up: aiohttp.ClientResponse) -> CIMultiDict:
-    out = CIMultiDict(up.headers)           # one C-level copy, then drop the few hop-by-hop ones
+    out = CIMultiDict(up.headers)  # one C-level copy, then drop the few hop-by-hop ones
     conn = out.get("Connection")
     if conn:
         for name in conn.split(","):
@@ -180,16 +199,18 @@ class Forwarder:
     and the timings totals are counted here); ``budget`` also holds the small answers read whole.
     """
 
-    def __init__(self, counters: dict, budget: BufferBudget, buffer_limit: int,
-                 on_timings: Callable[[int, int], Any] | None):
-        self.session: aiohttp.ClientSession | None = None      # set by Proxy.start()
+    def __init__(
+        self, counters: dict, budget: BufferBudget, buffer_limit: int, on_timings: Callable[[int, int], Any] | None
+    ):
+        self.session: aiohttp.ClientSession | None = None  # set by Proxy.start()
         self.counters = counters
         self.budget = budget
         self.buffer_limit = buffer_limit
         self.timings = Timings(counters, on_timings)
 
-    async def exchange(self, request: web.BaseRequest, body: bytes, headers: CIMultiDict,
-                       flight: Flight) -> web.StreamResponse:
+    async def exchange(
+        self, request: web.BaseRequest, body: bytes, headers: CIMultiDict, flight: Flight
+    ) -> web.StreamResponse:
         """One attempt against one engine. Raises :class:`Unstarted` when nothing reached the client."""
         if flight.cut_reason is not None:
             raise Unstarted(flight.cut_reason)
@@ -218,17 +239,24 @@ class Forwarder:
                 if ex.complete:
                     ex.up.release()
                 else:
-                    ex.up.close()            # abort the engine request (vLLM/llama-server cancel on close)
+                    ex.up.close()  # abort the engine request (vLLM/llama-server cancel on close)
         return await self._finish(ex)
 
-    async def _send(self, request: web.BaseRequest, body: bytes, headers: CIMultiDict,
-                    flight: Flight) -> aiohttp.ClientResponse:
+    async def _send(
+        self, request: web.BaseRequest, body: bytes, headers: CIMultiDict, flight: Flight
+    ) -> aiohttp.ClientResponse:
         try:
-            return await self.session.request(request.method, upstream_url(flight.gen, request.raw_path),
-                                              headers=headers, data=body or None, allow_redirects=False)
+            return await self.session.request(
+                request.method,
+                upstream_url(flight.gen, request.raw_path),
+                headers=headers,
+                data=body or None,
+                allow_redirects=False,
+            )
         except UPSTREAM_ERRORS as exc:
-            stale = (isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
-                     and not isinstance(exc, aiohttp.ClientConnectorError))
+            stale = isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and not isinstance(
+                exc, aiohttp.ClientConnectorError
+            )
             raise Unstarted(describe(exc), stale) from None
 
     async def _answer(self, ex: _Exchange) -> web.StreamResponse | None:
@@ -238,8 +266,13 @@ class Forwarder:
         ex.sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
         clen = up.content_length
         out_headers = _response_headers(up)
-        if not ex.sse and clen is not None and clen <= self.buffer_limit and request.method != "HEAD" \
-                and self.budget.fits(clen):
+        if (
+            not ex.sse
+            and clen is not None
+            and clen <= self.buffer_limit
+            and request.method != "HEAD"
+            and self.budget.fits(clen)
+        ):
             return await self._answer_whole(ex, clen, out_headers)
         ex.resp = resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out_headers)
         if clen is not None:
@@ -248,14 +281,14 @@ class Forwarder:
             await resp.prepare(request)
         except _CLIENT_GONE:
             self.counters["client_disconnects"] += 1
-            return resp              # closing the engine response (finally) cancels its request
+            return resp  # closing the engine response (finally) cancels its request
         ex.flight.started = True
         return await self._stream(ex)
 
     async def _answer_whole(self, ex: _Exchange, clen: int, out_headers: CIMultiDict) -> web.Response:
         """A small answer, read whole first: a failure while reading it can still be retried."""
         budget = self.budget
-        budget.held += clen                 # counted while it is read (then aiohttp writes it out)
+        budget.held += clen  # counted while it is read (then aiohttp writes it out)
         try:
             data = await ex.up.read()
         except UPSTREAM_ERRORS as exc:
@@ -288,7 +321,7 @@ class Forwarder:
                 await write(chunk)
             except _CLIENT_GONE:
                 self.counters["client_disconnects"] += 1
-                return ex.resp       # closing the engine response (finally) cancels its request
+                return ex.resp  # closing the engine response (finally) cancels its request
             if scan:
                 tail = from_sse(tail + chunk if tail else chunk, flight)
 
@@ -317,7 +350,7 @@ class Forwarder:
                 pass
         transport = request.transport
         if transport is not None:
-            transport.abort()               # the client sees an incomplete body, never a short one
+            transport.abort()  # the client sees an incomplete body, never a short one
 
 
 class _Exchange:
@@ -331,8 +364,8 @@ class _Exchange:
         self.up: aiohttp.ClientResponse | None = None
         self.resp: web.StreamResponse | None = None
         self.sse = False
-        self.complete = False               # the engine's answer was read to its end
-        self.broken: str | None = None      # why a started stream could not complete
+        self.complete = False  # the engine's answer was read to its end
+        self.broken: str | None = None  # why a started stream could not complete
 
 
 class Timings:
@@ -369,7 +402,7 @@ class Timings:
                         continue
                     if isinstance(obj, dict):
                         self.feed(obj, flight)
-        return buf[nl + 1:]
+        return buf[nl + 1 :]
 
     def feed(self, obj: dict, flight: Flight) -> None:
         t = obj.get("timings")
@@ -388,7 +421,7 @@ class Timings:
         if totals is None:
             totals = flight.totals = {}
         pn, pa = totals.get(index, (0, 0))
-        if dn < pn or da < pa:              # a new sequence: counts started again
+        if dn < pn or da < pa:  # a new sequence: counts started again
             pn = pa = 0
         totals[index] = (dn, da)
         d_n, d_a = dn - pn, da - pa

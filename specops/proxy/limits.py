@@ -23,6 +23,7 @@
   past ``log_rejects_per_s`` lines a second the rest are counted and the count is added to the next line
   (:class:`RejectLog`, :class:`ServerLog`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,6 +59,7 @@ UNAUTHENTICATED = frozenset({("GET", "/health"), ("HEAD", "/health")})
 
 # ------------------------------------------------------------------------------------------ rejection log
 
+
 class RejectLog:
     """One warning line per rejected request, at most ``per_s`` a second; the rest are counted and the
     count is added to the next line that is printed (and to ``Proxy.stats()['log_suppressed']``)."""
@@ -67,8 +69,8 @@ class RejectLog:
         self.per_s = per_s
         self.window = -1.0
         self.lines = 0
-        self.pending = 0                    # suppressed since the last printed line
-        self.suppressed = 0                 # suppressed in all
+        self.pending = 0  # suppressed since the last printed line
+        self.suppressed = 0  # suppressed in all
 
     def __call__(self, msg: str, *args) -> None:
         now = time.monotonic()
@@ -119,8 +121,10 @@ class ServerLog:
 # ------------------------------------------------------------------------- connections and their deadlines
 
 # answered to a connection past max_connections, before anything is read from it
-_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+)
 
 
 class Refuse(asyncio.Protocol):
@@ -165,10 +169,11 @@ class Connection(web.RequestHandler):
         super().connection_made(transport)
         if self._specops_header_timeout:
             self.specops_deadline = asyncio.get_running_loop().call_later(
-                self._specops_header_timeout, self._specops_no_request)
+                self._specops_header_timeout, self._specops_no_request
+            )
 
     def _specops_no_request(self) -> None:
-        self.specops_deadline = None        # a request would have cancelled it: none came in time
+        self.specops_deadline = None  # a request would have cancelled it: none came in time
         self.force_close()
 
     def connection_lost(self, exc) -> None:
@@ -182,11 +187,12 @@ class Connection(web.RequestHandler):
                 server.open_connections -= 1
         super().connection_lost(exc)
 
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         """A request aiohttp could not parse (400, 413, 431...) or a bug in the handler (500)."""
         server = self._manager
-        if isinstance(exc, ConnectionError):     # the client went away: nothing to answer, nothing to report
+        if isinstance(exc, ConnectionError):  # the client went away: nothing to answer, nothing to report
             log.debug("proxy: client %s went away: %s", request.remote, describe(exc))
         elif server is not None:
             server.report_error(request, status, exc, message)
@@ -216,22 +222,32 @@ class Server(web.Server):
     ``internal_errors`` are counted here); ``reject_log`` gets one line per refusal.
     """
 
-    def __init__(self, handler, *, counters: dict, reject_log: RejectLog, max_connections: int | None,
-                 header_timeout: float | None, **kwargs):
+    def __init__(
+        self,
+        handler,
+        *,
+        counters: dict,
+        reject_log: RejectLog,
+        max_connections: int | None,
+        header_timeout: float | None,
+        **kwargs,
+    ):
         super().__init__(handler, **kwargs)
         self.counters = counters
         self.reject_log = reject_log
         self.max_connections = max_connections
         self.header_timeout = header_timeout
         self.open_connections = 0
-        self._refusal = error_body(503, "specops_too_many_connections",
-                                   f"specops: too many open connections ({max_connections}); retry later")
+        self._refusal = error_body(
+            503, "specops_too_many_connections", f"specops: too many open connections ({max_connections}); retry later"
+        )
 
-    def __call__(self) -> asyncio.Protocol:     # the protocol factory: one call per accepted connection
+    def __call__(self) -> asyncio.Protocol:  # the protocol factory: one call per accepted connection
         if self.max_connections is not None and self.open_connections >= self.max_connections:
             self.counters["rejected_connections"] += 1
-            self.reject_log("proxy: refused a connection: %d connections are open (max_connections)",
-                            self.open_connections)
+            self.reject_log(
+                "proxy: refused a connection: %d connections are open (max_connections)", self.open_connections
+            )
             return Refuse(self._refusal)
         self.open_connections += 1
         return Connection(self, loop=self._loop, header_timeout=self.header_timeout, **self._kwargs)
@@ -239,8 +255,13 @@ class Server(web.Server):
     def report_error(self, request, status: int, exc: BaseException | None, message: str | None) -> None:
         """Count and log (one line) a request aiohttp could not parse, or a bug in the handler."""
         self.counters["rejected_malformed" if status < 500 else "internal_errors"] += 1
-        self.reject_log("proxy: %d %s from %s: %s", status, "malformed request" if status < 500 else
-                        "internal error", request.remote or "-", shown(brief(exc) if exc else message, 160))
+        self.reject_log(
+            "proxy: %d %s from %s: %s",
+            status,
+            "malformed request" if status < 500 else "internal error",
+            request.remote or "-",
+            shown(brief(exc) if exc else message, 160),
+        )
         if exc is not None and status >= 500 and log.isEnabledFor(logging.DEBUG):
             log.debug("proxy: traceback of the internal error", exc_info=exc)
 
@@ -250,27 +271,39 @@ def raise_fd_limit(wanted: int) -> None:
     ``max_connections`` client connections, each with an engine connection, fit."""
     try:
         import resource
+
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and soft < wanted:
             new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
             if new > soft:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-    except (ImportError, ValueError, OSError):      # pragma: no cover - not on Linux, or not allowed
+    except (ImportError, ValueError, OSError):  # pragma: no cover - not on Linux, or not allowed
         pass
 
 
 # ------------------------------------------------------------------------------------- request checks
 
+
 def check_target(request: web.BaseRequest) -> None:
     """Only origin-form targets (``/path?query``) are served: nothing else can name another host."""
-    target = request.raw_path           # the request-target exactly as the client sent it
+    target = request.raw_path  # the request-target exactly as the client sent it
     if request.method == "CONNECT":
-        raise ClientError(405, "method_not_allowed", "specops: CONNECT is not supported: this is a "
-                          "reverse proxy for one engine", close=True, counter="method")
+        raise ClientError(
+            405,
+            "method_not_allowed",
+            "specops: CONNECT is not supported: this is a reverse proxy for one engine",
+            close=True,
+            counter="method",
+        )
     if target[:1] != "/" or "#" in target:
-        raise ClientError(400, "invalid_request_error", "specops: the request target must be a path "
-                          "starting with '/' (no absolute URL, authority, '*' or fragment)", close=True,
-                          counter="bad_target")
+        raise ClientError(
+            400,
+            "invalid_request_error",
+            "specops: the request target must be a path "
+            "starting with '/' (no absolute URL, authority, '*' or fragment)",
+            close=True,
+            counter="bad_target",
+        )
 
 
 def check_key(request: web.BaseRequest, key: bytes | None) -> None:
@@ -280,15 +313,21 @@ def check_key(request: web.BaseRequest, key: bytes | None) -> None:
     got = request.headers.get("Authorization")
     if got is not None:
         raw = got.strip().encode("utf-8", "surrogateescape")
-        if raw[:7].lower() == b"bearer ":          # the scheme is case-insensitive (RFC 9110 §11.1)
+        if raw[:7].lower() == b"bearer ":  # the scheme is case-insensitive (RFC 9110 §11.1)
             raw = b"Bearer " + raw[7:].lstrip()
         if hmac.compare_digest(raw, key):
             return
-    raise ClientError(401, "authentication_error", "specops: a valid API key is required "
-                      "(Authorization: Bearer <key>)", close=request.body_exists, counter="unauthorized")
+    raise ClientError(
+        401,
+        "authentication_error",
+        "specops: a valid API key is required (Authorization: Bearer <key>)",
+        close=request.body_exists,
+        counter="unauthorized",
+    )
 
 
 # ------------------------------------------------------------------------------------------- bodies
+
 
 class BufferBudget:
     """The bytes of request bodies (and buffered engine answers) the proxy holds now, against
@@ -303,9 +342,14 @@ class BufferBudget:
     def reserve(self, n: int) -> None:
         """Hold ``n`` more bytes, or refuse the request (503, retry later) when they do not fit."""
         if n and self.held + n > self.limit:
-            raise ClientError(503, "specops_buffer_full", f"specops: the proxy holds too many request bodies "
-                              f"now ({self.held} bytes; proxy.max_buffered_bytes {self.limit}); retry later",
-                              close=True, counter="buffer_full")
+            raise ClientError(
+                503,
+                "specops_buffer_full",
+                f"specops: the proxy holds too many request bodies "
+                f"now ({self.held} bytes; proxy.max_buffered_bytes {self.limit}); retry later",
+                close=True,
+                counter="buffer_full",
+            )
         self.held += n
 
     def fits(self, n: int) -> bool:
@@ -314,17 +358,28 @@ class BufferBudget:
 
 def _too_large(limit: int, size: int | None = None) -> ClientError:
     what = f"the request body ({size} bytes) is over the" if size is not None else "the request body is over the"
-    return ClientError(413, "request_too_large", f"specops: {what} {limit}-byte limit (proxy.max_body_size)",
-                       close=True, counter="too_large")
+    return ClientError(
+        413,
+        "request_too_large",
+        f"specops: {what} {limit}-byte limit (proxy.max_body_size)",
+        close=True,
+        counter="too_large",
+    )
 
 
 def _malformed(exc: Exception) -> ClientError:
-    return ClientError(400, "invalid_request_error", f"specops: malformed request body ({type(exc).__name__})",
-                       close=True, counter="malformed")
+    return ClientError(
+        400,
+        "invalid_request_error",
+        f"specops: malformed request body ({type(exc).__name__})",
+        close=True,
+        counter="malformed",
+    )
 
 
-async def read_body(request: web.BaseRequest, budget: BufferBudget, limit: int,
-                    body_timeout: float) -> tuple[bytes, int]:
+async def read_body(
+    request: web.BaseRequest, budget: BufferBudget, limit: int, body_timeout: float
+) -> tuple[bytes, int]:
     """The whole request body and the bytes it reserved of ``budget`` (give them back).
 
     Refused without reading when the Content-Length is over ``limit`` (``max_body_size``) or the
@@ -336,7 +391,7 @@ async def read_body(request: web.BaseRequest, budget: BufferBudget, limit: int,
     if clen is not None and clen > limit:
         raise _too_large(limit, clen)
     content = request.content
-    if content.is_eof():                # the usual case: the body came with the headers
+    if content.is_eof():  # the usual case: the body came with the headers
         try:
             body = content.read_nowait()
         except HttpProcessingError as exc:
@@ -352,9 +407,13 @@ async def read_body(request: web.BaseRequest, budget: BufferBudget, limit: int,
             async with _timeout(body_timeout):
                 await incoming.read(content, budget, limit)
         except asyncio.TimeoutError:
-            raise ClientError(408, "request_timeout", f"specops: the request body did not arrive within "
-                              f"{body_timeout:g}s (proxy.body_timeout)", close=True,
-                              counter="body_timeout") from None
+            raise ClientError(
+                408,
+                "request_timeout",
+                f"specops: the request body did not arrive within {body_timeout:g}s (proxy.body_timeout)",
+                close=True,
+                counter="body_timeout",
+            ) from None
         except HttpProcessingError as exc:
             raise _malformed(exc) from None
     except BaseException:
@@ -371,7 +430,7 @@ class _Incoming:
 
     def __init__(self, reserved: int):
         self.chunks: list[bytes] = []
-        self.reserved = reserved            # of the budget: the Content-Length, or what came (chunked)
+        self.reserved = reserved  # of the budget: the Content-Length, or what came (chunked)
 
     async def read(self, content, budget: BufferBudget, limit: int) -> None:
         size = 0
@@ -382,7 +441,7 @@ class _Incoming:
             size += len(chunk)
             if size > limit:
                 raise _too_large(limit)
-            if size > self.reserved:        # no Content-Length (chunked): reserve as it comes
+            if size > self.reserved:  # no Content-Length (chunked): reserve as it comes
                 budget.reserve(size - self.reserved)
                 self.reserved = size
             self.chunks.append(chunk)

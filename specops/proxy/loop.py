@@ -1,4 +1,5 @@
 """The event loop the proxy runs on: uvloop when it is installed, else asyncio's own."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,4 +33,5 @@ def run_event_loop(main):
         with asyncio.Runner(loop_factory=factory) as runner:
             return runner.run(main)
     import uvloop  # pragma: no cover - Python 3.10
+
     return uvloop.run(main)

@@ -1,12 +1,13 @@
 """The proxy's own Prometheus metrics (``/specops/metrics``), read from its plain counters at scrape time,
 so counting costs the hot path nothing but a dict increment."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from .states import ProxyState
 
-if TYPE_CHECKING:                           # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover
     from .server import Proxy
 
 __all__ = ["ProxyCollector", "metrics_text"]
@@ -60,48 +61,85 @@ class ProxyCollector:
 
     @staticmethod
     def _traffic(p: Proxy, st: dict):
-        yield _counter("specops_proxy_requests", "Requests received on the public port (admin excluded).",
-                       st["requests"])
+        yield _counter(
+            "specops_proxy_requests", "Requests received on the public port (admin excluded).", st["requests"]
+        )
         yield _counter("specops_proxy_completed", "Requests answered by an engine (any status).", st["completed"])
         yield _gauge("specops_proxy_in_flight", "Requests being forwarded to an engine now.", st["in_flight"])
         yield _gauge("specops_proxy_queue_depth", "Requests waiting for an engine now.", st["queue_depth"])
         yield _gauge("specops_proxy_queue_capacity", "Most requests that may wait (queue_size).", p.queue_size)
         yield _counter("specops_proxy_waited_requests", "Requests that waited in the queue.", st["waited"])
-        yield _gauge("specops_proxy_longest_wait_seconds", "Longest time a request waited in the queue.",
-                     p._wait_longest)
+        yield _gauge(
+            "specops_proxy_longest_wait_seconds", "Longest time a request waited in the queue.", p._wait_longest
+        )
         yield _counter("specops_proxy_wait_seconds", "Time spent waiting in the queue, summed.", p._wait_total)
 
     @staticmethod
     def _refusals(c: dict):
-        yield _counter("specops_proxy_rejected", "Requests answered 503 by the proxy.",
-                       [(["queue_full"], c["rejected_queue_full"]),
-                        (["queue_timeout"], c["rejected_queue_timeout"]),
-                        (["stopped"], c["rejected_stopped"]), (["buffer_full"], c["rejected_buffer_full"]),
-                        (["connections"], c["rejected_connections"])], labels=["reason"])
-        yield _counter("specops_proxy_refused", "Client requests the proxy refused itself (4xx).",
-                       [([k], c["rejected_" + k]) for k in ("bad_target", "method", "unauthorized", "too_large",
-                                                             "body_timeout", "malformed")], labels=["reason"])
-        yield _gauge("specops_proxy_buffered_bytes", "Request bodies (and buffered answers) held now.",
-                     c["buffered_bytes"])
+        yield _counter(
+            "specops_proxy_rejected",
+            "Requests answered 503 by the proxy.",
+            [
+                (["queue_full"], c["rejected_queue_full"]),
+                (["queue_timeout"], c["rejected_queue_timeout"]),
+                (["stopped"], c["rejected_stopped"]),
+                (["buffer_full"], c["rejected_buffer_full"]),
+                (["connections"], c["rejected_connections"]),
+            ],
+            labels=["reason"],
+        )
+        yield _counter(
+            "specops_proxy_refused",
+            "Client requests the proxy refused itself (4xx).",
+            [
+                ([k], c["rejected_" + k])
+                for k in ("bad_target", "method", "unauthorized", "too_large", "body_timeout", "malformed")
+            ],
+            labels=["reason"],
+        )
+        yield _gauge(
+            "specops_proxy_buffered_bytes", "Request bodies (and buffered answers) held now.", c["buffered_bytes"]
+        )
         yield _gauge("specops_proxy_connections", "Open client connections on the public port.", c["connections"])
 
     @staticmethod
     def _engine(c: dict):
-        yield _counter("specops_proxy_retried_requests", "Requests retried after the engine failed before "
-                       "answering.", c["retried"])
+        yield _counter(
+            "specops_proxy_retried_requests", "Requests retried after the engine failed before answering.", c["retried"]
+        )
         yield _counter("specops_proxy_retried_ok", "Retried requests that then got an answer.", c["retried_ok"])
-        yield _counter("specops_proxy_reconnects", "Requests resent at once because a pooled engine connection "
-                       "had been closed by the engine (not counted as retries).", c["reconnects"])
-        yield _counter("specops_proxy_upstream_errors", "Requests answered 502/503 because the engine failed "
-                       "(after the retry).", c["upstream_errors"])
-        yield _counter("specops_proxy_broken_streams", "Started responses that could not complete.",
-                       [(["engine"], c["broken_streams"]), (["drain"], c["cut_streams"])], labels=["cause"])
-        yield _counter("specops_proxy_client_disconnects", "Clients that went away before their response "
-                       "completed (the engine request was cancelled).", c["client_disconnects"])
-        yield _counter("specops_proxy_timings_draft_tokens", "llama.cpp draft tokens seen in response timings.",
-                       c["timings_draft_n"])
-        yield _counter("specops_proxy_timings_accepted_tokens", "llama.cpp accepted draft tokens seen in "
-                       "response timings.", c["timings_draft_n_accepted"])
+        yield _counter(
+            "specops_proxy_reconnects",
+            "Requests resent at once because a pooled engine connection "
+            "had been closed by the engine (not counted as retries).",
+            c["reconnects"],
+        )
+        yield _counter(
+            "specops_proxy_upstream_errors",
+            "Requests answered 502/503 because the engine failed (after the retry).",
+            c["upstream_errors"],
+        )
+        yield _counter(
+            "specops_proxy_broken_streams",
+            "Started responses that could not complete.",
+            [(["engine"], c["broken_streams"]), (["drain"], c["cut_streams"])],
+            labels=["cause"],
+        )
+        yield _counter(
+            "specops_proxy_client_disconnects",
+            "Clients that went away before their response completed (the engine request was cancelled).",
+            c["client_disconnects"],
+        )
+        yield _counter(
+            "specops_proxy_timings_draft_tokens",
+            "llama.cpp draft tokens seen in response timings.",
+            c["timings_draft_n"],
+        )
+        yield _counter(
+            "specops_proxy_timings_accepted_tokens",
+            "llama.cpp accepted draft tokens seen in response timings.",
+            c["timings_draft_n_accepted"],
+        )
 
     @staticmethod
     def _state(p: Proxy, st: dict):
@@ -111,5 +149,6 @@ class ProxyCollector:
         for s in ProxyState:
             g.add_metric([s.value], 1.0 if p.state is s else 0.0)
         yield g
-        yield _gauge("specops_proxy_upstream_generation", "How many engines the proxy has pointed at.",
-                     st["generation"] or 0)
+        yield _gauge(
+            "specops_proxy_upstream_generation", "How many engines the proxy has pointed at.", st["generation"] or 0
+        )

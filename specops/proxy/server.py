@@ -13,6 +13,7 @@ Where the rest lives:
 - :mod:`specops.proxy.limits`: what the public port accepts (connections, deadlines, sizes, the API key);
 - :mod:`specops.proxy.metrics`: ``/specops/metrics``; :mod:`specops.proxy.loop`: uvloop or asyncio.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +25,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
+
+from specops.urls import http_url
 
 from .dispatch import RequestPath
 from .forward import Forwarder, Generation, engine_session
@@ -42,33 +45,56 @@ from .limits import (
 )
 from .metrics import metrics_text
 from .states import WAITING_STATES, ProxyState, check_transition
-from specops.urls import http_url
 
 log = logging.getLogger("specops.proxy")
 
 __all__ = ["DrainResult", "Proxy"]
 
-IDLE, SERVING, HELD, DOWN, STOPPED = (ProxyState.IDLE, ProxyState.SERVING, ProxyState.HELD, ProxyState.DOWN,
-                                      ProxyState.STOPPED)
+IDLE, SERVING, HELD, DOWN, STOPPED = (
+    ProxyState.IDLE,
+    ProxyState.SERVING,
+    ProxyState.HELD,
+    ProxyState.DOWN,
+    ProxyState.STOPPED,
+)
 
 #: the proxy's counters (``stats()`` reports them all; ``/specops/metrics`` exposes them)
 COUNTERS = (
-    "requests", "completed", "waited", "rejected_queue_full", "rejected_queue_timeout",
-    "rejected_stopped", "retried", "retried_ok", "reconnects", "upstream_errors", "broken_streams",
-    "cut_streams", "client_disconnects", "timings_draft_n", "timings_draft_n_accepted",
-    "rejected_bad_target", "rejected_method", "rejected_unauthorized", "rejected_too_large",
-    "rejected_body_timeout", "rejected_buffer_full", "rejected_connections", "rejected_malformed",
-    "internal_errors")
+    "requests",
+    "completed",
+    "waited",
+    "rejected_queue_full",
+    "rejected_queue_timeout",
+    "rejected_stopped",
+    "retried",
+    "retried_ok",
+    "reconnects",
+    "upstream_errors",
+    "broken_streams",
+    "cut_streams",
+    "client_disconnects",
+    "timings_draft_n",
+    "timings_draft_n_accepted",
+    "rejected_bad_target",
+    "rejected_method",
+    "rejected_unauthorized",
+    "rejected_too_large",
+    "rejected_body_timeout",
+    "rejected_buffer_full",
+    "rejected_connections",
+    "rejected_malformed",
+    "internal_errors",
+)
 
 
 @dataclass(frozen=True)
 class DrainResult:
     """What :meth:`Proxy.drain` did: requests that finished on the old engine, and those it cut."""
 
-    in_flight: int          # in flight on the drained engine when the drain began
-    finished: int           # of those (and any that started during the drain), how many completed
-    cut: int                # still running at the timeout: cut (streams got an error event, others retry)
-    cut_streams: int        # of the cut, how many had already started answering (ended with an error event)
+    in_flight: int  # in flight on the drained engine when the drain began
+    finished: int  # of those (and any that started during the drain), how many completed
+    cut: int  # still running at the timeout: cut (streams got an error event, others retry)
+    cut_streams: int  # of the cut, how many had already started answering (ended with an error event)
     waited_s: float
     timed_out: bool
 
@@ -76,8 +102,14 @@ class DrainResult:
         return asdict(self)
 
 
-def _check_settings(queue_size: int, header_timeout: float, body_timeout: float, max_connections: int | None,
-                    max_body_size: int, max_buffered_bytes: int) -> None:
+def _check_settings(
+    queue_size: int,
+    header_timeout: float,
+    body_timeout: float,
+    max_connections: int | None,
+    max_body_size: int,
+    max_buffered_bytes: int,
+) -> None:
     if queue_size < 0:
         raise ValueError("queue_size must be >= 0")
     if header_timeout <= 0 or body_timeout <= 0:
@@ -99,22 +131,36 @@ class Proxy(RequestPath):
     own metrics. The client-facing limits are described in :mod:`specops.proxy.limits`.
     """
 
-    def __init__(self, host: str, port: int, *, queue_size: int, queue_timeout: float, drain_timeout: float,
-                 retry_unstarted: bool = True,
-                 on_timings: Callable[[int, int], Any] | None = None,
-                 status_provider: Callable[[], dict] | None = None,
-                 metrics_registry=None,
-                 admin_host: str = "127.0.0.1", admin_port: int | None = None,
-                 retry_after: float | None = None,
-                 connect_timeout: float = 5.0, read_timeout: float | None = None,
-                 max_body_size: int = DEFAULT_MAX_BODY_SIZE, buffer_limit: int = 1024 * 1024,
-                 health_path: str = "/health", recover_interval: float = 1.0,
-                 events_kept: int = 100, api_key: str | None = None,
-                 header_timeout: float = DEFAULT_HEADER_TIMEOUT, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-                 max_connections: int | None = DEFAULT_MAX_CONNECTIONS,
-                 max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES, log_rejects_per_s: float = 5.0):
-        _check_settings(queue_size, header_timeout, body_timeout, max_connections, max_body_size,
-                        max_buffered_bytes)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        queue_size: int,
+        queue_timeout: float,
+        drain_timeout: float,
+        retry_unstarted: bool = True,
+        on_timings: Callable[[int, int], Any] | None = None,
+        status_provider: Callable[[], dict] | None = None,
+        metrics_registry=None,
+        admin_host: str = "127.0.0.1",
+        admin_port: int | None = None,
+        retry_after: float | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float | None = None,
+        max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+        buffer_limit: int = 1024 * 1024,
+        health_path: str = "/health",
+        recover_interval: float = 1.0,
+        events_kept: int = 100,
+        api_key: str | None = None,
+        header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        max_connections: int | None = DEFAULT_MAX_CONNECTIONS,
+        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+        log_rejects_per_s: float = 5.0,
+    ):
+        _check_settings(queue_size, header_timeout, body_timeout, max_connections, max_body_size, max_buffered_bytes)
         self.host, self.port = host, port
         self.admin_host, self.admin_port = admin_host, admin_port
         self.queue_size = queue_size
@@ -132,7 +178,7 @@ class Proxy(RequestPath):
         self.header_timeout, self.body_timeout = float(header_timeout), float(body_timeout)
         self.max_connections = max_connections
         self.max_buffered_bytes = int(max_buffered_bytes)
-        self._budget = BufferBudget(self.max_buffered_bytes)    # request bodies (and buffered answers) held
+        self._budget = BufferBudget(self.max_buffered_bytes)  # request bodies (and buffered answers) held
         self._reject_log = RejectLog(log, log_rejects_per_s)
         self._c = dict.fromkeys(COUNTERS, 0)
         self._forwarder = Forwarder(self._c, self._budget, buffer_limit, on_timings)
@@ -143,7 +189,7 @@ class Proxy(RequestPath):
         self._state = IDLE
         self._gen: Generation | None = None
         self._next_gen = 0
-        self._open = asyncio.Event()        # set exactly when state is SERVING (or STOPPED, to wake waiters)
+        self._open = asyncio.Event()  # set exactly when state is SERVING (or STOPPED, to wake waiters)
         self._waiting = 0
         self._inflight = 0
         self._recover_task: asyncio.Task | None = None
@@ -189,11 +235,19 @@ class Proxy(RequestPath):
         ``kwargs`` (e.g. ``status_provider``) are passed on and win over the profile.
         """
         p, server = profile.proxy, profile.server
-        opts = dict(queue_size=p.queue_size, queue_timeout=p.queue_timeout, drain_timeout=p.drain_timeout,
-                    retry_unstarted=p.retry_unstarted, admin_port=p.admin_port, api_key=server.api_key,
-                    max_body_size=p.max_body_size, max_buffered_bytes=p.max_buffered_bytes,
-                    max_connections=p.max_connections, header_timeout=p.header_timeout,
-                    body_timeout=p.body_timeout)
+        opts = dict(
+            queue_size=p.queue_size,
+            queue_timeout=p.queue_timeout,
+            drain_timeout=p.drain_timeout,
+            retry_unstarted=p.retry_unstarted,
+            admin_port=p.admin_port,
+            api_key=server.api_key,
+            max_body_size=p.max_body_size,
+            max_buffered_bytes=p.max_buffered_bytes,
+            max_connections=p.max_connections,
+            header_timeout=p.header_timeout,
+            body_timeout=p.body_timeout,
+        )
         opts.update(kwargs)
         return cls(server.host, server.port, **opts)
 
@@ -220,20 +274,38 @@ class Proxy(RequestPath):
         # keepalive_timeout: aiohttp closes a connection that has not delivered a complete request this long
         # after it opened or after the previous response: the header timeout and the idle timeout at once
         self._server = server = Server(
-            handler, counters=self._c, reject_log=self._reject_log, max_connections=self.max_connections,
-            header_timeout=self.header_timeout, request_factory=request_factory,
-            handler_cancellation=True, access_log=None, max_line_size=65536, max_field_size=65536,
-            keepalive_timeout=self.header_timeout, lingering_time=LINGER, logger=server_log)
+            handler,
+            counters=self._c,
+            reject_log=self._reject_log,
+            max_connections=self.max_connections,
+            header_timeout=self.header_timeout,
+            request_factory=request_factory,
+            handler_cancellation=True,
+            access_log=None,
+            max_line_size=65536,
+            max_field_size=65536,
+            keepalive_timeout=self.header_timeout,
+            lingering_time=LINGER,
+            logger=server_log,
+        )
         self._runner = web.ServerRunner(server, shutdown_timeout=1.0, handle_signals=False)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
         self.port = self._runner.addresses[0][1]
 
     async def _listen_admin(self, server_log: ServerLog) -> None:
-        admin = Server(self._handle_admin_only, counters=self._c, reject_log=self._reject_log,
-                       max_connections=64, header_timeout=self.header_timeout, handler_cancellation=True,
-                       access_log=None, keepalive_timeout=self.header_timeout, lingering_time=LINGER,
-                       logger=server_log)
+        admin = Server(
+            self._handle_admin_only,
+            counters=self._c,
+            reject_log=self._reject_log,
+            max_connections=64,
+            header_timeout=self.header_timeout,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=self.header_timeout,
+            lingering_time=LINGER,
+            logger=server_log,
+        )
         self._admin_runner = web.ServerRunner(admin, shutdown_timeout=1.0, handle_signals=False)
         await self._admin_runner.setup()
         await web.TCPSite(self._admin_runner, self.admin_host, self.admin_port, reuse_address=True).start()
@@ -247,7 +319,7 @@ class Proxy(RequestPath):
             self.hold()
             await self.drain(grace)
         self._set_state(STOPPED)
-        self._open.set()                    # wake waiters: they see STOPPED and answer 503
+        self._open.set()  # wake waiters: they see STOPPED and answer 503
         if self._recover_task is not None:
             self._recover_task.cancel()
         if self._gen is not None:
@@ -323,8 +395,14 @@ class Proxy(RequestPath):
             except asyncio.TimeoutError:
                 timed_out = True
         cut, cut_streams = await self._cut_the_rest(gen, timeout)
-        result = DrainResult(in_flight=n0, finished=gen.finished - done0, cut=cut, cut_streams=cut_streams,
-                             waited_s=round(time.monotonic() - t0, 6), timed_out=timed_out)
+        result = DrainResult(
+            in_flight=n0,
+            finished=gen.finished - done0,
+            cut=cut,
+            cut_streams=cut_streams,
+            waited_s=round(time.monotonic() - t0, 6),
+            timed_out=timed_out,
+        )
         self._event("drain", **result.to_dict())
         return result
 
@@ -339,7 +417,7 @@ class Proxy(RequestPath):
             f.cut(f"the engine was stopped for a switch after a {timeout:g}s drain")
         self._event("drain_cut", cut=cut, streams=cut_streams)
         gen.idle = asyncio.Event()
-        try:                                # cut requests unwind on the next loop turns
+        try:  # cut requests unwind on the next loop turns
             await asyncio.wait_for(gen.idle.wait(), 5.0)
         except asyncio.TimeoutError:
             log.warning("proxy: %d cut requests did not unwind within 5s", len(gen.inflight))
@@ -359,33 +437,49 @@ class Proxy(RequestPath):
     def stats(self) -> dict:
         """Counters and gauges (the same numbers as ``/specops/metrics``)."""
         d = dict(self._c)
-        d.update(state=self._state.value, upstream=self.upstream, generation=self._gen.id if self._gen else None,
-                 queue_depth=self._waiting, queue_size=self.queue_size, in_flight=self._inflight,
-                 longest_wait_s=round(self._wait_longest, 6), total_wait_s=round(self._wait_total, 6),
-                 held_for_s=round(time.monotonic() - self._held_since, 3) if self._held_since else None,
-                 buffered_bytes=self._budget.held,
-                 connections=self._server.open_connections if self._server is not None else 0,
-                 log_suppressed=self._reject_log.suppressed)
+        d.update(
+            state=self._state.value,
+            upstream=self.upstream,
+            generation=self._gen.id if self._gen else None,
+            queue_depth=self._waiting,
+            queue_size=self.queue_size,
+            in_flight=self._inflight,
+            longest_wait_s=round(self._wait_longest, 6),
+            total_wait_s=round(self._wait_total, 6),
+            held_for_s=round(time.monotonic() - self._held_since, 3) if self._held_since else None,
+            buffered_bytes=self._budget.held,
+            connections=self._server.open_connections if self._server is not None else 0,
+            log_suppressed=self._reject_log.suppressed,
+        )
         return d
 
     def status(self) -> dict:
         """The ``/specops/status`` document: the proxy's own section, merged with ``status_provider()``."""
-        doc: dict = {"proxy": dict(self.stats(), url=self.url, started_at=round(self._started_at, 3),
-                                   queue_timeout_s=self.queue_timeout,
-                                   drain_timeout_s=self.drain_timeout, retry_unstarted=self.retry_unstarted,
-                                   limits={"api_key": self._key is not None,
-                                           "max_connections": self.max_connections,
-                                           "max_body_size": self.max_body_size,
-                                           "max_buffered_bytes": self.max_buffered_bytes,
-                                           "header_timeout_s": self.header_timeout,
-                                           "body_timeout_s": self.body_timeout},
-                                   events=list(self._events))}
+        doc: dict = {
+            "proxy": dict(
+                self.stats(),
+                url=self.url,
+                started_at=round(self._started_at, 3),
+                queue_timeout_s=self.queue_timeout,
+                drain_timeout_s=self.drain_timeout,
+                retry_unstarted=self.retry_unstarted,
+                limits={
+                    "api_key": self._key is not None,
+                    "max_connections": self.max_connections,
+                    "max_body_size": self.max_body_size,
+                    "max_buffered_bytes": self.max_buffered_bytes,
+                    "header_timeout_s": self.header_timeout,
+                    "body_timeout_s": self.body_timeout,
+                },
+                events=list(self._events),
+            )
+        }
         if self.status_provider is not None:
             try:
                 extra = self.status_provider()
                 if extra:
                     doc.update(extra)
-            except Exception as exc:        # status must never take the proxy down
+            except Exception as exc:  # status must never take the proxy down
                 log.exception("proxy: status_provider failed")
                 doc["status_error"] = f"{type(exc).__name__}: {exc}"
         return doc

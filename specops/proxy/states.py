@@ -23,6 +23,7 @@ Requests are forwarded only in ``serving``; in ``idle``, ``held`` and ``down`` t
 a client's doing). Entering a state it is already in is no change and always allowed (a ``release`` while
 serving points at a new engine and stays ``serving``).
 """
+
 from __future__ import annotations
 
 from enum import Enum
@@ -33,11 +34,11 @@ __all__ = ["TRANSITIONS", "WAITING_STATES", "IllegalTransition", "ProxyState", "
 class ProxyState(str, Enum):
     """Where the proxy stands with its engine (the values are what status and metrics show)."""
 
-    IDLE = "idle"           # no engine yet: requests queue
-    SERVING = "serving"     # requests are forwarded to the engine
-    HELD = "held"           # a switch is in progress: requests queue
-    DOWN = "down"           # the engine failed: requests queue until an engine is released (or it recovers)
-    STOPPED = "stopped"     # the proxy is shutting down: requests get 503
+    IDLE = "idle"  # no engine yet: requests queue
+    SERVING = "serving"  # requests are forwarded to the engine
+    HELD = "held"  # a switch is in progress: requests queue
+    DOWN = "down"  # the engine failed: requests queue until an engine is released (or it recovers)
+    STOPPED = "stopped"  # the proxy is shutting down: requests get 503
 
     def __str__(self) -> str:
         return self.value

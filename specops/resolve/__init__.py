@@ -9,6 +9,7 @@ Public API::
 
 Importing this package is cheap: ``huggingface_hub`` and ``gguf`` load only when a resolution needs them.
 """
+
 from __future__ import annotations
 
 from specops.resolve.check import Finding, check_loaded
@@ -17,5 +18,15 @@ from specops.resolve.hub import HubError
 from specops.resolve.lock import lock_path
 from specops.resolve.resolver import Resolution, lock_profile, resolve, resolve_profile, synthetic_profile
 
-__all__ = ["Candidate", "Finding", "HubError", "Resolution", "check_loaded", "lock_path", "lock_profile", "resolve",
-           "resolve_profile", "synthetic_profile"]
+__all__ = [
+    "Candidate",
+    "Finding",
+    "HubError",
+    "Resolution",
+    "check_loaded",
+    "lock_path",
+    "lock_profile",
+    "resolve",
+    "resolve_profile",
+    "synthetic_profile",
+]

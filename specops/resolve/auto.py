@@ -9,6 +9,7 @@ Medusa and MLP speculators are not picked by ``auto`` (vLLM 0.33 removed both) b
 for by name. Within a method group, candidates rank by how they were tied to the target (catalog >
 speculators verifier / Medusa base > card base_model / base_model tag > name), then downloads and likes.
 """
+
 from __future__ import annotations
 
 from specops.methods import RANK, Method
@@ -32,8 +33,14 @@ def sort_key(candidate, requested: Method):
         group = AUTO_GROUPS.get(candidate.method, 9)
     else:
         group = 0 if candidate.method is requested else 1 + RANK.get(candidate.method, 9)
-    return (group, candidate.trust, RANK.get(candidate.method, 9), -candidate.downloads, -candidate.likes,
-            (candidate.draft or "").lower())
+    return (
+        group,
+        candidate.trust,
+        RANK.get(candidate.method, 9),
+        -candidate.downloads,
+        -candidate.likes,
+        (candidate.draft or "").lower(),
+    )
 
 
 def choose(candidates, requested: Method):

@@ -4,6 +4,7 @@ It ranks first among candidates, works offline, and its model facts let the chec
 ``SPECOPS_CATALOG`` may name extra catalog files (``os.pathsep``-separated) whose entries come first, so a
 platform team can add its own trained drafts without forking specops.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,7 +27,7 @@ class CatalogEntry:
     """One published (target → draft) pair."""
 
     target: str
-    draft: str                       # a repo id, or "self" for MTP
+    draft: str  # a repo id, or "self" for MTP
     method: Method
     backends: tuple[str, ...]
     source: str
@@ -59,18 +60,25 @@ class ModelFacts:
     layers: int | None = None
     context: int | None = None
     mtp: int | None = None
-    params: float | None = None      # billions
+    params: float | None = None  # billions
     tokenizer: str | None = None
-    of: str | None = None            # a GGUF repo: the HF model it converts
+    of: str | None = None  # a GGUF repo: the HF model it converts
 
     def config_facts(self) -> ConfigFacts:
-        return ConfigFacts(vocab=self.vocab, hidden=self.hidden, layers=self.layers, context=self.context,
-                           mtp_layers=self.mtp)
+        return ConfigFacts(
+            vocab=self.vocab, hidden=self.hidden, layers=self.layers, context=self.context, mtp_layers=self.mtp
+        )
 
 
 class Catalog:
-    def __init__(self, entries: list[CatalogEntry], models: dict[str, ModelFacts], aliases: dict[str, str],
-                 version: str = "1", default_backends: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        entries: list[CatalogEntry],
+        models: dict[str, ModelFacts],
+        aliases: dict[str, str],
+        version: str = "1",
+        default_backends: tuple[str, ...] = (),
+    ):
         self.entries = entries
         self.models = {k.lower(): v for k, v in models.items()}
         self.aliases = {k.lower(): v for k, v in aliases.items()}
@@ -93,8 +101,9 @@ class Catalog:
 
     def pair(self, target: str, draft: str | None, method: Method | None = None) -> CatalogEntry | None:
         for e in self.for_target(target):
-            if (draft is None and e.draft_repo is None or draft and e.draft_repo and self._same(e.draft_repo, draft)) \
-                    and (method is None or e.method is method):
+            if (
+                draft is None and e.draft_repo is None or draft and e.draft_repo and self._same(e.draft_repo, draft)
+            ) and (method is None or e.method is method):
                 return e
         return None
 
@@ -125,9 +134,14 @@ def _entry(raw: dict, where: str, default_backends: tuple[str, ...] = ()) -> Cat
     if unknown:
         raise SpecopsError(f"{where}: unknown catalog keys {', '.join(sorted(unknown))}")
     return CatalogEntry(
-        target=str(raw["target"]), draft=str(raw["draft"]), method=method,
-        backends=tuple(raw.get("backends") or default_backends), source=str(raw["source"]),
-        also=tuple(raw.get("also") or ()), context=raw.get("context"), files=dict(raw.get("files") or {}),
+        target=str(raw["target"]),
+        draft=str(raw["draft"]),
+        method=method,
+        backends=tuple(raw.get("backends") or default_backends),
+        source=str(raw["source"]),
+        also=tuple(raw.get("also") or ()),
+        context=raw.get("context"),
+        files=dict(raw.get("files") or {}),
         caveats=tuple(raw.get("caveats") or ()),
     )
 
@@ -139,16 +153,22 @@ def parse_catalog(text: str, origin: str, default_backends: tuple[str, ...] = ()
     except yaml.YAMLError as exc:
         raise SpecopsError(f"{origin}: not valid YAML: {exc}") from None
     default_backends = tuple(str(b) for b in data.get("default_backends") or default_backends)
-    entries = [_entry(raw, f"{origin}: entries[{i}]", default_backends)
-               for i, raw in enumerate(data.get("entries") or [])]
+    entries = [
+        _entry(raw, f"{origin}: entries[{i}]", default_backends) for i, raw in enumerate(data.get("entries") or [])
+    ]
     models = {}
     for repo, raw in (data.get("models") or {}).items():
         try:
             models[str(repo)] = ModelFacts(**(raw or {}))
         except TypeError as exc:
             raise SpecopsError(f"{origin}: models.{repo}: {exc}") from None
-    return Catalog(entries, models, {str(k): str(v) for k, v in (data.get("aliases") or {}).items()},
-                   str(data.get("version", "1")), default_backends)
+    return Catalog(
+        entries,
+        models,
+        {str(k): str(v) for k, v in (data.get("aliases") or {}).items()},
+        str(data.get("version", "1")),
+        default_backends,
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -160,8 +180,13 @@ def _load(extra: str) -> Catalog:
             more = parse_catalog(Path(path).expanduser().read_text(encoding="utf-8"), path, base.default_backends)
         except OSError as exc:
             raise SpecopsError(f"SPECOPS_CATALOG: cannot read {path}: {exc.strerror}") from None
-        base = Catalog(more.entries + base.entries, {**base.models, **more.models},
-                       {**base.aliases, **more.aliases}, base.version, base.default_backends)
+        base = Catalog(
+            more.entries + base.entries,
+            {**base.models, **more.models},
+            {**base.aliases, **more.aliases},
+            base.version,
+            base.default_backends,
+        )
     return base
 
 

@@ -9,6 +9,7 @@ are printed; infos explain what was (not) compared.
 
 :func:`check_loaded` is what ``specops validate --resolve`` calls.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,11 +35,15 @@ class Finding:
     path: tuple = DRAFT
 
     def to_dict(self) -> dict:
-        return {"severity": self.severity, "check": self.check, "message": self.message,
-                "field": ".".join(str(p) for p in self.path)}
+        return {
+            "severity": self.severity,
+            "check": self.check,
+            "message": self.message,
+            "field": ".".join(str(p) for p in self.path),
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Finding":
+    def from_dict(cls, d: dict) -> Finding:
         path = tuple(int(p) if p.isdigit() else p for p in str(d.get("field") or "speculative.draft").split("."))
         return cls(d["severity"], d.get("check", ""), d["message"], path)
 
@@ -49,8 +54,15 @@ def backend_findings(method: Method, profile, backend_obj) -> list[Finding]:
     if method in (Method.NONE, Method.AUTO):
         return out
     if backend_obj is not None and method not in backend_obj.methods:
-        out.append(Finding("error", "backend", f"backend {profile.backend} does not support method {method} "
-                           f"(supported: {', '.join(sorted(m.value for m in backend_obj.methods))})", METHOD))
+        out.append(
+            Finding(
+                "error",
+                "backend",
+                f"backend {profile.backend} does not support method {method} "
+                f"(supported: {', '.join(sorted(m.value for m in backend_obj.methods))})",
+                METHOD,
+            )
+        )
         return out
     version = profile.engine.version
     if not version or backend_obj is None:
@@ -61,8 +73,17 @@ def backend_findings(method: Method, profile, backend_obj) -> list[Finding]:
     return out
 
 
-def compat_findings(method: Method, draft, target, profile, *, catalog: Catalog, backend_obj=None,
-                    entry: CatalogEntry | None = None, explicit: bool = False) -> list[Finding]:
+def compat_findings(
+    method: Method,
+    draft,
+    target,
+    profile,
+    *,
+    catalog: Catalog,
+    backend_obj=None,
+    entry: CatalogEntry | None = None,
+    explicit: bool = False,
+) -> list[Finding]:
     """All checks for running ``draft`` (a ModelView, None for MTP / n-gram) with ``target``."""
     out = backend_findings(method, profile, backend_obj)
     be = backend_obj if backend_obj is not None else _unknown_backend(profile.backend)
@@ -94,6 +115,7 @@ def _unknown_backend(name: str) -> Backend:
 
 # ------------------------------------------------------------------------------------------- checks
 
+
 def _fetch(draft, entry, explicit) -> list[Finding]:
     fatal = draft.fatal
     if fatal is not None:
@@ -107,8 +129,10 @@ def _fetch(draft, entry, explicit) -> list[Finding]:
             where = "its config.json in the HF cache" if draft.config is not None else draft.facts_source
             return [Finding("info", "hub", f"offline: {draft.ref} checked against {where}")]
         if err.kind == "offline" and not known:
-            msg = (f"offline: {draft.ref} is not in the lock, the HF cache or the catalog's facts, so it cannot be "
-                   f"checked; run `specops lock` online once (or `hf download {draft.ref} config.json`)")
+            msg = (
+                f"offline: {draft.ref} is not in the lock, the HF cache or the catalog's facts, so it cannot be "
+                f"checked; run `specops lock` online once (or `hf download {draft.ref} config.json`)"
+            )
         else:
             what = f"checked against {draft.facts_source}" if known else "its facts are unknown"
             msg = f"{draft.ref} not verified against the Hub ({err}); {what}"
@@ -124,11 +148,24 @@ def _method(method, draft, profile) -> list[Finding]:
             return [Finding("error", "method", f"{draft.ref} is an EAGLE-3 head ({why}); set method: eagle3", METHOD)]
         return [Finding("error", "method", f"{draft.ref} is a {detected} draft ({why}), not {method}", METHOD)]
     if method in (Method.EAGLE, Method.EAGLE3) and looks_like_full_model(draft.config):
-        return [Finding("error", "method", f"{draft.ref} looks like a complete model ({draft.facts.layers} layers, "
-                        f"no EAGLE markers), not an EAGLE head; use method: draft_model", METHOD)]
+        return [
+            Finding(
+                "error",
+                "method",
+                f"{draft.ref} looks like a complete model ({draft.facts.layers} layers, "
+                f"no EAGLE markers), not an EAGLE head; use method: draft_model",
+                METHOD,
+            )
+        ]
     if method is Method.EAGLE and detected is None and draft.config is not None:
-        return [Finding("info", "method", "EAGLE-1 heads carry no marker in config.json; specops sends method=eagle "
-                        "explicitly so vLLM does not guess from the repo name")]
+        return [
+            Finding(
+                "info",
+                "method",
+                "EAGLE-1 heads carry no marker in config.json; specops sends method=eagle "
+                "explicitly so vLLM does not guess from the repo name",
+            )
+        ]
     return []
 
 
@@ -144,16 +181,31 @@ def _identity(method, draft, target, catalog) -> list[Finding]:
     if strong:
         best = strong[0]
         if not matches(best.target):
-            return [Finding("error", "identity", f"{draft.ref} was trained for {best.target} ({best.source}), "
-                            f"not {target.ref}")]
+            return [
+                Finding(
+                    "error", "identity", f"{draft.ref} was trained for {best.target} ({best.source}), not {target.ref}"
+                )
+            ]
         for c in cards:
             if not matches(c.target):
-                out.append(Finding("info", "identity", f"the model card's base_model names {c.target}, but the "
-                                   f"{best.source} names {best.target}: trusting the {best.source}"))
+                out.append(
+                    Finding(
+                        "info",
+                        "identity",
+                        f"the model card's base_model names {c.target}, but the "
+                        f"{best.source} names {best.target}: trusting the {best.source}",
+                    )
+                )
         return out
     if cards and not any(matches(c.target) for c in cards):
-        return [Finding("warning", "identity", f"{draft.ref}'s model card names {cards[0].target} as its base "
-                        f"model, not {target.ref} (cards are sometimes wrong; the config has no verifier)")]
+        return [
+            Finding(
+                "warning",
+                "identity",
+                f"{draft.ref}'s model card names {cards[0].target} as its base "
+                f"model, not {target.ref} (cards are sometimes wrong; the config has no verifier)",
+            )
+        ]
     return out
 
 
@@ -164,7 +216,13 @@ def _target_names(target, catalog) -> list[str]:
         names.append(facts.of)
     if target.meta and target.meta.card_data:
         base = target.meta.card_data.get("base_model")
-        names += [base] if isinstance(base, str) else [b for b in base if isinstance(b, str)] if isinstance(base, list) else []
+        names += (
+            [base]
+            if isinstance(base, str)
+            else [b for b in base if isinstance(b, str)]
+            if isinstance(base, list)
+            else []
+        )
     return names
 
 
@@ -177,17 +235,34 @@ def _vocab(method, draft, target, profile, be) -> list[Finding]:
             issues = compare_vocab(target.gguf_vocab, draft.gguf_vocab)
             if issues:
                 return [Finding(sev, "vocab", msg) for sev, msg in issues]
-            return [Finding("info", "vocab", f"GGUF vocabularies compatible for {engine} "
-                            f"({draft.gguf_vocab.size} vs {target.gguf_vocab.size} tokens, same token text from id 5)")]
+            return [
+                Finding(
+                    "info",
+                    "vocab",
+                    f"GGUF vocabularies compatible for {engine} "
+                    f"({draft.gguf_vocab.size} vs {target.gguf_vocab.size} tokens, same token text from id 5)",
+                )
+            ]
         if dv is None or tv is None:
             return [Finding("info", "vocab", "vocab not checked: " + _unknown(dv, tv))]
         diff = abs(dv - tv)
         if diff > tolerance:
-            return [Finding("error", "vocab", f"vocab sizes {dv} (draft) and {tv} (target) are {diff} apart; "
-                            f"{engine} allows at most {tolerance}")]
+            return [
+                Finding(
+                    "error",
+                    "vocab",
+                    f"vocab sizes {dv} (draft) and {tv} (target) are {diff} apart; {engine} allows at most {tolerance}",
+                )
+            ]
         if diff:
-            return [Finding("info", "vocab", f"vocab sizes {dv} and {tv} differ by {diff}: {engine} accepts up to "
-                            f"{tolerance} (token text is compared when the GGUF files are local)")]
+            return [
+                Finding(
+                    "info",
+                    "vocab",
+                    f"vocab sizes {dv} and {tv} differ by {diff}: {engine} accepts up to "
+                    f"{tolerance} (token text is compared when the GGUF files are local)",
+                )
+            ]
         return []
     if dv is None or tv is None:
         return [Finding("info", "vocab", "vocab not checked: " + _unknown(dv, tv))]
@@ -196,12 +271,18 @@ def _vocab(method, draft, target, profile, be) -> list[Finding]:
         hetero = bool(profile.speculative.options.get("use_heterogeneous_vocab")) and method is Method.DRAFT_MODEL
         engine = be.engine_name
         if hetero:
-            out.append(Finding("warning", "vocab", f"vocab_size differs ({dv} draft vs {tv} target); allowed by "
-                               f"use_heterogeneous_vocab"))
+            out.append(
+                Finding(
+                    "warning",
+                    "vocab",
+                    f"vocab_size differs ({dv} draft vs {tv} target); allowed by use_heterogeneous_vocab",
+                )
+            )
         else:
             what = "the head's" if method in HEAD_METHODS else "draft"
-            out.append(Finding("error", "vocab", f"{what} vocab_size {dv} != target's {tv}: {engine} needs equal "
-                               f"vocabularies"))
+            out.append(
+                Finding("error", "vocab", f"{what} vocab_size {dv} != target's {tv}: {engine} needs equal vocabularies")
+            )
     dvs = draft.facts.draft_vocab
     if method is Method.EAGLE3 and dvs is not None and dvs > tv:
         out.append(Finding("error", "vocab", f"draft_vocab_size {dvs} exceeds the target's vocab_size {tv}"))
@@ -219,13 +300,26 @@ def _hidden(method, draft, target) -> list[Finding]:
     th = target.facts.hidden
     dh = draft.facts.target_hidden or draft.facts.hidden
     if dh is None or th is None:
-        return [Finding("info", "hidden", "hidden size not checked: " +
-                        ("draft" if dh is None else "target") + " hidden_size unknown")]
+        return [
+            Finding(
+                "info",
+                "hidden",
+                "hidden size not checked: " + ("draft" if dh is None else "target") + " hidden_size unknown",
+            )
+        ]
     if dh != th:
-        field = "target_hidden_size" if draft.facts.target_hidden else ("emb_dim" if method is Method.MLP_SPECULATOR
-                                                                        else "hidden_size")
-        return [Finding("error", "hidden", f"the head's {field} {dh} != target hidden_size {th}: it was trained on "
-                        f"another model's hidden states")]
+        field = (
+            "target_hidden_size"
+            if draft.facts.target_hidden
+            else ("emb_dim" if method is Method.MLP_SPECULATOR else "hidden_size")
+        )
+        return [
+            Finding(
+                "error",
+                "hidden",
+                f"the head's {field} {dh} != target hidden_size {th}: it was trained on another model's hidden states",
+            )
+        ]
     return []
 
 
@@ -238,8 +332,14 @@ def _aux_layers(method, draft, target) -> list[Finding]:
         return [Finding("info", "aux_layers", "EAGLE-3 aux layer ids not checked: target num_hidden_layers unknown")]
     bad = [i for i in ids if i >= n or i < 0]
     if bad:
-        return [Finding("error", "aux_layers", f"EAGLE-3 aux hidden-state layer ids {list(ids)} include "
-                        f"{', '.join(map(str, bad))}, but the target has {n} layers")]
+        return [
+            Finding(
+                "error",
+                "aux_layers",
+                f"EAGLE-3 aux hidden-state layer ids {list(ids)} include "
+                f"{', '.join(map(str, bad))}, but the target has {n} layers",
+            )
+        ]
     return []
 
 
@@ -252,18 +352,34 @@ def _context(method, draft, target, profile, entry) -> list[Finding]:
     if trained >= served or (cap is not None and cap <= trained):
         return []
     path = ("model", "max_model_len") if profile.model.max_model_len else DRAFT
-    kind = "EAGLE heads often slow down or fail past their trained length" if method in (Method.EAGLE, Method.EAGLE3) \
+    kind = (
+        "EAGLE heads often slow down or fail past their trained length"
+        if method in (Method.EAGLE, Method.EAGLE3)
         else "acceptance drops past it"
+    )
     served_what = "max_model_len" if profile.model.max_model_len else "the target's context"
-    return [Finding("warning", "context", f"draft context {trained} < served context {served} ({served_what}): "
-                    f"{kind}; lower model.max_model_len or set speculative.draft_max_model_len", path)]
+    return [
+        Finding(
+            "warning",
+            "context",
+            f"draft context {trained} < served context {served} ({served_what}): "
+            f"{kind}; lower model.max_model_len or set speculative.draft_max_model_len",
+            path,
+        )
+    ]
 
 
 def _tp(method, profile) -> list[Finding]:
     dtp, tp = profile.speculative.draft_tensor_parallel_size, profile.gpus.tensor_parallel_size
     if method in NEEDS_DRAFT and dtp is not None and dtp not in (1, tp):
-        return [Finding("error", "tp", f"draft_tensor_parallel_size {dtp} must be 1 or the target's "
-                        f"tensor_parallel_size {tp}", ("speculative", "draft_tensor_parallel_size"))]
+        return [
+            Finding(
+                "error",
+                "tp",
+                f"draft_tensor_parallel_size {dtp} must be 1 or the target's tensor_parallel_size {tp}",
+                ("speculative", "draft_tensor_parallel_size"),
+            )
+        ]
     return []
 
 
@@ -273,15 +389,33 @@ def _tokenizer(method, draft, target) -> list[Finding]:
     if draft.tokenizer and target.tokenizer:
         if draft.tokenizer == target.tokenizer:
             return [Finding("info", "tokenizer", "tokenizer identical to the target's (same tokenizer file hash)")]
-        return [Finding("warning", "tokenizer", f"tokenizer differs from the target's ({_short(draft.tokenizer)} vs "
-                        f"{_short(target.tokenizer)}): token ids may not line up even with equal vocab sizes")]
+        return [
+            Finding(
+                "warning",
+                "tokenizer",
+                f"tokenizer differs from the target's ({_short(draft.tokenizer)} vs "
+                f"{_short(target.tokenizer)}): token ids may not line up even with equal vocab sizes",
+            )
+        ]
     if draft.tokenizer_family and target.tokenizer_family:
         if draft.tokenizer_family != target.tokenizer_family:
-            return [Finding("warning", "tokenizer", f"tokenizer families differ ({draft.tokenizer_family} vs "
-                            f"{target.tokenizer_family}, from the catalog)")]
+            return [
+                Finding(
+                    "warning",
+                    "tokenizer",
+                    f"tokenizer families differ ({draft.tokenizer_family} vs "
+                    f"{target.tokenizer_family}, from the catalog)",
+                )
+            ]
         return [Finding("info", "tokenizer", f"same tokenizer family ({draft.tokenizer_family}, from the catalog)")]
-    return [Finding("info", "tokenizer", "tokenizer identity not checked: no tokenizer hash for "
-                    + ("the draft" if not draft.tokenizer else "the target"))]
+    return [
+        Finding(
+            "info",
+            "tokenizer",
+            "tokenizer identity not checked: no tokenizer hash for "
+            + ("the draft" if not draft.tokenizer else "the target"),
+        )
+    ]
 
 
 def _short(digest: str) -> str:
@@ -293,14 +427,31 @@ def _gguf(method, draft, profile, be) -> list[Finding]:
     out = []
     if be.model_format == "gguf":
         if draft.kind == "hub" and not draft.gguf_file:
-            out.append(Finding("error", "gguf", f"{be.engine_name} needs a GGUF draft: {draft.ref}: "
-                               f"{draft.gguf_why or 'the repo has no .gguf file'}"))
+            out.append(
+                Finding(
+                    "error",
+                    "gguf",
+                    f"{be.engine_name} needs a GGUF draft: {draft.ref}: "
+                    f"{draft.gguf_why or 'the repo has no .gguf file'}",
+                )
+            )
         elif draft.gguf_why and "not in the repo" in draft.gguf_why:
-            out.append(Finding("warning", "gguf", f"{draft.ref}: {draft.gguf_why}; using {draft.gguf_file}",
-                               ("speculative", "draft_quantization")))
+            out.append(
+                Finding(
+                    "warning",
+                    "gguf",
+                    f"{draft.ref}: {draft.gguf_why}; using {draft.gguf_file}",
+                    ("speculative", "draft_quantization"),
+                )
+            )
     elif draft.kind == "local-gguf" or draft.gguf_file:
-        out.append(Finding("error", "gguf", f"{draft.ref} is a GGUF draft; {profile.backend} needs a Hugging Face "
-                           f"repo or directory"))
+        out.append(
+            Finding(
+                "error",
+                "gguf",
+                f"{draft.ref} is a GGUF draft; {profile.backend} needs a Hugging Face repo or directory",
+            )
+        )
     return out
 
 
@@ -310,18 +461,36 @@ def _mtp(target) -> list[Finding]:
         return [Finding("info", "mtp", f"target has {n} MTP layer(s)", METHOD)]
     if target.facts_source == "none":
         return [Finding("warning", "mtp", f"MTP layers not checked: {target.ref}'s config is unknown", METHOD)]
-    return [Finding("error", "mtp", f"{target.ref} has no MTP layers (its config.json has no "
-                    f"num_nextn_predict_layers / mtp_num_hidden_layers); pick another method", METHOD)]
+    return [
+        Finding(
+            "error",
+            "mtp",
+            f"{target.ref} has no MTP layers (its config.json has no "
+            f"num_nextn_predict_layers / mtp_num_hidden_layers); pick another method",
+            METHOD,
+        )
+    ]
 
 
 def _memory(method, draft, target, profile, be) -> list[Finding]:
-    est = estimate(profile, target.weights, draft.weights if draft is not None else None,
-                   has_draft=method in NEEDS_DRAFT, parallel_layout=be.parallel_layout)
+    est = estimate(
+        profile,
+        target.weights,
+        draft.weights if draft is not None else None,
+        has_draft=method in NEEDS_DRAFT,
+        parallel_layout=be.parallel_layout,
+    )
     if est.per_gpu_bytes is None:
         return []
     if est.over_budget:
-        return [Finding("warning", "memory", f"{est.line()}: over the gpus.memory_gb budget before any KV cache",
-                        ("gpus", "memory_gb"))]
+        return [
+            Finding(
+                "warning",
+                "memory",
+                f"{est.line()}: over the gpus.memory_gb budget before any KV cache",
+                ("gpus", "memory_gb"),
+            )
+        ]
     return [Finding("info", "memory", est.line(), ("gpus", "memory_gb"))]
 
 
@@ -332,6 +501,7 @@ def check_loaded(loaded, *, offline: bool = False) -> list[Finding]:
     one is reported), and never raises for a failed check: errors come back as findings.
     """
     from specops.resolve.resolver import resolve_profile
+
     res = resolve_profile(loaded, offline=offline, use_lock=True, verify=True, raise_errors=False)
     notes = [Finding("warning", "lock", n, ("speculative",)) for n in res.notes if n.startswith("lock is stale")]
     return notes + [f for f in res.findings if f.severity in ("error", "warning")]

@@ -8,6 +8,7 @@ for, most trusted first: speculators ``verifier.name_or_path``, Medusa ``base_mo
 card's ``base_model`` (sometimes wrong), the repo name. (The Maverick speculator's card,
 for one, names another draft as its base model.)
 """
+
 from __future__ import annotations
 
 import math
@@ -22,13 +23,27 @@ from specops.methods import Method
 HEAD_METHODS = frozenset({Method.EAGLE, Method.EAGLE3, Method.MEDUSA, Method.MLP_SPECULATOR})
 
 _SPECULATORS_ALGORITHMS = {
-    "eagle3": Method.EAGLE3, "eagle": Method.EAGLE, "hass": Method.EAGLE, "eagle2": Method.EAGLE,
-    "mlp_speculator": Method.MLP_SPECULATOR, "mlp": Method.MLP_SPECULATOR,
+    "eagle3": Method.EAGLE3,
+    "eagle": Method.EAGLE,
+    "hass": Method.EAGLE,
+    "eagle2": Method.EAGLE,
+    "mlp_speculator": Method.MLP_SPECULATOR,
+    "mlp": Method.MLP_SPECULATOR,
 }
 
 #: Trust of a signal that ties a draft to a target (lower = more trusted); also the ranking order.
-TRUST = {"catalog": 0, "speculators verifier": 1, "medusa base_model_name_or_path": 1, "card base_model": 2,
-         "base_model tag": 2, "name": 3, "same family": 3, "target config": 1, "built-in": 4, "profile": 0}
+TRUST = {
+    "catalog": 0,
+    "speculators verifier": 1,
+    "medusa base_model_name_or_path": 1,
+    "card base_model": 2,
+    "base_model tag": 2,
+    "name": 3,
+    "same family": 3,
+    "target config": 1,
+    "built-in": 4,
+    "profile": 0,
+}
 
 
 @dataclass(frozen=True)
@@ -47,7 +62,7 @@ class ConfigFacts:
     architectures: tuple[str, ...] = ()
     dtype: str | None = None
 
-    def merged(self, other: "ConfigFacts") -> "ConfigFacts":
+    def merged(self, other: ConfigFacts) -> ConfigFacts:
         """These facts, with gaps filled from ``other``."""
         values = {}
         for name in self.__dataclass_fields__:
@@ -95,18 +110,42 @@ def _strs(v: Any) -> list[str]:
 
 
 #: Keys of config.json that specops reads, with the JSON types each may have (None: null is allowed).
-_INT_KEYS = ("vocab_size", "draft_vocab_size", "truncated_vocab_size", "hidden_size", "emb_dim", "n_embd", "d_model",
-             "target_hidden_size", "num_hidden_layers", "n_layer", "num_layers", "max_position_embeddings",
-             "n_positions", "max_seq_len", "seq_length", "num_nextn_predict_layers", "mtp_num_hidden_layers",
-             "num_mtp_layers", "medusa_num_heads")
+_INT_KEYS = (
+    "vocab_size",
+    "draft_vocab_size",
+    "truncated_vocab_size",
+    "hidden_size",
+    "emb_dim",
+    "n_embd",
+    "d_model",
+    "target_hidden_size",
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "num_nextn_predict_layers",
+    "mtp_num_hidden_layers",
+    "num_mtp_layers",
+    "medusa_num_heads",
+)
 _STR_KEYS = ("model_type", "torch_dtype", "dtype", "speculators_model_type", "base_model_name_or_path")
 _DICT_KEYS = ("transformer_layer_config", "text_config", "eagle_config", "speculators_config")
 _LIST_KEYS = ("architectures",)
 
 
 def _kind(v: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+        int: "an integer",
+        float: "a number",
+    }.get(type(v), type(v).__name__)
 
 
 def _problems(cfg: dict, where: str) -> list[str]:
@@ -118,8 +157,9 @@ def _problems(cfg: dict, where: str) -> list[str]:
         if isinstance(v, float) and math.isfinite(v) and 0 <= v <= MAX_CONFIG_INT:
             continue  # a float where an integer belongs: not read, not hostile
         number = isinstance(v, (int, float)) and not isinstance(v, bool)
-        out.append(f"{where}{k} must be a whole number from 0 to {MAX_CONFIG_INT}, not "
-                   + (f"{v!r}" if number else _kind(v)))
+        out.append(
+            f"{where}{k} must be a whole number from 0 to {MAX_CONFIG_INT}, not " + (f"{v!r}" if number else _kind(v))
+        )
     for k in _STR_KEYS:
         v = cfg.get(k)
         if v is not None and not isinstance(v, str):
@@ -131,9 +171,14 @@ def _problems(cfg: dict, where: str) -> list[str]:
     for k in _LIST_KEYS:
         v = cfg.get(k)
         if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
-            out.append(f"{where}{k} must be a list of strings, not "
-                       + (_kind(v) if not isinstance(v, list) else "a list holding " +
-                          _kind(next(x for x in v if not isinstance(x, str)))))
+            out.append(
+                f"{where}{k} must be a list of strings, not "
+                + (
+                    _kind(v)
+                    if not isinstance(v, list)
+                    else "a list holding " + _kind(next(x for x in v if not isinstance(x, str)))
+                )
+            )
     return out
 
 
@@ -147,10 +192,10 @@ def config_problems(config: Any) -> list[str]:
     for k in ("transformer_layer_config", "text_config", "eagle_config"):
         if isinstance(config.get(k), dict):
             out += _problems(config[k], f"{k}.")
-    aux = config.get("eagle_aux_hidden_state_layer_ids", _dict(config.get("eagle_config")).get(
-        "eagle_aux_hidden_state_layer_ids"))
-    if aux is not None and not (isinstance(aux, list) and len(aux) <= 4096
-                                and all(_int(x) is not None for x in aux)):
+    aux = config.get(
+        "eagle_aux_hidden_state_layer_ids", _dict(config.get("eagle_config")).get("eagle_aux_hidden_state_layer_ids")
+    )
+    if aux is not None and not (isinstance(aux, list) and len(aux) <= 4096 and all(_int(x) is not None for x in aux)):
         out.append("eagle_aux_hidden_state_layer_ids must be a list of whole numbers")
     spec = config.get("speculators_config")
     if isinstance(spec, dict):
@@ -159,10 +204,14 @@ def config_problems(config: Any) -> list[str]:
         verifier = spec.get("verifier")
         if verifier is not None and not isinstance(verifier, dict):
             out.append(f"speculators_config.verifier must be an object, not {_kind(verifier)}")
-        elif isinstance(verifier, dict) and verifier.get("name_or_path") is not None \
-                and not isinstance(verifier.get("name_or_path"), str):
-            out.append("speculators_config.verifier.name_or_path must be a string, not "
-                       f"{_kind(verifier.get('name_or_path'))}")
+        elif (
+            isinstance(verifier, dict)
+            and verifier.get("name_or_path") is not None
+            and not isinstance(verifier.get("name_or_path"), str)
+        ):
+            out.append(
+                f"speculators_config.verifier.name_or_path must be a string, not {_kind(verifier.get('name_or_path'))}"
+            )
     return out
 
 
@@ -173,7 +222,7 @@ def facts_from_config(config: dict | None) -> ConfigFacts:
     if not isinstance(config, dict):
         return ConfigFacts()
     inner = config.get("transformer_layer_config")  # speculators format keeps the layer config nested
-    text = config.get("text_config")                  # multimodal models keep the LM config nested
+    text = config.get("text_config")  # multimodal models keep the LM config nested
     layers_cfg = [c for c in (config, inner, text) if isinstance(c, dict)]
 
     def first(*keys):
@@ -186,8 +235,11 @@ def facts_from_config(config: dict | None) -> ConfigFacts:
 
     eagle_cfg = _dict(config.get("eagle_config"))
     aux = config.get("eagle_aux_hidden_state_layer_ids", eagle_cfg.get("eagle_aux_hidden_state_layer_ids"))
-    aux_ids = (tuple(int(x) for x in aux) if isinstance(aux, list) and len(aux) <= 4096
-               and all(_int(x) is not None for x in aux) else None)
+    aux_ids = (
+        tuple(int(x) for x in aux)
+        if isinstance(aux, list) and len(aux) <= 4096 and all(_int(x) is not None for x in aux)
+        else None
+    )
     mtp = None
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers"):
         for c in layers_cfg:
@@ -281,10 +333,46 @@ def declared_targets(config: dict | None, card_data: dict | None) -> list[Declar
 
 # ------------------------------------------------------------------------------------------- names
 
-_FAMILIES = ("llama", "qwen", "mistral", "mixtral", "vicuna", "gemma", "phi", "deepseek", "glm", "gpt-oss",
-             "mimo", "granite", "olmo", "falcon", "yi", "internlm", "baichuan", "codellama", "starcoder", "smollm")
-_QUANT_WORDS = ("gguf", "awq", "gptq", "fp8", "int4", "int8", "w4a16", "w8a8", "bnb", "4bit", "8bit", "exl2", "mlx",
-                "nvfp4", "fp4", "quantized")
+_FAMILIES = (
+    "llama",
+    "qwen",
+    "mistral",
+    "mixtral",
+    "vicuna",
+    "gemma",
+    "phi",
+    "deepseek",
+    "glm",
+    "gpt-oss",
+    "mimo",
+    "granite",
+    "olmo",
+    "falcon",
+    "yi",
+    "internlm",
+    "baichuan",
+    "codellama",
+    "starcoder",
+    "smollm",
+)
+_QUANT_WORDS = (
+    "gguf",
+    "awq",
+    "gptq",
+    "fp8",
+    "int4",
+    "int8",
+    "w4a16",
+    "w8a8",
+    "bnb",
+    "4bit",
+    "8bit",
+    "exl2",
+    "mlx",
+    "nvfp4",
+    "fp4",
+    "quantized",
+)
 _HEAD_WORDS = ("eagle", "medusa", "speculator", "accelerator", "mtp", "draft", "lora", "adapter")
 
 
@@ -303,10 +391,10 @@ def name_key(repo_id: str) -> str:
 class NameInfo:
     family: str | None
     version: str | None
-    size_b: float | None          # parameters in billions from the name (8x7B -> 56; 30B-A3B -> 30)
-    tuned: bool                   # instruct / chat / -it / RL variant
+    size_b: float | None  # parameters in billions from the name (8x7B -> 56; 30B-A3B -> 30)
+    tuned: bool  # instruct / chat / -it / RL variant
     quantized: bool
-    head: bool                    # names a draft head rather than a model
+    head: bool  # names a draft head rather than a model
     tokens: frozenset[str] = field(default_factory=frozenset)
 
 
@@ -319,7 +407,7 @@ def name_info(repo_id: str) -> NameInfo:
         family = m.group(1)
         version = m.group(2)
         # "llama3.1" / "llama-3.1" / "qwen2.5"; a number followed by "b" is a size, not a version
-        rest = name[m.start(2):] if version else ""
+        rest = name[m.start(2) :] if version else ""
         if version and (re.match(r"\d+(?:\.\d+)?b(?![a-z])", rest) or re.match(r"\d+x", rest)):
             version = None
     size = None
@@ -336,8 +424,9 @@ def name_info(repo_id: str) -> NameInfo:
                 size = float(mm.group(1)) / 1000
     tuned = bool(re.search(r"instruct|chat|(?<![a-z])it(?![a-z])|-rl\b|coder-instruct", name))
     tokens = frozenset(t for t in re.split(r"[-.\s]+", name) if t)
-    return NameInfo(family, version, size, tuned, any(q in name for q in _QUANT_WORDS),
-                    any(h in name for h in _HEAD_WORDS), tokens)
+    return NameInfo(
+        family, version, size, tuned, any(q in name for q in _QUANT_WORDS), any(h in name for h in _HEAD_WORDS), tokens
+    )
 
 
 def names_match(target_id: str, repo_id: str) -> bool:
@@ -371,11 +460,13 @@ def same_family_smaller(target_id: str, repo_id: str, *, max_ratio: float = 0.25
 def same_model(a: str, b: str, aliases: dict[str, str] | None = None) -> bool:
     """Whether two model references name the same model (ids case-insensitive, aliases applied; a local
     path matches an id with the same name)."""
+
     def canon(x: str) -> str:
         x = x.strip().rstrip("/")
         if aliases:
             x = aliases.get(x.lower(), x)
         return x.lower()
+
     ca, cb = canon(a), canon(b)
     if ca == cb:
         return True

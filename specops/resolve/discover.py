@@ -5,6 +5,7 @@ the target, name searches for eagle / speculator / medusa / accelerator repos th
 family and size, and a same-author, same-family search for small draft models. A Hub failure ends Hub
 discovery with one note; the catalog's candidates remain.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,12 +14,24 @@ from dataclasses import dataclass, field
 from specops.methods import Method
 from specops.resolve.catalog import Catalog, CatalogEntry
 from specops.resolve.check import Finding
-from specops.resolve.detect import TRUST, detect_method, name_info, names_match, same_family_smaller, same_model, short_name
+from specops.resolve.detect import (
+    TRUST,
+    detect_method,
+    name_info,
+    names_match,
+    same_family_smaller,
+    same_model,
+    short_name,
+)
 from specops.resolve.hub import Hub, HubError, RepoMeta
 
 #: Name searches per method ("eagle" also finds eagle3 repos).
-SEARCHES = {Method.EAGLE3: ("eagle", "speculator"), Method.EAGLE: ("eagle",), Method.MEDUSA: ("medusa",),
-            Method.MLP_SPECULATOR: ("accelerator", "speculator")}
+SEARCHES = {
+    Method.EAGLE3: ("eagle", "speculator"),
+    Method.EAGLE: ("eagle",),
+    Method.MEDUSA: ("medusa",),
+    Method.MLP_SPECULATOR: ("accelerator", "speculator"),
+}
 
 
 @dataclass
@@ -34,9 +47,9 @@ class Candidate:
     file: str | None = None
     revision: str | None = None
     findings: list[Finding] = field(default_factory=list)
-    verdict: str = "unchecked"          # ok | warning | refused | unchecked
-    note: str = ""                      # why unchecked
-    view: object = None                 # the draft's ModelView once evaluated
+    verdict: str = "unchecked"  # ok | warning | refused | unchecked
+    note: str = ""  # why unchecked
+    view: object = None  # the draft's ModelView once evaluated
 
     @property
     def trust(self) -> int:
@@ -72,12 +85,19 @@ class Candidate:
         return "passes all checks"
 
     def to_dict(self, *, popularity: bool = True) -> dict:
-        return {"method": self.method.value, "draft": self.draft, "file": self.file, "revision": self.revision,
-                "verdict": self.verdict, "reason": self.reason, "why": self.why(popularity=popularity),
-                "signals": list(self.signals),
-                **({"downloads": self.downloads, "likes": self.likes} if popularity else {}),
-                "caveats": self.caveats,
-                "findings": [f.to_dict() for f in self.findings]}
+        return {
+            "method": self.method.value,
+            "draft": self.draft,
+            "file": self.file,
+            "revision": self.revision,
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "why": self.why(popularity=popularity),
+            "signals": list(self.signals),
+            **({"downloads": self.downloads, "likes": self.likes} if popularity else {}),
+            "caveats": self.caveats,
+            "findings": [f.to_dict() for f in self.findings],
+        }
 
 
 def _count(n: int) -> str:
@@ -92,8 +112,15 @@ class _Pool:
     def __init__(self):
         self.items: dict[tuple, Candidate] = {}
 
-    def add(self, method: Method, draft: str | None, signal: str, *, meta: RepoMeta | None = None,
-            entry: CatalogEntry | None = None) -> Candidate:
+    def add(
+        self,
+        method: Method,
+        draft: str | None,
+        signal: str,
+        *,
+        meta: RepoMeta | None = None,
+        entry: CatalogEntry | None = None,
+    ) -> Candidate:
         key = (method, (draft or "").lower())
         c = self.items.get(key)
         if c is None:
@@ -116,12 +143,21 @@ def family_search(target_id: str) -> tuple[str | None, str | None]:
     if not prefix:
         return author, None
     if name_info(target_id).family == "llama":
-        prefix = re.sub(r"(\d)\.\d+$", r"\1", prefix)   # Llama 3.2 drafts serve Llama 3.1 / 3.3 targets
+        prefix = re.sub(r"(\d)\.\d+$", r"\1", prefix)  # Llama 3.2 drafts serve Llama 3.1 / 3.3 targets
     return author, prefix
 
 
-def discover(target, profile, methods: list[Method], *, hub: Hub, catalog: Catalog, notes: list[str],
-             use_hub: bool = True, gguf: bool | None = None) -> list[Candidate]:
+def discover(
+    target,
+    profile,
+    methods: list[Method],
+    *,
+    hub: Hub,
+    catalog: Catalog,
+    notes: list[str],
+    use_hub: bool = True,
+    gguf: bool | None = None,
+) -> list[Candidate]:
     """Candidates for ``target`` (a ModelView) among ``methods``, unranked.
 
     ``gguf``: whether the backend loads GGUF files (its ``model_format``); None: the profile's backend's.
@@ -130,6 +166,7 @@ def discover(target, profile, methods: list[Method], *, hub: Hub, catalog: Catal
     tid = target.ref
     if gguf is None:
         from specops.plugins import get_registry
+
         gguf = getattr(get_registry().backends.get(profile.backend), "model_format", "hf") == "gguf"
     for e in catalog.for_target(tid):
         if e.method in methods:
@@ -142,8 +179,10 @@ def discover(target, profile, methods: list[Method], *, hub: Hub, catalog: Catal
         try:
             _hub_discovery(pool, target, methods, hub, catalog, gguf)
         except HubError as exc:
-            notes.append(f"Hub discovery stopped: {exc}; candidates come from the catalog"
-                         + (" and what was found before" if pool.items else ""))
+            notes.append(
+                f"Hub discovery stopped: {exc}; candidates come from the catalog"
+                + (" and what was found before" if pool.items else "")
+            )
     return list(pool.items.values())
 
 
@@ -183,7 +222,9 @@ def _hub_discovery(pool: _Pool, target, methods, hub: Hub, catalog: Catalog, ggu
 
 def _card_bases(meta: RepoMeta) -> list[str]:
     base = (meta.card_data or {}).get("base_model")
-    return [base] if isinstance(base, str) else [b for b in base if isinstance(b, str)] if isinstance(base, list) else []
+    return (
+        [base] if isinstance(base, str) else [b for b in base if isinstance(b, str)] if isinstance(base, list) else []
+    )
 
 
 def _fits_backend(meta: RepoMeta, gguf: bool) -> bool:

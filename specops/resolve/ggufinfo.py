@@ -5,6 +5,7 @@ are at most 128 apart, and every token text from id 5 up to the smaller vocab is
 metadata is read with the ``gguf`` package from files that are already local (a path, or the HF cache):
 weights are never downloaded to check them.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,8 +17,23 @@ MAX_VOCAB_DIFFERENCE = 128
 CHECK_START_TOKEN_ID = 5
 DEFAULT_QUANT = "Q4_K_M"
 #: When the requested quantisation is missing, the nearest ones to try, in order.
-QUANT_FALLBACK = ("Q4_K_M", "Q4_K_S", "Q4_0", "Q5_K_M", "Q5_K_S", "Q5_0", "Q6_K", "Q8_0", "Q3_K_L", "Q3_K_M",
-                  "IQ4_XS", "IQ4_NL", "BF16", "F16", "F32")
+QUANT_FALLBACK = (
+    "Q4_K_M",
+    "Q4_K_S",
+    "Q4_0",
+    "Q5_K_M",
+    "Q5_K_S",
+    "Q5_0",
+    "Q6_K",
+    "Q8_0",
+    "Q3_K_L",
+    "Q3_K_M",
+    "IQ4_XS",
+    "IQ4_NL",
+    "BF16",
+    "F16",
+    "F32",
+)
 
 
 @dataclass(frozen=True)
@@ -60,11 +76,17 @@ def read_gguf(path: str | Path) -> GGUFVocab:
 
     n_vocab = arch_key("vocab_size")
     return GGUFVocab(
-        path=str(path), arch=arch, tokenizer_model=_scalar(reader, "tokenizer.ggml.model"),
+        path=str(path),
+        arch=arch,
+        tokenizer_model=_scalar(reader, "tokenizer.ggml.model"),
         size=int(n_vocab) if n_vocab else len(tokens),
-        bos=_scalar(reader, "tokenizer.ggml.bos_token_id"), eos=_scalar(reader, "tokenizer.ggml.eos_token_id"),
-        add_bos=_scalar(reader, "tokenizer.ggml.add_bos_token"), tokens=tuple(tokens),
-        context=arch_key("context_length"), hidden=arch_key("embedding_length"), layers=arch_key("block_count"),
+        bos=_scalar(reader, "tokenizer.ggml.bos_token_id"),
+        eos=_scalar(reader, "tokenizer.ggml.eos_token_id"),
+        add_bos=_scalar(reader, "tokenizer.ggml.add_bos_token"),
+        tokens=tuple(tokens),
+        context=arch_key("context_length"),
+        hidden=arch_key("embedding_length"),
+        layers=arch_key("block_count"),
     )
 
 
@@ -72,12 +94,22 @@ def compare_vocab(target: GGUFVocab, draft: GGUFVocab) -> list[tuple[str, str]]:
     """llama.cpp's draft compatibility rules: ``[(severity, message)]``, empty when compatible."""
     out: list[tuple[str, str]] = []
     if target.tokenizer_model != draft.tokenizer_model:
-        out.append(("error", f"vocab type differs: draft {draft.tokenizer_model} vs target {target.tokenizer_model} "
-                             f"(llama.cpp refuses the draft)"))
+        out.append(
+            (
+                "error",
+                f"vocab type differs: draft {draft.tokenizer_model} vs target {target.tokenizer_model} "
+                f"(llama.cpp refuses the draft)",
+            )
+        )
     diff = abs(target.size - draft.size)
     if diff > MAX_VOCAB_DIFFERENCE:
-        out.append(("error", f"vocab sizes {draft.size} (draft) and {target.size} (target) are {diff} apart; "
-                             f"llama.cpp allows at most {MAX_VOCAB_DIFFERENCE}"))
+        out.append(
+            (
+                "error",
+                f"vocab sizes {draft.size} (draft) and {target.size} (target) are {diff} apart; "
+                f"llama.cpp allows at most {MAX_VOCAB_DIFFERENCE}",
+            )
+        )
     if target.bos != draft.bos or target.eos != draft.eos:
         out.append(("error", f"BOS/EOS differ: draft {draft.bos}/{draft.eos} vs target {target.bos}/{target.eos}"))
     if target.add_bos is not None and draft.add_bos is not None and target.add_bos != draft.add_bos:
@@ -85,8 +117,13 @@ def compare_vocab(target: GGUFVocab, draft: GGUFVocab) -> list[tuple[str, str]]:
     n = min(len(target.tokens), len(draft.tokens))
     for i in range(CHECK_START_TOKEN_ID, n):
         if target.tokens[i] != draft.tokens[i]:
-            out.append(("error", f"token {i} differs: draft {draft.tokens[i]!r} vs target {target.tokens[i]!r} "
-                                 f"(llama.cpp compares token text from id {CHECK_START_TOKEN_ID} on)"))
+            out.append(
+                (
+                    "error",
+                    f"token {i} differs: draft {draft.tokens[i]!r} vs target {target.tokens[i]!r} "
+                    f"(llama.cpp compares token text from id {CHECK_START_TOKEN_ID} on)",
+                )
+            )
             break
     return out
 

@@ -14,6 +14,7 @@ Small files are downloaded with a size cap: :data:`MAX_JSON_BYTES` (1 MiB) for `
 other JSON files specops reads. The size the Hub states (paths-info, the download's HEAD) is checked before
 a byte is fetched, the transfer is cut off past the cap, and reading a file stops at the cap too.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,18 +22,37 @@ import json
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from specops.errors import SpecopsError
-from specops.reponames import UnsafeName, check_repo_file, check_repo_id, check_revision, is_commit_sha, is_repo_id, \
-    is_safe_repo_file
+from specops.reponames import (
+    UnsafeName,
+    check_repo_file,
+    check_repo_id,
+    check_revision,
+    is_commit_sha,
+    is_repo_id,
+    is_safe_repo_file,
+)
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 #: What model_info asks for: enough to detect, rank and size a candidate without downloading weights.
-INFO_EXPAND = ["sha", "config", "cardData", "siblings", "safetensors", "gguf", "gated", "downloads", "likes",
-               "tags", "lastModified"]
+INFO_EXPAND = [
+    "sha",
+    "config",
+    "cardData",
+    "siblings",
+    "safetensors",
+    "gguf",
+    "gated",
+    "downloads",
+    "likes",
+    "tags",
+    "lastModified",
+]
 LIST_EXPAND = ["config", "cardData", "downloads", "likes", "tags", "gated", "sha"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 #: The most specops downloads or reads of one small JSON file (config.json, tokenizer_config.json).
@@ -60,7 +80,8 @@ def hf_cache_dir() -> Path:
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"
+    )
     return Path(home).expanduser() / "hub"
 
 
@@ -93,14 +114,14 @@ class RepoMeta:
 
     id: str
     sha: str | None = None
-    config: dict | None = None          # the Hub's summary of config.json (architectures, model_type, ...)
+    config: dict | None = None  # the Hub's summary of config.json (architectures, model_type, ...)
     card_data: dict | None = None
     tags: list[str] = field(default_factory=list)
     downloads: int = 0
     likes: int = 0
     gated: Any = False
     siblings: list[str] | None = None
-    safetensors: dict | None = None     # {"parameters": {"BF16": n}, "total": n}
+    safetensors: dict | None = None  # {"parameters": {"BF16": n}, "total": n}
     gguf: dict | None = None
 
     @property
@@ -157,10 +178,17 @@ def _meta_from_info(info) -> RepoMeta:
     tags = info.tags if isinstance(info.tags, (list, tuple)) else []
     gated = info.gated if isinstance(info.gated, (bool, str)) else bool(info.gated)
     return RepoMeta(
-        id=info.id, sha=info.sha, config=info.config if isinstance(info.config, dict) else None,
-        card_data=card if isinstance(card, dict) else None, tags=[t for t in tags if isinstance(t, str)],
-        downloads=_count(info.downloads), likes=_count(info.likes), gated=gated or False,
-        siblings=siblings, safetensors=st, gguf=info.gguf if isinstance(info.gguf, dict) else None,
+        id=info.id,
+        sha=info.sha,
+        config=info.config if isinstance(info.config, dict) else None,
+        card_data=card if isinstance(card, dict) else None,
+        tags=[t for t in tags if isinstance(t, str)],
+        downloads=_count(info.downloads),
+        likes=_count(info.likes),
+        gated=gated or False,
+        siblings=siblings,
+        safetensors=st,
+        gguf=info.gguf if isinstance(info.gguf, dict) else None,
     )
 
 
@@ -202,8 +230,15 @@ class _Deadline(Exception):
 class Hub:
     """A Hub client for one resolution: endpoint, offline mode, deadlines, cache, and a circuit breaker."""
 
-    def __init__(self, *, endpoint: str | None = None, offline: bool | None = None, timeout: float | None = None,
-                 cache_dir: str | Path | None = None, progress: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        *,
+        endpoint: str | None = None,
+        offline: bool | None = None,
+        timeout: float | None = None,
+        cache_dir: str | Path | None = None,
+        progress: Callable[[str], None] | None = None,
+    ):
         #: one-line notes about Hub answers that were left out (e.g. a search hit with unsafe file names)
         self.warnings: list[str] = []
         self.endpoint = (endpoint or hub_endpoint()).rstrip("/")
@@ -220,6 +255,7 @@ class Hub:
     def api(self):
         if self._api is None:
             from huggingface_hub import HfApi
+
             self._api = HfApi(endpoint=self.endpoint)
         return self._api
 
@@ -261,8 +297,11 @@ class Hub:
 
     # ------------------------------------------------------------------ API
     def model_info(self, repo: str, revision: str | None = None) -> RepoMeta:
-        info = self._call("model info", repo, lambda: self.api.model_info(
-            repo, revision=revision, expand=INFO_EXPAND, timeout=self.timeout))
+        info = self._call(
+            "model info",
+            repo,
+            lambda: self.api.model_info(repo, revision=revision, expand=INFO_EXPAND, timeout=self.timeout),
+        )
         try:
             return _meta_from_info(info)
         except UnsafeName as exc:
@@ -270,12 +309,26 @@ class Hub:
         except (TypeError, ValueError, AttributeError) as exc:
             raise HubError("invalid", f"{repo}: unusable Hub answer ({type(exc).__name__})", repo) from None
 
-    def list_models(self, *, filter: str | list[str] | None = None, search: str | None = None,
-                    author: str | None = None, limit: int = 100) -> list[RepoMeta]:
-        what = "search " + " ".join(f"{k}={v}" for k, v in (("filter", filter), ("search", search),
-                                                              ("author", author)) if v)
-        items = self._call(what, None, lambda: list(self.api.list_models(
-            filter=filter, search=search, author=author, sort="downloads", limit=limit, expand=LIST_EXPAND)))
+    def list_models(
+        self,
+        *,
+        filter: str | list[str] | None = None,
+        search: str | None = None,
+        author: str | None = None,
+        limit: int = 100,
+    ) -> list[RepoMeta]:
+        what = "search " + " ".join(
+            f"{k}={v}" for k, v in (("filter", filter), ("search", search), ("author", author)) if v
+        )
+        items = self._call(
+            what,
+            None,
+            lambda: list(
+                self.api.list_models(
+                    filter=filter, search=search, author=author, sort="downloads", limit=limit, expand=LIST_EXPAND
+                )
+            ),
+        )
         out = []
         for info in items:
             try:
@@ -306,18 +359,21 @@ class Hub:
             size = size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
             blob = getattr(item, "blob_id", None)
             sha = getattr(lfs, "sha256", None) if lfs else None
-            out[path] = FileMeta(path, size, blob if isinstance(blob, str) else None,
-                                 sha if isinstance(sha, str) else None)
+            out[path] = FileMeta(
+                path, size, blob if isinstance(blob, str) else None, sha if isinstance(sha, str) else None
+            )
         return out
 
-    def download(self, repo: str, filename: str, revision: str | None = None, *,
-                 max_bytes: int = MAX_JSON_BYTES) -> Path:
+    def download(
+        self, repo: str, filename: str, revision: str | None = None, *, max_bytes: int = MAX_JSON_BYTES
+    ) -> Path:
         """A small file (config.json, tokenizer files) into the HF cache; offline: from the cache only.
 
         At most ``max_bytes``: a larger file is an ``invalid`` HubError, refused before its body is read when
         the server states its size, and cut off at the cap when it does not.
         """
         from huggingface_hub import hf_hub_download
+
         try:
             check_repo_file(filename)
             if revision is not None:
@@ -330,18 +386,28 @@ class Hub:
                 self._check_size(repo, filename, cached, max_bytes)
                 return cached
             why = "offline" if self.offline else self.down.kind
-            raise HubError("offline" if self.offline else self.down.kind,
-                           f"{repo}/{filename} is not in the HF cache ({self.cache_dir}) and the Hub is not used "
-                           f"({why}); fetch it once online (`specops lock` or `hf download {repo} {filename}`)", repo)
+            raise HubError(
+                "offline" if self.offline else self.down.kind,
+                f"{repo}/{filename} is not in the HF cache ({self.cache_dir}) and the Hub is not used "
+                f"({why}); fetch it once online (`specops lock` or `hf download {repo} {filename}`)",
+                repo,
+            )
         self._say(f"downloading {repo}/{filename}")
 
         def fetch():
             try:
-                return hf_hub_download(repo, filename, revision=revision, cache_dir=str(self.cache_dir),
-                                       endpoint=self.endpoint, etag_timeout=self.timeout,
-                                       tqdm_class=_capped_progress(max_bytes))
+                return hf_hub_download(
+                    repo,
+                    filename,
+                    revision=revision,
+                    cache_dir=str(self.cache_dir),
+                    endpoint=self.endpoint,
+                    etag_timeout=self.timeout,
+                    tqdm_class=_capped_progress(max_bytes),
+                )
             except FileTooLarge as exc:
                 raise too_large(repo, filename, exc.size, max_bytes) from None
+
         path = Path(self._call("download", repo, fetch))
         self._check_size(repo, filename, path, max_bytes)
         return path
@@ -403,8 +469,11 @@ def _safe_revision(rev: str) -> bool:
 
 def too_large(repo: str, filename: str, size: int | None, cap: int) -> HubError:
     what = f"is {size} bytes" if size is not None else "is larger than announced"
-    return HubError("invalid", f"{repo}/{filename} {what}; specops reads at most {cap} bytes of it "
-                               f"({cap // 1024} KiB): not a real {filename}", repo)
+    return HubError(
+        "invalid",
+        f"{repo}/{filename} {what}; specops reads at most {cap} bytes of it ({cap // 1024} KiB): not a real {filename}",
+        repo,
+    )
 
 
 class BadFile(SpecopsError):
@@ -456,13 +525,21 @@ def translate(exc: BaseException, what: str, repo: str | None, endpoint: str, de
 
     name = repo or endpoint
     if isinstance(exc, _Deadline):
-        return HubError("unreachable", f"Hub at {endpoint} did not answer in time ({what}; no answer within "
-                                       f"{deadline:.0f} s, SPECOPS_HUB_TIMEOUT sets the limit)", repo)
+        return HubError(
+            "unreachable",
+            f"Hub at {endpoint} did not answer in time ({what}; no answer within "
+            f"{deadline:.0f} s, SPECOPS_HUB_TIMEOUT sets the limit)",
+            repo,
+        )
     if isinstance(exc, E.OfflineModeIsEnabled):
         return HubError("offline", f"{what}: huggingface_hub is in offline mode (HF_HUB_OFFLINE=1)", repo)
     if isinstance(exc, E.GatedRepoError):
-        return HubError("gated", f"{name} is gated: accept its license on {endpoint}/{name} and set HF_TOKEN "
-                                 f"(a token of an account that was granted access)", repo)
+        return HubError(
+            "gated",
+            f"{name} is gated: accept its license on {endpoint}/{name} and set HF_TOKEN "
+            f"(a token of an account that was granted access)",
+            repo,
+        )
     if isinstance(exc, E.RevisionNotFoundError):
         return HubError("revision", f"{name}: revision not found on the Hub", repo)
     if isinstance(exc, E.RepositoryNotFoundError):
@@ -474,8 +551,13 @@ def translate(exc: BaseException, what: str, repo: str | None, endpoint: str, de
         status = getattr(resp, "status_code", None)
         if status == 429:
             wait = resp.headers.get("Retry-After") if resp is not None else None
-            return HubError("rate_limited", f"rate-limited by the Hub at {endpoint}"
-                                            + (f" (retry in {wait} s)" if wait else "") + "; set HF_TOKEN for a higher limit", repo)
+            return HubError(
+                "rate_limited",
+                f"rate-limited by the Hub at {endpoint}"
+                + (f" (retry in {wait} s)" if wait else "")
+                + "; set HF_TOKEN for a higher limit",
+                repo,
+            )
         if status in (401, 403):
             return HubError("unauthorized", f"{name}: not authorized ({status}); check HF_TOKEN", repo)
         if status is not None and status >= 500:
@@ -487,12 +569,16 @@ def translate(exc: BaseException, what: str, repo: str | None, endpoint: str, de
         return HubError("offline", f"{name}: not in the local HF cache and the Hub is not reachable", repo)
     try:
         import httpx2 as httpx
+
         transport, timeouts = (httpx.TransportError,), (httpx.TimeoutException,)
     except ImportError:  # pragma: no cover - older huggingface_hub uses requests/httpx
         transport, timeouts = (), ()
     if isinstance(exc, timeouts + (TimeoutError,)):
-        return HubError("unreachable", f"Hub at {endpoint} did not answer in time ({what}; "
-                                       f"SPECOPS_HUB_TIMEOUT sets the limit)", repo)
+        return HubError(
+            "unreachable",
+            f"Hub at {endpoint} did not answer in time ({what}; SPECOPS_HUB_TIMEOUT sets the limit)",
+            repo,
+        )
     if isinstance(exc, transport + (ConnectionError, OSError)):
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return HubError("unreachable", f"Hub at {endpoint} is unreachable: {reason}", repo)

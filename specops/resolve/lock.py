@@ -6,6 +6,7 @@ alternative considered with its verdict, and the profile inputs it was resolved 
 GitOps deploy renders the same command everywhere. The JSON is deterministic: sorted keys, no time
 stamps, no download counts (they change daily), no endpoint.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -88,13 +89,18 @@ def lock_problem(data: dict) -> str | None:
         if not isinstance(draft, str) or not draft or "\x00" in draft or len(draft) > 4096:
             return f"speculative.draft must be a Hub repo id or a path, not {str(draft)[:60]!r}"
         from specops.resolve.models import is_local_ref
+
         if not is_local_ref(draft) and not is_repo_id(draft):
             return f"speculative.draft: {repo_id_problem(draft)}: {draft[:100]!r}"
-    fields = [("speculative.draft_file", spec.get("draft_file"), repo_file_problem),
-              ("speculative.draft_revision", spec.get("draft_revision"), revision_problem)]
+    fields = [
+        ("speculative.draft_file", spec.get("draft_file"), repo_file_problem),
+        ("speculative.draft_revision", spec.get("draft_revision"), revision_problem),
+    ]
     if isinstance(target, dict):
-        fields += [("target.file", target.get("file"), repo_file_problem),
-                   ("target.revision", target.get("revision"), revision_problem)]
+        fields += [
+            ("target.file", target.get("file"), repo_file_problem),
+            ("target.revision", target.get("revision"), revision_problem),
+        ]
     for where, value, check in fields:
         if value is None:
             continue
@@ -139,9 +145,12 @@ def apply_lock(profile, lock: dict):
     s = lock["speculative"]
     method = Method(s["method"])
     spec = profile.speculative
-    update = {"method": method, "draft": s.get("draft"),
-              "draft_revision": spec.draft_revision or s.get("draft_revision"),
-              "draft_file": spec.draft_file or s.get("draft_file")}
+    update = {
+        "method": method,
+        "draft": s.get("draft"),
+        "draft_revision": spec.draft_revision or s.get("draft_revision"),
+        "draft_file": spec.draft_file or s.get("draft_file"),
+    }
     new_spec = spec.model_copy(update=update)
     target = lock.get("target") or {}
     model = profile.model
@@ -155,6 +164,7 @@ def apply_lock(profile, lock: dict):
 def build_lock(profile_path: str | Path, input_profile, resolution) -> dict:
     """The lock for a successful resolution (deterministic for the same Hub state)."""
     from specops import __version__
+
     chosen = resolution.profile.speculative
     target = resolution.target
     inputs = inputs_of(input_profile)
@@ -166,16 +176,37 @@ def build_lock(profile_path: str | Path, input_profile, resolution) -> dict:
         "inputs": inputs,
         "inputs_sha256": digest(inputs),
         "backend": input_profile.backend,
-        "target": {"id": input_profile.model.id, "revision": target.revision if target else None,
-                   "file": (target.gguf_file if target and target.kind == "hub" else None)},
-        "speculative": {"method": chosen.method.value, "draft": chosen.draft, "draft_revision": chosen.draft_revision,
-                        "draft_file": chosen.draft_file},
-        "choice": None if choice is None else {"method": choice.method.value, "draft": choice.draft,
-                                               "why": choice.why(popularity=False), "verdict": choice.verdict,
-                                               "reason": choice.reason},
-        "alternatives": [{"rank": i + 1, "method": c.method.value, "draft": c.draft, "verdict": c.verdict,
-                          "reason": c.reason, "why": c.why(popularity=False)}
-                         for i, c in enumerate(resolution.candidates)],
+        "target": {
+            "id": input_profile.model.id,
+            "revision": target.revision if target else None,
+            "file": (target.gguf_file if target and target.kind == "hub" else None),
+        },
+        "speculative": {
+            "method": chosen.method.value,
+            "draft": chosen.draft,
+            "draft_revision": chosen.draft_revision,
+            "draft_file": chosen.draft_file,
+        },
+        "choice": None
+        if choice is None
+        else {
+            "method": choice.method.value,
+            "draft": choice.draft,
+            "why": choice.why(popularity=False),
+            "verdict": choice.verdict,
+            "reason": choice.reason,
+        },
+        "alternatives": [
+            {
+                "rank": i + 1,
+                "method": c.method.value,
+                "draft": c.draft,
+                "verdict": c.verdict,
+                "reason": c.reason,
+                "why": c.why(popularity=False),
+            }
+            for i, c in enumerate(resolution.candidates)
+        ],
         "findings": [f.to_dict() for f in resolution.findings if f.severity in ("error", "warning")],
         "memory": resolution.memory.to_dict() if resolution.memory else None,
         "catalog_version": resolution.catalog_version,

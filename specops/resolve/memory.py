@@ -5,21 +5,40 @@ files (siblings / paths-info, or the chosen .gguf), the catalog's parameter coun
 KV cache and activations come on top: the estimate is a floor, and the warning fires when even the
 weights do not fit the profile's ``gpus.memory_gb``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-GIB = 1024 ** 3
-DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
-               "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "F4": 0.5, "F6_E2M3": 0.75,
-               "F6_E3M2": 0.75}
+GIB = 1024**3
+DTYPE_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "BF16": 2,
+    "F16": 2,
+    "I16": 2,
+    "U16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F4": 0.5,
+    "F6_E2M3": 0.75,
+    "F6_E3M2": 0.75,
+}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 @dataclass(frozen=True)
 class Weights:
     bytes: int
-    source: str          # "safetensors metadata", "file sizes", "catalog parameter count"
+    source: str  # "safetensors metadata", "file sizes", "catalog parameter count"
 
     @property
     def gib(self) -> float:
@@ -49,9 +68,25 @@ def from_files(sizes: dict[str, int | None], only: str | None = None) -> Weights
 
 
 #: Average bits per weight of llama.cpp quantisations (llama.cpp's quantize table), for sizing from a count.
-GGUF_BITS = {"Q2_K": 2.96, "Q3_K_S": 3.5, "Q3_K_M": 3.91, "Q3_K_L": 4.27, "IQ4_XS": 4.25, "IQ4_NL": 4.5,
-             "Q4_0": 4.55, "Q4_K_S": 4.58, "Q4_K_M": 4.89, "Q5_0": 5.54, "Q5_K_S": 5.54, "Q5_K_M": 5.69,
-             "Q6_K": 6.56, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0, "F32": 32.0}
+GGUF_BITS = {
+    "Q2_K": 2.96,
+    "Q3_K_S": 3.5,
+    "Q3_K_M": 3.91,
+    "Q3_K_L": 4.27,
+    "IQ4_XS": 4.25,
+    "IQ4_NL": 4.5,
+    "Q4_0": 4.55,
+    "Q4_K_S": 4.58,
+    "Q4_K_M": 4.89,
+    "Q5_0": 5.54,
+    "Q5_K_S": 5.54,
+    "Q5_K_M": 5.69,
+    "Q6_K": 6.56,
+    "Q8_0": 8.5,
+    "F16": 16.0,
+    "BF16": 16.0,
+    "F32": 32.0,
+}
 
 
 def from_params(billions: float | None, quant: str | None = None) -> Weights | None:
@@ -80,25 +115,40 @@ class MemoryEstimate:
 
     @property
     def over_budget(self) -> bool:
-        return self.budget_gb is not None and self.per_gpu_bytes is not None and self.per_gpu_bytes > self.budget_gb * GIB
+        return (
+            self.budget_gb is not None and self.per_gpu_bytes is not None and self.per_gpu_bytes > self.budget_gb * GIB
+        )
 
     def to_dict(self) -> dict:
         r = lambda w: None if w is None else {"bytes": w.bytes, "gib": round(w.gib, 2), "source": w.source}  # noqa: E731
-        return {"target": r(self.target), "draft": r(self.draft), "gpus": self.gpus,
-                "per_gpu_gib": None if self.per_gpu_gib is None else round(self.per_gpu_gib, 2),
-                "budget_gb": self.budget_gb, "layout": self.layout, "has_draft": self.has_draft}
+        return {
+            "target": r(self.target),
+            "draft": r(self.draft),
+            "gpus": self.gpus,
+            "per_gpu_gib": None if self.per_gpu_gib is None else round(self.per_gpu_gib, 2),
+            "budget_gb": self.budget_gb,
+            "layout": self.layout,
+            "has_draft": self.has_draft,
+        }
 
     def line(self) -> str:
         def g(w):
             return "?" if w is None else f"{w.gib:.1f} GiB"
+
         per = "?" if self.per_gpu_gib is None else f"{self.per_gpu_gib:.1f} GiB"
         budget = f" of {self.budget_gb:g} GiB" if self.budget_gb else ""
         draft = f" + draft {g(self.draft)}" if self.has_draft else ""
         return f"weights: target {g(self.target)}{draft} → {per} per GPU{budget} ({self.layout})"
 
 
-def estimate(profile, target: Weights | None, draft: Weights | None, *, has_draft: bool = True,
-             parallel_layout: bool | None = None) -> MemoryEstimate:
+def estimate(
+    profile,
+    target: Weights | None,
+    draft: Weights | None,
+    *,
+    has_draft: bool = True,
+    parallel_layout: bool | None = None,
+) -> MemoryEstimate:
     """Per-GPU weight share under the profile's layout.
 
     A backend with ``parallel_layout`` (vLLM): the target is split over tensor × pipeline parallel ranks; a
@@ -111,6 +161,7 @@ def estimate(profile, target: Weights | None, draft: Weights | None, *, has_draf
     budget = g.memory_gb
     if parallel_layout is None:
         from specops.plugins import get_registry
+
         parallel_layout = getattr(get_registry().backends.get(profile.backend), "parallel_layout", True)
     if not parallel_layout:
         n = max(1, len(g.devices or []) or 1)

@@ -9,6 +9,7 @@ A repo whose Hub answer or config.json cannot be trusted (unsafe file names, a c
 :data:`~specops.resolve.hub.MAX_JSON_BYTES`, not JSON, or with fields of the wrong type) gets an ``invalid``
 error: it is fatal, so a draft is refused with that reason and a target fails resolution, never a crash.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,25 +17,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specops.methods import Method
-from specops.resolve.catalog import Catalog
-from specops.resolve.detect import ConfigFacts, Declared, config_problems, declared_targets, detect_method, facts_from_config
-from specops.resolve.ggufinfo import DEFAULT_QUANT, GGUFVocab, pick_file, quant_of, read_gguf, split_parts
-from specops.resolve.hub import MAX_JSON_BYTES, TOKENIZER_FILES, BadFile, FileMeta, Hub, HubError, RepoMeta, file_digest, load_json
 from specops.reponames import UnsafeName, check_repo_file, is_repo_id, is_safe_repo_file
+from specops.resolve.catalog import Catalog
+from specops.resolve.detect import (
+    ConfigFacts,
+    Declared,
+    config_problems,
+    declared_targets,
+    detect_method,
+    facts_from_config,
+)
+from specops.resolve.ggufinfo import DEFAULT_QUANT, GGUFVocab, pick_file, quant_of, read_gguf, split_parts
+from specops.resolve.hub import (
+    MAX_JSON_BYTES,
+    TOKENIZER_FILES,
+    BadFile,
+    FileMeta,
+    Hub,
+    HubError,
+    RepoMeta,
+    file_digest,
+    load_json,
+)
 from specops.resolve.memory import WEIGHT_SUFFIXES, Weights, from_files, from_params, from_safetensors
 
 
 @dataclass
 class ModelView:
     ref: str
-    kind: str                                  # hub | local-dir | local-gguf
-    revision: str | None = None                # commit sha when known
+    kind: str  # hub | local-dir | local-gguf
+    revision: str | None = None  # commit sha when known
     meta: RepoMeta | None = None
     config: dict | None = None
     facts: ConfigFacts = field(default_factory=ConfigFacts)
     facts_source: str = "none"
-    tokenizer: str | None = None               # digest of tokenizer.json (or tokenizer.model)
-    tokenizer_family: str | None = None        # from the catalog
+    tokenizer: str | None = None  # digest of tokenizer.json (or tokenizer.model)
+    tokenizer_family: str | None = None  # from the catalog
     weights: Weights | None = None
     gguf_file: str | None = None
     gguf_why: str | None = None
@@ -59,17 +77,34 @@ class ModelView:
 
     def summary(self) -> dict:
         f = self.facts
-        return {"id": self.ref, "revision": self.revision, "file": self.gguf_file, "facts_from": self.facts_source,
-                "vocab_size": f.vocab, "hidden_size": f.hidden, "layers": f.layers, "context": f.context,
-                "mtp_layers": f.mtp_layers}
+        return {
+            "id": self.ref,
+            "revision": self.revision,
+            "file": self.gguf_file,
+            "facts_from": self.facts_source,
+            "vocab_size": f.vocab,
+            "hidden_size": f.hidden,
+            "layers": f.layers,
+            "context": f.context,
+            "mtp_layers": f.mtp_layers,
+        }
 
 
 def is_local_ref(ref: str) -> bool:
     return ref.startswith(("/", "./", "../", "~")) or ref.endswith(".gguf") or os.path.exists(os.path.expanduser(ref))
 
 
-def load_model(ref: str, *, hub: Hub, catalog: Catalog, revision: str | None = None, gguf: bool = False,
-               quant: str | None = None, file: str | None = None, tokenizer: bool = True) -> ModelView:
+def load_model(
+    ref: str,
+    *,
+    hub: Hub,
+    catalog: Catalog,
+    revision: str | None = None,
+    gguf: bool = False,
+    quant: str | None = None,
+    file: str | None = None,
+    tokenizer: bool = True,
+) -> ModelView:
     """A :class:`ModelView` of ``ref``. ``gguf``: llama.cpp wants a .gguf file (``file``, else one picked
     for ``quant``). Hub failures are recorded in ``errors``, never raised."""
     if is_local_ref(ref):
@@ -158,9 +193,15 @@ def _load_hf_repo(view: ModelView, hub: Hub, files: list[str], tokenizer: bool, 
     if not files or has_config:
         size = info["config.json"].size if "config.json" in info else None
         if size is not None and size > MAX_JSON_BYTES:
-            view.errors.append(HubError("invalid", f"{ref}/config.json is {size} bytes on the Hub; specops reads "
-                                        f"at most {MAX_JSON_BYTES} bytes ({MAX_JSON_BYTES // 1024} KiB): not "
-                                        f"downloaded", ref))
+            view.errors.append(
+                HubError(
+                    "invalid",
+                    f"{ref}/config.json is {size} bytes on the Hub; specops reads "
+                    f"at most {MAX_JSON_BYTES} bytes ({MAX_JSON_BYTES // 1024} KiB): not "
+                    f"downloaded",
+                    ref,
+                )
+            )
             return
         try:
             path = hub.download(ref, "config.json", revision)
@@ -190,8 +231,15 @@ def _load_hf_repo(view: ModelView, hub: Hub, files: list[str], tokenizer: bool, 
     view.weights = st or from_files({k: v.size for k, v in info.items()})
 
 
-def _load_gguf_repo(view: ModelView, hub: Hub, catalog: Catalog, files: list[str], entry_files: dict,
-                    quant: str | None, file: str | None) -> None:
+def _load_gguf_repo(
+    view: ModelView,
+    hub: Hub,
+    catalog: Catalog,
+    files: list[str],
+    entry_files: dict,
+    quant: str | None,
+    file: str | None,
+) -> None:
     ref, sha = view.ref, view.revision
     if file:
         view.gguf_file, view.gguf_why = file, "named in the profile"
@@ -204,15 +252,19 @@ def _load_gguf_repo(view: ModelView, hub: Hub, catalog: Catalog, files: list[str
     if view.meta and view.meta.gguf:
         g = view.meta.gguf
         ctx = g.get("context_length")
-        view.facts = ConfigFacts(context=ctx if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0 else None)
+        view.facts = ConfigFacts(
+            context=ctx if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0 else None
+        )
         view.facts_source = "Hub gguf metadata"
     if view.gguf_file:
         cached = hub.cached(ref, view.gguf_file, sha)
         if cached is not None:
             _apply_gguf(view, cached)
         else:
-            view.notes.append(f"{ref}/{view.gguf_file} is not local: vocab facts from "
-                              f"{'the catalog or ' if catalog.facts(ref) else ''}the base model's config.json")
+            view.notes.append(
+                f"{ref}/{view.gguf_file} is not local: vocab facts from "
+                f"{'the catalog or ' if catalog.facts(ref) else ''}the base model's config.json"
+            )
         if view.weights is None:
             parts = split_parts(view.gguf_file, files)
             try:
@@ -251,8 +303,9 @@ def _apply_gguf(view: ModelView, path: Path) -> None:
         view.notes.append(f"{path}: cannot read GGUF metadata ({type(exc).__name__}: {exc})")
         return
     view.gguf_vocab = v
-    view.facts = ConfigFacts(vocab=v.size, hidden=v.hidden, layers=v.layers, context=v.context,
-                             model_type=v.arch).merged(view.facts)
+    view.facts = ConfigFacts(
+        vocab=v.size, hidden=v.hidden, layers=v.layers, context=v.context, model_type=v.arch
+    ).merged(view.facts)
     view.facts_source = "GGUF metadata"
     try:
         view.weights = Weights(Path(path).stat().st_size, "file size")

@@ -4,9 +4,10 @@
 checks) and says whether the checks refused the primary draft. ``specops up`` then starts at the next
 method of the chain; a measurement refuses to run it.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from specops.config.profile import LoadedProfile
 from specops.errors import ProfileError
@@ -19,8 +20,9 @@ def needs_resolution(loaded: LoadedProfile) -> bool:
     return spec.method is Method.AUTO or spec.draft == "auto"
 
 
-def resolve_for_launch(loaded: LoadedProfile, offline: bool, say: Callable[[str], None], *,
-                       only_auto: bool = False) -> tuple[LoadedProfile, str | None]:
+def resolve_for_launch(
+    loaded: LoadedProfile, offline: bool, say: Callable[[str], None], *, only_auto: bool = False
+) -> tuple[LoadedProfile, str | None]:
     """Apply the resolver (draft/method ``auto``, the lock file, the compatibility checks).
 
     Returns the profile to launch and, when the checks refuse the primary draft (``checks: enforce``),

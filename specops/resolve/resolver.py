@@ -6,13 +6,13 @@ passes. A fresh lock file short-cuts all of it (no Hub call); a stale one is rep
 afresh. The result explains itself: every candidate with its verdict and reason, every note about the
 Hub, the cache or the lock.
 """
+
 from __future__ import annotations
 
 import json
-
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from specops.backends import DEFAULT_BACKEND
 from specops.errors import ProfileError, SpecopsError
@@ -34,7 +34,7 @@ MAX_CHECKED = 6
 class Resolution:
     """What resolution decided, and why."""
 
-    profile: object                                   # the Profile with method/draft filled in
+    profile: object  # the Profile with method/draft filled in
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     candidates: list[Candidate] = field(default_factory=list)
@@ -56,8 +56,13 @@ class Resolution:
             "target": self.target.summary() if self.target else None,
             "backend": self.profile.backend,
             "requested_method": self.requested.value,
-            "resolved": {"method": spec.method.value, "draft": spec.draft, "draft_revision": spec.draft_revision,
-                         "draft_file": spec.draft_file, "model_revision": self.profile.model.revision},
+            "resolved": {
+                "method": spec.method.value,
+                "draft": spec.draft,
+                "draft_revision": spec.draft_revision,
+                "draft_file": spec.draft_file,
+                "model_revision": self.profile.model.revision,
+            },
             "choice": self.choice.to_dict() if self.choice else None,
             "candidates": [dict(rank=i + 1, **c.to_dict()) for i, c in enumerate(self.candidates)],
             "findings": [f.to_dict() for f in self.findings],
@@ -70,6 +75,7 @@ class Resolution:
 
 def _backend(profile):
     from specops.plugins import get_registry
+
     return get_registry().backends.get(profile.backend)
 
 
@@ -78,9 +84,16 @@ def _gguf(backend_obj) -> bool:
     return getattr(backend_obj, "model_format", "hf") == "gguf"
 
 
-def resolve_profile(loaded, *, offline: bool = False, use_lock: bool = True, verify: bool = False,
-                    raise_errors: bool = True, hub: Hub | None = None,
-                    progress: Callable[[str], None] | None = None) -> Resolution:
+def resolve_profile(
+    loaded,
+    *,
+    offline: bool = False,
+    use_lock: bool = True,
+    verify: bool = False,
+    raise_errors: bool = True,
+    hub: Hub | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Resolution:
     """Resolve ``loaded`` (a LoadedProfile). With a fresh lock (and ``verify`` false) no Hub call is made.
 
     Raises :class:`ProfileError` (located at the offending field) when the result has errors, unless
@@ -104,8 +117,9 @@ def resolve_profile(loaded, *, offline: bool = False, use_lock: bool = True, ver
             res.notes.insert(0, note)
             res.from_lock, res.lock_file = True, str(lock_file)
             return _finish(res, loaded, raise_errors)
-        notes.append(f"lock is stale: {stale}; resolving afresh (run `specops lock {loaded.path}` to update "
-                     f"{lock_file.name})")
+        notes.append(
+            f"lock is stale: {stale}; resolving afresh (run `specops lock {loaded.path}` to update {lock_file.name})"
+        )
     res = resolve(profile, offline=offline, hub=hub, progress=progress)
     res.notes = notes + res.notes
     return _finish(res, loaded, raise_errors)
@@ -124,13 +138,22 @@ def _from_lock(profile, lock: dict, note: str, lock_file: str) -> Resolution:
         requested = Method(locked_spec.get("method", Method.NONE.value))
     except ValueError:
         requested = Method.NONE
-    res = Resolution(profile=profile, notes=[note], from_lock=True, lock_file=lock_file,
-                     catalog_version=str(lock.get("catalog_version", "")), requested=requested)
+    res = Resolution(
+        profile=profile,
+        notes=[note],
+        from_lock=True,
+        lock_file=lock_file,
+        catalog_version=str(lock.get("catalog_version", "")),
+        requested=requested,
+    )
     res.findings = [Finding.from_dict(f) for f in lock.get("findings") or []]
     for alt in lock.get("alternatives") or []:
         try:
-            c = Candidate(Method(alt["method"]), alt.get("draft"), signals=[s.strip() for s in
-                                                                           str(alt.get("why", "")).split(",") if s.strip()])
+            c = Candidate(
+                Method(alt["method"]),
+                alt.get("draft"),
+                signals=[s.strip() for s in str(alt.get("why", "")).split(",") if s.strip()],
+            )
         except (KeyError, ValueError):
             continue
         c.verdict, c.note = alt.get("verdict", "unchecked"), alt.get("reason", "")
@@ -147,9 +170,16 @@ def _finish(res: Resolution, loaded, raise_errors: bool) -> Resolution:
     return res
 
 
-def resolve(profile, *, offline: bool = False, hub: Hub | None = None, catalog: Catalog | None = None,
-            progress: Callable[[str], None] | None = None, explicit_revisions: bool = False,
-            max_checked: int = MAX_CHECKED) -> Resolution:
+def resolve(
+    profile,
+    *,
+    offline: bool = False,
+    hub: Hub | None = None,
+    catalog: Catalog | None = None,
+    progress: Callable[[str], None] | None = None,
+    explicit_revisions: bool = False,
+    max_checked: int = MAX_CHECKED,
+) -> Resolution:
     """Resolve a :class:`~specops.config.profile.Profile` (no lock handling, never raises for failed checks)."""
     hub = hub or Hub(offline=offline or None, progress=progress)
     if offline:
@@ -167,8 +197,15 @@ def resolve(profile, *, offline: bool = False, hub: Hub | None = None, catalog: 
         return res
 
     gguf = _gguf(backend_obj)
-    target = load_model(profile.model.id, hub=hub, catalog=catalog, revision=profile.model.revision,
-                        gguf=gguf, quant=profile.model.quantization, file=profile.model.file)
+    target = load_model(
+        profile.model.id,
+        hub=hub,
+        catalog=catalog,
+        revision=profile.model.revision,
+        gguf=gguf,
+        quant=profile.model.quantization,
+        file=profile.model.file,
+    )
     res.target = target
     _target_notes(res, target, hub)
     if target.fatal is not None:
@@ -180,8 +217,9 @@ def resolve(profile, *, offline: bool = False, hub: Hub | None = None, catalog: 
     return _resolve_discovered(res, profile, target, catalog, hub, backend_obj, gguf, max_checked)
 
 
-def _resolve_named(res: Resolution, profile, target: ModelView, catalog: Catalog, hub: Hub, backend_obj,
-                   explicit_revisions: bool) -> Resolution:
+def _resolve_named(
+    res: Resolution, profile, target: ModelView, catalog: Catalog, hub: Hub, backend_obj, explicit_revisions: bool
+) -> Resolution:
     """The draft the profile names (or MTP): checked on its own, chosen when the checks pass."""
     cand = _explicit(profile, target, catalog, hub, backend_obj, explicit_revisions)
     res.candidates = [cand]
@@ -193,8 +231,9 @@ def _resolve_named(res: Resolution, profile, target: ModelView, catalog: Catalog
     return res
 
 
-def _resolve_discovered(res: Resolution, profile, target: ModelView, catalog: Catalog, hub: Hub, backend_obj,
-                        gguf: bool, max_checked: int) -> Resolution:
+def _resolve_discovered(
+    res: Resolution, profile, target: ModelView, catalog: Catalog, hub: Hub, backend_obj, gguf: bool, max_checked: int
+) -> Resolution:
     """``auto`` or a method without a named draft: discover candidates, check the best-ranked, choose one."""
     requested = res.requested
     methods = methods_for(requested, backend_obj.methods if backend_obj else None)
@@ -212,8 +251,16 @@ def _resolve_discovered(res: Resolution, profile, target: ModelView, catalog: Ca
     return res
 
 
-def _check_ranked(candidates: list[Candidate], profile, target: ModelView, catalog: Catalog, hub: Hub, backend_obj,
-                  requested: Method, max_checked: int) -> None:
+def _check_ranked(
+    candidates: list[Candidate],
+    profile,
+    target: ModelView,
+    catalog: Catalog,
+    hub: Hub,
+    backend_obj,
+    requested: Method,
+    max_checked: int,
+) -> None:
     """Check candidates best-ranked first: ``max_checked`` of them, more (up to twice) only while none passed;
     then rank them again by what the checks found (in place)."""
     candidates.sort(key=lambda c: sort_key(c, requested))
@@ -231,12 +278,17 @@ def _check_ranked(candidates: list[Candidate], profile, target: ModelView, catal
 
 
 def _no_draft_finding(candidates: list[Candidate], profile, target: ModelView, requested: Method) -> Finding:
-    tried = "; ".join(f"{c.method} {c.draft or ''}".strip() + f" {c.verdict}: {c.reason}"
-                      for c in candidates[:3]) or "none found"
+    tried = (
+        "; ".join(f"{c.method} {c.draft or ''}".strip() + f" {c.verdict}: {c.reason}" for c in candidates[:3])
+        or "none found"
+    )
     what = "any method" if requested is Method.AUTO else f"method {requested}"
-    return Finding("error", "resolve", f"no draft for {target.ref} passes the checks for {what} on "
-                   f"{profile.backend} (candidates: {tried})",
-                   ("speculative", "draft" if requested in NEEDS_DRAFT else "method"))
+    return Finding(
+        "error",
+        "resolve",
+        f"no draft for {target.ref} passes the checks for {what} on {profile.backend} (candidates: {tried})",
+        ("speculative", "draft" if requested in NEEDS_DRAFT else "method"),
+    )
 
 
 def _target_notes(res: Resolution, target: ModelView, hub: Hub) -> None:
@@ -247,8 +299,10 @@ def _target_notes(res: Resolution, target: ModelView, hub: Hub) -> None:
             res.notes.append(f"target: {err}")
     res.notes.extend(target.notes)
     if target.facts_source == "none" and target.fatal is None:
-        res.notes.append(f"target {target.ref}: no config facts (not on the Hub, in the cache or in the catalog): "
-                         f"vocab/hidden/MTP checks cannot run")
+        res.notes.append(
+            f"target {target.ref}: no config facts (not on the Hub, in the cache or in the catalog): "
+            f"vocab/hidden/MTP checks cannot run"
+        )
 
 
 def _explicit(profile, target, catalog, hub, backend_obj, explicit_revisions) -> Candidate:
@@ -268,10 +322,16 @@ def _evaluate(c: Candidate, profile, target, catalog, hub, backend_obj, *, expli
     spec = profile.speculative
     view = None
     if c.method in NEEDS_DRAFT and c.draft:
-        view = load_model(c.draft, hub=hub, catalog=catalog,
-                          revision=spec.draft_revision if explicit else None, gguf=_gguf(backend_obj),
-                          quant=spec.draft_quantization, file=spec.draft_file if explicit else None,
-                          tokenizer=c.method is Method.DRAFT_MODEL)
+        view = load_model(
+            c.draft,
+            hub=hub,
+            catalog=catalog,
+            revision=spec.draft_revision if explicit else None,
+            gguf=_gguf(backend_obj),
+            quant=spec.draft_quantization,
+            file=spec.draft_file if explicit else None,
+            tokenizer=c.method is Method.DRAFT_MODEL,
+        )
         c.view, c.revision, c.file = view, view.revision, view.gguf_file
         if c.entry is None:
             c.entry = catalog.pair(target.ref, c.draft, c.method)
@@ -280,8 +340,9 @@ def _evaluate(c: Candidate, profile, target, catalog, hub, backend_obj, *, expli
                 c.add_signal(d.source)
         if view.meta is not None:
             c.downloads, c.likes = max(c.downloads, view.meta.downloads), max(c.likes, view.meta.likes)
-    c.findings = compat_findings(c.method, view, target, profile, catalog=catalog, backend_obj=backend_obj,
-                                 entry=c.entry, explicit=explicit)
+    c.findings = compat_findings(
+        c.method, view, target, profile, catalog=catalog, backend_obj=backend_obj, entry=c.entry, explicit=explicit
+    )
     if c.entry is not None and c.entry.backends and profile.backend not in c.entry.backends:
         c.findings.append(Finding("info", "catalog", f"the catalog lists this pair for {', '.join(c.entry.backends)}"))
     sev = {f.severity for f in c.findings}
@@ -290,6 +351,7 @@ def _evaluate(c: Candidate, profile, target, catalog, hub, backend_obj, *, expli
 
 def _same_target(name: str, target, catalog) -> bool:
     from specops.resolve.detect import same_model
+
     return same_model(name, target.ref, catalog.aliases)
 
 
@@ -299,7 +361,9 @@ def _with_choice(profile, c: Candidate, *, keep_revision: bool):
     update = {
         "method": c.method,
         "draft": c.draft if needs else None,
-        "draft_revision": (spec.draft_revision if keep_revision and spec.draft_revision else c.revision) if needs else None,
+        "draft_revision": (spec.draft_revision if keep_revision and spec.draft_revision else c.revision)
+        if needs
+        else None,
         "draft_file": (spec.draft_file or c.file) if needs and _gguf(_backend(profile)) else None,
     }
     return profile.model_copy(update={"speculative": spec.model_copy(update=update)})
@@ -312,20 +376,37 @@ def _memory_of(profile, target: ModelView, c: Candidate) -> MemoryEstimate | Non
     return estimate(profile, target.weights, draft_w, has_draft=c.method in NEEDS_DRAFT)
 
 
-def synthetic_profile(target: str, *, backend: str = DEFAULT_BACKEND, method: str = "auto", max_model_len: int | None = None,
-                      tensor_parallel_size: int = 1, quant: str | None = None, memory_gb: float | None = None,
-                      engine_version: str | None = None):
+def synthetic_profile(
+    target: str,
+    *,
+    backend: str = DEFAULT_BACKEND,
+    method: str = "auto",
+    max_model_len: int | None = None,
+    tensor_parallel_size: int = 1,
+    quant: str | None = None,
+    memory_gb: float | None = None,
+    engine_version: str | None = None,
+):
     """A minimal profile for ``specops resolve TARGET``."""
     from pydantic import ValidationError
 
     from specops.config.profile import Profile
+
     m = Method(method)
-    data = {"name": "resolve", "backend": backend,
-            "model": {"id": target, **({"max_model_len": max_model_len} if max_model_len else {})},
-            "speculative": {"method": m.value, **({"draft": "auto"} if m in NEEDS_DRAFT else {}),
-                            **({"draft_quantization": quant} if quant else {})},
-            "gpus": {**({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}),
-                     **({"memory_gb": memory_gb} if memory_gb else {})}}
+    data = {
+        "name": "resolve",
+        "backend": backend,
+        "model": {"id": target, **({"max_model_len": max_model_len} if max_model_len else {})},
+        "speculative": {
+            "method": m.value,
+            **({"draft": "auto"} if m in NEEDS_DRAFT else {}),
+            **({"draft_quantization": quant} if quant else {}),
+        },
+        "gpus": {
+            **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}),
+            **({"memory_gb": memory_gb} if memory_gb else {}),
+        },
+    }
     if engine_version:
         data["engine"] = {"version": engine_version}
     try:
@@ -334,23 +415,34 @@ def synthetic_profile(target: str, *, backend: str = DEFAULT_BACKEND, method: st
         raise SpecopsError(f"cannot resolve {target!r}: {exc.errors()[0]['msg']}") from None
 
 
-def lock_profile(loaded, *, offline: bool = False, progress: Callable[[str], None] | None = None,
-                 hub: Hub | None = None) -> tuple[Path, Resolution]:
+def lock_profile(
+    loaded, *, offline: bool = False, progress: Callable[[str], None] | None = None, hub: Hub | None = None
+) -> tuple[Path, Resolution]:
     """Resolve ``loaded`` afresh and write its lock file next to it; raises on errors."""
     from specops.resolve.lock import build_lock, write_lock
+
     res = resolve_profile(loaded, offline=offline, use_lock=False, hub=hub, progress=progress)
     spec = res.profile.speculative
     if spec.draft and not spec.draft_revision and not Path(spec.draft).expanduser().exists():
-        res.findings.append(Finding("warning", "lock", f"no commit pinned for {spec.draft} (the Hub and the HF cache "
-                                    f"did not give one); run `specops lock` online to pin it"))
+        res.findings.append(
+            Finding(
+                "warning",
+                "lock",
+                f"no commit pinned for {spec.draft} (the Hub and the HF cache "
+                f"did not give one); run `specops lock` online to pin it",
+            )
+        )
     path = lock_path(loaded.path)
     lock = build_lock(loaded.path, loaded.profile, res)
     try:  # a `specops tune` record stays while it still describes the locked method and draft
         old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         old = {}
-    if isinstance(old, dict) and old.get("tune") and all(
-            (old.get("speculative") or {}).get(k) == lock["speculative"][k] for k in ("method", "draft")):
+    if (
+        isinstance(old, dict)
+        and old.get("tune")
+        and all((old.get("speculative") or {}).get(k) == lock["speculative"][k] for k in ("method", "draft"))
+    ):
         lock["tune"] = old["tune"]
     write_lock(path, lock)
     res.lock_file = str(path)

@@ -10,11 +10,13 @@ back. A switch asked for while an engine serves arrives as a :class:`SwitchOrder
 Nothing here imports anything above the run layer: the listeners and the decider are whatever the
 caller (``specops up``) wires in.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, ClassVar, Mapping, Protocol, Union
+from typing import Any, ClassVar, Protocol
 
 from specops.backends.base import LaunchPlan
 from specops.methods import Method
@@ -38,6 +40,7 @@ class State(str, Enum):
 
 
 # ---------------------------------------------------------------------------------------------- facts
+
 
 @dataclass(frozen=True)
 class EngineStarting:
@@ -135,12 +138,13 @@ class RefusedBeforeLaunch(StepFailed):
     rule: ClassVar[str] = "refused before launch"
 
 
-SupervisorEvent = Union[EngineStarting, EngineReady, EngineExited, EngineLine, StateChanged, StepChanged]
+SupervisorEvent = EngineStarting | EngineReady | EngineExited | EngineLine | StateChanged | StepChanged
 #: A listener receives every event, synchronously, in the supervisor's task: keep it quick.
 Listener = Callable[[SupervisorEvent], None]
 
 
 # ---------------------------------------------------------------------------------------------- orders
+
 
 @dataclass(frozen=True)
 class FallbackOrder:

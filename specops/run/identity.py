@@ -5,6 +5,7 @@ never trusted: the writer records its *identity* (pid, start time in clock ticks
 and the kernel's boot id) and a process is taken for the one recorded only when all of it matches. A
 process that is gone or is now someone else is reported as such, and nothing is ever signalled to it.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,7 @@ def _stat_fields(pid: int | str) -> list[str] | None:
     except (OSError, ValueError):
         return None
     # the fields after the command name (which may contain spaces) start after the last ')'
-    rest = raw[raw.rfind(")") + 2:].split()
+    rest = raw[raw.rfind(")") + 2 :].split()
     return rest if len(rest) > 19 else None
 
 
@@ -71,8 +72,7 @@ _self_identity: dict | None = None
 def self_identity() -> dict:
     global _self_identity
     if _self_identity is None or _self_identity["pid"] != os.getpid():
-        _self_identity = process_identity(os.getpid()) or {"pid": os.getpid(), "starttime": None,
-                                                           "boot_id": boot_id()}
+        _self_identity = process_identity(os.getpid()) or {"pid": os.getpid(), "starttime": None, "boot_id": boot_id()}
     return dict(_self_identity)
 
 
@@ -129,8 +129,10 @@ def owner_problem(state: dict) -> str | None:
     """None when the specops process that wrote ``state`` is alive; else why the state is stale."""
     identity = state.get("identity")
     if identity is None:
-        return (f"cannot tell whether pid {state.get('pid')} is this instance (no process identity in "
-                f"the state file: written by an older specops?)")
+        return (
+            f"cannot tell whether pid {state.get('pid')} is this instance (no process identity in "
+            f"the state file: written by an older specops?)"
+        )
     problem = identity_problem(identity)
     if problem is None and identity["pid"] != state.get("pid"):
         problem = "the identity names another pid than the state"

@@ -8,6 +8,7 @@ Every state file is stamped with the writer's process identity (:mod:`specops.ru
 state file whose process is gone or is now someone else is reported as stale and nothing is ever
 signalled; the ``up.pid`` lock is in :mod:`specops.run.lock`.
 """
+
 from __future__ import annotations
 
 import errno
@@ -21,8 +22,13 @@ from pathlib import Path
 
 from specops.errors import SpecopsError
 from specops.paths import private_dir, state_dir
-from specops.run.identity import identity_problem, self_identity, short_repr, valid_pid
-from specops.run.identity import pid_alive  # noqa: F401  (perf/advise.py imports it from here)
+from specops.run.identity import (
+    identity_problem,
+    pid_alive,  # noqa: F401  (perf/advise.py imports it from here)
+    self_identity,
+    short_repr,
+    valid_pid,
+)
 
 #: The largest state or lock file read; a bigger one is reported as unreadable, never loaded.
 MAX_STATE_BYTES = 1 << 20
@@ -38,7 +44,7 @@ class InstancePaths:
     root: Path
 
     @classmethod
-    def for_profile(cls, name: str, setting: str | None = None) -> "InstancePaths":
+    def for_profile(cls, name: str, setting: str | None = None) -> InstancePaths:
         return cls(state_dir(setting) / name)
 
     @property
@@ -63,6 +69,7 @@ class InstancePaths:
 
 
 # --------------------------------------------------------------------------------------------- files
+
 
 def open_private(path: Path, flags: int) -> int:
     """``os.open`` creating the file 0600; a file of ours left more open by an older specops is tightened."""
@@ -173,6 +180,7 @@ def read_state(paths: InstancePaths) -> dict | None:
 
 
 # --------------------------------------------------------------------------------------------- events
+
 
 class EventLog:
     """JSON lines, one per event, flushed at once so a crash loses nothing that was decided."""

@@ -4,6 +4,7 @@ The lock is held with ``flock`` for the life of ``specops up``, so a crashed ins
 behind whatever became of its pid; the file names its holder's process identity
 (:mod:`specops.run.identity`) for the message a second ``up`` gets.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -11,8 +12,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from specops.errors import SpecopsError
 from specops.run.identity import identity_problem, pid_alive, self_identity, valid_pid, why_not_running
@@ -61,7 +62,7 @@ def _open_locked(path: Path, blocking_for: float) -> tuple[int | None, int | Non
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if time.monotonic() < deadline and not _holder_is_live_specops(_lock_holder(fd)):
-                os.close(fd)       # held for a moment by `down` checking for staleness: try again
+                os.close(fd)  # held for a moment by `down` checking for staleness: try again
                 time.sleep(0.05)
                 continue
             return None, fd
@@ -98,8 +99,9 @@ def acquire(paths: InstancePaths, say: Callable[[str], None] | None = None) -> N
     holder = _lock_holder(fd)
     if holder is not None and holder.get("pid") != os.getpid() and _holder_is_live_specops(holder):
         os.close(fd)  # an older specops (no flock) still running with this name
-        raise SpecopsError(f"{paths.root.name} is already up (specops pid {holder['pid']}); "
-                           f"`specops down {paths.root.name}` first")
+        raise SpecopsError(
+            f"{paths.root.name} is already up (specops pid {holder['pid']}); `specops down {paths.root.name}` first"
+        )
     if holder is not None and holder.get("pid") != os.getpid():
         if pid_alive(holder.get("pid")):
             why = f"pid {holder['pid']} is alive but is not the specops instance that locked it"
@@ -170,4 +172,3 @@ def remove_stale_state(paths: InstancePaths) -> bool:
         except FileNotFoundError:
             pass
         return True
-

@@ -6,6 +6,7 @@ SIGKILL on the group after a timeout, and stopping waits until no process of the
 child also gets SIGTERM if specops itself dies (PR_SET_PDEATHSIG), so even a SIGKILLed specops leaves
 no engine behind.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +15,9 @@ import ctypes
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import aiohttp
 
@@ -66,8 +67,9 @@ class ExitInfo:
 class EngineProcess:
     """A launched engine. ``on_line`` receives every output line (already decoded, without newline)."""
 
-    def __init__(self, plan: LaunchPlan, *, on_line: Callable[[str], None], log_path: Path | None = None,
-                 keep_lines: int = 40):
+    def __init__(
+        self, plan: LaunchPlan, *, on_line: Callable[[str], None], log_path: Path | None = None, keep_lines: int = 40
+    ):
         self.plan = plan
         self.on_line = on_line
         self.log_path = log_path
@@ -102,9 +104,15 @@ class EngineProcess:
             self._log.flush()
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *self.plan.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_child_setup,
-                limit=1 << 20)
+                *self.plan.argv,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_child_setup,
+                limit=1 << 20,
+            )
         except FileNotFoundError:
             self._close_log()
             raise SpecopsError(f"cannot start {self.plan.argv[0]}: no such file") from None
@@ -158,8 +166,9 @@ class EngineProcess:
         assert self._waiter
         return await asyncio.shield(self._waiter)
 
-    async def wait_ready(self, timeout: float, interval: float = 0.25,
-                         progress: Callable[[float], None] | None = None) -> bool:
+    async def wait_ready(
+        self, timeout: float, interval: float = 0.25, progress: Callable[[float], None] | None = None
+    ) -> bool:
         """Poll the health URL until 200; False when the process exits first or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         delay = 0.02

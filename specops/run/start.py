@@ -7,15 +7,16 @@ the reason and the engine's last lines) or ``STOPPED`` (the caller's stop event 
 process is never stopped here: on anything but ``READY`` the caller stops it (the supervisor logs that as
 a state change, a measurement harness in its ``finally``).
 """
+
 from __future__ import annotations
 
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Callable
 
 from specops.backends.base import LaunchPlan
 from specops.config.durations import format_duration
@@ -47,8 +48,8 @@ class StartOutcome(str, Enum):
 class StartResult:
     outcome: StartOutcome
     seconds: float
-    reason: str = ""                       # why it FAILED
-    last_lines: tuple[str, ...] = ()       # the engine's last lines when it FAILED
+    reason: str = ""  # why it FAILED
+    last_lines: tuple[str, ...] = ()  # the engine's last lines when it FAILED
 
     @property
     def ready(self) -> bool:
@@ -62,8 +63,14 @@ class EngineStart:
     did not take effect (checked until the start is decided).
     """
 
-    def __init__(self, plan: LaunchPlan, *, on_line: Callable[[str], None] | None = None,
-                 launch_problem: Callable[[str], str | None] | None = None, log_path: Path | None = None):
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        *,
+        on_line: Callable[[str], None] | None = None,
+        launch_problem: Callable[[str], str | None] | None = None,
+        log_path: Path | None = None,
+    ):
         self.plan = plan
         self.on_line = on_line or (lambda line: None)
         self.launch_problem = launch_problem or (lambda line: None)
@@ -78,8 +85,15 @@ class EngineStart:
                 self.problems.append(problem)
         self.on_line(line)
 
-    async def run(self, timeout: float, *, interval: float = 0.25, stop: asyncio.Event | None = None,
-                  say: Callable[[str], None] | None = None, timeout_hint: str = "") -> StartResult:
+    async def run(
+        self,
+        timeout: float,
+        *,
+        interval: float = 0.25,
+        stop: asyncio.Event | None = None,
+        say: Callable[[str], None] | None = None,
+        timeout_hint: str = "",
+    ) -> StartResult:
         """Launch and wait up to ``timeout`` seconds for the health URL (``SpecopsError`` if it cannot exec).
 
         ``stop`` set meanwhile → ``STOPPED``; ``say`` gets a progress line every :data:`PROGRESS_EVERY_S`;

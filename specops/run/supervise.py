@@ -18,12 +18,14 @@ to the ``decider`` it was built with and runs the step the returned
 gracefully, start the next plan, wait until ready, release the proxy. Everything it does goes to the event
 log with its reason, and as typed events to its ``listeners``.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterable
 from enum import Enum
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from specops.backends.base import LaunchPlan
 from specops.config.durations import format_duration
@@ -76,9 +78,9 @@ class IllegalTransition(RuntimeError):
 class ServeOutcome(Enum):
     """How serving a ready engine ended."""
 
-    STOP = "stop"            # specops is stopping
-    SWITCHED = "switched"    # a switch was executed: the loop starts the new step
-    EXITED = "exited"        # the engine died while serving
+    STOP = "stop"  # specops is stopping
+    SWITCHED = "switched"  # a switch was executed: the loop starts the new step
+    EXITED = "exited"  # the engine died while serving
 
 
 class Supervisor:
@@ -90,11 +92,21 @@ class Supervisor:
     around restarts. ``clock`` is the monotonic clock (crash-loop window, back-off reset, switch timings).
     """
 
-    def __init__(self, profile: Profile, render: Callable[[int], LaunchPlan], *, events: EventLog,
-                 say: Callable[[str], None], decider: FailureDecider, listeners: Iterable[Listener] = (),
-                 log_path=None, proxy: Any = None, health_interval: float = 0.25,
-                 launch_problem: Callable[[str], str | None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        profile: Profile,
+        render: Callable[[int], LaunchPlan],
+        *,
+        events: EventLog,
+        say: Callable[[str], None],
+        decider: FailureDecider,
+        listeners: Iterable[Listener] = (),
+        log_path=None,
+        proxy: Any = None,
+        health_interval: float = 0.25,
+        launch_problem: Callable[[str], str | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.profile = profile
         self.steps = profile.steps
         self.render = render
@@ -216,8 +228,11 @@ class Supervisor:
     def _move_to(self, index: int, reason: str, *, requested: bool, decision=None) -> None:
         old = self.index
         self.index = index
-        self._emit(StepChanged(old, index, self.steps[old].method, self.steps[index].method, reason, requested,
-                               dict(decision or {})))
+        self._emit(
+            StepChanged(
+                old, index, self.steps[old].method, self.steps[index].method, reason, requested, dict(decision or {})
+            )
+        )
 
     def _on_engine_line(self, line: str) -> None:
         self._emit(EngineLine(line))
@@ -232,17 +247,24 @@ class Supervisor:
             self.say(why)
             self.events.emit("render-failed", method=step.method.value, reason=str(exc))
             return LaunchFailed(self.index, step.method, why)
-        start = EngineStart(self.plan, on_line=self._on_engine_line, launch_problem=self.launch_problem,
-                            log_path=self.log_path)
+        start = EngineStart(
+            self.plan, on_line=self._on_engine_line, launch_problem=self.launch_problem, log_path=self.log_path
+        )
         self.engine = start.process
         self._set(State.STARTING)
         shown = self.plan.to_dict()
         self.events.emit("start", method=step.method.value, argv=shown["argv"], env=shown["env"], url=shown["url"])
         self._emit(EngineStarting(self.index, step.method, self.plan))
-        self.say(f"starting {self.plan.backend} {self.plan.engine_version} with method {step.method} "
-                 f"on {self.plan.base_url}")
-        result = await start.run(self.profile.engine.ready_timeout, interval=self.health_interval, stop=self._stop,
-                                 say=self.say, timeout_hint=" (engine.ready_timeout)")
+        self.say(
+            f"starting {self.plan.backend} {self.plan.engine_version} with method {step.method} on {self.plan.base_url}"
+        )
+        result = await start.run(
+            self.profile.engine.ready_timeout,
+            interval=self.health_interval,
+            stop=self._stop,
+            say=self.say,
+            timeout_hint=" (engine.ready_timeout)",
+        )
         if result.outcome is StartOutcome.STOPPED:
             return StartOutcome.STOPPED
         if result.outcome is StartOutcome.READY:
@@ -263,16 +285,22 @@ class Supervisor:
         self._ready_mono = self.clock()
         self.events.emit("ready", method=step.method.value, seconds=round(seconds, 3), url=plan.base_url)
         self._set(State.READY)
-        self.say(f"ready in {seconds:.1f}s: {plan.backend} {plan.engine_version}, "
-                 f"method {step.method}" + (f" (k={self.profile.at_step(self.index).speculative.k})"
-                                             if step.method.value not in ("none",) else ""))
+        self.say(
+            f"ready in {seconds:.1f}s: {plan.backend} {plan.engine_version}, "
+            f"method {step.method}"
+            + (f" (k={self.profile.at_step(self.index).speculative.k})" if step.method.value not in ("none",) else "")
+        )
         if self.proxy is not None:
             self.proxy.release(plan.base_url)
         if self._switch_marks is not None:
             t0, t1, t2 = self._switch_marks
             now = self.clock()
-            self.last_switch_timing = {"drain_s": round(t1 - t0, 3), "stop_s": round(t2 - t1, 3),
-                                       "start_to_ready_s": round(now - t2, 3), "total_s": round(now - t0, 3)}
+            self.last_switch_timing = {
+                "drain_s": round(t1 - t0, 3),
+                "stop_s": round(t2 - t1, 3),
+                "start_to_ready_s": round(now - t2, 3),
+                "total_s": round(now - t0, 3),
+            }
             self.events.emit("switch-complete", method=step.method.value, **self.last_switch_timing)
             self._switch_marks = None
         self._emit(EngineReady(self.index, step.method, plan, seconds))
@@ -323,10 +351,18 @@ class Supervisor:
         t1 = self.clock()
         await self._stop_engine(f"switch to {target}")
         t2 = self.clock()
-        self.events.emit("switch", **{"from": old.value, "to": target.value, "reason": order.reason,
-                                      "decision": dict(order.decision), "drain_s": round(t1 - t0, 3),
-                                      "stop_s": round(t2 - t1, 3),
-                                      "drained": getattr(drained, "__dict__", drained)})
+        self.events.emit(
+            "switch",
+            **{
+                "from": old.value,
+                "to": target.value,
+                "reason": order.reason,
+                "decision": dict(order.decision),
+                "drain_s": round(t1 - t0, 3),
+                "stop_s": round(t2 - t1, 3),
+                "drained": getattr(drained, "__dict__", drained),
+            },
+        )
         self._move_to(order.index, order.reason, requested=True, decision=order.decision)
         self._switch_marks = (t0, t1, t2)
 
@@ -337,8 +373,11 @@ class Supervisor:
         recent = [t for t in self.exit_times if now - t <= s.crash_loop_window]
         self.exit_times = recent
         if len(recent) >= s.crash_loop_exits:
-            return CrashLoop(self.index, self.step.method, f"crash loop: {len(recent)} exits within "
-                             f"{format_duration(s.crash_loop_window)}")
+            return CrashLoop(
+                self.index,
+                self.step.method,
+                f"crash loop: {len(recent)} exits within {format_duration(s.crash_loop_window)}",
+            )
         return None
 
     async def _backoff(self) -> bool:

@@ -14,10 +14,12 @@ had), keeps the last decision and counts the switches the supervisor executed (i
 supervisor's :class:`~specops.run.events.StepChanged`/:class:`~specops.run.events.EngineReady` events),
 and shows all of it in :meth:`FallbackDecider.snapshot` for ``specops status``.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from specops.run.events import EngineReady, FallbackOrder, StepChanged, StepFailed, SupervisorEvent
 from specops.watch.policy import Decision, Policy
@@ -33,8 +35,15 @@ class FallbackDecider:
     ``clock`` is the policy's (monotonic) clock; ``wall`` stamps ``last_decision`` for ``specops status``.
     """
 
-    def __init__(self, policy: Policy, *, events: Any, say: Callable[[str], None],
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        events: Any,
+        say: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ):
         self.policy = policy
         self.events = events
         self.say = say
@@ -44,7 +53,7 @@ class FallbackDecider:
         self.last_decision: dict[str, Any] | None = None
 
     @classmethod
-    def from_profile(cls, profile: Any, **kwargs: Any) -> "FallbackDecider":
+    def from_profile(cls, profile: Any, **kwargs: Any) -> FallbackDecider:
         return cls(Policy.from_profile(profile), **kwargs)
 
     # ------------------------------------------------------------------ the supervisor's failures
@@ -54,8 +63,13 @@ class FallbackDecider:
         if d.warning:
             self.say(f"warning: {d.warning}")
         if d.acts and d.to_index is not None and d.to_step is not None:
-            record = {"action": "switch", "from": failure.method.value, "to": d.to_step.method.value,
-                      "reason": failure.reason, "rule": failure.rule}
+            record = {
+                "action": "switch",
+                "from": failure.method.value,
+                "to": d.to_step.method.value,
+                "reason": failure.reason,
+                "rule": failure.rule,
+            }
             self.last_decision = {**record, "at": self.wall()}
             self.events.emit("decision", **record, policy_rule=d.rule)
             return FallbackOrder(d.to_index, failure.reason)
@@ -85,12 +99,20 @@ class FallbackDecider:
         if isinstance(event, StepChanged):
             self.switches += 1
             if event.requested:
-                self.last_decision = {**event.decision, "reason": event.reason, "from": event.from_method.value,
-                                      "to": event.to_method.value, "at": self.wall()}
+                self.last_decision = {
+                    **event.decision,
+                    "reason": event.reason,
+                    "from": event.from_method.value,
+                    "to": event.to_method.value,
+                    "at": self.wall(),
+                }
         elif isinstance(event, EngineReady):
             self.policy.on_switched(event.index, self.clock())
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         """For the state file and ``/specops/status``: switches, the last decision, the policy's state."""
-        return {"switches": self.switches, "last_decision": self.last_decision,
-                "policy": self.policy.snapshot(self.clock() if now is None else now)}
+        return {
+            "switches": self.switches,
+            "last_decision": self.last_decision,
+            "policy": self.policy.snapshot(self.clock() if now is None else now),
+        }

@@ -29,14 +29,16 @@ keep the method, switch to the next step, retry the primary, or hold. Rules, in 
 
 Every :class:`Decision` carries the rule that produced it, a sentence, and the numbers behind it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from specops.methods import DEFAULT_K, Method
 from specops.config.profile import ChainStep
+from specops.methods import DEFAULT_K, Method
 from specops.speedup import (
     DEFAULT_DRAFT_COST,
     alpha_from_acceptance_rate,
@@ -50,10 +52,10 @@ from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
 class Action(str, Enum):
     """What a decision says to do; ``.value`` is the word in events, JSON and metrics labels."""
 
-    KEEP = "keep"        # stay on the current method
-    SWITCH = "switch"    # move to another step of the chain
-    RETRY = "retry"      # go back to the primary method after a back-off
-    HOLD = "hold"        # the evidence says switch, but nothing may be done (watch-only, chain end, flap guard)
+    KEEP = "keep"  # stay on the current method
+    SWITCH = "switch"  # move to another step of the chain
+    RETRY = "retry"  # go back to the primary method after a back-off
+    HOLD = "hold"  # the evidence says switch, but nothing may be done (watch-only, chain end, flap guard)
 
     def __str__(self) -> str:
         return self.value
@@ -72,18 +74,18 @@ class PolicyConfig:
     """The knobs of the policy (from the profile's ``fallback`` section), in seconds."""
 
     enabled: bool = True
-    mode: str = "threshold"                    # "threshold" | "model"
+    mode: str = "threshold"  # "threshold" | "model"
     min_acceptance: float = 0.6
     window_s: float = 60.0
     min_draft_tokens: int = 200
     consecutive_windows: int = 2
     cooldown_s: float = 600.0
     max_switches_per_hour: int = 4
-    draft_cost_ratio: float | None = None      # model mode; None: DEFAULT_DRAFT_COST
+    draft_cost_ratio: float | None = None  # model mode; None: DEFAULT_DRAFT_COST
     retry_enabled: bool = False
     retry_after_s: float = 1800.0
     retry_max_after_s: float = 8 * 3600.0
-    act_on_coarse: bool = False                # decide on vLLM V0's lifetime ratio too
+    act_on_coarse: bool = False  # decide on vLLM V0's lifetime ratio too
 
     def __post_init__(self) -> None:
         if self.mode not in ("threshold", "model"):
@@ -98,16 +100,25 @@ class PolicyConfig:
         return DEFAULT_DRAFT_COST if self.draft_cost_ratio is None else self.draft_cost_ratio
 
     @classmethod
-    def from_fallback(cls, fb: Any) -> "PolicyConfig":
+    def from_fallback(cls, fb: Any) -> PolicyConfig:
         """From a :class:`specops.config.profile.Fallback` section."""
-        return cls(enabled=fb.enabled, mode=fb.mode, min_acceptance=fb.min_acceptance, window_s=fb.window,
-                   min_draft_tokens=fb.min_draft_tokens, consecutive_windows=fb.consecutive_windows,
-                   cooldown_s=fb.cooldown, max_switches_per_hour=fb.max_switches_per_hour,
-                   draft_cost_ratio=fb.draft_cost_ratio, retry_enabled=fb.retry.enabled,
-                   retry_after_s=fb.retry.after, retry_max_after_s=max(fb.retry.max_after, fb.retry.after))
+        return cls(
+            enabled=fb.enabled,
+            mode=fb.mode,
+            min_acceptance=fb.min_acceptance,
+            window_s=fb.window,
+            min_draft_tokens=fb.min_draft_tokens,
+            consecutive_windows=fb.consecutive_windows,
+            cooldown_s=fb.cooldown,
+            max_switches_per_hour=fb.max_switches_per_hour,
+            draft_cost_ratio=fb.draft_cost_ratio,
+            retry_enabled=fb.retry.enabled,
+            retry_after_s=fb.retry.after,
+            retry_max_after_s=max(fb.retry.max_after, fb.retry.after),
+        )
 
     @classmethod
-    def from_profile(cls, profile: Any) -> "PolicyConfig":
+    def from_profile(cls, profile: Any) -> PolicyConfig:
         return cls.from_fallback(profile.fallback)
 
 
@@ -154,10 +165,18 @@ class Decision:
         return self.action != KEEP or self.warning is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"action": self.action.value, "rule": self.rule, "reason": self.reason, "at": self.at,
-                "from": self.from_method.value, "from_index": self.from_index,
-                "to": self.to_method.value if self.to_method is not None else None, "to_index": self.to_index,
-                "numbers": dict(self.numbers), "warning": self.warning}
+        return {
+            "action": self.action.value,
+            "rule": self.rule,
+            "reason": self.reason,
+            "at": self.at,
+            "from": self.from_method.value,
+            "from_index": self.from_index,
+            "to": self.to_method.value if self.to_method is not None else None,
+            "to_index": self.to_index,
+            "numbers": dict(self.numbers),
+            "warning": self.warning,
+        }
 
 
 class Policy:
@@ -170,18 +189,18 @@ class Policy:
         self.config = config
         self.steps: tuple[ChainStep, ...] = tuple(steps)
         self.index = self._index_of(current)
-        self.streak = 0                            # consecutive low windows of the current method
+        self.streak = 0  # consecutive low windows of the current method
         self.last_verdict_end: float | None = None  # end of the last window that counted (or last switch)
-        self.switch_times: list[float] = []        # confirmed switches, for cooldown and the flap guard
+        self.switch_times: list[float] = []  # confirmed switches, for cooldown and the flap guard
         self.pending: Decision | None = None
         self.retry_due: float | None = None
         self.retry_backoff = config.retry_after_s
-        self.retry_origin: int | None = None       # the step a running retry came from
-        self.down_since: float | None = None       # the source has been unreadable since
-        self._warned: set[str] = set()             # one-time warnings for the current method
+        self.retry_origin: int | None = None  # the step a running retry came from
+        self.down_since: float | None = None  # the source has been unreadable since
+        self._warned: set[str] = set()  # one-time warnings for the current method
 
     @classmethod
-    def from_profile(cls, profile: Any, current: int | ChainStep | Method = 0) -> "Policy":
+    def from_profile(cls, profile: Any, current: int | ChainStep | Method = 0) -> Policy:
         return cls(PolicyConfig.from_profile(profile), profile.steps, current)
 
     # ------------------------------------------------------------------ helpers
@@ -209,11 +228,28 @@ class Policy:
     def cooldown_until(self) -> float | None:
         return self.switch_times[-1] + self.config.cooldown_s if self.switch_times else None
 
-    def _decision(self, action: Action, rule: str, reason: str, now: float, numbers: Mapping[str, Any] | None = None,
-                  to: int | None = None, warning: str | None = None) -> Decision:
-        return Decision(action=action, rule=rule, reason=reason, at=now, from_index=self.index,
-                        from_step=self.current, to_index=to, to_step=self.steps[to] if to is not None else None,
-                        numbers=dict(numbers or {}), warning=warning)
+    def _decision(
+        self,
+        action: Action,
+        rule: str,
+        reason: str,
+        now: float,
+        numbers: Mapping[str, Any] | None = None,
+        to: int | None = None,
+        warning: str | None = None,
+    ) -> Decision:
+        return Decision(
+            action=action,
+            rule=rule,
+            reason=reason,
+            at=now,
+            from_index=self.index,
+            from_step=self.current,
+            to_index=to,
+            to_step=self.steps[to] if to is not None else None,
+            numbers=dict(numbers or {}),
+            warning=warning,
+        )
 
     def _warn_once(self, key: str, text: str) -> str | None:
         if key in self._warned:
@@ -225,10 +261,17 @@ class Policy:
     def _basic(self, stats: WindowStats) -> dict[str, Any]:
         """The measured numbers of an ``ok`` window."""
         return {
-            "acceptance": stats.acceptance, "min_acceptance": self.config.min_acceptance,
-            "draft_tokens": stats.draft_tokens, "accepted": stats.accepted, "drafts": stats.drafts,
-            "mean_acceptance_length": stats.mean_acceptance_length, "window_start": stats.start,
-            "window_end": stats.end, "window_s": stats.window_s, "resets": stats.resets, "coarse": stats.coarse,
+            "acceptance": stats.acceptance,
+            "min_acceptance": self.config.min_acceptance,
+            "draft_tokens": stats.draft_tokens,
+            "accepted": stats.accepted,
+            "drafts": stats.drafts,
+            "mean_acceptance_length": stats.mean_acceptance_length,
+            "window_start": stats.start,
+            "window_end": stats.end,
+            "window_s": stats.window_s,
+            "resets": stats.resets,
+            "coarse": stats.coarse,
         }
 
     def _measure(self, stats: WindowStats, acceptance: float) -> dict[str, Any]:
@@ -247,25 +290,44 @@ class Policy:
             speedup = expected_speedup(alpha, k_int, c)
         return {
             **self._basic(stats),
-            "alpha": alpha, "k": k, "k_measured": k_meas is not None, "draft_cost_ratio": c,
-            "tokens_per_step": tau, "predicted_speedup": speedup, "speedup_basis": how,
+            "alpha": alpha,
+            "k": k,
+            "k_measured": k_meas is not None,
+            "draft_cost_ratio": c,
+            "tokens_per_step": tau,
+            "predicted_speedup": speedup,
+            "speedup_basis": how,
         }
 
     def observe(self, stats: WindowStats, now: float) -> Decision:
         """The decision for the window ``stats`` observed at ``now`` (call once per monitor tick)."""
         if self.pending is not None:
             p = self.pending
-            return self._decision(KEEP, "switch-pending", f"waiting for the {p.action} to "
-                                  f"{p.to_method} decided at {p.at:g} to complete", now, to=None)
+            return self._decision(
+                KEEP,
+                "switch-pending",
+                f"waiting for the {p.action} to {p.to_method} decided at {p.at:g} to complete",
+                now,
+                to=None,
+            )
 
         if stats.status == UNAVAILABLE:
             if self.down_since is None:
                 self.down_since = now
-                return self._decision(KEEP, "source-unavailable", f"metrics unavailable: {stats.reason}; "
-                                      "no decision until they return", now,
-                                      warning=f"acceptance source unavailable: {stats.reason}")
-            return self._decision(KEEP, "source-unavailable", f"metrics unavailable for {now - self.down_since:g}s: "
-                                  f"{stats.reason}", now, {"down_s": now - self.down_since})
+                return self._decision(
+                    KEEP,
+                    "source-unavailable",
+                    f"metrics unavailable: {stats.reason}; no decision until they return",
+                    now,
+                    warning=f"acceptance source unavailable: {stats.reason}",
+                )
+            return self._decision(
+                KEEP,
+                "source-unavailable",
+                f"metrics unavailable for {now - self.down_since:g}s: {stats.reason}",
+                now,
+                {"down_s": now - self.down_since},
+            )
         notes: list[str] = []
         if self.down_since is not None:
             notes.append(f"source recovered after {now - self.down_since:g}s")
@@ -280,12 +342,17 @@ class Policy:
     def _with_notes(d: Decision, notes: list[str]) -> Decision:
         if not notes:
             return d
-        return replace(d, reason=d.reason + " (" + "; ".join(notes) + ")",
-                       numbers={**d.numbers, "recovered": True})
+        return replace(d, reason=d.reason + " (" + "; ".join(notes) + ")", numbers={**d.numbers, "recovered": True})
 
     def _maybe_retry(self, now: float) -> Decision | None:
         cfg = self.config
-        if not cfg.retry_enabled or not cfg.enabled or self.retry_due is None or self.index == 0 or now < self.retry_due:
+        if (
+            not cfg.retry_enabled
+            or not cfg.enabled
+            or self.retry_due is None
+            or self.index == 0
+            or now < self.retry_due
+        ):
             return None
         numbers = {"retry_due": self.retry_due, "retry_backoff_s": self.retry_backoff}
         until = self.cooldown_until()
@@ -293,8 +360,15 @@ class Policy:
             return None  # the retry waits for the cooldown; the window is judged as usual meanwhile
         if self.switches_in_last_hour(now) >= cfg.max_switches_per_hour:
             return None
-        d = self._decision(RETRY, "retry", f"retrying {self.steps[0].method} after a back-off of "
-                           f"{self.retry_backoff:g}s (current: {self.current.method})", now, numbers, to=0)
+        d = self._decision(
+            RETRY,
+            "retry",
+            f"retrying {self.steps[0].method} after a back-off of "
+            f"{self.retry_backoff:g}s (current: {self.current.method})",
+            now,
+            numbers,
+            to=0,
+        )
         self.pending = d
         return d
 
@@ -321,29 +395,61 @@ class Policy:
         if method is Method.NONE:
             return self._decision(KEEP, "no-speculation", "method none: speculation is off, nothing to measure", now)
         if stats.status == SPEC_OFF:
-            warning = self._warn_once("spec-off", f"{method} is configured but the engine exposes no "
-                                      "speculative-decoding series (speculation off or stats disabled)")
+            warning = self._warn_once(
+                "spec-off",
+                f"{method} is configured but the engine exposes no "
+                "speculative-decoding series (speculation off or stats disabled)",
+            )
             return self._decision(KEEP, "spec-off", stats.reason, now, warning=warning)
         if stats.status == NO_DATA:
-            return self._decision(KEEP, "no-data", stats.reason or "no data in the window", now,
-                                  {"window_start": stats.start, "window_end": stats.end})
+            return self._decision(
+                KEEP,
+                "no-data",
+                stats.reason or "no data in the window",
+                now,
+                {"window_start": stats.start, "window_end": stats.end},
+            )
         if stats.status != OK or stats.acceptance is None:
             return self._decision(KEEP, "no-data", f"window status {stats.status}: {stats.reason}", now)
         numbers = self._basic(stats)
         if not stats.full:
-            return self._decision(KEEP, "window-filling", f"the samples span {stats.span:g}s of a "
-                                  f"{stats.window_s:g}s window", now, numbers)
+            return self._decision(
+                KEEP,
+                "window-filling",
+                f"the samples span {stats.span:g}s of a {stats.window_s:g}s window",
+                now,
+                numbers,
+            )
         if self.last_verdict_end is not None and stats.start is not None and stats.start < self.last_verdict_end:
-            return self._decision(KEEP, "not-fresh", f"the window overlaps the last counted one (ended at "
-                                  f"{self.last_verdict_end:g}); hysteresis counts disjoint windows", now, numbers)
+            return self._decision(
+                KEEP,
+                "not-fresh",
+                f"the window overlaps the last counted one (ended at "
+                f"{self.last_verdict_end:g}); hysteresis counts disjoint windows",
+                now,
+                numbers,
+            )
         if stats.coarse and not cfg.act_on_coarse:
-            warning = self._warn_once("coarse", "only a lifetime acceptance ratio is available (vLLM V0): "
-                                      "reported, never acted on")
-            return self._decision(KEEP, "coarse", f"lifetime acceptance {stats.acceptance:.3f} (coarse, "
-                                  "not windowed): report only", now, numbers, warning=warning)
+            warning = self._warn_once(
+                "coarse", "only a lifetime acceptance ratio is available (vLLM V0): reported, never acted on"
+            )
+            return self._decision(
+                KEEP,
+                "coarse",
+                f"lifetime acceptance {stats.acceptance:.3f} (coarse, not windowed): report only",
+                now,
+                numbers,
+                warning=warning,
+            )
         if not stats.coarse and (stats.draft_tokens or 0.0) < cfg.min_draft_tokens:
-            return self._decision(KEEP, "min-draft-tokens", f"{stats.draft_tokens:g} drafted tokens in the "
-                                  f"window, fewer than min_draft_tokens={cfg.min_draft_tokens}", now, numbers)
+            return self._decision(
+                KEEP,
+                "min-draft-tokens",
+                f"{stats.draft_tokens:g} drafted tokens in the "
+                f"window, fewer than min_draft_tokens={cfg.min_draft_tokens}",
+                now,
+                numbers,
+            )
         return None
 
     def _judge(self, stats: WindowStats, acceptance: float, numbers: Mapping[str, Any]) -> tuple[bool, str, str]:
@@ -351,9 +457,11 @@ class Policy:
         cfg = self.config
         if cfg.mode == "model":
             low = bool(numbers["predicted_speedup"] < 1.0)
-            measure = (f"predicted speedup {numbers['predicted_speedup']:.3f} "
-                       f"(α={numbers['alpha']:.3f}, k={numbers['k']:g}, c={numbers['draft_cost_ratio']:g}, "
-                       f"acceptance {acceptance:.3f})")
+            measure = (
+                f"predicted speedup {numbers['predicted_speedup']:.3f} "
+                f"(α={numbers['alpha']:.3f}, k={numbers['k']:g}, c={numbers['draft_cost_ratio']:g}, "
+                f"acceptance {acceptance:.3f})"
+            )
             bound = "1"
         else:
             low = acceptance < cfg.min_acceptance
@@ -369,8 +477,13 @@ class Policy:
             self.retry_origin = None
             self.retry_backoff = self.config.retry_after_s
             self.retry_due = None
-            return self._decision(KEEP, "retry-succeeded", f"{verdict}: the retry of {self.current.method} holds; "
-                                  "retry back-off reset", now, numbers)
+            return self._decision(
+                KEEP,
+                "retry-succeeded",
+                f"{verdict}: the retry of {self.current.method} holds; retry back-off reset",
+                now,
+                numbers,
+            )
         rule = "above-threshold" if self.config.mode == "threshold" else "speedup-above-1"
         return self._decision(KEEP, rule, verdict, now, numbers)
 
@@ -380,8 +493,13 @@ class Policy:
         self.streak += 1
         numbers.update(streak=self.streak, consecutive_windows=cfg.consecutive_windows)
         if self.streak < cfg.consecutive_windows:
-            return self._decision(KEEP, "hysteresis", f"{measure} is below {bound}: low window {self.streak} "
-                                  f"of {cfg.consecutive_windows}", now, numbers)
+            return self._decision(
+                KEEP,
+                "hysteresis",
+                f"{measure} is below {bound}: low window {self.streak} of {cfg.consecutive_windows}",
+                now,
+                numbers,
+            )
         why = f"{measure} is below {bound} for {self.streak} consecutive windows"
         retry_failed = self.retry_origin is not None
         target = self.retry_origin if self.retry_origin is not None else self.index + 1
@@ -402,23 +520,41 @@ class Policy:
         method = self.current.method
         if not cfg.enabled:
             nxt = self.steps[target].method if target < len(self.steps) else None
-            return self._decision(HOLD, "fallback-disabled", f"{why}; fallback is disabled (watch only)"
-                                  + (f", would switch to {nxt}" if nxt else ""), now, numbers,
-                                  warning=f"acceptance too low on {method} and fallback is disabled")
+            return self._decision(
+                HOLD,
+                "fallback-disabled",
+                f"{why}; fallback is disabled (watch only)" + (f", would switch to {nxt}" if nxt else ""),
+                now,
+                numbers,
+                warning=f"acceptance too low on {method} and fallback is disabled",
+            )
         if target >= len(self.steps):
-            return self._decision(HOLD, "chain-end", f"{why}; {method} is the last step of the chain", now, numbers,
-                                  warning=f"acceptance too low on {method}, and no fallback step is left")
+            return self._decision(
+                HOLD,
+                "chain-end",
+                f"{why}; {method} is the last step of the chain",
+                now,
+                numbers,
+                warning=f"acceptance too low on {method}, and no fallback step is left",
+            )
         until = self.cooldown_until()
         if until is not None and now < until:
             numbers["cooldown_until"] = until
-            return self._decision(KEEP, "cooldown", f"{why}; in cooldown until {until:g} after the last switch",
-                                  now, numbers)
+            return self._decision(
+                KEEP, "cooldown", f"{why}; in cooldown until {until:g} after the last switch", now, numbers
+            )
         recent = self.switches_in_last_hour(now)
         if recent >= cfg.max_switches_per_hour:
             numbers["switches_last_hour"] = recent
-            return self._decision(HOLD, "flap-guard", f"{why}; {recent} switches in the last hour reached "
-                                  f"max_switches_per_hour={cfg.max_switches_per_hour}: holding {method}", now,
-                                  numbers, warning=f"flap guard: holding {method} after {recent} switches in an hour")
+            return self._decision(
+                HOLD,
+                "flap-guard",
+                f"{why}; {recent} switches in the last hour reached "
+                f"max_switches_per_hour={cfg.max_switches_per_hour}: holding {method}",
+                now,
+                numbers,
+                warning=f"flap guard: holding {method} after {recent} switches in an hour",
+            )
         return None
 
     # ------------------------------------------------------------------ what the supervisor did
@@ -433,14 +569,14 @@ class Policy:
         self.switch_times.append(now)
         self.switch_times = [t for t in self.switch_times if now - t < FLAP_PERIOD_S]
         self.streak = 0
-        self.last_verdict_end = now         # only windows that start after the switch count
+        self.last_verdict_end = now  # only windows that start after the switch count
         self._warned.clear()
         cfg = self.config
-        if new < old:                       # moved up: a retry is running
+        if new < old:  # moved up: a retry is running
             self.retry_origin = old
             self.retry_due = None
             return
-        if self.retry_origin is not None:   # fell back from a retry: it failed
+        if self.retry_origin is not None:  # fell back from a retry: it failed
             self._retry_failed(now)
         elif cfg.retry_enabled and new != 0 and self.retry_due is None:
             self.retry_due = now + self.retry_backoff
@@ -467,21 +603,51 @@ class Policy:
         if pending is not None and pending.action == RETRY and pending.to_index == failed:
             self._retry_failed(now)
             numbers = {"retry_backoff_s": self.retry_backoff, "retry_due": self.retry_due}
-            return Decision(SWITCH, "retry-failed-start", f"the retry of {self.steps[failed].method} did not "
-                            f"start; back to {self.steps[prev_index].method}, next retry in {self.retry_backoff:g}s",
-                            now, failed, self.steps[failed], prev_index, self.steps[prev_index], numbers)
+            return Decision(
+                SWITCH,
+                "retry-failed-start",
+                f"the retry of {self.steps[failed].method} did not "
+                f"start; back to {self.steps[prev_index].method}, next retry in {self.retry_backoff:g}s",
+                now,
+                failed,
+                self.steps[failed],
+                prev_index,
+                self.steps[prev_index],
+                numbers,
+            )
         target = failed + 1
         if target >= len(self.steps):
-            return Decision(HOLD, "chain-end", f"{self.steps[failed].method} did not start and it is the last "
-                            "step of the chain", now, failed, self.steps[failed],
-                            warning=f"no method left to fall back to after {self.steps[failed].method}")
-        return Decision(SWITCH, "failed-start", f"{self.steps[failed].method} did not start: falling back to "
-                        f"{self.steps[target].method}", now, failed, self.steps[failed], target, self.steps[target])
+            return Decision(
+                HOLD,
+                "chain-end",
+                f"{self.steps[failed].method} did not start and it is the last step of the chain",
+                now,
+                failed,
+                self.steps[failed],
+                warning=f"no method left to fall back to after {self.steps[failed].method}",
+            )
+        return Decision(
+            SWITCH,
+            "failed-start",
+            f"{self.steps[failed].method} did not start: falling back to {self.steps[target].method}",
+            now,
+            failed,
+            self.steps[failed],
+            target,
+            self.steps[target],
+        )
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """The policy's state, for ``specops status`` and the watcher's own metrics."""
-        return {"method": self.current.method.value, "index": self.index, "streak": self.streak,
-                "cooldown_until": self.cooldown_until(), "switches_last_hour": self.switches_in_last_hour(now),
-                "retry_due": self.retry_due, "retry_backoff_s": self.retry_backoff,
-                "retrying_from": self.retry_origin, "pending": self.pending.to_dict() if self.pending else None,
-                "source_down_since": self.down_since}
+        return {
+            "method": self.current.method.value,
+            "index": self.index,
+            "streak": self.streak,
+            "cooldown_until": self.cooldown_until(),
+            "switches_last_hour": self.switches_in_last_hour(now),
+            "retry_due": self.retry_due,
+            "retry_backoff_s": self.retry_backoff,
+            "retrying_from": self.retry_origin,
+            "pending": self.pending.to_dict() if self.pending else None,
+            "source_down_since": self.down_since,
+        }

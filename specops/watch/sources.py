@@ -19,6 +19,7 @@ cannot be built (a label name PromQL does not allow, a window that is not a fini
 raises :class:`SourceConfigError`, a one-line error for the CLI. URLs in messages are redacted
 (:func:`specops.urls.redact_url`: no userinfo, query values or token-like path segments).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,11 +27,18 @@ import re
 import threading
 import urllib.error
 import urllib.request
-from typing import Mapping
+from collections.abc import Mapping
 
+from specops.backends.counters import (
+    SOURCE_LLAMACPP_LOG,
+    MetricsError,
+    SpecCounters,
+    normalize_prefix,
+    parse_spec_counters,
+    series_names,
+)
 from specops.errors import SpecopsError
 from specops.urls import redact_text, redact_url
-from specops.backends.counters import SOURCE_LLAMACPP_LOG, MetricsError, SpecCounters, normalize_prefix, parse_spec_counters, series_names
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, WindowStats
 
 #: What a scrape asks for: the classic text format (OpenMetrics from prometheus_client ≥ 0.23 may
@@ -50,16 +58,23 @@ class SourceConfigError(SourceError, ValueError):
 # ---------------------------------------------------------------------------------------------------
 # scrape
 
+
 class ScrapeSource:
     """Reads an engine's ``/metrics`` and returns its spec-decode counters (None: no such series).
 
     Proxies from the environment are ignored: the engine is a local process specops started.
     """
 
-    def __init__(self, url: str, prefix: str, model_name: str | None = None, timeout: float = 3.0,
-                 headers: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        model_name: str | None = None,
+        timeout: float = 3.0,
+        headers: Mapping[str, str] | None = None,
+    ):
         self.url = url
-        self.shown_url = redact_url(url)    # for messages: never the userinfo or query values
+        self.shown_url = redact_url(url)  # for messages: never the userinfo or query values
         self.headers = dict(headers or {})  # e.g. the API key llama-server wants on /metrics
         self.prefix = normalize_prefix(prefix)
         self.model_name = model_name
@@ -111,8 +126,10 @@ def label_name_problem(name: object) -> str | None:
     """Why ``name`` cannot be a Prometheus label name (None when it can)."""
     if not isinstance(name, str) or not _LABEL_NAME.match(name):
         shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else repr(name[:77] + "...")
-        return (f"invalid Prometheus label name {shown} in monitor.labels: use letters, digits and '_', "
-                f"not starting with a digit (e.g. model_name, job)")
+        return (
+            f"invalid Prometheus label name {shown} in monitor.labels: use letters, digits and '_', "
+            f"not starting with a digit (e.g. model_name, job)"
+        )
     return None
 
 
@@ -130,13 +147,18 @@ def selector(labels: Mapping[str, str]) -> str:
 def promql_duration(seconds: float) -> str:
     """A PromQL range: whole seconds as ``60s``, anything finer in milliseconds (``1500ms``)."""
     try:
-        ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) \
+        ok = (
+            isinstance(seconds, (int, float))
+            and not isinstance(seconds, bool)
+            and math.isfinite(seconds)
             and seconds > 0
+        )
     except OverflowError:
         ok = False
     if not ok:
-        raise SourceConfigError(f"a PromQL range (fallback.window) must be a finite number of seconds > 0, "
-                                f"got {seconds!r}")
+        raise SourceConfigError(
+            f"a PromQL range (fallback.window) must be a finite number of seconds > 0, got {seconds!r}"
+        )
     ms = round(seconds * 1000)
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
@@ -162,8 +184,14 @@ class PromQLSource:
     window, so a target that is down gives ``no-data``, never a verdict.
     """
 
-    def __init__(self, prometheus_url: str, prefix: str, labels: Mapping[str, str] | None = None,
-                 window_s: float = 60.0, timeout: float = 3.0):
+    def __init__(
+        self,
+        prometheus_url: str,
+        prefix: str,
+        labels: Mapping[str, str] | None = None,
+        window_s: float = 60.0,
+        timeout: float = 3.0,
+    ):
         self.prometheus_url = prometheus_url.rstrip("/")
         self.shown_url = redact_url(self.prometheus_url)
         self.prefix = normalize_prefix(prefix)
@@ -181,9 +209,13 @@ class PromQLSource:
         if self._client is None:
             from prometheus_api_client import PrometheusConnect
             from urllib3.util.retry import Retry
+
             # no retries: a dead Prometheus must fail within `timeout`, not after ~6 s of back-off
-            self._client = PrometheusConnect(url=self.prometheus_url, retry=Retry(total=0, connect=0, read=0,
-                                             redirect=0, status=0), timeout=self.timeout)
+            self._client = PrometheusConnect(
+                url=self.prometheus_url,
+                retry=Retry(total=0, connect=0, read=0, redirect=0, status=0),
+                timeout=self.timeout,
+            )
         return self._client
 
     def close(self) -> None:
@@ -196,8 +228,10 @@ class PromQLSource:
 
     def acceptance_query(self) -> str:
         """The acceptance as one PromQL expression (what to paste into a dashboard)."""
-        return (f"sum(rate({self._series('accepted')}[{self._range}])) / "
-                f"sum(rate({self._series('draft_tokens')}[{self._range}]))")
+        return (
+            f"sum(rate({self._series('accepted')}[{self._range}])) / "
+            f"sum(rate({self._series('draft_tokens')}[{self._range}]))"
+        )
 
     def query(self) -> str:
         """One instant query (evaluated at one instant) whose results are told apart by a ``specops`` label."""
@@ -249,29 +283,53 @@ class PromQLSource:
                 elif name:
                     values[name] = value
         except (KeyError, TypeError, ValueError) as exc:
-            raise SourceError(f"Prometheus {self.shown_url}: unexpected answer ({redact_text(repr(exc))[:200]})") from None
+            raise SourceError(
+                f"Prometheus {self.shown_url}: unexpected answer ({redact_text(repr(exc))[:200]})"
+            ) from None
         end = now if now is not None else at
-        common = dict(window_s=self.window_s, end=end, start=(end - self.window_s) if end is not None else None,
-                      source="promql", full="full" in values, resets=int(values.get("resets", 0)))
+        common = dict(
+            window_s=self.window_s,
+            end=end,
+            start=(end - self.window_s) if end is not None else None,
+            source="promql",
+            full="full" in values,
+            resets=int(values.get("resets", 0)),
+        )
         if "up" in values and values["up"] < 1:
             return WindowStats(NO_DATA, reason=f"scrape target {self._up_sel} is down (up == 0)", **common)
         if "series" not in values:
-            return WindowStats(SPEC_OFF, reason=f"no {self._series('draft_tokens')} series in Prometheus: "
-                               "speculation off, stats disabled, or labels that match nothing", **common)
+            return WindowStats(
+                SPEC_OFF,
+                reason=f"no {self._series('draft_tokens')} series in Prometheus: "
+                "speculation off, stats disabled, or labels that match nothing",
+                **common,
+            )
         tokens = values.get("draft_tokens")
         if tokens is None or tokens <= 0:
-            return WindowStats(NO_DATA, reason="nothing drafted in the window (idle)", draft_tokens=tokens,
-                               accepted=values.get("accepted"), drafts=values.get("drafts"), **common)
+            return WindowStats(
+                NO_DATA,
+                reason="nothing drafted in the window (idle)",
+                draft_tokens=tokens,
+                accepted=values.get("accepted"),
+                drafts=values.get("drafts"),
+                **common,
+            )
         accepted = values.get("accepted", 0.0)
         drafts = values.get("drafts")
         acceptance = min(accepted / tokens, 1.0)
         mal = 1.0 + accepted / drafts if drafts else None
-        positions = (tuple(per_pos.get(i, 0.0) / drafts for i in range(max(per_pos) + 1))
-                     if per_pos and drafts else ())
-        return WindowStats(OK, acceptance=acceptance, mean_acceptance_length=mal, draft_tokens=tokens,
-                           accepted=accepted, drafts=drafts, per_position=positions,
-                           reason=f"{accepted:g} accepted of {tokens:g} drafted (Prometheus increase over "
-                           f"{self._range})", **common)
+        positions = tuple(per_pos.get(i, 0.0) / drafts for i in range(max(per_pos) + 1)) if per_pos and drafts else ()
+        return WindowStats(
+            OK,
+            acceptance=acceptance,
+            mean_acceptance_length=mal,
+            draft_tokens=tokens,
+            accepted=accepted,
+            drafts=drafts,
+            per_position=positions,
+            reason=f"{accepted:g} accepted of {tokens:g} drafted (Prometheus increase over {self._range})",
+            **common,
+        )
 
     def __repr__(self) -> str:
         return f"PromQLSource({self.shown_url!r}, {self.prefix!r}, {self.labels!r}, {self.window_s:g})"
@@ -282,7 +340,8 @@ class PromQLSource:
 
 #: ``draft acceptance = 0.69565 (   80 accepted /   115 generated)``; older builds say ``acceptance rate``.
 ACCEPTANCE_LINE = re.compile(
-    r"draft acceptance(?: rate)?\s*=\s*[-+0-9.eEnaif]+\s*\(\s*(\d+)\s+accepted\s*/\s*(\d+)\s+generated\s*\)")
+    r"draft acceptance(?: rate)?\s*=\s*[-+0-9.eEnaif]+\s*\(\s*(\d+)\s+accepted\s*/\s*(\d+)\s+generated\s*\)"
+)
 
 
 class LogLineSource:
@@ -318,8 +377,9 @@ class LogLineSource:
 
     def read(self) -> SpecCounters:
         with self._lock:
-            return SpecCounters(draft_tokens=float(self._generated), accepted=float(self._accepted),
-                                source=SOURCE_LLAMACPP_LOG)
+            return SpecCounters(
+                draft_tokens=float(self._generated), accepted=float(self._accepted), source=SOURCE_LLAMACPP_LOG
+            )
 
     def reset(self) -> None:
         with self._lock:

@@ -15,6 +15,7 @@ setting can never busy-loop the engine's ``/metrics``), a window of at most :dat
 webhook is an ``http``/``https`` URL with a host whose userinfo, query values and token-like path
 segments are never printed (:mod:`specops.urls`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,16 +28,17 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from specops.backends.counters import SpecCounters
 from specops.errors import SpecopsError
 from specops.run.events import EngineLine, EngineReady, State, StateChanged
+from specops.urls import check_http_url, redact_text, redact_url, split_userinfo
 from specops.watch.decide import FallbackDecider
 from specops.watch.policy import Decision, Policy
 from specops.watch.sources import LogLineSource, PromQLSource, ScrapeSource, SourceError, promql_labels
-from specops.urls import check_http_url, redact_text, redact_url, split_userinfo
 from specops.watch.window import Sample, SampleBuffer, WindowStats
 
 #: The shortest time between two reads: a smaller ``monitor.interval`` / ``--interval`` is not allowed.
@@ -55,6 +57,7 @@ def watch_interval(seconds: float) -> float:
         raise SpecopsError(f"monitor.interval must be a finite number of seconds, got {seconds!r}")
     return min(max(float(seconds), MIN_INTERVAL), MAX_INTERVAL)
 
+
 class LiveCounters:
     """Spec-decode totals added up from per-response ``timings`` the proxy sees (llama.cpp).
 
@@ -71,7 +74,9 @@ class LiveCounters:
         self.accepted += accepted
 
     def read(self) -> SpecCounters:
-        return SpecCounters(draft_tokens=float(self.draft_tokens), accepted=float(self.accepted), source="proxy-timings")
+        return SpecCounters(
+            draft_tokens=float(self.draft_tokens), accepted=float(self.accepted), source="proxy-timings"
+        )
 
     def reset(self) -> None:
         self.draft_tokens = self.accepted = 0
@@ -88,8 +93,8 @@ class Reading:
 class AcceptanceReader:
     """Reads the current engine's acceptance over the window, from the source the profile names."""
 
-    source: str                      # "scrape" | "promql"
-    backend: Any                     # reads its own acceptance from /metrics text
+    source: str  # "scrape" | "promql"
+    backend: Any  # reads its own acceptance from /metrics text
     window_s: float
     timeout: float
     prometheus_url: str | None = None
@@ -104,13 +109,21 @@ class AcceptanceReader:
     _model_name: str | None = None
 
     @classmethod
-    def for_profile(cls, profile, backend, *, live: LiveCounters | None = None) -> "AcceptanceReader":
+    def for_profile(cls, profile, backend, *, live: LiveCounters | None = None) -> AcceptanceReader:
         """The reader ``specops up`` uses: the profile's ``monitor`` source and window; ``live`` when the proxy
         feeds per-request timings (``backend.live_timings``), and the engine's own acceptance log lines when
         the backend writes them (``backend.log_acceptance``)."""
         m = profile.monitor
-        return cls(m.source, backend, profile.fallback.window, m.timeout, m.prometheus_url, dict(m.labels),
-                   live=live, log=LogLineSource() if backend.log_acceptance else None)
+        return cls(
+            m.source,
+            backend,
+            profile.fallback.window,
+            m.timeout,
+            m.prometheus_url,
+            dict(m.labels),
+            live=live,
+            log=LogLineSource() if backend.log_acceptance else None,
+        )
 
     def attach(self, metrics_url: str, model_name: str | None, headers: dict | None = None) -> None:
         """A new engine (or method): start a fresh window, so one window never mixes two methods."""
@@ -119,9 +132,13 @@ class AcceptanceReader:
         if self.source == "promql":
             if self._promql is not None:
                 self._promql.close()
-            self._promql = PromQLSource(self.prometheus_url, self.prefix,
-                                        promql_labels(self.backend.model_name_label, self.labels, model_name), self.window_s,
-                                        timeout=self.timeout)
+            self._promql = PromQLSource(
+                self.prometheus_url,
+                self.prefix,
+                promql_labels(self.backend.model_name_label, self.labels, model_name),
+                self.window_s,
+                timeout=self.timeout,
+            )
         self._buffer = SampleBuffer(self.window_s)
         self._live_buffer = SampleBuffer(self.window_s)
         self._generated = []
@@ -150,8 +167,9 @@ class AcceptanceReader:
         try:
             counters = self.backend.acceptance_counters(text, self._model_name, openmetrics)
         except ValueError as exc:
-            return Reading(WindowStats.unavailable(now, f"{self._scrape.shown_url}: {redact_text(str(exc))}",
-                                                   self.window_s), tps)
+            return Reading(
+                WindowStats.unavailable(now, f"{self._scrape.shown_url}: {redact_text(str(exc))}", self.window_s), tps
+            )
         if counters is None and self.log is not None and self.log.lines:
             counters = self.log.read()  # llama-server builds without spec counters: the per-request log line
         self._buffer.add(Sample(now, counters))
@@ -191,27 +209,39 @@ class SpecopsMetrics:
 
     def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.registry = r = CollectorRegistry()
-        self.method = Gauge("specops_active_method", "1 for the speculative method the engine runs now",
-                            ["method"], registry=r)
+        self.method = Gauge(
+            "specops_active_method", "1 for the speculative method the engine runs now", ["method"], registry=r
+        )
         self.state = Gauge("specops_supervisor_state", "1 for the supervisor's current state", ["state"], registry=r)
-        self.acceptance = Gauge("specops_acceptance_rate", "Draft acceptance over the window (NaN: no data)",
-                                registry=r)
-        self.length = Gauge("specops_mean_acceptance_length", "Mean tokens per target step over the window "
-                            "(1 + accepted/drafts; NaN: no data)", registry=r)
+        self.acceptance = Gauge(
+            "specops_acceptance_rate", "Draft acceptance over the window (NaN: no data)", registry=r
+        )
+        self.length = Gauge(
+            "specops_mean_acceptance_length",
+            "Mean tokens per target step over the window (1 + accepted/drafts; NaN: no data)",
+            registry=r,
+        )
         self.window_tokens = Gauge("specops_window_draft_tokens", "Drafted tokens in the current window", registry=r)
         self.drafted = Counter("specops_draft_tokens_seen", "Drafted tokens seen by the watcher", registry=r)
-        self.accepted = Counter("specops_accepted_tokens_seen", "Accepted draft tokens seen by the watcher",
-                                registry=r)
-        self.decisions = Counter("specops_decisions", "Policy decisions other than a plain keep",
-                                 ["action", "rule"], registry=r)
-        self.fallbacks = Counter("specops_fallbacks", "Method switches", ["from_method", "to_method", "reason"],
-                                 registry=r)
-        self.switch_seconds = Histogram("specops_switch_duration_seconds", "From the decision to the new engine "
-                                        "being ready", buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=r)
+        self.accepted = Counter("specops_accepted_tokens_seen", "Accepted draft tokens seen by the watcher", registry=r)
+        self.decisions = Counter(
+            "specops_decisions", "Policy decisions other than a plain keep", ["action", "rule"], registry=r
+        )
+        self.fallbacks = Counter(
+            "specops_fallbacks", "Method switches", ["from_method", "to_method", "reason"], registry=r
+        )
+        self.switch_seconds = Histogram(
+            "specops_switch_duration_seconds",
+            "From the decision to the new engine being ready",
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=r,
+        )
         self.restarts = Gauge("specops_engine_restarts", "Engine restarts after a crash (same method)", registry=r)
-        self.source_up = Gauge("specops_source_up", "1 when the acceptance source could be read at the last tick",
-                               registry=r)
+        self.source_up = Gauge(
+            "specops_source_up", "1 when the acceptance source could be read at the last tick", registry=r
+        )
         self._last: SpecCounters | None = None
 
     def observe(self, reading: Reading) -> None:
@@ -255,11 +285,19 @@ class Watcher:
     window for each new engine. :meth:`snapshot` is what it shows in ``specops status``.
     """
 
-    def __init__(self, profile, reader: AcceptanceReader, decider: FallbackDecider, *, say: Callable[[str], None],
-                 act: Callable[[Decision], bool] | None = None,
-                 on_recommend: Callable[[Decision, WindowStats], None] | None = None,
-                 on_tick: Callable[[], None] | None = None, metrics: SpecopsMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        profile,
+        reader: AcceptanceReader,
+        decider: FallbackDecider,
+        *,
+        say: Callable[[str], None],
+        act: Callable[[Decision], bool] | None = None,
+        on_recommend: Callable[[Decision, WindowStats], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
+        metrics: SpecopsMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.profile = profile
         self.reader = reader
         self.decider = decider
@@ -270,8 +308,8 @@ class Watcher:
         self.metrics = metrics
         self.clock = clock
         self.interval = watch_interval(profile.monitor.interval)
-        self.attached = False        # the reader follows an engine (under `up`: since the first EngineReady)
-        self.serving = False         # under `up`: the supervisor is READY
+        self.attached = False  # the reader follows an engine (under `up`: since the first EngineReady)
+        self.serving = False  # under `up`: the supervisor is READY
         self.last_decision: Decision | None = None
         self.decided_at: dict = {}
         self._status: dict = {}
@@ -352,12 +390,15 @@ class Watcher:
                 self.decider.not_executed(decision)
                 self.on_tick()
                 return decision
-            self.say(f"decision: {decision.action} {decision.from_method} → {decision.to_method} "
-                     f"[{decision.rule}] {decision.reason}")
+            self.say(
+                f"decision: {decision.action} {decision.from_method} → {decision.to_method} "
+                f"[{decision.rule}] {decision.reason}"
+            )
             if self.act(decision):
                 if self.metrics is not None:
-                    self.metrics.fallbacks.labels(decision.from_method.value, decision.to_method.value,
-                                                  decision.rule).inc()
+                    self.metrics.fallbacks.labels(
+                        decision.from_method.value, decision.to_method.value, decision.rule
+                    ).inc()
             else:
                 self.decider.not_executed(decision)
         self.on_tick()
@@ -372,6 +413,7 @@ class Watcher:
 
 # ---------------------------------------------------------------------- `specops watch`: read-only
 
+
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: D102 - a webhook is not followed
         return None
@@ -385,8 +427,15 @@ def check_webhook(url: str) -> str:
         raise SpecopsError(str(exc)) from None
 
 
-def notify(decision: Decision, stats: WindowStats, *, command: list[str] | None, webhook: str | None,
-           say: Callable[[str], None], timeout: float = 10.0) -> None:
+def notify(
+    decision: Decision,
+    stats: WindowStats,
+    *,
+    command: list[str] | None,
+    webhook: str | None,
+    say: Callable[[str], None],
+    timeout: float = 10.0,
+) -> None:
     """Run ``command`` (decision JSON on stdin and in $SPECOPS_DECISION) and/or POST it to ``webhook``.
 
     The command is an argv list run without a shell; its stderr is kept to the last 200 bytes. The webhook
@@ -396,8 +445,15 @@ def notify(decision: Decision, stats: WindowStats, *, command: list[str] | None,
     if command:
         try:
             with tempfile.TemporaryFile() as err:
-                res = subprocess.run(command, input=payload, text=True, stdout=subprocess.DEVNULL, stderr=err,
-                                     timeout=timeout, env={**os.environ, "SPECOPS_DECISION": payload})
+                res = subprocess.run(
+                    command,
+                    input=payload,
+                    text=True,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    timeout=timeout,
+                    env={**os.environ, "SPECOPS_DECISION": payload},
+                )
                 tail = ""
                 if res.returncode:
                     err.seek(0, os.SEEK_END)

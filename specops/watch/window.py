@@ -16,13 +16,15 @@ or stats are disabled, not a failure); ``unavailable`` (the source could not be 
 watcher with :meth:`WindowStats.unavailable`). Coarse counters (vLLM V0) give ``coarse=True`` stats whose
 acceptance is the engine's lifetime ratio and whose token counts are unknown (None).
 """
+
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 from specops.backends.counters import SpecCounters
 
@@ -30,9 +32,9 @@ from specops.backends.counters import SpecCounters
 class WindowStatus(str, Enum):
     """What a window can say; ``.value`` is the word in events, JSON and ``specops status``."""
 
-    OK = "ok"                    # a verdict is possible: drafted tokens in the window
-    NO_DATA = "no-data"          # idle, or too few samples
-    SPEC_OFF = "spec-off"        # the engine exposes no speculative series
+    OK = "ok"  # a verdict is possible: drafted tokens in the window
+    NO_DATA = "no-data"  # idle, or too few samples
+    SPEC_OFF = "spec-off"  # the engine exposes no speculative series
     UNAVAILABLE = "unavailable"  # the source could not be read
 
     def __str__(self) -> str:
@@ -42,7 +44,12 @@ class WindowStatus(str, Enum):
         return format(self.value, spec)
 
 
-OK, NO_DATA, SPEC_OFF, UNAVAILABLE = WindowStatus.OK, WindowStatus.NO_DATA, WindowStatus.SPEC_OFF, WindowStatus.UNAVAILABLE
+OK, NO_DATA, SPEC_OFF, UNAVAILABLE = (
+    WindowStatus.OK,
+    WindowStatus.NO_DATA,
+    WindowStatus.SPEC_OFF,
+    WindowStatus.UNAVAILABLE,
+)
 
 _ZERO = SpecCounters(draft_tokens=0.0, accepted=0.0)
 
@@ -61,23 +68,23 @@ class WindowStats:
 
     status: WindowStatus
     window_s: float
-    start: float | None = None                 # time of the baseline sample
-    end: float | None = None                   # time of the newest sample
-    acceptance: float | None = None            # Δaccepted / Δdraft_tokens (coarse: lifetime ratio)
+    start: float | None = None  # time of the baseline sample
+    end: float | None = None  # time of the newest sample
+    acceptance: float | None = None  # Δaccepted / Δdraft_tokens (coarse: lifetime ratio)
     mean_acceptance_length: float | None = None  # 1 + Δaccepted / Δdrafts (None without drafts)
-    draft_tokens: float | None = None          # None when unknown (coarse)
+    draft_tokens: float | None = None  # None when unknown (coarse)
     accepted: float | None = None
     drafts: float | None = None
-    per_position: tuple[float, ...] = ()       # acceptance at each draft position (needs drafts)
-    resets: int = 0                            # counter resets (engine restarts) inside the window
-    full: bool = False                         # the samples span the whole window
+    per_position: tuple[float, ...] = ()  # acceptance at each draft position (needs drafts)
+    resets: int = 0  # counter resets (engine restarts) inside the window
+    full: bool = False  # the samples span the whole window
     coarse: bool = False
     source: str = ""
     samples: int = 0
     reason: str = ""
 
     @classmethod
-    def unavailable(cls, now: float, reason: str, window_s: float = 0.0) -> "WindowStats":
+    def unavailable(cls, now: float, reason: str, window_s: float = 0.0) -> WindowStats:
         """Stats for a tick whose source could not be read (endpoint down, Prometheus unreachable)."""
         return cls(status=UNAVAILABLE, window_s=window_s, end=now, reason=reason)
 
@@ -94,11 +101,22 @@ class WindowStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "status": getattr(self.status, "value", self.status), "window_s": self.window_s, "start": self.start, "end": self.end,
-            "acceptance": self.acceptance, "mean_acceptance_length": self.mean_acceptance_length,
-            "draft_tokens": self.draft_tokens, "accepted": self.accepted, "drafts": self.drafts,
-            "per_position": list(self.per_position), "resets": self.resets, "full": self.full,
-            "coarse": self.coarse, "source": self.source, "samples": self.samples, "reason": self.reason,
+            "status": getattr(self.status, "value", self.status),
+            "window_s": self.window_s,
+            "start": self.start,
+            "end": self.end,
+            "acceptance": self.acceptance,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_tokens": self.draft_tokens,
+            "accepted": self.accepted,
+            "drafts": self.drafts,
+            "per_position": list(self.per_position),
+            "resets": self.resets,
+            "full": self.full,
+            "coarse": self.coarse,
+            "source": self.source,
+            "samples": self.samples,
+            "reason": self.reason,
         }
 
 
@@ -132,14 +150,28 @@ def window_stats(samples: Iterable[Sample], now: float, window_s: float) -> Wind
     newest = ordered[-1]
     kind = newest.counters
     if kind is None:
-        return WindowStats(SPEC_OFF, window_s, start=newest.t, end=newest.t, samples=1,
-                           reason="no speculative series: speculation is off or stats are disabled")
+        return WindowStats(
+            SPEC_OFF,
+            window_s,
+            start=newest.t,
+            end=newest.t,
+            samples=1,
+            reason="no speculative series: speculation is off or stats are disabled",
+        )
     cut = now - window_s
     base = _baseline(ordered, cut)
     full = ordered[base].t <= cut
     used = ordered[base:]
-    common = WindowStats(NO_DATA, window_s, start=used[0].t, end=newest.t, full=full, coarse=kind.coarse,
-                         source=kind.source, samples=len(used))
+    common = WindowStats(
+        NO_DATA,
+        window_s,
+        start=used[0].t,
+        end=newest.t,
+        full=full,
+        coarse=kind.coarse,
+        source=kind.source,
+        samples=len(used),
+    )
     if len(used) < 2:
         return replace(common, reason="one sample: a window needs two")
     delta, resets = _increase(used)
@@ -187,9 +219,13 @@ def _coarse_stats(common: WindowStats, kind: SpecCounters, d_tokens: float, rest
         return replace(common, reason="nothing drafted in the window (idle)" + restarted)
     if kind.lifetime_acceptance is None:
         return replace(common, reason="no lifetime acceptance ratio yet" + restarted)
-    return replace(common, status=OK, acceptance=kind.lifetime_acceptance,
-                   reason="coarse: the engine's lifetime acceptance ratio (vLLM V0 counters over-count and "
-                   "cannot be windowed)" + restarted)
+    return replace(
+        common,
+        status=OK,
+        acceptance=kind.lifetime_acceptance,
+        reason="coarse: the engine's lifetime acceptance ratio (vLLM V0 counters over-count and "
+        "cannot be windowed)" + restarted,
+    )
 
 
 def _windowed_stats(common: WindowStats, delta: list[float], has_drafts: bool, restarted: str) -> WindowStats:
@@ -205,8 +241,14 @@ def _windowed_stats(common: WindowStats, delta: list[float], has_drafts: bool, r
         acceptance, note = 1.0, f"; accepted ({d_accepted:g}) exceeds drafted ({d_tokens:g}), clamped to 1"
     mal = 1.0 + d_accepted / drafts if drafts else None
     per_position = tuple(x / drafts for x in delta[3:]) if drafts else ()
-    return replace(counted, status=OK, acceptance=acceptance, mean_acceptance_length=mal, per_position=per_position,
-                   reason=f"{d_accepted:g} accepted of {d_tokens:g} drafted" + restarted + note)
+    return replace(
+        counted,
+        status=OK,
+        acceptance=acceptance,
+        mean_acceptance_length=mal,
+        per_position=per_position,
+        reason=f"{d_accepted:g} accepted of {d_tokens:g} drafted" + restarted + note,
+    )
 
 
 @dataclass

@@ -4,6 +4,7 @@ specops finds this module through the ``specops`` entry-point group (see pyproje
 ``specops_backends`` hook, exactly as it does for the built-in vllm and llamacpp backends, and its
 ``register_commands`` hook, which adds ``specops sglang-algorithms``.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,7 @@ from specops.methods import Method
 from specops.redact import looks_secret
 
 #: specops method -> SGLang ``--speculative-algorithm``.
-ALGORITHM = {Method.EAGLE: "EAGLE", Method.EAGLE3: "EAGLE3", Method.DRAFT_MODEL: "STANDALONE",
-             Method.NGRAM: "NGRAM"}
+ALGORITHM = {Method.EAGLE: "EAGLE", Method.EAGLE3: "EAGLE3", Method.DRAFT_MODEL: "STANDALONE", Method.NGRAM: "NGRAM"}
 LLAMACPP_ONLY = ("gpu_layers", "draft_gpu_layers", "draft_devices", "split_mode", "tensor_split", "main_gpu")
 
 
@@ -59,8 +59,15 @@ class SglangBackend(Backend):
     def render(self, profile, engine, *, host=None, port=None):
         p, spec, g = profile, profile.speculative, profile.gpus
         host, port = host or p.server.host, port or p.server.port
-        argv = list(engine.invocation) + ["--model-path", p.model.id, "--host", host, "--port", str(port),
-                                          "--enable-metrics"]
+        argv = list(engine.invocation) + [
+            "--model-path",
+            p.model.id,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--enable-metrics",
+        ]
         if p.model.revision:
             argv += ["--revision", p.model.revision]
         if p.model.max_model_len:
@@ -82,18 +89,34 @@ class SglangBackend(Backend):
             if spec.draft:
                 argv += ["--speculative-draft-model-path", spec.draft]
             # a chain of k draft steps, one candidate per step: k + 1 tokens verified per target pass
-            argv += ["--speculative-num-steps", str(spec.k), "--speculative-eagle-topk", "1",
-                     "--speculative-num-draft-tokens", str(spec.k + 1)]
+            argv += [
+                "--speculative-num-steps",
+                str(spec.k),
+                "--speculative-eagle-topk",
+                "1",
+                "--speculative-num-draft-tokens",
+                str(spec.k + 1),
+            ]
         argv += p.server.extra_args
         env = dict(p.server.env)
         if g.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, g.devices))
         env_items = tuple(sorted(env.items()))
         secrets += [v for k, v in env_items if looks_secret(k)]  # specops' own rule, as its printed forms use
-        return LaunchPlan(backend=self.name, engine_version=engine.version, method=spec.method, argv=tuple(argv),
-                          env=env_items, host=host, port=port, health_path=self.health_path,
-                          metrics_path=self.metrics_path, model_name=p.model.served_name or p.model.id,
-                          secrets=tuple(secrets), notes=("example plugin: check flags against your SGLang",))
+        return LaunchPlan(
+            backend=self.name,
+            engine_version=engine.version,
+            method=spec.method,
+            argv=tuple(argv),
+            env=env_items,
+            host=host,
+            port=port,
+            health_path=self.health_path,
+            metrics_path=self.metrics_path,
+            model_name=p.model.served_name or p.model.id,
+            secrets=tuple(secrets),
+            notes=("example plugin: check flags against your SGLang",),
+        )
 
     def acceptance_counters(self, *args, **kwargs):
         """SGLang exports an acceptance *length* gauge, not draft/accepted counters: nothing to window here,

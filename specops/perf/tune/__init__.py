@@ -22,24 +22,71 @@ earlier), so it is measured, not assumed. The modules, in the order a run uses t
 What differs between engines (whether a method takes k, named n-gram drafters, the launch time before one
 was measured, a k per batch size) is asked of the backend object (:class:`specops.backends.base.Backend`).
 """
+
 from __future__ import annotations
 
 from specops.perf.tune.changes import UNSET_VALUE, desired_changes, format_changes
 from specops.perf.tune.driver import EngineDriver, default_requests_per_round, load_workload
 from specops.perf.tune.plan import TuneConfig, TunePlan, concurrency_levels, method_choices, prepare, run_sweep
-from specops.perf.tune.race import BudgetTooSmall, Driver, Session, Tuner, TuneOptions
+from specops.perf.tune.race import BudgetTooSmall, Driver, Session, TuneOptions, Tuner
 from specops.perf.tune.report import comment_line, format_table, plot
 from specops.perf.tune.results import LevelResult, Round, SettingResult, TuneResult
-from specops.perf.tune.settings import (MethodChoice, Setting, coverage_order, current_setting, parse_ints,
-                                        parse_pairs, plan_settings)
-from specops.perf.tune.writeback import (WriteOutcome, base_data_of, build_record, edit_yaml, tune_plot_path,
-                                         tune_record_path, write_back)
+from specops.perf.tune.settings import (
+    MethodChoice,
+    Setting,
+    coverage_order,
+    current_setting,
+    parse_ints,
+    parse_pairs,
+    plan_settings,
+)
+from specops.perf.tune.writeback import (
+    WriteOutcome,
+    base_data_of,
+    build_record,
+    edit_yaml,
+    tune_plot_path,
+    tune_record_path,
+    write_back,
+)
 
 __all__ = [
-    "UNSET_VALUE", "BudgetTooSmall", "Driver", "EngineDriver", "LevelResult", "MethodChoice", "Round", "Session",
-    "Setting", "SettingResult", "TuneConfig", "TuneOptions", "TunePlan", "TuneResult", "Tuner", "WriteOutcome",
-    "base_data_of", "build_record", "comment_line", "concurrency_levels", "coverage_order", "current_setting",
-    "default_requests_per_round", "desired_changes", "edit_yaml", "format_changes", "format_table",
-    "load_workload", "method_choices", "parse_ints", "parse_pairs", "plan_settings", "plot", "prepare",
-    "run_sweep", "tune_plot_path", "tune_record_path", "write_back",
+    "UNSET_VALUE",
+    "BudgetTooSmall",
+    "Driver",
+    "EngineDriver",
+    "LevelResult",
+    "MethodChoice",
+    "Round",
+    "Session",
+    "Setting",
+    "SettingResult",
+    "TuneConfig",
+    "TuneOptions",
+    "TunePlan",
+    "TuneResult",
+    "Tuner",
+    "WriteOutcome",
+    "base_data_of",
+    "build_record",
+    "comment_line",
+    "concurrency_levels",
+    "coverage_order",
+    "current_setting",
+    "default_requests_per_round",
+    "desired_changes",
+    "edit_yaml",
+    "format_changes",
+    "format_table",
+    "load_workload",
+    "method_choices",
+    "parse_ints",
+    "parse_pairs",
+    "plan_settings",
+    "plot",
+    "prepare",
+    "run_sweep",
+    "tune_plot_path",
+    "tune_record_path",
+    "write_back",
 ]

@@ -1,4 +1,5 @@
 """Which profile values must change for the profile to run the winning setting, and how they are shown."""
+
 from __future__ import annotations
 
 import json
@@ -81,4 +82,5 @@ def _chain_item(step) -> Any:
 def format_changes(changes: dict[tuple, Any]) -> list[str]:
     """Each change as ``field.path: value`` (``(removed)`` for an unset key)."""
     from specops.config.yamlsource import format_path
+
     return [f"{format_path(p)}: {'(removed)' if v is UNSET_VALUE else json.dumps(v)}" for p, v in changes.items()]

@@ -1,5 +1,6 @@
 """The real engines for the race: :mod:`specops.perf.launch` starts them, :mod:`specops.perf.workload`
 measures them."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,9 +36,20 @@ def default_requests_per_round(concurrency: int) -> int:
 class EngineDriver:
     """Launches ``setting.apply(resolved)`` with :func:`specops.perf.launch.launched` for each setting."""
 
-    def __init__(self, loaded, resolved, registry, engine, prompts, *, requests_per_round=default_requests_per_round,
-                 offline: bool = False, log_path: Path | None = None, ready_timeout: float | None = None,
-                 extra_body: dict | None = None):
+    def __init__(
+        self,
+        loaded,
+        resolved,
+        registry,
+        engine,
+        prompts,
+        *,
+        requests_per_round=default_requests_per_round,
+        offline: bool = False,
+        log_path: Path | None = None,
+        ready_timeout: float | None = None,
+        extra_body: dict | None = None,
+    ):
         self.loaded, self.resolved, self.registry, self.engine = loaded, resolved, registry, engine
         self.extra_body = extra_body
         self.prompts = list(prompts)
@@ -55,8 +67,15 @@ class EngineDriver:
     async def session(self, setting: Setting):
         from specops.perf.launch import launched
 
-        async with launched(self.loaded, self.registry, profile=setting.apply(self.resolved), engine=self.engine,
-                            offline=self.offline, log_path=self.log_path, ready_timeout=self.ready_timeout) as eng:
+        async with launched(
+            self.loaded,
+            self.registry,
+            profile=setting.apply(self.resolved),
+            engine=self.engine,
+            offline=self.offline,
+            log_path=self.log_path,
+            ready_timeout=self.ready_timeout,
+        ) as eng:
             yield _EngineSession(eng, self)
 
 
@@ -68,22 +87,38 @@ class _EngineSession:
         from specops.perf.workload import warm_up
 
         # the round's own prompts, so caches are primed alike for every setting
-        await warm_up(self.eng, self.driver.round_prompts(concurrency), concurrency=concurrency,
-                      extra_body=self.driver.extra_body)
+        await warm_up(
+            self.eng, self.driver.round_prompts(concurrency), concurrency=concurrency, extra_body=self.driver.extra_body
+        )
 
     async def run(self, concurrency: int) -> Round:
         from specops.perf.workload import run_workload
 
         prompts = self.driver.round_prompts(concurrency)
-        res = await run_workload(self.eng.base_url, self.eng.model_name, prompts, concurrency=concurrency,
-                                 requests=len(prompts), api_key=self.eng.api_key, extra_body=self.driver.extra_body)
+        res = await run_workload(
+            self.eng.base_url,
+            self.eng.model_name,
+            prompts,
+            concurrency=concurrency,
+            requests=len(prompts),
+            api_key=self.eng.api_key,
+            extra_body=self.driver.extra_body,
+        )
         if not self.eng.process.running:
             raise SpecopsError(f"the engine {self.eng.process.exit.describe()} during a round")
         ms = lambda v: None if v is None else v * 1000  # noqa: E731
-        return Round(tokens_per_s=res.tokens_per_s, output_tokens=res.output_tokens, requests=len(res.requests),
-                     errors=len(res.errors), wall_s=res.wall_s, ttft_ms=ms(res.ttft_median),
-                     tpot_ms=ms(res.tpot_median), first_error=next((r.error for r in res.errors), None),
-                     draft_tokens=res.draft_tokens, accepted=res.accepted)
+        return Round(
+            tokens_per_s=res.tokens_per_s,
+            output_tokens=res.output_tokens,
+            requests=len(res.requests),
+            errors=len(res.errors),
+            wall_s=res.wall_s,
+            ttft_ms=ms(res.ttft_median),
+            tpot_ms=ms(res.tpot_median),
+            first_error=next((r.error for r in res.errors), None),
+            draft_tokens=res.draft_tokens,
+            accepted=res.accepted,
+        )
 
     async def counters(self):
         try:

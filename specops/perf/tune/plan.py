@@ -1,5 +1,6 @@
 """One ``specops tune`` run, start to end (the CLI is a thin layer over this): what to sweep, from the
 profile and the options (:func:`prepare`), then the race on the real engine (:func:`run_sweep`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ from typing import Any
 from specops.errors import SpecopsError
 from specops.methods import NEEDS_DRAFT, Method
 from specops.perf.tune.driver import EngineDriver, default_requests_per_round, load_workload
-from specops.perf.tune.race import Event, Tuner, TuneOptions
+from specops.perf.tune.race import Event, TuneOptions, Tuner
 from specops.perf.tune.results import TuneResult
 from specops.perf.tune.settings import MethodChoice, Setting, current_setting, plan_settings
 from specops.resolve.prelaunch import resolve_for_launch
@@ -58,27 +59,36 @@ def prepare(loaded, registry, cfg: TuneConfig) -> TunePlan:
     notes: list[str] = []
     resolved_loaded, refused = resolve_for_launch(loaded, cfg.offline, notes.append)
     if refused:
-        raise SpecopsError(f"the profile's draft is refused by the checks: {refused}; fix it (or tune another "
-                           "method with --methods) first")
+        raise SpecopsError(
+            f"the profile's draft is refused by the checks: {refused}; fix it (or tune another "
+            "method with --methods) first"
+        )
     resolved = resolved_loaded.profile
     backend = registry.backend(resolved.backend)
     engine = backend.engine_info(resolved, cfg.backend_version, probe=True)
     current = current_setting(resolved, _rendered_ngram_variant(resolved_loaded, registry, engine))
     choices = method_choices(loaded, resolved, registry, cfg.methods, offline=cfg.offline)
     if [c.method for c in choices] == [Method.NONE]:
-        raise SpecopsError(f"{loaded.path} runs without speculation (method none): nothing to tune; compare "
-                           "methods with --methods fitting (or e.g. --methods ngram,none)")
+        raise SpecopsError(
+            f"{loaded.path} runs without speculation (method none): nothing to tune; compare "
+            "methods with --methods fitting (or e.g. --methods ngram,none)"
+        )
     _check_options(cfg, backend, choices, notes)
     types = cfg.ngram_types
     if types is None and backend.ngram_variants():
         types = list(backend.ngram_variants(engine))
-    settings = plan_settings(current, choices, backend, k_values=cfg.k_values, ngram_pairs=cfg.ngram_pairs,
-                             ngram_types=types, ngram_default=(resolved.speculative.ngram.min,
-                                                               resolved.speculative.ngram.max))
+    settings = plan_settings(
+        current,
+        choices,
+        backend,
+        k_values=cfg.k_values,
+        ngram_pairs=cfg.ngram_pairs,
+        ngram_types=types,
+        ngram_default=(resolved.speculative.ngram.min, resolved.speculative.ngram.max),
+    )
     levels = concurrency_levels(resolved, cfg.concurrency)
     prompts, workload = load_workload(cfg.workload, cfg.max_tokens)
-    workload.update(requests_per_round=cfg.requests_per_round or "max(4, 2 x concurrency)",
-                    ignore_eos=cfg.ignore_eos)
+    workload.update(requests_per_round=cfg.requests_per_round or "max(4, 2 x concurrency)", ignore_eos=cfg.ignore_eos)
     return TunePlan(resolved, engine, current, choices, settings, levels, prompts, workload, notes)
 
 
@@ -88,8 +98,10 @@ def _check_options(cfg: TuneConfig, backend, choices: list[MethodChoice], notes:
     if cfg.k_values and not any(backend.k_applies(c.method) for c in choices):
         notes.append(f"--k is ignored: {', '.join(c.method.value for c in choices)} on {backend.name} take no k")
     if cfg.ngram_pairs and backend.ngram_variants():
-        raise SpecopsError("--ngram (min:max) is vLLM's prompt_lookup_min/max; llama-server's n-gram drafters "
-                           "are swept by type (--ngram-types)")
+        raise SpecopsError(
+            "--ngram (min:max) is vLLM's prompt_lookup_min/max; llama-server's n-gram drafters "
+            "are swept by type (--ngram-types)"
+        )
 
 
 def _rendered_ngram_variant(loaded, registry, engine) -> str | None:
@@ -99,23 +111,41 @@ def _rendered_ngram_variant(loaded, registry, engine) -> str | None:
     if loaded.profile.speculative.method is not Method.NGRAM or not backend.ngram_variants():
         return None
     from specops.backends.render import render_plan
+
     return backend.ngram_variant_of(render_plan(loaded, registry, engine=engine))
 
 
-async def run_sweep(loaded, registry, plan: TunePlan, cfg: TuneConfig, *, on_event: Event | None = None,
-                    log_path: Path | None = None) -> TuneResult:
+async def run_sweep(
+    loaded, registry, plan: TunePlan, cfg: TuneConfig, *, on_event: Event | None = None, log_path: Path | None = None
+) -> TuneResult:
     """Measure ``plan`` on the real engine."""
     rpr = (lambda c: cfg.requests_per_round) if cfg.requests_per_round else default_requests_per_round
-    driver = EngineDriver(loaded, plan.resolved, registry, plan.engine, plan.prompts, requests_per_round=rpr,
-                          offline=cfg.offline, log_path=log_path, ready_timeout=cfg.ready_timeout,
-                          extra_body={"ignore_eos": True} if cfg.ignore_eos else None)
-    opts = TuneOptions(budget_s=cfg.budget_s, levels=plan.levels, min_rounds=cfg.min_rounds,
-                       max_rounds=cfg.max_rounds, margin=cfg.margin, prune=cfg.prune)
+    driver = EngineDriver(
+        loaded,
+        plan.resolved,
+        registry,
+        plan.engine,
+        plan.prompts,
+        requests_per_round=rpr,
+        offline=cfg.offline,
+        log_path=log_path,
+        ready_timeout=cfg.ready_timeout,
+        extra_body={"ignore_eos": True} if cfg.ignore_eos else None,
+    )
+    opts = TuneOptions(
+        budget_s=cfg.budget_s,
+        levels=plan.levels,
+        min_rounds=cfg.min_rounds,
+        max_rounds=cfg.max_rounds,
+        margin=cfg.margin,
+        prune=cfg.prune,
+    )
     return await Tuner(plan.settings, driver, opts, current=plan.current, on_event=on_event).run()
 
 
 # ---------------------------------------------------------------------------------------------------
 # which methods, which concurrency levels
+
 
 def method_choices(loaded, resolved, registry, methods: str | None, *, offline: bool = False) -> list[MethodChoice]:
     """The methods to sweep: the profile's (default); ``chain``: it and its fallback chain; ``fitting``: those
@@ -127,8 +157,11 @@ def method_choices(loaded, resolved, registry, methods: str | None, *, offline: 
     if not methods:
         return [primary]
     if methods.strip() == "chain":
-        return [primary] + [MethodChoice(st.method, st.draft) for st in resolved.chain
-                            if st.method in backend.methods and st.method is not spec.method]
+        return [primary] + [
+            MethodChoice(st.method, st.draft)
+            for st in resolved.chain
+            if st.method in backend.methods and st.method is not spec.method
+        ]
     if methods.strip() in ("fitting", "auto"):
         return _fitting_choices(primary, resolved, backend, offline)
     return _named_choices(methods, resolved, backend, offline)
@@ -154,11 +187,15 @@ def _named_choices(methods: str, resolved, backend, offline: bool) -> list[Metho
         try:
             m = Method(name)
         except ValueError:
-            raise SpecopsError(f"--methods: unknown method {name!r} (one of {', '.join(x.value for x in Method)}, "
-                               "or `chain`, or `fitting`)") from None
+            raise SpecopsError(
+                f"--methods: unknown method {name!r} (one of {', '.join(x.value for x in Method)}, "
+                "or `chain`, or `fitting`)"
+            ) from None
         if m is Method.AUTO or m not in backend.methods:
-            raise SpecopsError(f"--methods: backend {resolved.backend} cannot run {name} (it runs "
-                               f"{', '.join(sorted(x.value for x in backend.methods))})")
+            raise SpecopsError(
+                f"--methods: backend {resolved.backend} cannot run {name} (it runs "
+                f"{', '.join(sorted(x.value for x in backend.methods))})"
+            )
         draft = None
         if m in NEEDS_DRAFT:
             if m is spec.method and spec.draft:
@@ -174,16 +211,28 @@ def _named_choices(methods: str, resolved, backend, offline: bool) -> list[Metho
 
 def _fitting_candidates(profile, offline: bool):
     from specops.resolve import resolve
-    prof = profile.model_copy(update={"speculative": profile.speculative.model_copy(
-        update={"method": Method.AUTO, "draft": None, "draft_revision": None, "draft_file": None})})
+
+    prof = profile.model_copy(
+        update={
+            "speculative": profile.speculative.model_copy(
+                update={"method": Method.AUTO, "draft": None, "draft_revision": None, "draft_file": None}
+            )
+        }
+    )
     res = resolve(prof, offline=offline)
     return [c for c in res.candidates if c.verdict in ("ok", "warning")]
 
 
 def _resolved_draft(profile, method: Method, offline: bool) -> str:
     from specops.resolve import resolve
-    prof = profile.model_copy(update={"speculative": profile.speculative.model_copy(
-        update={"method": method, "draft": "auto", "draft_revision": None, "draft_file": None})})
+
+    prof = profile.model_copy(
+        update={
+            "speculative": profile.speculative.model_copy(
+                update={"method": method, "draft": "auto", "draft_revision": None, "draft_file": None}
+            )
+        }
+    )
     res = resolve(prof, offline=offline)
     if res.choice is None or not res.choice.draft:
         why = "; ".join(f.message for f in res.errors) or "no candidate passed the checks"

@@ -7,6 +7,7 @@ time budget; a setting that would not fit is skipped. The engine work goes throu
 real one, :class:`specops.perf.tune.driver.EngineDriver`, starts engines through
 :mod:`specops.perf.launch` and sends :mod:`specops.perf.workload` requests; tests use a scripted one).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,10 @@ import contextlib
 import math
 import re
 import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import AsyncContextManager, Callable, Protocol, Sequence
+from typing import Protocol
 
 from specops.config.durations import format_duration
 from specops.errors import SpecopsError
@@ -58,17 +61,17 @@ class Driver(Protocol):
 
     launch_prior_s: float
 
-    def session(self, setting: Setting) -> AsyncContextManager[Session]: ...
+    def session(self, setting: Setting) -> AbstractAsyncContextManager[Session]: ...
 
 
 @dataclass
 class TuneOptions:
     budget_s: float = 600.0
-    levels: tuple[int, ...] = (1,)     # the profile's concurrency first
-    min_rounds: int = 3                # rounds before a setting may be pruned (and for a valid median)
+    levels: tuple[int, ...] = (1,)  # the profile's concurrency first
+    min_rounds: int = 3  # rounds before a setting may be pruned (and for a valid median)
     max_rounds: int = 7
-    margin: float = 0.05               # "clearly worse": even the best round is this far below the best median
-    prune: bool = True                 # False: every setting gets its rounds (an exhaustive sweep)
+    margin: float = 0.05  # "clearly worse": even the best round is this far below the best median
+    prune: bool = True  # False: every setting gets its rounds (an exhaustive sweep)
 
     def check(self) -> None:
         if self.min_rounds < 1 or self.max_rounds < self.min_rounds:
@@ -87,8 +90,16 @@ Event = Callable[..., None]
 class Tuner:
     """Runs the race over ``settings`` through ``driver`` within ``options.budget_s`` (see module doc)."""
 
-    def __init__(self, settings: Sequence[Setting], driver: Driver, options: TuneOptions, *, current: Setting,
-                 clock: Callable[[], float] = time.monotonic, on_event: Event | None = None):
+    def __init__(
+        self,
+        settings: Sequence[Setting],
+        driver: Driver,
+        options: TuneOptions,
+        *,
+        current: Setting,
+        clock: Callable[[], float] = time.monotonic,
+        on_event: Event | None = None,
+    ):
         options.check()
         if not settings:
             raise SpecopsError("nothing to tune: the sweep is empty")
@@ -100,7 +111,7 @@ class Tuner:
         self.emit = on_event or (lambda kind, **kw: None)
         self._round_s: dict[int, list[float]] = {}
         self._overhead_s: list[float] = []
-        self._measured_s = 0.0     # seconds of measured rounds of the setting being measured
+        self._measured_s = 0.0  # seconds of measured rounds of the setting being measured
 
     # ---- estimates (from what was measured so far; priors before that)
     def round_est(self, level: int) -> float:
@@ -117,8 +128,9 @@ class Tuner:
     async def run(self) -> TuneResult:
         t0 = self.clock()
         deadline = t0 + self.o.budget_s
-        result = TuneResult([SettingResult(s) for s in self.settings], self.o.levels, self.current,
-                            self.o.min_rounds, self.o.budget_s)
+        result = TuneResult(
+            [SettingResult(s) for s in self.settings], self.o.levels, self.current, self.o.min_rounds, self.o.budget_s
+        )
         self._refuse_a_small_budget()
         n = len(self.settings)
         for i, res in enumerate(result.results):
@@ -151,17 +163,20 @@ class Tuner:
                 f"a budget of {format_duration(self.o.budget_s)} is too small to measure one setting: starting the "
                 f"engine alone takes about {format_duration(self.driver.launch_prior_s)}, plus {self.o.min_rounds} "
                 f"rounds at each of {len(self.o.levels)} concurrency level(s); give --budget "
-                f"{format_duration(_nice(need * 3))} or more. Nothing was changed.")
+                f"{format_duration(_nice(need * 3))} or more. Nothing was changed."
+            )
 
     def _stop_early_if_hopeless(self, i: int, res: SettingResult, result: TuneResult) -> None:
         """Raise when setting ``i`` shows that no other setting can do better (nothing measured yet)."""
         if res.status == "failed" and res.reason.startswith(REQUESTS_REFUSED) and not result.eligible():
             # the engine refused the requests themselves (HTTP 4xx: a prompt longer than the context, ...):
             # every other setting would refuse them too
-            raise SpecopsError(f"the workload does not fit this deployment ({res.setting.label}: {res.reason}); "
-                               "pick prompts that fit (--workload, --max-tokens) or give the engine more "
-                               "context (model.max_model_len; llama-server splits it over server.parallel). "
-                               "Nothing was changed.")
+            raise SpecopsError(
+                f"the workload does not fit this deployment ({res.setting.label}: {res.reason}); "
+                "pick prompts that fit (--workload, --max-tokens) or give the engine more "
+                "context (model.max_model_len; llama-server splits it over server.parallel). "
+                "Nothing was changed."
+            )
         if i == 0 and res.status == "skipped" and not result.eligible():
             raise BudgetTooSmall(self._too_small_message(res))
 
@@ -172,19 +187,25 @@ class Tuner:
         failed = [r for r in result.results if r.status == "failed"]
         if failed:
             reasons = list(dict.fromkeys(r.reason for r in failed))
-            raise SpecopsError("no setting could be measured: " + "; ".join(
-                f"{', '.join(r.setting.label for r in failed if r.reason == why)}: {why}" for why in reasons)
-                + ". Nothing was changed.")
+            raise SpecopsError(
+                "no setting could be measured: "
+                + "; ".join(
+                    f"{', '.join(r.setting.label for r in failed if r.reason == why)}: {why}" for why in reasons
+                )
+                + ". Nothing was changed."
+            )
         raise BudgetTooSmall(self._too_small_message(result.results[0]))
 
     def _too_small_message(self, res: SettingResult) -> str:
         got = ", ".join(f"{res.rounds(c)} of {self.o.min_rounds} rounds at concurrency {c}" for c in self.o.levels)
         need = self.min_cost()
         launch = f"started in {format_duration(res.launch_s)}, " if res.launch_s is not None else ""
-        return (f"a budget of {format_duration(self.o.budget_s)} is too small to measure one setting: "
-                f"{res.setting.label} {launch}then measured {got} (a round takes about "
-                f"{format_duration(self.round_est(self.o.levels[0]))}); give --budget "
-                f"{format_duration(_nice(need * 3))} or more. Nothing was changed.")
+        return (
+            f"a budget of {format_duration(self.o.budget_s)} is too small to measure one setting: "
+            f"{res.setting.label} {launch}then measured {got} (a round takes about "
+            f"{format_duration(self.round_est(self.o.levels[0]))}); give --budget "
+            f"{format_duration(_nice(need * 3))} or more. Nothing was changed."
+        )
 
     def _best_median(self, result: TuneResult) -> float | None:
         ranked = result.eligible()
@@ -215,19 +236,22 @@ class Tuner:
     def _timeout(self, deadline: float) -> float:
         return max(1.0, deadline - self.clock()) + GRACE_S
 
-    async def _start(self, stack: contextlib.AsyncExitStack, res: SettingResult, t_start: float,
-                     deadline: float) -> Session:
+    async def _start(
+        self, stack: contextlib.AsyncExitStack, res: SettingResult, t_start: float, deadline: float
+    ) -> Session:
         """Launch the engine (stopped when ``stack`` closes) and warm it up."""
-        session = await asyncio.wait_for(stack.enter_async_context(self.driver.session(res.setting)),
-                                         timeout=self._timeout(deadline))
+        session = await asyncio.wait_for(
+            stack.enter_async_context(self.driver.session(res.setting)), timeout=self._timeout(deadline)
+        )
         res.launch_s = self.clock() - t_start
         self.emit("ready", setting=res.setting, seconds=res.launch_s)
         await asyncio.wait_for(session.warmup(self.o.levels[0]), timeout=self._timeout(deadline))
         res.status = "measured"
         return session
 
-    async def _measure_levels(self, session: Session, res: SettingResult, rounds: int, deadline: float,
-                              best: float | None) -> None:
+    async def _measure_levels(
+        self, session: Session, res: SettingResult, rounds: int, deadline: float, best: float | None
+    ) -> None:
         for level in self.o.levels:
             lr = LevelResult(level)
             res.levels[level] = lr
@@ -237,8 +261,9 @@ class Tuner:
             if res.status != "measured" or self.clock() >= deadline:
                 break
 
-    async def _measure_rounds(self, session: Session, res: SettingResult, lr: LevelResult, rounds: int,
-                              deadline: float, best: float | None) -> None:
+    async def _measure_rounds(
+        self, session: Session, res: SettingResult, lr: LevelResult, rounds: int, deadline: float, best: float | None
+    ) -> None:
         """Up to ``rounds`` rounds at ``lr.concurrency``; stops at the deadline, an error, or when pruned."""
         level = lr.concurrency
         for _ in range(rounds):
@@ -256,8 +281,14 @@ class Tuner:
                     res.reason = REQUESTS_REFUSED + res.reason
                 return
             lr.rounds.append(rnd)
-            self.emit("round", setting=res.setting, level=level, round=len(lr.rounds), rounds=rounds,
-                      tokens_per_s=rnd.tokens_per_s)
+            self.emit(
+                "round",
+                setting=res.setting,
+                level=level,
+                round=len(lr.rounds),
+                rounds=rounds,
+                tokens_per_s=rnd.tokens_per_s,
+            )
             why = self._clearly_worse(lr, best)
             if why:
                 res.status, res.reason = "pruned", why
@@ -273,11 +304,18 @@ class Tuner:
 
     def _clearly_worse(self, lr: LevelResult, best: float | None) -> str | None:
         """Why the setting stops early (its best round is clearly below the best median), else None."""
-        if not (self.o.prune and lr.concurrency == self.o.levels[0] and best is not None
-                and len(lr.rounds) >= self.o.min_rounds and max(lr.samples) < best * (1 - self.o.margin)):
+        if not (
+            self.o.prune
+            and lr.concurrency == self.o.levels[0]
+            and best is not None
+            and len(lr.rounds) >= self.o.min_rounds
+            and max(lr.samples) < best * (1 - self.o.margin)
+        ):
             return None
-        return (f"clearly worse after {len(lr.rounds)} rounds: best round {max(lr.samples):.1f} < "
-                f"{1 - self.o.margin:.2f} × best median {best:.1f} tok/s")
+        return (
+            f"clearly worse after {len(lr.rounds)} rounds: best round {max(lr.samples):.1f} < "
+            f"{1 - self.o.margin:.2f} × best median {best:.1f} tok/s"
+        )
 
 
 def _nice(seconds: float) -> float:

@@ -1,4 +1,5 @@
 """How ``specops tune`` shows what it measured: the table, the plot (tokens/s against k), the profile comment."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -20,11 +21,15 @@ def format_table(result: TuneResult) -> str:
     widths = [max(len(str(x[i])) for x in [head] + rows) for i in range(len(head) - 1)]
     lines = []
     for row in [head] + rows:
-        lines.append("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))) + "  " + str(row[-1]))
+        lines.append(
+            "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            + "  "
+            + str(row[-1])
+        )
     lines.insert(1, "-" * len(lines[0]))
-    lines.append(f"(tokens/s: median of rounds (number of rounds); * chosen: best median at concurrency "
-                 f"{result.primary})")
+    lines.append(
+        f"(tokens/s: median of rounds (number of rounds); * chosen: best median at concurrency {result.primary})"
+    )
     return "\n".join(x.rstrip() for x in lines)
 
 
@@ -54,6 +59,7 @@ def plot(result: TuneResult, path: str | Path, title: str = "") -> Path | None:
     """
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
@@ -99,15 +105,27 @@ def _draw(ax, result: TuneResult, series, flat, colors) -> None:
     names = sorted({name for name, _ in series})
     for (name, c), pts in sorted(series.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[result.levels.index(c) % len(styles)],
-                color=colors[names.index(name) % len(colors)], label=f"{name} (c={c})")
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            styles[result.levels.index(c) % len(styles)],
+            color=colors[names.index(name) % len(colors)],
+            label=f"{name} (c={c})",
+        )
     for label, c, m in flat:
-        ax.axhline(m, linestyle="--", linewidth=1, color="grey" if label == "none" else None,
-                   label=f"{label} (c={c})")
+        ax.axhline(m, linestyle="--", linewidth=1, color="grey" if label == "none" else None, label=f"{label} (c={c})")
     w = result.winner
     if w is not None and w.setting.k is not None:
-        ax.plot([w.setting.k], [w.median(result.primary)], "*", markersize=16, color="gold",
-                markeredgecolor="black", label="chosen", zorder=5)
+        ax.plot(
+            [w.setting.k],
+            [w.median(result.primary)],
+            "*",
+            markersize=16,
+            color="gold",
+            markeredgecolor="black",
+            label="chosen",
+            zorder=5,
+        )
 
 
 def today() -> str:
@@ -131,5 +149,8 @@ def comment_line(result: TuneResult, date: str, record_name: str) -> str:
         if lr.mean_acceptance_length is not None:
             acc += f", mean length {lr.mean_acceptance_length:.2f}"
     vs = ", ".join(f"{short(r.setting)} {r.median(c):.1f}" for r in others)
-    return (f"specops tune {date}: {w.setting.label} best at concurrency {c}, {w.median(c):.1f} tok/s median"
-            + (f" (vs {vs})" if vs else "") + f"{acc}; record {record_name}")
+    return (
+        f"specops tune {date}: {w.setting.label} best at concurrency {c}, {w.median(c):.1f} tok/s median"
+        + (f" (vs {vs})" if vs else "")
+        + f"{acc}; record {record_name}"
+    )

@@ -4,6 +4,7 @@
 winner (best median at the profile's concurrency), the best per concurrency and, for engines that take
 it, a ``per_batch_size`` proposal when the best k differs with load.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,13 +32,19 @@ class Round:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     first_error: str | None = None
-    draft_tokens: int | None = None   # from per-response timings (llama-server), when reported
+    draft_tokens: int | None = None  # from per-response timings (llama-server), when reported
     accepted: int | None = None
 
     def to_dict(self) -> dict:
-        return {"tokens_per_s": round(self.tokens_per_s, 3), "output_tokens": self.output_tokens,
-                "requests": self.requests, "errors": self.errors, "wall_s": round(self.wall_s, 3),
-                "ttft_ms": rounded(self.ttft_ms), "tpot_ms": rounded(self.tpot_ms)}
+        return {
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "output_tokens": self.output_tokens,
+            "requests": self.requests,
+            "errors": self.errors,
+            "wall_s": round(self.wall_s, 3),
+            "ttft_ms": rounded(self.ttft_ms),
+            "tpot_ms": rounded(self.tpot_ms),
+        }
 
 
 @dataclass
@@ -76,15 +83,20 @@ class LevelResult:
             self.draft_tokens, self.accepted, self.acceptance = float(dt), float(da), da / dt
 
     def to_dict(self) -> dict:
-        return {"concurrency": self.concurrency, "median_tokens_per_s": rounded(self.median),
-                "rounds": [round(x, 3) for x in self.samples],
-                "requests": sum(r.requests for r in self.rounds),
-                "output_tokens": sum(r.output_tokens for r in self.rounds),
-                "ttft_ms_median": rounded(median(r.ttft_ms for r in self.rounds)),
-                "tpot_ms_median": rounded(median(r.tpot_ms for r in self.rounds)),
-                "acceptance": rounded(self.acceptance, 4),
-                "mean_acceptance_length": rounded(self.mean_acceptance_length),
-                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted, "drafts": self.drafts}
+        return {
+            "concurrency": self.concurrency,
+            "median_tokens_per_s": rounded(self.median),
+            "rounds": [round(x, 3) for x in self.samples],
+            "requests": sum(r.requests for r in self.rounds),
+            "output_tokens": sum(r.output_tokens for r in self.rounds),
+            "ttft_ms_median": rounded(median(r.ttft_ms for r in self.rounds)),
+            "tpot_ms_median": rounded(median(r.tpot_ms for r in self.rounds)),
+            "acceptance": rounded(self.acceptance, 4),
+            "mean_acceptance_length": rounded(self.mean_acceptance_length),
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted,
+            "drafts": self.drafts,
+        }
 
 
 @dataclass
@@ -107,9 +119,14 @@ class SettingResult:
         return len(lr.rounds) if lr else 0
 
     def to_dict(self) -> dict:
-        return {**self.setting.to_dict(), "status": self.status, "reason": self.reason,
-                "launch_s": rounded(self.launch_s), "seconds": round(self.seconds, 3),
-                "levels": {str(c): lr.to_dict() for c, lr in self.levels.items()}}
+        return {
+            **self.setting.to_dict(),
+            "status": self.status,
+            "reason": self.reason,
+            "launch_s": rounded(self.launch_s),
+            "seconds": round(self.seconds, 3),
+            "levels": {str(c): lr.to_dict() for c, lr in self.levels.items()},
+        }
 
 
 @dataclass
@@ -117,7 +134,7 @@ class TuneResult:
     """Every setting's result; the winner is the best median at the profile's concurrency."""
 
     results: list[SettingResult]
-    levels: tuple[int, ...]            # the profile's concurrency first, then the others
+    levels: tuple[int, ...]  # the profile's concurrency first, then the others
     current: Setting
     min_rounds: int
     budget_s: float
@@ -170,21 +187,29 @@ class TuneResult:
         ks = [0 if best[c].setting.method is Method.NONE else best[c].setting.k for c in levels]
         if len(set(ks)) == 1 or ks != sorted(ks, reverse=True):
             return None  # the same k everywhere, or more drafting under more load: nothing to express
-        why = ", ".join(f"concurrency {c}: best {best[c].setting.label} ({best[c].median(c):.1f} tok/s)"
-                        for c in levels)
+        why = ", ".join(
+            f"concurrency {c}: best {best[c].setting.label} ({best[c].median(c):.1f} tok/s)" for c in levels
+        )
         value = _k_ranges(levels, ks, max(parallel or 0, levels[-1]))
         return {"value": value, "method": method.value, "k": max(ks), "why": why}
 
     def to_dict(self) -> dict:
         w = self.winner
         ref = self.reference()
-        return {"levels": list(self.levels), "primary_concurrency": self.primary, "min_rounds": self.min_rounds,
-                "budget_s": self.budget_s, "elapsed_s": round(self.elapsed_s, 3),
-                "current": self.current.to_dict(), "winner": w.setting.to_dict() if w else None,
-                "reference": {"what": ref[0], "tokens_per_s": round(ref[1], 3)} if ref else None,
-                "best_per_concurrency": {str(c): (b.setting.label if (b := self.best_at(c)) else None)
-                                         for c in self.levels},
-                "results": [r.to_dict() for r in self.results]}
+        return {
+            "levels": list(self.levels),
+            "primary_concurrency": self.primary,
+            "min_rounds": self.min_rounds,
+            "budget_s": self.budget_s,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "current": self.current.to_dict(),
+            "winner": w.setting.to_dict() if w else None,
+            "reference": {"what": ref[0], "tokens_per_s": round(ref[1], 3)} if ref else None,
+            "best_per_concurrency": {
+                str(c): (b.setting.label if (b := self.best_at(c)) else None) for c in self.levels
+            },
+            "results": [r.to_dict() for r in self.results],
+        }
 
 
 def _one_method(best: dict[int, SettingResult | None]) -> Method | None:

@@ -6,25 +6,32 @@ What a setting can vary depends on the engine, asked through its backend object:
 k (:meth:`~specops.backends.base.Backend.k_applies`) and whether n-gram drafters are picked by name
 (:meth:`~specops.backends.base.Backend.ngram_variants`, llama.cpp) or tuned by k and min/max (vLLM).
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from specops.errors import SpecopsError
 from specops.methods import NEEDS_DRAFT, Method
 
 #: The k values tried when the user gives none (plus the profile's own k).
 DEFAULT_K_GRID = (1, 2, 3, 4, 6, 8)
-K_GRID = {Method.MTP: (1, 2, 3, 4), Method.MLP_SPECULATOR: (1, 2, 3), Method.MEDUSA: (1, 2, 3, 4),
-          Method.SUFFIX: (4, 8, 16, 24)}
+K_GRID = {
+    Method.MTP: (1, 2, 3, 4),
+    Method.MLP_SPECULATOR: (1, 2, 3),
+    Method.MEDUSA: (1, 2, 3, 4),
+    Method.SUFFIX: (4, 8, 16, 24),
+}
 
 
 def backend_of(backend):
     """The backend object for ``backend`` (a name, looked up in the plugin registry, or the object itself)."""
     if isinstance(backend, str):
         from specops.plugins import get_registry
+
         return get_registry().backend(backend)
     return backend
 
@@ -35,10 +42,10 @@ class Setting:
 
     method: Method
     k: int | None = None
-    ngram_min: int | None = None      # vLLM prompt_lookup_min (method ngram)
-    ngram_max: int | None = None      # vLLM prompt_lookup_max
-    ngram_type: str | None = None     # llama.cpp --spec-type of an n-gram drafter
-    draft: str | None = None          # for methods that need one
+    ngram_min: int | None = None  # vLLM prompt_lookup_min (method ngram)
+    ngram_max: int | None = None  # vLLM prompt_lookup_max
+    ngram_type: str | None = None  # llama.cpp --spec-type of an n-gram drafter
+    draft: str | None = None  # for methods that need one
 
     @property
     def label(self) -> str:
@@ -133,10 +140,16 @@ def k_grid(method: Method, current_k: int | None = None) -> list[int]:
     return sorted(grid)
 
 
-def plan_settings(current: Setting, choices: Sequence[MethodChoice], backend, *,
-                  k_values: Sequence[int] | None = None, ngram_pairs: Sequence[tuple[int, int]] | None = None,
-                  ngram_types: Sequence[str] | None = None,
-                  ngram_default: tuple[int, int] = (2, 5)) -> list[Setting]:
+def plan_settings(
+    current: Setting,
+    choices: Sequence[MethodChoice],
+    backend,
+    *,
+    k_values: Sequence[int] | None = None,
+    ngram_pairs: Sequence[tuple[int, int]] | None = None,
+    ngram_types: Sequence[str] | None = None,
+    ngram_default: tuple[int, int] = (2, 5),
+) -> list[Setting]:
     """Every setting to measure, in the order to measure them (the current one first when it is swept).
 
     ``backend`` is a backend name or object. Per method: the k grid (``k_values``, else
@@ -148,8 +161,10 @@ def plan_settings(current: Setting, choices: Sequence[MethodChoice], backend, *,
     if not choices:
         raise SpecopsError("nothing to tune: no method to sweep")
     backend = backend_of(backend)
-    per_method = [_method_settings(current, choice, backend, k_values, ngram_pairs, ngram_types, ngram_default)
-                  for choice in choices]
+    per_method = [
+        _method_settings(current, choice, backend, k_values, ngram_pairs, ngram_types, ngram_default)
+        for choice in choices
+    ]
     # the method holding the current setting leads; then round-robin
     per_method.sort(key=lambda lst: 0 if current in lst else 1)
     out: list[Setting] = []
@@ -160,8 +175,9 @@ def plan_settings(current: Setting, choices: Sequence[MethodChoice], backend, *,
     return out
 
 
-def _method_settings(current: Setting, choice: MethodChoice, backend, k_values, ngram_pairs, ngram_types,
-                     ngram_default) -> list[Setting]:
+def _method_settings(
+    current: Setting, choice: MethodChoice, backend, k_values, ngram_pairs, ngram_types, ngram_default
+) -> list[Setting]:
     """The settings of one method, in the order to measure them (see :func:`plan_settings`)."""
     m = choice.method
     if m is Method.NONE:

@@ -6,6 +6,7 @@ the overlay when it ``extends`` a base) with a ``# specops tune <date>: ...`` co
 is refreshed, so it stays fresh). The new profile is validated and rendered before it replaces the old
 one; ``dry_run`` shows the same change as a diff.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,20 @@ from specops.perf.tune.report import comment_line, today
 from specops.perf.tune.results import TuneResult, rounded
 from specops.perf.tune.settings import Setting
 
-__all__ = ["FIELD_ORDER", "RECORD_VERSION", "TUNE_COMMENT", "WriteOutcome", "base_data_of", "build_record",
-           "edit_yaml", "tune_plot_path", "tune_record_path", "unified_diff", "winner_profile", "write_back"]
+__all__ = [
+    "FIELD_ORDER",
+    "RECORD_VERSION",
+    "TUNE_COMMENT",
+    "WriteOutcome",
+    "base_data_of",
+    "build_record",
+    "edit_yaml",
+    "tune_plot_path",
+    "tune_record_path",
+    "unified_diff",
+    "winner_profile",
+    "write_back",
+]
 
 RECORD_VERSION = 1
 #: A comment line specops wrote (replaced, never stacked, when tune runs again).
@@ -34,11 +47,18 @@ TUNE_COMMENT = re.compile(r"^[ \t]*# specops tune \d{4}-\d\d-\d\d\b.*(?:\n|$)", 
 FIELD_ORDER = ("method", "draft", "draft_revision", "draft_file", "num_speculative_tokens", "ngram", "per_batch_size")
 
 
-def edit_yaml(text: str, edits: dict[tuple, Any], *, base_data: dict | None = None, comment: str | None = None,
-              comment_at: tuple | None = None) -> tuple[str, list[str]]:
+def edit_yaml(
+    text: str,
+    edits: dict[tuple, Any],
+    *,
+    base_data: dict | None = None,
+    comment: str | None = None,
+    comment_at: tuple | None = None,
+) -> tuple[str, list[str]]:
     """:func:`specops.config.yamledit.edit_yaml` replacing an earlier ``# specops tune`` comment."""
-    return yamledit.edit_yaml(text, edits, base_data=base_data, comment=comment, comment_at=comment_at,
-                              replace=TUNE_COMMENT)
+    return yamledit.edit_yaml(
+        text, edits, base_data=base_data, comment=comment, comment_at=comment_at, replace=TUNE_COMMENT
+    )
 
 
 def tune_record_path(profile_path: str | Path) -> Path:
@@ -66,10 +86,21 @@ class WriteOutcome:
     record: dict = field(default_factory=dict)
 
 
-def build_record(result: TuneResult, *, profile_path: str, backend: str, engine_version: str | None,
-                 workload: dict, changes: dict[tuple, Any], date: str, per_batch: dict | None,
-                 written_to: str, written: Setting | None = None) -> dict:
+def build_record(
+    result: TuneResult,
+    *,
+    profile_path: str,
+    backend: str,
+    engine_version: str | None,
+    workload: dict,
+    changes: dict[tuple, Any],
+    date: str,
+    per_batch: dict | None,
+    written_to: str,
+    written: Setting | None = None,
+) -> dict:
     from specops import __version__
+
     return {
         "tune_version": RECORD_VERSION,
         "date": date,
@@ -82,16 +113,27 @@ def build_record(result: TuneResult, *, profile_path: str, backend: str, engine_
         "chosen": result.winner.setting.to_dict() if result.winner else None,
         "chosen_tokens_per_s": rounded(result.winner.median(result.primary)) if result.winner else None,
         "written": (written or (result.winner.setting if result.winner else None)).to_dict()
-        if (written or result.winner) else None,
+        if (written or result.winner)
+        else None,
         "changes": format_changes(changes),
         "per_batch_size_proposal": per_batch,
         **result.to_dict(),
     }
 
 
-def write_back(loaded, resolved_profile, result: TuneResult, registry, *, engine=None, workload: dict,
-               dry_run: bool = False, per_batch: dict | None = None, apply_per_batch: bool = False,
-               date: str | None = None) -> WriteOutcome:
+def write_back(
+    loaded,
+    resolved_profile,
+    result: TuneResult,
+    registry,
+    *,
+    engine=None,
+    workload: dict,
+    dry_run: bool = False,
+    per_batch: dict | None = None,
+    apply_per_batch: bool = False,
+    date: str | None = None,
+) -> WriteOutcome:
     """Write the winner into the profile file and the record beside it (or into a fresh lock).
 
     The new text is validated (loaded with every rule, and rendered for ``engine``) from a temporary file
@@ -107,21 +149,39 @@ def write_back(loaded, resolved_profile, result: TuneResult, registry, *, engine
     written = _setting_to_write(result, per_batch, pbs, notes)
     changes = desired_changes(loaded.profile, resolved_profile, written, per_batch_size=pbs)
     if loaded.profile.speculative.per_batch_size is not None and pbs is None and written.method is not Method.NONE:
-        notes.append("speculative.per_batch_size is set and overrides k for the batch sizes it lists; "
-                     "the sweep ran without it")
+        notes.append(
+            "speculative.per_batch_size is set and overrides k for the batch sizes it lists; the sweep ran without it"
+        )
     lock, record_path = _record_target(loaded, changes, notes)
     old_text = path.read_text(encoding="utf-8")
     comment = comment_line(result, date, record_path.name)
     new_text = _new_profile_text(loaded, old_text, changes, comment, result.winner.setting.label, notes)
-    new_loaded = _validated(loaded, new_text, old_text, resolved_profile, registry, engine) \
-        if new_text != old_text else loaded
-    record = build_record(result, profile_path=str(path), backend=loaded.profile.backend,
-                          engine_version=getattr(engine, "version", None), workload=workload, changes=changes,
-                          date=date, per_batch=per_batch, written_to=path.name, written=written)
+    new_loaded = (
+        _validated(loaded, new_text, old_text, resolved_profile, registry, engine) if new_text != old_text else loaded
+    )
+    record = build_record(
+        result,
+        profile_path=str(path),
+        backend=loaded.profile.backend,
+        engine_version=getattr(engine, "version", None),
+        workload=workload,
+        changes=changes,
+        date=date,
+        per_batch=per_batch,
+        written_to=path.name,
+        written=written,
+    )
     old_record, new_record_text = _record_texts(record_path, lock, new_loaded.profile, record)
-    out = WriteOutcome(path, unified_diff(old_text, new_text, path.name), record_path,
-                       unified_diff(old_record, new_record_text, record_path.name), format_changes(changes), notes,
-                       written=False, record=record)
+    out = WriteOutcome(
+        path,
+        unified_diff(old_text, new_text, path.name),
+        record_path,
+        unified_diff(old_record, new_record_text, record_path.name),
+        format_changes(changes),
+        notes,
+        written=False,
+        record=record,
+    )
     if dry_run:
         return out
     if new_text != old_text:
@@ -160,31 +220,40 @@ def _record_target(loaded, changes: dict[tuple, Any], notes: list[str]) -> tuple
                 notes.append(f"{lock_file.name} is stale; the record goes to its own file (run `specops lock`)")
                 lock = None
             elif ("speculative", "method") in changes or ("speculative", "draft") in changes:
-                notes.append(f"the method changed: {lock_file.name} pins the old one and is now stale; run "
-                             f"`specops lock {loaded.path}` (the record goes to its own file)")
+                notes.append(
+                    f"the method changed: {lock_file.name} pins the old one and is now stale; run "
+                    f"`specops lock {loaded.path}` (the record goes to its own file)"
+                )
                 lock = None
     return lock, (lock_file if lock is not None else tune_record_path(path))
 
 
-def _new_profile_text(loaded, old_text: str, changes: dict[tuple, Any], comment: str, winner_label: str,
-                      notes: list[str]) -> str:
+def _new_profile_text(
+    loaded, old_text: str, changes: dict[tuple, Any], comment: str, winner_label: str, notes: list[str]
+) -> str:
     """The profile's new text: the changes with specops' comment above the first, or (nothing to change)
     only an earlier comment of specops refreshed."""
     path = Path(loaded.path)
     if len(loaded.document.files) > 1:
-        notes.append(f"{path.name} extends {', '.join(Path(f).name for f in loaded.document.files[:-1])}: "
-                     f"the change is written into {path.name} (the file given), the base is not touched")
+        notes.append(
+            f"{path.name} extends {', '.join(Path(f).name for f in loaded.document.files[:-1])}: "
+            f"the change is written into {path.name} (the file given), the base is not touched"
+        )
     if changes:
         comment_at = min(changes, key=_field_rank)
         comment_at = comment_at[:2] if comment_at[0] == "speculative" else comment_at[:1]
-        new_text, edit_notes = edit_yaml(old_text, changes, base_data=base_data_of(path), comment=comment,
-                                         comment_at=comment_at)
+        new_text, edit_notes = edit_yaml(
+            old_text, changes, base_data=base_data_of(path), comment=comment, comment_at=comment_at
+        )
         notes += edit_notes
         return new_text
-    new_text = TUNE_COMMENT.sub(lambda m: re.match(r"[ \t]*", m.group(0)).group(0) + "# " + comment + "\n",
-                                old_text, count=1)
-    notes.append(f"the profile already runs the best setting ({winner_label})"
-                 + ("; only specops' comment is updated" if new_text != old_text else "; it is unchanged"))
+    new_text = TUNE_COMMENT.sub(
+        lambda m: re.match(r"[ \t]*", m.group(0)).group(0) + "# " + comment + "\n", old_text, count=1
+    )
+    notes.append(
+        f"the profile already runs the best setting ({winner_label})"
+        + ("; only specops' comment is updated" if new_text != old_text else "; it is unchanged")
+    )
     return new_text
 
 
@@ -207,11 +276,16 @@ def _validated(loaded, new_text: str, old_text: str, resolved_profile, registry,
         try:
             checked = load_profile(tmp, registry=registry)
         except ProfileError as exc:
-            raise SpecopsError("the tuned profile would not validate, so nothing was changed: " + "; ".join(
-                f"{p.field}: {p.message}" for p in exc.problems)) from None
+            raise SpecopsError(
+                "the tuned profile would not validate, so nothing was changed: "
+                + "; ".join(f"{p.field}: {p.message}" for p in exc.problems)
+            ) from None
         if engine is not None:
-            _check_render(LoadedProfile(winner_profile(checked.profile, resolved_profile), checked.document,
-                                        str(path)), registry, engine)
+            _check_render(
+                LoadedProfile(winner_profile(checked.profile, resolved_profile), checked.document, str(path)),
+                registry,
+                engine,
+            )
         return LoadedProfile(checked.profile, checked.document, str(path))
     finally:
         tmp.unlink(missing_ok=True)
@@ -219,11 +293,13 @@ def _validated(loaded, new_text: str, old_text: str, resolved_profile, registry,
 
 def _check_render(loaded, registry, engine) -> None:
     from specops.backends.render import render_plan
+
     try:
         render_plan(loaded, registry, engine=engine)
     except ProfileError as exc:
-        raise SpecopsError("the tuned profile would not render, so nothing was changed: " + "; ".join(
-            p.message for p in exc.problems)) from None
+        raise SpecopsError(
+            "the tuned profile would not render, so nothing was changed: " + "; ".join(p.message for p in exc.problems)
+        ) from None
 
 
 def _record_texts(record_path: Path, lock: dict | None, new_profile, record: dict) -> tuple[str, str]:
@@ -231,6 +307,7 @@ def _record_texts(record_path: Path, lock: dict | None, new_profile, record: dic
     its inputs refreshed from the new profile (so it stays fresh), else the record's own JSON file."""
     if lock is not None:
         from specops.resolve.lock import digest, dumps, inputs_of
+
         new_lock = dict(lock)
         new_lock["inputs"] = inputs_of(new_profile)
         new_lock["inputs_sha256"] = digest(new_lock["inputs"])
