@@ -10,7 +10,8 @@ from specops.backends.counters import SpecCounters
 from specops.config.profile import ChainStep, Profile
 from specops.methods import Method
 from specops.speedup import expected_speedup
-from specops.watch.policy import HOLD, KEEP, RETRY, SWITCH, Decision, Policy, PolicyConfig, step_k
+from specops.watch.decision import HOLD, KEEP, RETRY, SWITCH, Decision, PolicyConfig, step_k
+from specops.watch.policy import Policy
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, Sample, SampleBuffer, WindowStats
 
 EAGLE = ChainStep(method=Method.EAGLE3, draft="org/eagle3-head", num_speculative_tokens=4)

@@ -21,7 +21,8 @@ from specops.backends.counters import SpecCounters
 from specops.config.profile import ChainStep
 from specops.methods import Method
 from specops.plugins import get_registry
-from specops.watch.policy import KEEP, SWITCH, Policy, PolicyConfig
+from specops.watch.decision import KEEP, SWITCH, PolicyConfig
+from specops.watch.policy import Policy
 from specops.watch.sources import (
     ACCEPTANCE_LINE,
     LogLineSource,

@@ -18,7 +18,8 @@ from specops.plugins import get_registry
 from specops.run.events import EngineLine, EngineReady, State, StateChanged, StepChanged
 from specops.run.instance import EventLog
 from specops.watch.decide import FallbackDecider
-from specops.watch.policy import Action, Policy, PolicyConfig
+from specops.watch.decision import Action, PolicyConfig
+from specops.watch.policy import Policy
 from specops.watch.watcher import AcceptanceReader, LiveCounters, SpecopsMetrics, Watcher
 
 PROFILE = Profile.model_validate(

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from specops.run.events import EngineReady, FallbackOrder, StepChanged, StepFailed, SupervisorEvent
-from specops.watch.policy import Decision, Policy
+from specops.watch.decision import Decision
+from specops.watch.policy import Policy
 from specops.watch.window import WindowStats
 
 #: The ``rule`` of a failure decision that leaves no step to run.

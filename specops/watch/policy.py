@@ -27,156 +27,32 @@ keep the method, switch to the next step, retry the primary, or hold. Rules, in 
     (hold: ``max_switches_per_hour`` switches in the last hour), else ``switch`` to the next step — or, when
     the method was a retry, back to the step the retry came from (``retry-failed``).
 
-Every :class:`Decision` carries the rule that produced it, a sentence, and the numbers behind it.
+Every :class:`~specops.watch.decision.Decision` carries the rule that produced it, a sentence, and the numbers
+behind it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import replace
 from typing import Any
 
 from specops.config.profile import ChainStep
-from specops.methods import DEFAULT_K, Method
-from specops.speedup import (
-    DEFAULT_DRAFT_COST,
-    alpha_from_acceptance_rate,
-    expected_speedup,
-    expected_tokens_per_step,
-    speedup_from_length,
+from specops.methods import Method
+from specops.watch.decision import (
+    HOLD,
+    KEEP,
+    RETRY,
+    SWITCH,
+    Action,
+    Decision,
+    PolicyConfig,
+    verdict_numbers,
+    window_numbers,
 )
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
 
-
-class Action(str, Enum):
-    """What a decision says to do; ``.value`` is the word in events, JSON and metrics labels."""
-
-    KEEP = "keep"  # stay on the current method
-    SWITCH = "switch"  # move to another step of the chain
-    RETRY = "retry"  # go back to the primary method after a back-off
-    HOLD = "hold"  # the evidence says switch, but nothing may be done (watch-only, chain end, flap guard)
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-KEEP, SWITCH, RETRY, HOLD = Action.KEEP, Action.SWITCH, Action.RETRY, Action.HOLD
-
 FLAP_PERIOD_S = 3600.0
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """The knobs of the policy (from the profile's ``fallback`` section), in seconds."""
-
-    enabled: bool = True
-    mode: str = "threshold"  # "threshold" | "model"
-    min_acceptance: float = 0.6
-    window_s: float = 60.0
-    min_draft_tokens: int = 200
-    consecutive_windows: int = 2
-    cooldown_s: float = 600.0
-    max_switches_per_hour: int = 4
-    draft_cost_ratio: float | None = None  # model mode; None: DEFAULT_DRAFT_COST
-    retry_enabled: bool = False
-    retry_after_s: float = 1800.0
-    retry_max_after_s: float = 8 * 3600.0
-    act_on_coarse: bool = False  # decide on vLLM V0's lifetime ratio too
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("threshold", "model"):
-            raise ValueError(f"mode must be 'threshold' or 'model', not {self.mode!r}")
-        if self.consecutive_windows < 1 or self.max_switches_per_hour < 1 or self.min_draft_tokens < 0:
-            raise ValueError("consecutive_windows and max_switches_per_hour must be >= 1, min_draft_tokens >= 0")
-        if not self.window_s > 0:
-            raise ValueError("window_s must be > 0")
-
-    @property
-    def cost(self) -> float:
-        return DEFAULT_DRAFT_COST if self.draft_cost_ratio is None else self.draft_cost_ratio
-
-    @classmethod
-    def from_fallback(cls, fb: Any) -> PolicyConfig:
-        """From a :class:`specops.config.profile.Fallback` section."""
-        return cls(
-            enabled=fb.enabled,
-            mode=fb.mode,
-            min_acceptance=fb.min_acceptance,
-            window_s=fb.window,
-            min_draft_tokens=fb.min_draft_tokens,
-            consecutive_windows=fb.consecutive_windows,
-            cooldown_s=fb.cooldown,
-            max_switches_per_hour=fb.max_switches_per_hour,
-            draft_cost_ratio=fb.draft_cost_ratio,
-            retry_enabled=fb.retry.enabled,
-            retry_after_s=fb.retry.after,
-            retry_max_after_s=max(fb.retry.max_after, fb.retry.after),
-        )
-
-    @classmethod
-    def from_profile(cls, profile: Any) -> PolicyConfig:
-        return cls.from_fallback(profile.fallback)
-
-
-def step_k(step: ChainStep) -> int:
-    """Draft tokens per step configured for ``step`` (explicit, else the method's default; 0 for none)."""
-    return step.num_speculative_tokens or DEFAULT_K.get(step.method, 0)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One verdict of the policy: what to do, the rule that says so, why in words, and the numbers."""
-
-    action: Action
-    rule: str
-    reason: str
-    at: float
-    from_index: int
-    from_step: ChainStep
-    to_index: int | None = None
-    to_step: ChainStep | None = None
-    numbers: Mapping[str, Any] = field(default_factory=dict)
-    warning: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.action, Action):
-            object.__setattr__(self, "action", Action(self.action))
-
-    @property
-    def from_method(self) -> Method:
-        return self.from_step.method
-
-    @property
-    def to_method(self) -> Method | None:
-        return self.to_step.method if self.to_step is not None else None
-
-    @property
-    def acts(self) -> bool:
-        """True when the supervisor must change the method (switch or retry)."""
-        return self.action in (SWITCH, RETRY)
-
-    @property
-    def notable(self) -> bool:
-        """Worth an event-log line: anything but a plain keep, or a keep that carries a warning."""
-        return self.action != KEEP or self.warning is not None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "action": self.action.value,
-            "rule": self.rule,
-            "reason": self.reason,
-            "at": self.at,
-            "from": self.from_method.value,
-            "from_index": self.from_index,
-            "to": self.to_method.value if self.to_method is not None else None,
-            "to_index": self.to_index,
-            "numbers": dict(self.numbers),
-            "warning": self.warning,
-        }
 
 
 class Policy:
@@ -258,47 +134,6 @@ class Policy:
         return text
 
     # ------------------------------------------------------------------ the verdict
-    def _basic(self, stats: WindowStats) -> dict[str, Any]:
-        """The measured numbers of an ``ok`` window."""
-        return {
-            "acceptance": stats.acceptance,
-            "min_acceptance": self.config.min_acceptance,
-            "draft_tokens": stats.draft_tokens,
-            "accepted": stats.accepted,
-            "drafts": stats.drafts,
-            "mean_acceptance_length": stats.mean_acceptance_length,
-            "window_start": stats.start,
-            "window_end": stats.end,
-            "window_s": stats.window_s,
-            "resets": stats.resets,
-            "coarse": stats.coarse,
-        }
-
-    def _measure(self, stats: WindowStats, acceptance: float) -> dict[str, Any]:
-        """The numbers of a window that gets a verdict, with the model's predicted speedup."""
-        c = self.config.cost
-        k_conf = step_k(self.current)
-        k_meas = stats.mean_draft_length
-        k = k_meas if k_meas is not None else float(k_conf)
-        k_int = max(1, round(k))
-        alpha = alpha_from_acceptance_rate(min(max(acceptance, 0.0), 1.0), k_int)
-        if stats.mean_acceptance_length is not None:
-            tau, how = stats.mean_acceptance_length, "measured mean acceptance length"
-            speedup = speedup_from_length(tau, k, c)
-        else:
-            tau, how = expected_tokens_per_step(alpha, k_int), "α from the acceptance rate"
-            speedup = expected_speedup(alpha, k_int, c)
-        return {
-            **self._basic(stats),
-            "alpha": alpha,
-            "k": k,
-            "k_measured": k_meas is not None,
-            "draft_cost_ratio": c,
-            "tokens_per_step": tau,
-            "predicted_speedup": speedup,
-            "speedup_basis": how,
-        }
-
     def observe(self, stats: WindowStats, now: float) -> Decision:
         """The decision for the window ``stats`` observed at ``now`` (call once per monitor tick)."""
         if self.pending is not None:
@@ -381,7 +216,7 @@ class Policy:
         assert acceptance is not None  # _no_verdict answers every window without one
         # a verdict: this window counts
         self.last_verdict_end = stats.end
-        numbers = self._measure(stats, acceptance)
+        numbers = verdict_numbers(stats, acceptance, self.config, self.current)
         low, measure, bound = self._judge(stats, acceptance, numbers)
         numbers["low"] = low
         if not low:
@@ -390,7 +225,10 @@ class Policy:
 
     def _no_verdict(self, stats: WindowStats, now: float) -> Decision | None:
         """Why the window gets no verdict (rules 4 to 9), or None when it gets one."""
-        cfg = self.config
+        return self._nothing_measured(stats, now) or self._not_countable(stats, now)
+
+    def _nothing_measured(self, stats: WindowStats, now: float) -> Decision | None:
+        """Rules 4 and 5: no speculation, no speculative series, or no acceptance in the window."""
         method = self.current.method
         if method is Method.NONE:
             return self._decision(KEEP, "no-speculation", "method none: speculation is off, nothing to measure", now)
@@ -411,7 +249,12 @@ class Policy:
             )
         if stats.status != OK or stats.acceptance is None:
             return self._decision(KEEP, "no-data", f"window status {stats.status}: {stats.reason}", now)
-        numbers = self._basic(stats)
+        return None
+
+    def _not_countable(self, stats: WindowStats, now: float) -> Decision | None:
+        """Rules 6 to 9 for a window with an acceptance: not whole, not fresh, coarse, or too few drafts."""
+        cfg = self.config
+        numbers = window_numbers(stats, cfg)
         if not stats.full:
             return self._decision(
                 KEEP,

@@ -37,7 +37,8 @@ from specops.errors import SpecopsError
 from specops.run.events import EngineLine, EngineReady, State, StateChanged
 from specops.urls import check_http_url, redact_text, redact_url, split_userinfo
 from specops.watch.decide import FallbackDecider
-from specops.watch.policy import Decision, Policy
+from specops.watch.decision import Decision
+from specops.watch.policy import Policy
 from specops.watch.sources import LogLineSource, PromQLSource, ScrapeSource, SourceError, promql_labels
 from specops.watch.window import Sample, SampleBuffer, WindowStats
 
