@@ -28,6 +28,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
+from typing import Any
 
 from specops.backends.counters import (
     SOURCE_LLAMACPP_LOG,
@@ -255,18 +256,35 @@ class PromQLSource:
         ``now`` (the caller's clock, e.g. monotonic) stamps the stats so they line up with the policy's
         clock; default: the evaluation timestamp Prometheus reports.
         """
+        values, per_pos, at = self._parse(self._fetch(eval_time))
+        end = now if now is not None else at
+        common = dict(
+            window_s=self.window_s,
+            end=end,
+            start=(end - self.window_s) if end is not None else None,
+            source="promql",
+            full="full" in values,
+            resets=int(values.get("resets", 0)),
+        )
+        return self._stats(values, per_pos, common)
+
+    def _fetch(self, eval_time: float | None) -> Any:
+        """The raw answer to :meth:`query`; every failure is a :class:`SourceError` with a redacted reason."""
         import requests
         from prometheus_api_client import PrometheusApiClientException
 
         params = {"time": repr(float(eval_time))} if eval_time is not None else None
         try:
-            result = self.client.custom_query(self.query(), params=params)
+            return self.client.custom_query(self.query(), params=params)
         except PrometheusApiClientException as exc:
             raise SourceError(f"Prometheus {self.shown_url}: {redact_text(str(exc))[:300]}") from None
         except requests.RequestException as exc:
             raise SourceError(f"Prometheus {self.shown_url} unreachable: {type(exc).__name__}") from None
         except ValueError as exc:  # a body that is not JSON
             raise SourceError(f"Prometheus {self.shown_url}: bad answer ({redact_text(str(exc))[:200]})") from None
+
+    def _parse(self, result: Any) -> tuple[dict[str, float], dict[int, float], float | None]:
+        """The answer's values by ``specops`` label, the per-position increases, and the evaluation time."""
         values: dict[str, float] = {}
         per_pos: dict[int, float] = {}
         at = None
@@ -286,15 +304,10 @@ class PromQLSource:
             raise SourceError(
                 f"Prometheus {self.shown_url}: unexpected answer ({redact_text(repr(exc))[:200]})"
             ) from None
-        end = now if now is not None else at
-        common = dict(
-            window_s=self.window_s,
-            end=end,
-            start=(end - self.window_s) if end is not None else None,
-            source="promql",
-            full="full" in values,
-            resets=int(values.get("resets", 0)),
-        )
+        return values, per_pos, at
+
+    def _stats(self, values: dict[str, float], per_pos: dict[int, float], common: dict[str, Any]) -> WindowStats:
+        """The window from the parsed values: down target, no series, idle, or an acceptance."""
         if "up" in values and values["up"] < 1:
             return WindowStats(NO_DATA, reason=f"scrape target {self._up_sel} is down (up == 0)", **common)
         if "series" not in values:
