@@ -217,56 +217,18 @@ Examples:
 @click.option("--offline", is_flag=True, help="Resolve drafts without the Hub (lock, HF cache, catalog).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @json_option
-def tune(
-    profile,
-    workload,
-    budget,
-    k_values,
-    methods,
-    ngram_pairs,
-    ngram_types,
-    concurrency,
-    max_rounds,
-    min_rounds,
-    margin,
-    requests,
-    max_tokens,
-    ignore_eos,
-    dry_run,
-    apply_per_batch,
-    plot_path,
-    no_plot,
-    backend_version,
-    offline,
-    quiet,
-    as_json,
-):
+def tune(profile, dry_run, apply_per_batch, plot_path, no_plot, quiet, as_json, **sweep):
+    """The options in ``sweep`` go into TuneConfig; the rest decide what is written and shown."""
     from specops.errors import SpecopsError
-    from specops.perf.tune import TuneConfig, prepare, write_back
+    from specops.perf.tune import prepare, write_back
     from specops.plugins import get_registry
 
     registry = get_registry()
     loaded = load(profile)
     say = (lambda m: None) if quiet else (lambda m: click.echo(f"specops: {m}", err=True))
-    cfg = TuneConfig(
-        workload=workload,
-        max_tokens=max_tokens,
-        budget_s=budget,
-        k_values=k_values,
-        methods=methods,
-        ngram_pairs=ngram_pairs,
-        ngram_types=[x.strip() for x in ngram_types.split(",") if x.strip()] if ngram_types else None,
-        concurrency=concurrency,
-        min_rounds=min_rounds,
-        max_rounds=max(max_rounds, min_rounds),
-        margin=margin,
-        requests_per_round=requests,
-        backend_version=backend_version,
-        offline=offline,
-        ignore_eos=ignore_eos,
-    )
+    cfg = _tune_config(**sweep)
     plan = prepare(loaded, registry, cfg)
-    _announce(plan, budget, say)
+    _announce(plan, cfg.budget_s, say)
     result = _sweep(loaded, registry, plan, cfg, quiet)
 
     p = plan.resolved
@@ -287,18 +249,7 @@ def tune(
         png = _plot(result, plan, Path(plot_path) if plot_path else None, profile, say)
 
     if as_json:
-        echo_json(
-            {
-                "profile": str(outcome.profile_path),
-                "record_file": str(outcome.record_path),
-                "written": outcome.written,
-                "changes": outcome.changes,
-                "notes": outcome.notes,
-                "plot": str(png) if png else None,
-                "profile_diff": outcome.profile_diff,
-                "record": outcome.record,
-            }
-        )
+        echo_json(_json_report(outcome, png))
         return
     _echo_best(result, plan)
     if per_batch:
@@ -309,6 +260,59 @@ def tune(
     _echo_written(outcome, dry_run, png)
     if not result.eligible():
         raise SpecopsError("no setting measured")
+
+
+def _tune_config(
+    workload,
+    budget,
+    k_values,
+    methods,
+    ngram_pairs,
+    ngram_types,
+    concurrency,
+    max_rounds,
+    min_rounds,
+    margin,
+    requests,
+    max_tokens,
+    ignore_eos,
+    backend_version,
+    offline,
+):
+    """The sweep's options as a TuneConfig (--ngram-types split, --rounds at least --min-rounds)."""
+    from specops.perf.tune import TuneConfig
+
+    return TuneConfig(
+        workload=workload,
+        max_tokens=max_tokens,
+        budget_s=budget,
+        k_values=k_values,
+        methods=methods,
+        ngram_pairs=ngram_pairs,
+        ngram_types=[x.strip() for x in ngram_types.split(",") if x.strip()] if ngram_types else None,
+        concurrency=concurrency,
+        min_rounds=min_rounds,
+        max_rounds=max(max_rounds, min_rounds),
+        margin=margin,
+        requests_per_round=requests,
+        backend_version=backend_version,
+        offline=offline,
+        ignore_eos=ignore_eos,
+    )
+
+
+def _json_report(outcome, png: Path | None) -> dict:
+    """What --json prints: where things went, what changed, and the whole record."""
+    return {
+        "profile": str(outcome.profile_path),
+        "record_file": str(outcome.record_path),
+        "written": outcome.written,
+        "changes": outcome.changes,
+        "notes": outcome.notes,
+        "plot": str(png) if png else None,
+        "profile_diff": outcome.profile_diff,
+        "record": outcome.record,
+    }
 
 
 def _announce(plan, budget: float, say) -> None:
