@@ -169,7 +169,7 @@ def installed_engines() -> list[InstalledEngine]:
     """Every ready engine in the cache, with the version specops' own probe reports."""
     from specops.backends.llamacpp import probe_llama_server
     from specops.backends.vllm import probe_vllm
-    from specops.devenv.engines import MARKER
+    from specops.devenv.steps import MARKER
     from specops.paths import engines_dir
 
     out: list[InstalledEngine] = []
