@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from specops.resolve.check import Finding, check_loaded
 from specops.resolve.discover import Candidate
-from specops.resolve.hub import HubError
+from specops.resolve.huberrors import HubError
 from specops.resolve.lock import lock_path
 from specops.resolve.resolver import Resolution, lock_profile, resolve, resolve_profile, synthetic_profile
 

@@ -23,7 +23,8 @@ from specops.resolve.detect import (
     same_model,
     short_name,
 )
-from specops.resolve.hub import Hub, HubError, RepoMeta
+from specops.resolve.hub import Hub, RepoMeta
+from specops.resolve.huberrors import HubError
 
 #: Name searches per method ("eagle" also finds eagle3 repos).
 SEARCHES = {

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from specops.reponames import (
     is_repo_id,
     is_safe_repo_file,
 )
+from specops.resolve.huberrors import HubDeadline, HubError, too_large, translate
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 #: What model_info asks for: enough to detect, rank and size a candidate without downloading weights.
@@ -57,7 +57,6 @@ LIST_EXPAND = ["config", "cardData", "downloads", "likes", "tags", "gated", "sha
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 #: The most specops downloads or reads of one small JSON file (config.json, tokenizer_config.json).
 MAX_JSON_BYTES = 1 << 20
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 #: A repo listing more files than this is not a model repo specops will look into.
 MAX_SIBLINGS = 20_000
 
@@ -90,22 +89,6 @@ def default_timeout() -> float:
         return max(0.5, float(os.environ.get("SPECOPS_HUB_TIMEOUT", "5")))
     except ValueError:
         return 5.0
-
-
-class HubError(SpecopsError):
-    """A Hub failure, as one line. ``kind``: not_found, gated, unauthorized, rate_limited, unreachable,
-    offline, revision, entry, invalid (the answer or a file is unusable: unsafe names, a malformed or
-    oversized config.json), error."""
-
-    def __init__(self, kind: str, line: str, repo: str | None = None):
-        self.kind = kind
-        self.repo = repo
-        # one printable line: text the Hub sent (an error message, a name) never carries control characters
-        super().__init__(_CONTROL.sub(lambda m: repr(m.group(0))[1:-1], str(line))[:1000])
-
-    @property
-    def hub_is_down(self) -> bool:
-        return self.kind in ("unreachable", "rate_limited", "offline")
 
 
 @dataclass
@@ -223,10 +206,6 @@ def _capped_progress(cap: int):
     return CappedProgress
 
 
-class _Deadline(Exception):
-    pass
-
-
 class Hub:
     """A Hub client for one resolution: endpoint, offline mode, deadlines, cache, and a circuit breaker."""
 
@@ -283,7 +262,7 @@ class Hub:
         t.join(self.timeout * 2 + 1)
         try:
             if t.is_alive():
-                raise _Deadline()
+                raise HubDeadline()
             if "error" in box:
                 raise box["error"]
             return box.get("value")
@@ -467,15 +446,6 @@ def _safe_revision(rev: str) -> bool:
     return True
 
 
-def too_large(repo: str, filename: str, size: int | None, cap: int) -> HubError:
-    what = f"is {size} bytes" if size is not None else "is larger than announced"
-    return HubError(
-        "invalid",
-        f"{repo}/{filename} {what}; specops reads at most {cap} bytes of it ({cap // 1024} KiB): not a real {filename}",
-        repo,
-    )
-
-
 class BadFile(SpecopsError):
     """A small JSON file that is too large or not a JSON object (one line saying which and why)."""
 
@@ -517,69 +487,3 @@ def file_digest(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return f"sha256:{h.hexdigest()}"
-
-
-def translate(exc: BaseException, what: str, repo: str | None, endpoint: str, deadline: float) -> HubError:
-    """One clear line for each way the Hub can fail."""
-    from huggingface_hub import errors as E
-
-    name = repo or endpoint
-    if isinstance(exc, _Deadline):
-        return HubError(
-            "unreachable",
-            f"Hub at {endpoint} did not answer in time ({what}; no answer within "
-            f"{deadline:.0f} s, SPECOPS_HUB_TIMEOUT sets the limit)",
-            repo,
-        )
-    if isinstance(exc, E.OfflineModeIsEnabled):
-        return HubError("offline", f"{what}: huggingface_hub is in offline mode (HF_HUB_OFFLINE=1)", repo)
-    if isinstance(exc, E.GatedRepoError):
-        return HubError(
-            "gated",
-            f"{name} is gated: accept its license on {endpoint}/{name} and set HF_TOKEN "
-            f"(a token of an account that was granted access)",
-            repo,
-        )
-    if isinstance(exc, E.RevisionNotFoundError):
-        return HubError("revision", f"{name}: revision not found on the Hub", repo)
-    if isinstance(exc, E.RepositoryNotFoundError):
-        return HubError("not_found", f"{name} not found on the Hub (check the id; private repos need HF_TOKEN)", repo)
-    if isinstance(exc, E.EntryNotFoundError):
-        return HubError("entry", f"{name}: file not found ({what})", repo)
-    if isinstance(exc, E.HfHubHTTPError):
-        resp = getattr(exc, "response", None)
-        status = getattr(resp, "status_code", None)
-        if status == 429:
-            wait = resp.headers.get("Retry-After") if resp is not None else None
-            return HubError(
-                "rate_limited",
-                f"rate-limited by the Hub at {endpoint}"
-                + (f" (retry in {wait} s)" if wait else "")
-                + "; set HF_TOKEN for a higher limit",
-                repo,
-            )
-        if status in (401, 403):
-            return HubError("unauthorized", f"{name}: not authorized ({status}); check HF_TOKEN", repo)
-        if status is not None and status >= 500:
-            return HubError("unreachable", f"Hub at {endpoint} failed with HTTP {status} ({what})", repo)
-        return HubError("error", f"{name}: Hub answered HTTP {status} ({what})", repo)
-    if isinstance(exc, E.LocalEntryNotFoundError):
-        if exc.__cause__ is not None and exc.__cause__ is not exc:
-            return translate(exc.__cause__, what, repo, endpoint, deadline)
-        return HubError("offline", f"{name}: not in the local HF cache and the Hub is not reachable", repo)
-    try:
-        import httpx2 as httpx
-
-        transport, timeouts = (httpx.TransportError,), (httpx.TimeoutException,)
-    except ImportError:  # pragma: no cover - older huggingface_hub uses requests/httpx
-        transport, timeouts = (), ()
-    if isinstance(exc, timeouts + (TimeoutError,)):
-        return HubError(
-            "unreachable",
-            f"Hub at {endpoint} did not answer in time ({what}; SPECOPS_HUB_TIMEOUT sets the limit)",
-            repo,
-        )
-    if isinstance(exc, transport + (ConnectionError, OSError)):
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return HubError("unreachable", f"Hub at {endpoint} is unreachable: {reason}", repo)
-    return HubError("error", f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", repo)

@@ -34,11 +34,11 @@ from specops.resolve.hub import (
     BadFile,
     FileMeta,
     Hub,
-    HubError,
     RepoMeta,
     file_digest,
     load_json,
 )
+from specops.resolve.huberrors import HubError
 from specops.resolve.memory import WEIGHT_SUFFIXES, Weights, from_files, from_params, from_safetensors
 
 
