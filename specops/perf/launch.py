@@ -152,51 +152,34 @@ async def launched(
 ) -> AsyncIterator[LaunchedEngine]:
     """Start the engine for ``loaded`` (chain step ``step_index``, or ``profile`` instead) and yield it ready.
 
-    A profile that leaves the method or draft ``auto`` is resolved first with
-    :func:`specops.resolve.prelaunch.resolve_for_launch` (``say`` gets its notes). Renders with
-    :func:`specops.backends.render.render_plan` (probing the installed engine unless ``engine`` is given), binds
-    ``host:port`` (default: loopback and a free port), starts and waits for the health URL with
-    :class:`specops.run.start.EngineStart` (default timeout: the profile's ``engine.ready_timeout``) and
-    stops the whole process group on exit, whatever happens.
-    Raises :class:`SpecopsError` with the engine's last lines when it never becomes ready, or when it
-    starts without the speculation it was asked for (llama-server keeps serving without a bad draft).
+    An ``auto`` method or draft is resolved first (``say`` gets the notes); the plan is rendered (probing the
+    installed engine unless ``engine`` is given) on ``host:port`` (default: loopback, a free port); the
+    health URL is awaited (default: ``engine.ready_timeout``); the process group is stopped on exit, whatever
+    happens. Raises :class:`SpecopsError` with the engine's last lines when it never becomes ready, or when
+    it starts without the speculation asked for (llama-server keeps serving without a bad draft).
     """
     from specops.backends.render import render_plan
 
     prof = profile if profile is not None else profile_for_step(loaded.profile, step_index)
-    resolved, refused = resolve_for_launch(
-        LoadedProfile(prof, loaded.document, loaded.path), offline, say or (lambda msg: None), only_auto=True
-    )
-    if refused:
-        raise SpecopsError(f"{prof.backend} ({prof.speculative.method}): the draft is refused by the checks: {refused}")
-    prof = resolved.profile
+    prof = _resolved(LoadedProfile(prof, loaded.document, loaded.path), offline, say)
     backend = registry.backend(prof.backend)
     port = port or free_port(host)
     the_plan = render_plan(
         LoadedProfile(prof, loaded.document, loaded.path), registry, engine=engine, host=host, port=port
     )
     lines: list[str] = []
-
-    def take(line: str) -> None:
-        lines.append(line)
-        if len(lines) > 400:
-            del lines[:200]
-        if on_line is not None:
-            on_line(line)
-
     start = EngineStart(
-        the_plan, on_line=take, launch_problem=backend.launch_problem, log_path=Path(log_path) if log_path else None
+        the_plan,
+        on_line=_keep_last(lines, on_line),
+        launch_problem=backend.launch_problem,
+        log_path=Path(log_path) if log_path else None,
     )
     proc = start.process
     timeout = ready_timeout if ready_timeout is not None else prof.engine.ready_timeout
     try:
         result = await start.run(timeout, interval=0.1)
         if not result.ready:
-            tail = "\n".join(f"    {line}" for line in result.last_lines)
-            raise SpecopsError(
-                f"{prof.backend} ({prof.speculative.method}) on {the_plan.base_url}: {result.reason}"
-                + (f"; last engine lines:\n{tail}" if tail else "")
-            )
+            raise _not_ready(prof, the_plan, result)
         yield LaunchedEngine(
             plan=the_plan,
             process=proc,
@@ -209,9 +192,44 @@ async def launched(
             lines=lines,
         )
     finally:
-        stop = stop_timeout if stop_timeout is not None else prof.supervisor.stop_timeout
-        try:
-            await proc.stop(stop)
-        except BaseException:  # cancelled or interrupted while stopping: never leave the group behind
-            proc.kill_now()
-            raise
+        await _stop(proc, stop_timeout if stop_timeout is not None else prof.supervisor.stop_timeout)
+
+
+def _resolved(loaded: LoadedProfile, offline: bool, say: Callable[[str], None] | None) -> Profile:
+    """The profile with an ``auto`` method or draft resolved; raises when the checks refuse the draft."""
+    prof = loaded.profile
+    resolved, refused = resolve_for_launch(loaded, offline, say or (lambda msg: None), only_auto=True)
+    if refused:
+        raise SpecopsError(f"{prof.backend} ({prof.speculative.method}): the draft is refused by the checks: {refused}")
+    return resolved.profile
+
+
+def _keep_last(lines: list[str], on_line: Callable[[str], None] | None) -> Callable[[str], None]:
+    """An on_line that keeps the engine's recent lines (200 to 400 of them) in ``lines`` and passes each on."""
+
+    def take(line: str) -> None:
+        lines.append(line)
+        if len(lines) > 400:
+            del lines[:200]
+        if on_line is not None:
+            on_line(line)
+
+    return take
+
+
+def _not_ready(prof: Profile, plan: LaunchPlan, result) -> SpecopsError:
+    """Why the engine never became ready, with its last lines."""
+    tail = "\n".join(f"    {line}" for line in result.last_lines)
+    return SpecopsError(
+        f"{prof.backend} ({prof.speculative.method}) on {plan.base_url}: {result.reason}"
+        + (f"; last engine lines:\n{tail}" if tail else "")
+    )
+
+
+async def _stop(proc: EngineProcess, timeout: float) -> None:
+    """Stop the engine's process group; killed outright when stopping is itself cancelled or interrupted."""
+    try:
+        await proc.stop(timeout)
+    except BaseException:  # never leave the group behind
+        proc.kill_now()
+        raise
