@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specops.perf.bench import BASE, SPEC, markdown, summarize, write_outputs
+from specops.perf.bench_report import BASE, SPEC, markdown, summarize, write_outputs
 
 SPECOPS = [sys.executable, "-m", "specops.cli"]
 PNG = b"\x89PNG\r\n\x1a\n"

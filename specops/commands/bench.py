@@ -157,7 +157,8 @@ def bench(
       specops bench examples/llamacpp-cpu-draft.yaml -c 1,2,4 -n 8
       specops bench profiles/llama31-8b-eagle3.yaml -p code,my-traffic.jsonl --rounds 3
     """
-    from specops.perf.bench import BenchConfig, run_bench_blocking, write_outputs
+    from specops.perf.bench import BenchConfig, run_bench_blocking
+    from specops.perf.bench_report import write_outputs
     from specops.plugins import get_registry
 
     loaded = load(profile)

@@ -10,7 +10,7 @@ Acceptance per cell comes from the engine's own counters read before and after t
 Δdrafted, and the mean acceptance length 1 + Δaccepted / Δdrafts); llama-server's per-response ``timings``
 are the fallback when its build has no counters.
 
-Outputs (``write_outputs``): ``results.json`` (everything), ``summary.md`` (tables a person reads) and
+Outputs (:mod:`specops.perf.bench_report`): ``results.json`` (everything), ``summary.md`` (tables a person reads) and
 PNG plots (:mod:`specops.perf.plots`) — speedup vs concurrency per prompt set, acceptance per prompt set,
 tokens/s on vs off.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as _dt
-import json
 import os
 import platform
 import time
@@ -32,12 +31,10 @@ from specops import __version__
 from specops.config.profile import LoadedProfile
 from specops.errors import SpecopsError
 from specops.methods import Method
-from specops.perf.plots import plot
-from specops.perf.stats import median
+from specops.perf.bench_report import BASE, SPEC, summarize
 from specops.perf.workload import BUILTIN_SETS, Prompt, load_prompts
 from specops.speedup import DEFAULT_DRAFT_COST
 
-SPEC, BASE = "spec", "base"
 DEFAULT_LEVELS = (1, 2, 4, 8)
 
 
@@ -332,224 +329,6 @@ async def _run_cell(eng, prompts: list[Prompt], level: int, cfg: BenchConfig, ex
         out.update(draft_tokens=res.draft_tokens, accepted=res.accepted, drafts=None)
     out.update(acceptance=acceptance, mean_acceptance_length=mal, mean_draft_length=draft_len, acceptance_source=source)
     return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# summarizing
-
-
-def summarize(cells: list[dict], meta: dict) -> dict:
-    """Speedups from the cells: per (set, level), per level (all sets), per set (all levels).
-
-    Every speedup is a ratio of tokens/s: the median over rounds of the speculative cell's tokens/s over
-    the median of the baseline's. Aggregates (per level, per set) add tokens and wall time first.
-    """
-    c = meta.get("settings", {}).get("draft_cost_ratio")
-    sets = list(dict.fromkeys(cell["set"] for cell in cells))
-    levels = sorted({cell["concurrency"] for cell in cells})
-    rows = [
-        _speedup_row([x for x in cells if x["set"] == s and x["concurrency"] == lv], s, lv, c)
-        for s in sets
-        for lv in levels
-    ]
-    by_level = [{"concurrency": lv, **_aggregate([x for x in cells if x["concurrency"] == lv])} for lv in levels]
-    by_set = [
-        {
-            "set": s,
-            **_aggregate([x for x in cells if x["set"] == s]),
-            "speedup_by_concurrency": {str(r["concurrency"]): r["speedup"] for r in rows if r["set"] == s},
-        }
-        for s in sets
-    ]
-    errors = sum(x["errors"] for x in cells)
-    return {
-        **meta,
-        "cells": cells,
-        "speedup": rows,
-        "by_concurrency": by_level,
-        "by_set": by_set,
-        "overall": _aggregate(cells),
-        "errors": errors,
-    }
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b else None
-
-
-def _of_mode(cells: list[dict], mode: str) -> list[dict]:
-    return [x for x in cells if x["mode"] == mode]
-
-
-def _drafting(cells: list[dict]) -> dict:
-    """Acceptance, mean acceptance length and mean draft length from the speculative cells' counters."""
-    spec = _of_mode(cells, SPEC)
-    drafted = sum(x.get("draft_tokens") or 0 for x in spec)
-    accepted = sum(x.get("accepted") or 0 for x in spec)
-    drafts = sum(x.get("drafts") or 0 for x in spec)
-    return {
-        "acceptance": accepted / drafted if drafted else None,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-        "mean_draft_length": drafted / drafts if drafts else None,
-    }
-
-
-def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None) -> dict:
-    """One (set, level): medians over rounds on each side, and their ratio."""
-    from specops.speedup import speedup_from_length
-
-    sp, bs = _of_mode(cells, SPEC), _of_mode(cells, BASE)
-    spec_tps = median([x["tokens_per_s"] for x in sp])
-    base_tps = median([x["tokens_per_s"] for x in bs])
-    drafting = _drafting(cells)
-    mal, draft_len = drafting["mean_acceptance_length"], drafting["mean_draft_length"]
-    model = None
-    if mal is not None and draft_len is not None and c is not None:
-        model = speedup_from_length(max(mal, 1.0), draft_len, c)
-    row = {
-        "set": set_name,
-        "concurrency": level,
-        "spec_tokens_per_s": spec_tps,
-        "base_tokens_per_s": base_tps,
-        "speedup": _ratio(spec_tps, base_tps),
-        **drafting,
-        "model_speedup": model,
-    }
-    for name in ("ttft", "itl", "tpot"):
-        row[f"spec_{name}_ms"] = median([x[f"{name}_ms"]["median"] for x in sp])
-        row[f"base_{name}_ms"] = median([x[f"{name}_ms"]["median"] for x in bs])
-    row["errors"] = sum(x["errors"] for x in sp + bs)
-    return row
-
-
-def _aggregate(selected: list[dict]) -> dict:
-    """Tokens/s on each side over all ``selected`` cells (tokens and wall time added first), and the ratio."""
-    tps = {}
-    for mode in (SPEC, BASE):
-        mine = _of_mode(selected, mode)
-        tokens = sum(x["output_tokens"] for x in mine)
-        wall = sum(x["wall_s"] for x in mine)
-        tps[mode] = tokens / wall if wall > 0 else None
-    drafting = _drafting(selected)
-    return {
-        "spec_tokens_per_s": tps[SPEC],
-        "base_tokens_per_s": tps[BASE],
-        "speedup": _ratio(tps[SPEC], tps[BASE]),
-        "acceptance": drafting["acceptance"],
-        "mean_acceptance_length": drafting["mean_acceptance_length"],
-    }
-
-
-# ---------------------------------------------------------------------------------------------------
-# writing
-
-
-def _f(v, fmt="{:.2f}", none="–"):
-    return none if v is None else fmt.format(v)
-
-
-def markdown(report: dict, plots: list[str] | None = None) -> str:
-    """The summary a person reads: settings, per-set tables, per-level totals, plots."""
-    p, e, m, s = report["profile"], report["engine"], report["machine"], report["settings"]
-    lines = [
-        f"# specops bench: {p['name']}",
-        "",
-        f"- profile `{p['path']}`: {p['backend']} {e['version']}, model `{p['model']}`, "
-        f"method **{p['method']}** (k={p['k']}) vs no speculation",
-        f"- machine: {m['cpu'] or 'unknown CPU'}, {m['cores']} cores"
-        + (f", {m['memory_gib']} GiB" if m.get("memory_gib") else "")
-        + f"; {m['platform']}",
-        f"- prompt sets {', '.join(s['prompt_sets'])}; concurrency {', '.join(map(str, s['concurrency']))}; "
-        + (
-            f"{s['requests_per_cell']} requests per cell"
-            if s["requests_per_cell"]
-            else (
-                f"{s['duration_per_cell']:g}s per cell"
-                if s["duration_per_cell"]
-                else "max(8, 2×concurrency) requests per cell"
-            )
-        )
-        + f"; {s['rounds']} round(s), "
-        + ("both engines up at once, cells alternating" if s.get("interleave") else "launches alternating")
-        + "; medians over rounds",
-        f"- speedup = tokens/s with speculation ÷ tokens/s without, same engine and model, one run; "
-        f"model speedup = measured mean acceptance length / (1 + k·c) with c = {s['draft_cost_ratio']}",
-        "",
-    ]
-    o = report["overall"]
-    lines += [
-        f"**Overall: {_f(o['speedup'])}x** ({_f(o['spec_tokens_per_s'], '{:.1f}')} vs "
-        f"{_f(o['base_tokens_per_s'], '{:.1f}')} output tokens/s), acceptance {_f(o['acceptance'], '{:.3f}')}, "
-        f"mean acceptance length {_f(o['mean_acceptance_length'])}"
-        + (f"; **{report['errors']} failed requests**" if report["errors"] else ""),
-        "",
-    ]
-    lines += [
-        "## Speedup by prompt set and concurrency",
-        "",
-        "| set | " + " | ".join(f"c={c}" for c in s["concurrency"]) + " | acceptance | mean acc. length |",
-        "|---|" + "---|" * len(s["concurrency"]) + "---|---|",
-    ]
-    for bs in report["by_set"]:
-        vals = [bs["speedup_by_concurrency"].get(str(c)) for c in s["concurrency"]]
-        lines.append(
-            f"| {bs['set']} | "
-            + " | ".join(_f(v, "{:.2f}x") for v in vals)
-            + f" | {_f(bs['acceptance'], '{:.3f}')} | {_f(bs['mean_acceptance_length'])} |"
-        )
-    lines.append(
-        "| **all** | "
-        + " | ".join(_f(r["speedup"], "**{:.2f}x**") for r in report["by_concurrency"])
-        + f" | {_f(o['acceptance'], '{:.3f}')} | {_f(o['mean_acceptance_length'])} |"
-    )
-    lines += [
-        "",
-        "## Details",
-        "",
-        "| set | c | tok/s off | tok/s on | speedup | model | acceptance | acc. length | TTFT ms off/on "
-        "| TPOT ms off/on | ITL ms off/on | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["speedup"]:
-        lines.append(
-            f"| {r['set']} | {r['concurrency']} | {_f(r['base_tokens_per_s'], '{:.1f}')} | "
-            f"{_f(r['spec_tokens_per_s'], '{:.1f}')} | {_f(r['speedup'], '{:.2f}x')} | "
-            f"{_f(r['model_speedup'], '{:.2f}x')} | {_f(r['acceptance'], '{:.3f}')} | "
-            f"{_f(r['mean_acceptance_length'])} | {_f(r['base_ttft_ms'], '{:.1f}')}/{_f(r['spec_ttft_ms'], '{:.1f}')} | "
-            f"{_f(r['base_tpot_ms'], '{:.2f}')}/{_f(r['spec_tpot_ms'], '{:.2f}')} | "
-            f"{_f(r['base_itl_ms'], '{:.2f}')}/{_f(r['spec_itl_ms'], '{:.2f}')} | {r['errors']} |"
-        )
-    lines += [
-        "",
-        "ITL is per streamed chunk (speculation delivers accepted tokens in bursts); TPOT is "
-        "(latency − TTFT) / (tokens − 1).",
-        "",
-    ]
-    if plots:
-        lines += ["## Plots", ""] + [f"![{Path(x).stem}]({Path(x).name})" for x in plots] + [""]
-    return "\n".join(lines)
-
-
-def write_outputs(report: dict, out_dir: str | Path, *, plots: bool = True) -> dict[str, Path]:
-    """results.json, summary.md and (when matplotlib is installed and ``plots``) the PNGs, in ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written: dict[str, Path] = {}
-    pngs: list[Path] = []
-    if plots:
-        try:
-            pngs = plot(report, out)
-        except ImportError:
-            report.setdefault("notes", []).append(
-                "plots skipped: matplotlib is not installed (pip install 'specops[plots]')"
-            )
-    for png in pngs:
-        written[png.stem] = png
-    (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-    written["json"] = out / "results.json"
-    (out / "summary.md").write_text(markdown(report, [str(p) for p in pngs]), encoding="utf-8")
-    written["markdown"] = out / "summary.md"
-    return written
 
 
 def run_bench_blocking(loaded: LoadedProfile, registry, cfg: BenchConfig, **kw) -> dict:

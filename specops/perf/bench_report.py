@@ -1,0 +1,254 @@
+"""The report of a ``specops bench`` run: speedups summarized from the measured cells, and the files a
+person reads (``results.json``, ``summary.md``, the PNG plots of :mod:`specops.perf.plots`).
+
+Every speedup is a ratio of tokens/s, the speculative side over the baseline, same engine and model, one
+run; kept apart from the running (:mod:`specops.perf.bench`) so a report can be re-summarized or re-written
+without an engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specops.perf.plots import plot
+from specops.perf.stats import median
+
+SPEC, BASE = "spec", "base"
+
+# ---------------------------------------------------------------------------------------------------
+# summarizing
+
+
+def summarize(cells: list[dict], meta: dict) -> dict:
+    """Speedups from the cells: per (set, level), per level (all sets), per set (all levels).
+
+    Every speedup is a ratio of tokens/s: the median over rounds of the speculative cell's tokens/s over
+    the median of the baseline's. Aggregates (per level, per set) add tokens and wall time first.
+    """
+    c = meta.get("settings", {}).get("draft_cost_ratio")
+    sets = list(dict.fromkeys(cell["set"] for cell in cells))
+    levels = sorted({cell["concurrency"] for cell in cells})
+    rows = [
+        _speedup_row([x for x in cells if x["set"] == s and x["concurrency"] == lv], s, lv, c)
+        for s in sets
+        for lv in levels
+    ]
+    by_level = [{"concurrency": lv, **_aggregate([x for x in cells if x["concurrency"] == lv])} for lv in levels]
+    by_set = [
+        {
+            "set": s,
+            **_aggregate([x for x in cells if x["set"] == s]),
+            "speedup_by_concurrency": {str(r["concurrency"]): r["speedup"] for r in rows if r["set"] == s},
+        }
+        for s in sets
+    ]
+    errors = sum(x["errors"] for x in cells)
+    return {
+        **meta,
+        "cells": cells,
+        "speedup": rows,
+        "by_concurrency": by_level,
+        "by_set": by_set,
+        "overall": _aggregate(cells),
+        "errors": errors,
+    }
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _of_mode(cells: list[dict], mode: str) -> list[dict]:
+    return [x for x in cells if x["mode"] == mode]
+
+
+def _drafting(cells: list[dict]) -> dict:
+    """Acceptance, mean acceptance length and mean draft length from the speculative cells' counters."""
+    spec = _of_mode(cells, SPEC)
+    drafted = sum(x.get("draft_tokens") or 0 for x in spec)
+    accepted = sum(x.get("accepted") or 0 for x in spec)
+    drafts = sum(x.get("drafts") or 0 for x in spec)
+    return {
+        "acceptance": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "mean_draft_length": drafted / drafts if drafts else None,
+    }
+
+
+def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None) -> dict:
+    """One (set, level): medians over rounds on each side, and their ratio."""
+    from specops.speedup import speedup_from_length
+
+    sp, bs = _of_mode(cells, SPEC), _of_mode(cells, BASE)
+    spec_tps = median([x["tokens_per_s"] for x in sp])
+    base_tps = median([x["tokens_per_s"] for x in bs])
+    drafting = _drafting(cells)
+    mal, draft_len = drafting["mean_acceptance_length"], drafting["mean_draft_length"]
+    model = None
+    if mal is not None and draft_len is not None and c is not None:
+        model = speedup_from_length(max(mal, 1.0), draft_len, c)
+    row = {
+        "set": set_name,
+        "concurrency": level,
+        "spec_tokens_per_s": spec_tps,
+        "base_tokens_per_s": base_tps,
+        "speedup": _ratio(spec_tps, base_tps),
+        **drafting,
+        "model_speedup": model,
+    }
+    for name in ("ttft", "itl", "tpot"):
+        row[f"spec_{name}_ms"] = median([x[f"{name}_ms"]["median"] for x in sp])
+        row[f"base_{name}_ms"] = median([x[f"{name}_ms"]["median"] for x in bs])
+    row["errors"] = sum(x["errors"] for x in sp + bs)
+    return row
+
+
+def _aggregate(selected: list[dict]) -> dict:
+    """Tokens/s on each side over all ``selected`` cells (tokens and wall time added first), and the ratio."""
+    tps = {}
+    for mode in (SPEC, BASE):
+        mine = _of_mode(selected, mode)
+        tokens = sum(x["output_tokens"] for x in mine)
+        wall = sum(x["wall_s"] for x in mine)
+        tps[mode] = tokens / wall if wall > 0 else None
+    drafting = _drafting(selected)
+    return {
+        "spec_tokens_per_s": tps[SPEC],
+        "base_tokens_per_s": tps[BASE],
+        "speedup": _ratio(tps[SPEC], tps[BASE]),
+        "acceptance": drafting["acceptance"],
+        "mean_acceptance_length": drafting["mean_acceptance_length"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# writing
+
+
+def _f(v, fmt="{:.2f}", none="–"):
+    return none if v is None else fmt.format(v)
+
+
+def markdown(report: dict, plots: list[str] | None = None) -> str:
+    """The summary a person reads: settings, per-set tables, per-level totals, plots."""
+    lines = _md_header(report) + _md_overall(report) + _md_by_set(report) + _md_details(report)
+    if plots:
+        lines += ["## Plots", ""] + [f"![{Path(x).stem}]({Path(x).name})" for x in plots] + [""]
+    return "\n".join(lines)
+
+
+def _md_header(report: dict) -> list[str]:
+    """The title and what was measured: profile, engine, machine, workload, and what speedup means."""
+    p, e, m, s = report["profile"], report["engine"], report["machine"], report["settings"]
+    return [
+        f"# specops bench: {p['name']}",
+        "",
+        f"- profile `{p['path']}`: {p['backend']} {e['version']}, model `{p['model']}`, "
+        f"method **{p['method']}** (k={p['k']}) vs no speculation",
+        f"- machine: {m['cpu'] or 'unknown CPU'}, {m['cores']} cores"
+        + (f", {m['memory_gib']} GiB" if m.get("memory_gib") else "")
+        + f"; {m['platform']}",
+        f"- prompt sets {', '.join(s['prompt_sets'])}; concurrency {', '.join(map(str, s['concurrency']))}; "
+        + _md_per_cell(s)
+        + f"; {s['rounds']} round(s), "
+        + ("both engines up at once, cells alternating" if s.get("interleave") else "launches alternating")
+        + "; medians over rounds",
+        f"- speedup = tokens/s with speculation ÷ tokens/s without, same engine and model, one run; "
+        f"model speedup = measured mean acceptance length / (1 + k·c) with c = {s['draft_cost_ratio']}",
+        "",
+    ]
+
+
+def _md_per_cell(s: dict) -> str:
+    """How much traffic each cell got: requests, seconds, or the default request count."""
+    if s["requests_per_cell"]:
+        return f"{s['requests_per_cell']} requests per cell"
+    if s["duration_per_cell"]:
+        return f"{s['duration_per_cell']:g}s per cell"
+    return "max(8, 2×concurrency) requests per cell"
+
+
+def _md_overall(report: dict) -> list[str]:
+    """The one line to read first: the overall speedup, tokens/s on and off, acceptance, failures."""
+    o = report["overall"]
+    return [
+        f"**Overall: {_f(o['speedup'])}x** ({_f(o['spec_tokens_per_s'], '{:.1f}')} vs "
+        f"{_f(o['base_tokens_per_s'], '{:.1f}')} output tokens/s), acceptance {_f(o['acceptance'], '{:.3f}')}, "
+        f"mean acceptance length {_f(o['mean_acceptance_length'])}"
+        + (f"; **{report['errors']} failed requests**" if report["errors"] else ""),
+        "",
+    ]
+
+
+def _md_by_set(report: dict) -> list[str]:
+    """Speedup per prompt set (rows) and concurrency (columns), with a row for all sets together."""
+    levels, o = report["settings"]["concurrency"], report["overall"]
+    lines = [
+        "## Speedup by prompt set and concurrency",
+        "",
+        "| set | " + " | ".join(f"c={c}" for c in levels) + " | acceptance | mean acc. length |",
+        "|---|" + "---|" * len(levels) + "---|---|",
+    ]
+    for bs in report["by_set"]:
+        vals = [bs["speedup_by_concurrency"].get(str(c)) for c in levels]
+        lines.append(
+            f"| {bs['set']} | "
+            + " | ".join(_f(v, "{:.2f}x") for v in vals)
+            + f" | {_f(bs['acceptance'], '{:.3f}')} | {_f(bs['mean_acceptance_length'])} |"
+        )
+    lines.append(
+        "| **all** | "
+        + " | ".join(_f(r["speedup"], "**{:.2f}x**") for r in report["by_concurrency"])
+        + f" | {_f(o['acceptance'], '{:.3f}')} | {_f(o['mean_acceptance_length'])} |"
+    )
+    return lines
+
+
+def _md_details(report: dict) -> list[str]:
+    """Every (set, concurrency) cell: tokens/s off and on, speedup, the model's, acceptance, latencies."""
+    lines = [
+        "",
+        "## Details",
+        "",
+        "| set | c | tok/s off | tok/s on | speedup | model | acceptance | acc. length | TTFT ms off/on "
+        "| TPOT ms off/on | ITL ms off/on | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["speedup"]:
+        lines.append(
+            f"| {r['set']} | {r['concurrency']} | {_f(r['base_tokens_per_s'], '{:.1f}')} | "
+            f"{_f(r['spec_tokens_per_s'], '{:.1f}')} | {_f(r['speedup'], '{:.2f}x')} | "
+            f"{_f(r['model_speedup'], '{:.2f}x')} | {_f(r['acceptance'], '{:.3f}')} | "
+            f"{_f(r['mean_acceptance_length'])} | {_f(r['base_ttft_ms'], '{:.1f}')}/{_f(r['spec_ttft_ms'], '{:.1f}')} | "
+            f"{_f(r['base_tpot_ms'], '{:.2f}')}/{_f(r['spec_tpot_ms'], '{:.2f}')} | "
+            f"{_f(r['base_itl_ms'], '{:.2f}')}/{_f(r['spec_itl_ms'], '{:.2f}')} | {r['errors']} |"
+        )
+    return lines + [
+        "",
+        "ITL is per streamed chunk (speculation delivers accepted tokens in bursts); TPOT is "
+        "(latency − TTFT) / (tokens − 1).",
+        "",
+    ]
+
+
+def write_outputs(report: dict, out_dir: str | Path, *, plots: bool = True) -> dict[str, Path]:
+    """results.json, summary.md and (when matplotlib is installed and ``plots``) the PNGs, in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    pngs: list[Path] = []
+    if plots:
+        try:
+            pngs = plot(report, out)
+        except ImportError:
+            report.setdefault("notes", []).append(
+                "plots skipped: matplotlib is not installed (pip install 'specops[plots]')"
+            )
+    for png in pngs:
+        written[png.stem] = png
+    (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    written["json"] = out / "results.json"
+    (out / "summary.md").write_text(markdown(report, [str(p) for p in pngs]), encoding="utf-8")
+    written["markdown"] = out / "summary.md"
+    return written
