@@ -54,7 +54,26 @@ class _Bar:
             self.bar = None
 
 
-@click.command()
+BENCH_HELP = """Measure PROFILE's engine with speculation and without, side by side.
+
+Launches the engine as the profile says and again with method none (same engine, same model), in
+one run, alternating, and sends every prompt set at every concurrency level to each. Reports output
+tokens/s, TTFT, inter-token latency, acceptance and mean acceptance length, and the speedup
+(tokens/s ratio) per level and per prompt set: results.json, summary.md and PNG plots.
+
+\b
+The built-in sets exercise where speculation helps and where it hurts:
+  code       code completion (greedy)          summarize  output copies the input (greedy)
+  chat       open questions (temperature 0.7)  creative   high temperature (1.3)
+
+\b
+Examples:
+  specops bench examples/llamacpp-cpu-draft.yaml -c 1,2,4 -n 8
+  specops bench profiles/llama31-8b-eagle3.yaml -p code,my-traffic.jsonl --rounds 3
+"""
+
+
+@click.command(help=BENCH_HELP)
 @profile_argument
 @click.option(
     "-p",
@@ -140,23 +159,6 @@ def bench(
     quiet,
     as_json,
 ):
-    """Measure PROFILE's engine with speculation and without, side by side.
-
-    Launches the engine as the profile says and again with method none (same engine, same model), in
-    one run, alternating, and sends every prompt set at every concurrency level to each. Reports output
-    tokens/s, TTFT, inter-token latency, acceptance and mean acceptance length, and the speedup
-    (tokens/s ratio) per level and per prompt set: results.json, summary.md and PNG plots.
-
-    \b
-    The built-in sets exercise where speculation helps and where it hurts:
-      code       code completion (greedy)          summarize  output copies the input (greedy)
-      chat       open questions (temperature 0.7)  creative   high temperature (1.3)
-
-    \b
-    Examples:
-      specops bench examples/llamacpp-cpu-draft.yaml -c 1,2,4 -n 8
-      specops bench profiles/llama31-8b-eagle3.yaml -p code,my-traffic.jsonl --rounds 3
-    """
     from specops.perf.bench import BenchConfig, run_bench_blocking
     from specops.perf.bench_report import write_outputs
     from specops.plugins import get_registry
@@ -188,6 +190,13 @@ def bench(
     if as_json:
         echo_json(report)
         return
+    _echo_summary(report, written)
+
+
+def _echo_summary(report: dict, written: dict) -> None:
+    """summary.md as written, the files, and a warning on stderr when requests failed."""
+    from pathlib import Path
+
     click.echo(Path(written["markdown"]).read_text(encoding="utf-8"), nl=False)
     click.echo("")
     for path in written.values():
