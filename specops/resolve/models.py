@@ -190,30 +190,8 @@ def _load_hf_repo(view: ModelView, hub: Hub, files: list[str], tokenizer: bool, 
             info = hub.paths_info(ref, (["config.json"] if has_config else []) + want + weight_files, sha)
         except HubError as exc:
             info_error = exc
-    if not files or has_config:
-        size = info["config.json"].size if "config.json" in info else None
-        if size is not None and size > MAX_JSON_BYTES:
-            view.errors.append(
-                HubError(
-                    "invalid",
-                    f"{ref}/config.json is {size} bytes on the Hub; specops reads "
-                    f"at most {MAX_JSON_BYTES} bytes ({MAX_JSON_BYTES // 1024} KiB): not "
-                    f"downloaded",
-                    ref,
-                )
-            )
-            return
-        try:
-            path = hub.download(ref, "config.json", revision)
-        except HubError as exc:
-            if exc.kind != "entry" and not (exc.hub_is_down and view.errors):
-                view.errors.append(exc)
-            if exc.kind == "invalid":
-                return
-        else:
-            view.config = _read_config(view, path, f"{ref}/config.json")
-            if view.config is None:
-                return
+    if (not files or has_config) and not _download_config(view, hub, info, revision):
+        return
     if view.config is not None:
         view.facts = facts_from_config(view.config)
         view.facts_source = "config.json"
@@ -231,6 +209,36 @@ def _load_hf_repo(view: ModelView, hub: Hub, files: list[str], tokenizer: bool, 
     view.weights = st or from_files({k: v.size for k, v in info.items()})
 
 
+def _download_config(view: ModelView, hub: Hub, info: dict[str, FileMeta], revision: str | None) -> bool:
+    """config.json into ``view.config`` (its size checked first when the Hub stated it); False when the repo
+    is unusable and loading stops (oversized, or an ``invalid`` file)."""
+    ref = view.ref
+    size = info["config.json"].size if "config.json" in info else None
+    if size is not None and size > MAX_JSON_BYTES:
+        view.errors.append(
+            HubError(
+                "invalid",
+                f"{ref}/config.json is {size} bytes on the Hub; specops reads "
+                f"at most {MAX_JSON_BYTES} bytes ({MAX_JSON_BYTES // 1024} KiB): not "
+                f"downloaded",
+                ref,
+            )
+        )
+        return False
+    try:
+        path = hub.download(ref, "config.json", revision)
+    except HubError as exc:
+        if exc.kind != "entry" and not (exc.hub_is_down and view.errors):
+            view.errors.append(exc)
+        if exc.kind == "invalid":
+            return False
+    else:
+        view.config = _read_config(view, path, f"{ref}/config.json")
+        if view.config is None:
+            return False
+    return True
+
+
 def _load_gguf_repo(
     view: ModelView,
     hub: Hub,
@@ -241,14 +249,7 @@ def _load_gguf_repo(
     file: str | None,
 ) -> None:
     ref, sha = view.ref, view.revision
-    if file:
-        view.gguf_file, view.gguf_why = file, "named in the profile"
-    elif files:
-        view.gguf_file, view.gguf_why = pick_file(files, quant)
-    else:
-        view.gguf_file, view.gguf_why = pick_file(list(entry_files.values()), quant)
-        if view.gguf_file:
-            view.gguf_why += " (file list from the catalog)"
+    _pick_gguf(view, files, entry_files, quant, file)
     if view.meta and view.meta.gguf:
         g = view.meta.gguf
         ctx = g.get("context_length")
@@ -266,34 +267,56 @@ def _load_gguf_repo(
                 f"{'the catalog or ' if catalog.facts(ref) else ''}the base model's config.json"
             )
         if view.weights is None:
-            parts = split_parts(view.gguf_file, files)
-            try:
-                info = hub.paths_info(ref, parts, sha)
-                sizes = [info[p].size for p in parts if p in info and info[p].size]
-                if sizes and len(sizes) == len(parts):
-                    what = "file size" if len(parts) == 1 else f"file sizes ({len(parts)} split parts)"
-                    view.weights = Weights(sum(sizes), what)
-            except HubError as exc:
-                if not exc.hub_is_down or not view.errors:
-                    view.errors.append(exc)
+            _size_gguf(view, hub, files)
     if view.gguf_vocab is None and catalog.facts(ref) is None and view.meta and view.meta.card_data:
-        base = view.meta.card_data.get("base_model")
-        base = base[0] if isinstance(base, list) and base else base
-        if isinstance(base, str) and base and not is_repo_id(base):
-            view.notes.append(f"base model named by the card is not a Hub repo id ({base[:100]!r}); not read")
-        elif isinstance(base, str) and base:
-            cfg = None
-            try:
-                cfg = load_json(hub.download(base, "config.json"), what=f"{base}/config.json")
-                problems = config_problems(cfg)
-                if problems:
-                    view.notes.append(f"base model {base}: config.json is malformed ({problems[0]}); not used")
-                    cfg = None
-            except (HubError, BadFile) as exc:
-                view.notes.append(f"base model {base}: {exc}")
-            if cfg:
-                view.facts = view.facts.merged(facts_from_config(cfg))
-                view.facts_source = f"config.json of the base model {base}"
+        _base_model_facts(view, hub, view.meta.card_data)
+
+
+def _pick_gguf(view: ModelView, files: list[str], entry_files: dict, quant: str | None, file: str | None) -> None:
+    """The .gguf file: the one the profile names, else one picked for ``quant`` from the repo (or catalog)."""
+    if file:
+        view.gguf_file, view.gguf_why = file, "named in the profile"
+    elif files:
+        view.gguf_file, view.gguf_why = pick_file(files, quant)
+    else:
+        view.gguf_file, view.gguf_why = pick_file(list(entry_files.values()), quant)
+        if view.gguf_file:
+            view.gguf_why += " (file list from the catalog)"
+
+
+def _size_gguf(view: ModelView, hub: Hub, files: list[str]) -> None:
+    """The weights' size from the Hub's sizes of the chosen file (all its split parts, or none)."""
+    parts = split_parts(view.gguf_file, files)
+    try:
+        info = hub.paths_info(view.ref, parts, view.revision)
+        sizes = [info[p].size for p in parts if p in info and info[p].size]
+        if sizes and len(sizes) == len(parts):
+            what = "file size" if len(parts) == 1 else f"file sizes ({len(parts)} split parts)"
+            view.weights = Weights(sum(sizes), what)
+    except HubError as exc:
+        if not exc.hub_is_down or not view.errors:
+            view.errors.append(exc)
+
+
+def _base_model_facts(view: ModelView, hub: Hub, card_data: dict) -> None:
+    """Vocab facts for a GGUF repo from the config.json of the base model its card names."""
+    base = card_data.get("base_model")
+    base = base[0] if isinstance(base, list) and base else base
+    if isinstance(base, str) and base and not is_repo_id(base):
+        view.notes.append(f"base model named by the card is not a Hub repo id ({base[:100]!r}); not read")
+    elif isinstance(base, str) and base:
+        cfg = None
+        try:
+            cfg = load_json(hub.download(base, "config.json"), what=f"{base}/config.json")
+            problems = config_problems(cfg)
+            if problems:
+                view.notes.append(f"base model {base}: config.json is malformed ({problems[0]}); not used")
+                cfg = None
+        except (HubError, BadFile) as exc:
+            view.notes.append(f"base model {base}: {exc}")
+        if cfg:
+            view.facts = view.facts.merged(facts_from_config(cfg))
+            view.facts_source = f"config.json of the base model {base}"
 
 
 def _apply_gguf(view: ModelView, path: Path) -> None:
