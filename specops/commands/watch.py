@@ -192,7 +192,21 @@ def _detect_backend(metrics_url: str, timeout: float) -> str:
     raise SpecopsError(f"{redact_url(metrics_url)} shows no {prefixes} series; pass --backend")
 
 
-@click.command()
+WATCH_HELP = """Watch the acceptance of an engine that specops does not run, and recommend what to do.
+
+TARGET is the engine's base URL or a profile. Nothing is restarted: on a switch decision specops
+prints the recommendation and, if asked, runs --on-decision or POSTs to --webhook (for a
+Kubernetes operator or a CI job to act on). Stops on Ctrl-C.
+
+\b
+Examples:
+  specops watch http://10.0.0.5:8000 --method eagle3 --window 120
+  specops watch profiles/llama31-8b-eagle3.yaml --webhook http://127.0.0.1:9000/hook
+  specops watch http://127.0.0.1:8080 --once --json
+"""
+
+
+@click.command(help=WATCH_HELP)
 @click.argument("target")
 @click.option("--backend", help="Engine kind for a URL target (default: detected from its /metrics).")
 @click.option("--model-name", help="Only series of this model (vLLM's model_name label).")
@@ -265,18 +279,6 @@ def watch(
     once,
     as_json,
 ):
-    """Watch the acceptance of an engine that specops does not run, and recommend what to do.
-
-    TARGET is the engine's base URL or a profile. Nothing is restarted: on a switch decision specops
-    prints the recommendation and, if asked, runs --on-decision or POSTs to --webhook (for a
-    Kubernetes operator or a CI job to act on). Stops on Ctrl-C.
-
-    \b
-    Examples:
-      specops watch http://10.0.0.5:8000 --method eagle3 --window 120
-      specops watch profiles/llama31-8b-eagle3.yaml --webhook http://127.0.0.1:9000/hook
-      specops watch http://127.0.0.1:8080 --once --json
-    """
     overrides = {
         "window": window,
         "interval": interval,
@@ -299,23 +301,27 @@ def watch(
         backend = backend or _detect_backend(base + "/metrics", 5.0)
         profile = _profile_for_url(base, backend, model_name, method, overrides)
     else:
-        profile = load(target).profile
-        fb = {k: v for k, v in overrides.items() if v is not None and k not in ("interval", "prometheus_url")}
-        mon = {k: v for k, v in overrides.items() if v is not None and k in ("interval", "prometheus_url")}
-        if mon.get("prometheus_url"):
-            mon["source"] = "promql"
-        profile = profile.model_copy(
-            update={
-                "fallback": profile.fallback.model_copy(update=fb),
-                "monitor": profile.monitor.model_copy(update=mon),
-            }
-        )
+        profile = _with_overrides(load(target).profile, overrides)
         base = (engine_url or http_url(profile.server.host, profile.server.port)).rstrip("/")
     profile = _check_bounds(profile, say=lambda msg: click.echo(msg, err=True))
     try:
         asyncio.run(_watch(profile, base, model_name or profile.model.served_name, command, webhook, once, as_json))
     except KeyboardInterrupt:
         pass
+
+
+def _with_overrides(profile: Profile, overrides: dict) -> Profile:
+    """A profile target with the options given on the command line (a --prometheus-url reads with PromQL)."""
+    fb = {k: v for k, v in overrides.items() if v is not None and k not in ("interval", "prometheus_url")}
+    mon = {k: v for k, v in overrides.items() if v is not None and k in ("interval", "prometheus_url")}
+    if mon.get("prometheus_url"):
+        mon["source"] = "promql"
+    return profile.model_copy(
+        update={
+            "fallback": profile.fallback.model_copy(update=fb),
+            "monitor": profile.monitor.model_copy(update=mon),
+        }
+    )
 
 
 async def _watch(profile: Profile, base: str, model_name: str | None, command, webhook, once: bool, as_json: bool):
