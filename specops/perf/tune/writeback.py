@@ -136,9 +136,8 @@ def write_back(
 ) -> WriteOutcome:
     """Write the winner into the profile file and the record beside it (or into a fresh lock).
 
-    The new text is validated (loaded with every rule, and rendered for ``engine``) from a temporary file
-    beside the profile before it replaces the profile; on any problem nothing is changed. ``dry_run``
-    does all of that and writes nothing.
+    The new text is validated (loaded with every rule, rendered for ``engine``) from a temporary file beside
+    the profile before it replaces it; on any problem nothing changes. ``dry_run`` does all that, writes nothing.
     """
     date = date or today()
     path = Path(loaded.path)
@@ -148,10 +147,7 @@ def write_back(
     pbs = per_batch["value"] if (per_batch and apply_per_batch) else None
     written = _setting_to_write(result, per_batch, pbs, notes)
     changes = desired_changes(loaded.profile, resolved_profile, written, per_batch_size=pbs)
-    if loaded.profile.speculative.per_batch_size is not None and pbs is None and written.method is not Method.NONE:
-        notes.append(
-            "speculative.per_batch_size is set and overrides k for the batch sizes it lists; the sweep ran without it"
-        )
+    _note_per_batch_override(loaded.profile, written, pbs, notes)
     lock, record_path = _record_target(loaded, changes, notes)
     old_text = path.read_text(encoding="utf-8")
     comment = comment_line(result, date, record_path.name)
@@ -182,13 +178,25 @@ def write_back(
         written=False,
         record=record,
     )
-    if dry_run:
-        return out
-    if new_text != old_text:
-        _atomic_write(path, new_text)
-    _atomic_write(record_path, new_record_text)
-    out.written = True
+    if not dry_run:
+        _write_files(out, new_text if new_text != old_text else None, new_record_text)
     return out
+
+
+def _note_per_batch_override(profile, written: Setting, pbs, notes: list[str]) -> None:
+    """A note when the profile's per_batch_size (kept, not swept) overrides the k written for some batch sizes."""
+    if profile.speculative.per_batch_size is not None and pbs is None and written.method is not Method.NONE:
+        notes.append(
+            "speculative.per_batch_size is set and overrides k for the batch sizes it lists; the sweep ran without it"
+        )
+
+
+def _write_files(out: WriteOutcome, profile_text: str | None, record_text: str) -> None:
+    """The profile (when it changed) and then the record, each replaced atomically."""
+    if profile_text is not None:
+        _atomic_write(out.profile_path, profile_text)
+    _atomic_write(out.record_path, record_text)
+    out.written = True
 
 
 def _setting_to_write(result: TuneResult, per_batch: dict | None, pbs, notes: list[str]) -> Setting:
