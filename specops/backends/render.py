@@ -20,8 +20,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from specops.backends.base import EngineInfo, LaunchPlan, RenderError
+from specops.config.located import format_path
 from specops.config.profile import LoadedProfile, Profile
-from specops.config.yamlsource import format_path
 from specops.errors import ProfileError, SpecopsError
 from specops.methods import NEEDS_DRAFT
 from specops.redact import MARK, EnvText, redact_message

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specops.config import yamlsource
+from specops.config.located import Document, format_path, redact_problems
 from specops.config.rules import semantic_problems
 from specops.config.sections import (
     ENV_NAME,
@@ -53,7 +54,6 @@ from specops.config.sections import (
     check_version_text,
 )
 from specops.config.validation import validate_document
-from specops.config.yamlsource import Document, format_path, redact_problems
 from specops.errors import Problem, ProfileError
 from specops.paths import builtin_env
 

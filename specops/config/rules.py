@@ -12,8 +12,8 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from specops.config.located import quote_value
 from specops.config.sections import ENV_NAME, LABEL_NAME, MAX_K, MAX_SEQUENCES, Profile
-from specops.config.yamlsource import quote_value
 from specops.errors import Problem
 from specops.methods import NEEDS_DRAFT, Method
 from specops.redact import secret_flag

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
+from specops.config.located import Document, format_path, redact_problems
 from specops.config.sections import Profile
-from specops.config.yamlsource import Document, format_path, redact_problems
 from specops.errors import Problem, ProfileError
 
 

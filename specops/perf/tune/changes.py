@@ -81,6 +81,6 @@ def _chain_item(step) -> Any:
 
 def format_changes(changes: dict[tuple, Any]) -> list[str]:
     """Each change as ``field.path: value`` (``(removed)`` for an unset key)."""
-    from specops.config.yamlsource import format_path
+    from specops.config.located import format_path
 
     return [f"{format_path(p)}: {'(removed)' if v is UNSET_VALUE else json.dumps(v)}" for p, v in changes.items()]
