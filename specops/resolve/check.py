@@ -230,40 +230,7 @@ def _vocab(method, draft, target, profile, be) -> list[Finding]:
     dv, tv = draft.facts.vocab, target.facts.vocab
     tolerance = be.draft_vocab_tolerance if method is Method.DRAFT_MODEL else 0
     if tolerance:
-        engine = be.engine_name
-        if draft.gguf_vocab is not None and target.gguf_vocab is not None:
-            issues = compare_vocab(target.gguf_vocab, draft.gguf_vocab)
-            if issues:
-                return [Finding(sev, "vocab", msg) for sev, msg in issues]
-            return [
-                Finding(
-                    "info",
-                    "vocab",
-                    f"GGUF vocabularies compatible for {engine} "
-                    f"({draft.gguf_vocab.size} vs {target.gguf_vocab.size} tokens, same token text from id 5)",
-                )
-            ]
-        if dv is None or tv is None:
-            return [Finding("info", "vocab", "vocab not checked: " + _unknown(dv, tv))]
-        diff = abs(dv - tv)
-        if diff > tolerance:
-            return [
-                Finding(
-                    "error",
-                    "vocab",
-                    f"vocab sizes {dv} (draft) and {tv} (target) are {diff} apart; {engine} allows at most {tolerance}",
-                )
-            ]
-        if diff:
-            return [
-                Finding(
-                    "info",
-                    "vocab",
-                    f"vocab sizes {dv} and {tv} differ by {diff}: {engine} accepts up to "
-                    f"{tolerance} (token text is compared when the GGUF files are local)",
-                )
-            ]
-        return []
+        return _vocab_within(tolerance, draft, target, be.engine_name)
     if dv is None or tv is None:
         return [Finding("info", "vocab", "vocab not checked: " + _unknown(dv, tv))]
     out = []
@@ -287,6 +254,45 @@ def _vocab(method, draft, target, profile, be) -> list[Finding]:
     if method is Method.EAGLE3 and dvs is not None and dvs > tv:
         out.append(Finding("error", "vocab", f"draft_vocab_size {dvs} exceeds the target's vocab_size {tv}"))
     return out
+
+
+def _vocab_within(tolerance: int, draft, target, engine: str) -> list[Finding]:
+    """A draft model on an engine that allows vocab sizes ``tolerance`` apart: the GGUF token text when both
+    files are local, else the sizes."""
+    dv, tv = draft.facts.vocab, target.facts.vocab
+    if draft.gguf_vocab is not None and target.gguf_vocab is not None:
+        issues = compare_vocab(target.gguf_vocab, draft.gguf_vocab)
+        if issues:
+            return [Finding(sev, "vocab", msg) for sev, msg in issues]
+        return [
+            Finding(
+                "info",
+                "vocab",
+                f"GGUF vocabularies compatible for {engine} "
+                f"({draft.gguf_vocab.size} vs {target.gguf_vocab.size} tokens, same token text from id 5)",
+            )
+        ]
+    if dv is None or tv is None:
+        return [Finding("info", "vocab", "vocab not checked: " + _unknown(dv, tv))]
+    diff = abs(dv - tv)
+    if diff > tolerance:
+        return [
+            Finding(
+                "error",
+                "vocab",
+                f"vocab sizes {dv} (draft) and {tv} (target) are {diff} apart; {engine} allows at most {tolerance}",
+            )
+        ]
+    if diff:
+        return [
+            Finding(
+                "info",
+                "vocab",
+                f"vocab sizes {dv} and {tv} differ by {diff}: {engine} accepts up to "
+                f"{tolerance} (token text is compared when the GGUF files are local)",
+            )
+        ]
+    return []
 
 
 def _unknown(dv, tv) -> str:
