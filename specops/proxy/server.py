@@ -10,6 +10,7 @@ Where the rest lives:
 
 - :mod:`specops.proxy.dispatch`: a request's way through: checks, the wait queue, retries, recovery;
 - :mod:`specops.proxy.forward`: one exchange with the engine (headers, URL, streaming, timings);
+- :mod:`specops.proxy.options`: the settings a proxy is made with (``Proxy(host, port, **options)``);
 - :mod:`specops.proxy.limits`: what the public port accepts (connections, deadlines, sizes, the API key);
 - :mod:`specops.proxy.metrics`: ``/specops/metrics``; :mod:`specops.proxy.loop`: uvloop or asyncio.
 """
@@ -31,11 +32,6 @@ from specops.urls import http_url
 from .dispatch import RequestPath
 from .forward import Forwarder, Generation, engine_session
 from .limits import (
-    DEFAULT_BODY_TIMEOUT,
-    DEFAULT_HEADER_TIMEOUT,
-    DEFAULT_MAX_BODY_SIZE,
-    DEFAULT_MAX_BUFFERED_BYTES,
-    DEFAULT_MAX_CONNECTIONS,
     LINGER,
     BufferBudget,
     RejectLog,
@@ -44,6 +40,7 @@ from .limits import (
     raise_fd_limit,
 )
 from .metrics import metrics_text
+from .options import ProxyOptions
 from .states import WAITING_STATES, ProxyState, check_transition
 
 log = logging.getLogger("specops.proxy")
@@ -102,24 +99,6 @@ class DrainResult:
         return asdict(self)
 
 
-def _check_settings(
-    queue_size: int,
-    header_timeout: float,
-    body_timeout: float,
-    max_connections: int | None,
-    max_body_size: int,
-    max_buffered_bytes: int,
-) -> None:
-    if queue_size < 0:
-        raise ValueError("queue_size must be >= 0")
-    if header_timeout <= 0 or body_timeout <= 0:
-        raise ValueError("header_timeout and body_timeout must be > 0")
-    if max_connections is not None and max_connections < 1:
-        raise ValueError("max_connections must be >= 1 (or None: no cap)")
-    if max_body_size < 0 or max_buffered_bytes < 0:
-        raise ValueError("max_body_size and max_buffered_bytes must be >= 0")
-
-
 class Proxy(RequestPath):
     """Reverse proxy in front of the engine; see :mod:`specops.proxy.states` for the switch protocol.
 
@@ -136,52 +115,34 @@ class Proxy(RequestPath):
         host: str,
         port: int,
         *,
-        queue_size: int,
-        queue_timeout: float,
-        drain_timeout: float,
-        retry_unstarted: bool = True,
         on_timings: Callable[[int, int], Any] | None = None,
         status_provider: Callable[[], dict] | None = None,
         metrics_registry=None,
-        admin_host: str = "127.0.0.1",
-        admin_port: int | None = None,
-        retry_after: float | None = None,
-        connect_timeout: float = 5.0,
-        read_timeout: float | None = None,
-        max_body_size: int = DEFAULT_MAX_BODY_SIZE,
-        buffer_limit: int = 1024 * 1024,
-        health_path: str = "/health",
-        recover_interval: float = 1.0,
-        events_kept: int = 100,
-        api_key: str | None = None,
-        header_timeout: float = DEFAULT_HEADER_TIMEOUT,
-        body_timeout: float = DEFAULT_BODY_TIMEOUT,
-        max_connections: int | None = DEFAULT_MAX_CONNECTIONS,
-        max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-        log_rejects_per_s: float = 5.0,
+        **options,
     ):
-        _check_settings(queue_size, header_timeout, body_timeout, max_connections, max_body_size, max_buffered_bytes)
+        """``options`` are the keywords of :class:`~specops.proxy.options.ProxyOptions` (checked there)."""
+        opts = ProxyOptions(**options)
         self.host, self.port = host, port
-        self.admin_host, self.admin_port = admin_host, admin_port
-        self.queue_size = queue_size
-        self.queue_timeout = float(queue_timeout)
-        self.drain_timeout = float(drain_timeout)
-        self.retry_unstarted = retry_unstarted
-        self.retry_after = retry_after
+        self.admin_host, self.admin_port = opts.admin_host, opts.admin_port
+        self.queue_size = opts.queue_size
+        self.queue_timeout = float(opts.queue_timeout)
+        self.drain_timeout = float(opts.drain_timeout)
+        self.retry_unstarted = opts.retry_unstarted
+        self.retry_after = opts.retry_after
         self.status_provider = status_provider
         self.metrics_registry = metrics_registry
-        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
-        self.health_path, self.recover_interval = health_path, recover_interval
-        self.api_key = api_key or None
-        self._key = b"Bearer " + api_key.encode("utf-8") if api_key else None
-        self.max_body_size = max_body_size
-        self.header_timeout, self.body_timeout = float(header_timeout), float(body_timeout)
-        self.max_connections = max_connections
-        self.max_buffered_bytes = int(max_buffered_bytes)
+        self.connect_timeout, self.read_timeout = opts.connect_timeout, opts.read_timeout
+        self.health_path, self.recover_interval = opts.health_path, opts.recover_interval
+        self.api_key = opts.api_key or None
+        self._key = b"Bearer " + opts.api_key.encode("utf-8") if opts.api_key else None
+        self.max_body_size = opts.max_body_size
+        self.header_timeout, self.body_timeout = float(opts.header_timeout), float(opts.body_timeout)
+        self.max_connections = opts.max_connections
+        self.max_buffered_bytes = int(opts.max_buffered_bytes)
         self._budget = BufferBudget(self.max_buffered_bytes)  # request bodies (and buffered answers) held
-        self._reject_log = RejectLog(log, log_rejects_per_s)
+        self._reject_log = RejectLog(log, opts.log_rejects_per_s)
         self._c = dict.fromkeys(COUNTERS, 0)
-        self._forwarder = Forwarder(self._c, self._budget, buffer_limit, on_timings)
+        self._forwarder = Forwarder(self._c, self._budget, opts.buffer_limit, on_timings)
         self._server: Server | None = None
         self._runner: web.ServerRunner | None = None
         self._admin_runner: web.ServerRunner | None = None
@@ -194,7 +155,7 @@ class Proxy(RequestPath):
         self._inflight = 0
         self._recover_task: asyncio.Task | None = None
         self._held_since: float | None = None
-        self._events: deque = deque(maxlen=events_kept)
+        self._events: deque = deque(maxlen=opts.events_kept)
         self._started_at = time.time()
         self._wait_total = 0.0
         self._wait_longest = 0.0
