@@ -68,26 +68,11 @@ def resolve(
       specops resolve profiles/llama31-8b-eagle3.yaml --offline
     """
     from specops.resolve.resolver import resolve as run_resolve
-    from specops.resolve.resolver import resolve_profile, synthetic_profile
+    from specops.resolve.resolver import synthetic_profile
 
     progress = None if as_json else _progress
     if target.endswith((".yaml", ".yml")) and os.path.isfile(target):
-        loaded = load(target)
-        profile = loaded.profile
-        if method or backend:
-            spec = profile.speculative
-            update = {}
-            if method:
-                m = Method(method)
-                update["speculative"] = spec.model_copy(
-                    update={"method": m, "draft": "auto" if m.value not in ("auto", "mtp", "ngram") else None}
-                )
-            if backend:
-                update["backend"] = backend
-            profile = profile.model_copy(update=update)
-            res = run_resolve(profile, offline=offline, progress=progress)
-        else:
-            res = resolve_profile(loaded, offline=offline, use_lock=False, raise_errors=False, progress=progress)
+        res = _resolve_profile_file(target, method, backend, offline, progress)
     else:
         profile = synthetic_profile(
             target,
@@ -106,6 +91,28 @@ def resolve(
         click.echo(format_resolution(res, show_all=show_all), nl=False)
     if res.choice is None or res.errors:
         raise SystemExit(1)
+
+
+def _resolve_profile_file(target: str, method: str | None, backend: str | None, offline: bool, progress):
+    """Resolve a profile file: as written (its lock ignored), or with ``--method``/``--backend`` applied."""
+    from specops.resolve.resolver import resolve as run_resolve
+    from specops.resolve.resolver import resolve_profile
+
+    loaded = load(target)
+    if not (method or backend):
+        return resolve_profile(loaded, offline=offline, use_lock=False, raise_errors=False, progress=progress)
+    profile = loaded.profile
+    spec = profile.speculative
+    update = {}
+    if method:
+        m = Method(method)
+        update["speculative"] = spec.model_copy(
+            update={"method": m, "draft": "auto" if m.value not in ("auto", "mtp", "ngram") else None}
+        )
+    if backend:
+        update["backend"] = backend
+    profile = profile.model_copy(update=update)
+    return run_resolve(profile, offline=offline, progress=progress)
 
 
 @click.command()
@@ -163,6 +170,27 @@ def _name(c) -> str:
     return name + (f" [{c.file}]" if c.file else "")
 
 
+def _candidate_table(res, show_all: bool) -> list[str]:
+    """One row per candidate (the choice starred), with its findings, note and caveats beneath."""
+    lines = [""]
+    width = max(len(_name(c)) for c in res.candidates)
+    width = min(max(width, 10), 72)
+    lines.append(f"  #  {'verdict':<9}{'method':<15}{'draft':<{width}}  ranked by")
+    for i, c in enumerate(res.candidates, 1):
+        name = _name(c)
+        mark = "*" if c is res.choice else " "
+        lines.append(f"{mark}{i:>2}  {c.verdict:<9}{c.method.value:<15}{_cut(name, width):<{width}}  {c.why()}")
+        shown = [x for x in c.findings if x.severity != "info" or show_all]
+        for x in shown:
+            lines.append(f"       {SEVERITY_MARK[x.severity]}  {x.check}: {x.message}")
+        if c.verdict == "unchecked" and c.note:
+            lines.append(f"       {c.note}")
+        if c is res.choice or show_all:
+            for cav in c.caveats:
+                lines.append(f"       caveat   {cav}")
+    return lines
+
+
 def format_resolution(res, *, show_all: bool = False) -> str:
     lines: list[str] = []
     t = res.target
@@ -187,22 +215,7 @@ def format_resolution(res, *, show_all: bool = False) -> str:
         f"backend  {p.backend}   requested: {res.requested}" + (f"   served context {served}" if served else "")
     )
     if res.candidates:
-        lines.append("")
-        width = max(len(_name(c)) for c in res.candidates)
-        width = min(max(width, 10), 72)
-        lines.append(f"  #  {'verdict':<9}{'method':<15}{'draft':<{width}}  ranked by")
-        for i, c in enumerate(res.candidates, 1):
-            name = _name(c)
-            mark = "*" if c is res.choice else " "
-            lines.append(f"{mark}{i:>2}  {c.verdict:<9}{c.method.value:<15}{_cut(name, width):<{width}}  {c.why()}")
-            shown = [x for x in c.findings if x.severity != "info" or show_all]
-            for x in shown:
-                lines.append(f"       {SEVERITY_MARK[x.severity]}  {x.check}: {x.message}")
-            if c.verdict == "unchecked" and c.note:
-                lines.append(f"       {c.note}")
-            if c is res.choice or show_all:
-                for cav in c.caveats:
-                    lines.append(f"       caveat   {cav}")
+        lines += _candidate_table(res, show_all)
     lines.append("")
     if res.choice is not None:
         c = res.choice
