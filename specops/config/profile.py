@@ -5,7 +5,7 @@ into a :class:`LoadedProfile`. The pieces live beside it: the section models in
 :mod:`specops.config.sections` (the single source of truth for validation, defaults, the JSON Schema and
 the README's field reference), the mapping of pydantic's errors to YAML locations in
 :mod:`specops.config.validation`, and the cross-field rules in :mod:`specops.config.rules`, so every error
-carries a field path that :mod:`specops.config.yamlsource` maps back to file:line:column.
+carries a field path that :mod:`specops.config.located` maps back to file:line:column.
 """
 
 from __future__ import annotations

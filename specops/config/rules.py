@@ -2,7 +2,7 @@
 
 Pydantic checks each field on its own (:mod:`specops.config.sections`); these rules look at several at
 once and at the backend the profile names, and give every problem the path of the field to change, which
-:mod:`specops.config.yamlsource` maps back to file:line:column.
+:mod:`specops.config.located` maps back to file:line:column.
 """
 
 from __future__ import annotations

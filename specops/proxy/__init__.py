@@ -5,6 +5,7 @@ The modules, in the order a request meets them:
 - :mod:`~specops.proxy.server`: :class:`Proxy`: lifecycle, switch control (hold, drain, release,
   upstream_failed), status;
 - :mod:`~specops.proxy.states`: the proxy's states and the allowed changes between them;
+- :mod:`~specops.proxy.options`: the settings (:class:`ProxyOptions`), checked once, with their defaults;
 - :mod:`~specops.proxy.limits`: what the public port accepts (connection cap, header/body deadlines,
   body sizes, buffered bytes, the API key) and the rate-limited rejection log;
 - :mod:`~specops.proxy.dispatch`: a request's way through: admin routes, the wait queue, retries,
