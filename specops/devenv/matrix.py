@@ -46,6 +46,7 @@ from specops.devenv.matrix_cells import CELLS, ENGINES, Cell, InstalledEngine, K
 from specops.devenv.matrix_launch import Say, run_engine
 from specops.devenv.matrix_launch import last_error_line as _last_error_line
 from specops.errors import ProfileError, SpecopsError
+from specops.run.start import free_port
 
 DATA_FILE = Path(__file__).resolve().parent.parent / "data" / "support_matrix.json"
 SCHEMA = 1
@@ -233,7 +234,7 @@ def measure_cell(
             path.write_text(yaml.safe_dump(_profile(cell, engine, models, timeout), sort_keys=False))
             try:
                 loaded = load_profile(path, registry=registry)
-                the_plan = render_plan(loaded, registry)
+                the_plan = render_plan(loaded, registry, host="127.0.0.1", port=free_port())
             except (ProfileError, SpecopsError) as exc:
                 rec.update(outcome="rendered-refused", detail=_problems_text(exc))
                 if cell.hand and hand_check:
@@ -285,7 +286,7 @@ def _hand_check(cell: Cell, engine: InstalledEngine, models, registry, timeout, 
     prof["speculative"] = {"method": "none"}
     path.write_text(yaml.safe_dump(prof, sort_keys=False))
     loaded = load_profile(path, registry=registry)
-    base = render_plan(loaded, registry)
+    base = render_plan(loaded, registry, host="127.0.0.1", port=free_port())
     args = tuple(a.replace("{draft}", str(models[cell.draft])) if cell.draft else a for a in cell.hand)
     hand_plan = replace(base, argv=tuple(base.argv) + args)
     say("    specops refuses it; launching the engine with the hand-written arguments to see what it does")
