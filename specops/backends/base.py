@@ -250,6 +250,42 @@ class Backend:
         """The plan for ``profile`` on ``engine``; binds ``host:port`` (default: the profile's server)."""
         raise NotImplementedError
 
+    def launch_plan(
+        self,
+        profile,
+        engine: EngineInfo,
+        argv: Iterable[str],
+        env: dict[str, str],
+        host: str,
+        port: int,
+        *,
+        model_name: str,
+        notes: Iterable[str] = (),
+        secrets: Iterable[str] = (),
+        api_key: str | None = None,
+    ) -> LaunchPlan:
+        """The plan a render ends with, the same for every backend.
+
+        Values of secret-named environment variables, and ``secrets`` (e.g. a key an engine takes in argv),
+        are kept out of every printed form; ``api_key`` is what specops itself sends to the engine.
+        """
+        env_items = tuple(sorted(env.items()))
+        return LaunchPlan(
+            backend=self.name,
+            engine_version=engine.version,
+            method=profile.speculative.method,
+            argv=tuple(argv),
+            env=env_items,
+            host=host,
+            port=port,
+            health_path=self.health_path,
+            metrics_path=self.metrics_path,
+            model_name=model_name,
+            secrets=(*secrets, *(v for k, v in env_items if looks_secret(k))),
+            notes=tuple(notes),
+            api_key=api_key,
+        )
+
     def acceptance_counters(self, metrics_text: str, model_name: str | None = None, openmetrics: bool = False):
         """Spec-decode counters (a :class:`specops.backends.counters.SpecCounters`) from this engine's /metrics text.
 

@@ -16,12 +16,10 @@ from pathlib import Path
 from specops.backends.base import (
     Backend,
     EngineInfo,
-    LaunchPlan,
     RenderError,
     check_extra_args,
     check_version_text,
     counter_total,
-    looks_secret,
 )
 from specops.backends.versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
 from specops.errors import SpecopsError
@@ -216,7 +214,7 @@ class LlamaCppBackend(Backend):
 
     # ------------------------------------------------------------------ rendering
     def render(self, profile, engine, *, host=None, port=None):
-        p, spec, g = profile, profile.speculative, profile.gpus
+        p, g = profile, profile.gpus
         gen = (
             llama_generation_from_help(engine.flags, _spec_types(engine))
             if engine.flags is not None
@@ -255,20 +253,14 @@ class LlamaCppBackend(Backend):
         argv += self._spec_args(p, gen, engine)
         check_extra_args(p.server.extra_args, tuple(argv), ALIASES, FORBIDDEN, engine.flags)
         argv += p.server.extra_args
-        env_items = tuple(sorted(env.items()))
-        secrets = [v for k, v in env_items if looks_secret(k)]
-        return LaunchPlan(
-            backend=self.name,
-            engine_version=engine.version,
-            method=spec.method,
-            argv=tuple(argv),
-            env=env_items,
-            host=host,
-            port=port,
-            health_path=self.health_path,
-            metrics_path=self.metrics_path,
+        return self.launch_plan(
+            p,
+            engine,
+            argv,
+            env,
+            host,
+            port,
             model_name=p.model.served_name or _default_alias(p.model.id),
-            secrets=tuple(secrets),
             notes=(f"llama-server flag generation: {gen}",),
             api_key=p.server.api_key,
         )

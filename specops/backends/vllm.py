@@ -18,12 +18,10 @@ from pathlib import Path
 from specops.backends.base import (
     Backend,
     EngineInfo,
-    LaunchPlan,
     RenderError,
     check_extra_args,
     check_version_text,
     counter_total,
-    looks_secret,
 )
 from specops.backends.versions import (
     VLLM_DRAFT_MODEL_V1,
@@ -198,7 +196,7 @@ class VllmBackend(Backend):
 
     # ------------------------------------------------------------------ rendering
     def render(self, profile, engine, *, host=None, port=None):
-        p, spec, g = profile, profile.speculative, profile.gpus
+        p, g = profile, profile.gpus
         version = Version(engine.version)
         host = host or p.server.host
         port = port or p.server.port
@@ -237,21 +235,15 @@ class VllmBackend(Backend):
         env.update(p.server.env)
         if p.server.api_key:  # in the environment, not argv: argv is visible to every user in `ps`
             env["VLLM_API_KEY"] = p.server.api_key
-        env_items = tuple(sorted(env.items()))
-        secrets = [v for k, v in env_items if looks_secret(k)]
-        return LaunchPlan(
-            backend=self.name,
-            engine_version=engine.version,
-            method=spec.method,
-            argv=tuple(argv),
-            env=env_items,
-            host=host,
-            port=port,
-            health_path=self.health_path,
-            metrics_path=self.metrics_path,
+        return self.launch_plan(
+            p,
+            engine,
+            argv,
+            env,
+            host,
+            port,
             model_name=p.model.served_name or p.model.id,
-            secrets=tuple(secrets),
-            notes=tuple(notes),
+            notes=notes,
             api_key=p.server.api_key,
         )
 

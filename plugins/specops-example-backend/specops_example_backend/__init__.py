@@ -12,11 +12,10 @@ import subprocess
 
 import click
 
-from specops.backends.base import Backend, EngineInfo, LaunchPlan, RenderError
+from specops.backends.base import Backend, EngineInfo, RenderError
 from specops.errors import SpecopsError
 from specops.hookspecs import hookimpl
 from specops.methods import Method
-from specops.redact import looks_secret
 
 #: specops method -> SGLang ``--speculative-algorithm``.
 ALGORITHM = {Method.EAGLE: "EAGLE", Method.EAGLE3: "EAGLE3", Method.DRAFT_MODEL: "STANDALONE", Method.NGRAM: "NGRAM"}
@@ -101,21 +100,17 @@ class SglangBackend(Backend):
         env = dict(p.server.env)
         if g.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, g.devices))
-        env_items = tuple(sorted(env.items()))
-        secrets += [v for k, v in env_items if looks_secret(k)]  # specops' own rule, as its printed forms use
-        return LaunchPlan(
-            backend=self.name,
-            engine_version=engine.version,
-            method=spec.method,
-            argv=tuple(argv),
-            env=env_items,
-            host=host,
-            port=port,
-            health_path=self.health_path,
-            metrics_path=self.metrics_path,
+        # the base class adds the values of secret-named environment variables, by specops' own rule
+        return self.launch_plan(
+            p,
+            engine,
+            argv,
+            env,
+            host,
+            port,
             model_name=p.model.served_name or p.model.id,
-            secrets=tuple(secrets),
             notes=("example plugin: check flags against your SGLang",),
+            secrets=secrets,
         )
 
     def acceptance_counters(self, *args, **kwargs):
