@@ -145,29 +145,18 @@ def _chain_problems(p: Profile, backend: Any) -> Findings:
 def _name_problems(loaded: LoadedProfile) -> list[Problem]:
     """Environment variable and Prometheus label names (located at the key, not the value)."""
     p = loaded.profile
+    rules = (
+        ("server", "env", ENV_NAME, "an environment variable"),
+        ("monitor", "labels", LABEL_NAME, "a Prometheus label"),
+    )
     out: list[Problem] = []
-    for name in p.server.env:
-        if not ENV_NAME.match(name):
-            out.append(
-                loaded.problem(
-                    ("server", "env", name),
-                    f"{quote_value(name)} is not an environment variable "
-                    f"name: use letters, digits and _, not starting with a digit",
-                    key=True,
-                    field="server.env",
+    for section, key, pattern, what in rules:
+        for name in getattr(getattr(p, section), key):
+            if not pattern.match(name):
+                message = (
+                    f"{quote_value(name)} is not {what} name: use letters, digits and _, not starting with a digit"
                 )
-            )
-    for name in p.monitor.labels:
-        if not LABEL_NAME.match(name):
-            out.append(
-                loaded.problem(
-                    ("monitor", "labels", name),
-                    f"{quote_value(name)} is not a Prometheus label "
-                    f"name: use letters, digits and _, not starting with a digit",
-                    key=True,
-                    field="monitor.labels",
-                )
-            )
+                out.append(loaded.problem((section, key, name), message, key=True, field=f"{section}.{key}"))
     return out
 
 
