@@ -31,7 +31,7 @@ from specops.urls import http_url
 from specops.watch.decide import FallbackDecider
 from specops.watch.watcher import AcceptanceReader, LiveCounters, SpecopsMetrics, Watcher
 
-__all__ = ["Console", "UpOptions", "free_port", "resolve_for_launch", "run_up", "up_blocking"]
+__all__ = ["Console", "UpOptions", "run_up", "up_blocking"]
 
 
 @dataclass

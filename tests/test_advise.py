@@ -13,6 +13,7 @@ import pytest
 
 from specops.errors import SpecopsError
 from specops.perf import advise as A
+from specops.run.identity import self_identity
 from specops.watch.window import WindowStats
 
 SPECOPS = [sys.executable, "-m", "specops.cli"]
@@ -199,6 +200,7 @@ def test_cli_reads_an_instance_state_file(tmp_path):
             {
                 "name": "demo",
                 "pid": os.getpid(),
+                "identity": self_identity(),
                 "state": "ready",
                 "method": "draft_model",
                 "step": 0,
@@ -221,6 +223,12 @@ def test_cli_reads_an_instance_state_file(tmp_path):
     assert data["k"] == 3 and data["measured_speedup"] == pytest.approx(2.5 / 1.15)
     gone = cli("--instance", "nope", env={"SPECOPS_STATE": str(tmp_path / "state")}, check=False)
     assert gone.returncode == 1 and "no instance named 'nope'" in gone.stderr
+    # a live process that is not the instance (a reused pid: another start time) is stale, not read
+    doc = json.loads((inst / "state.json").read_text())
+    doc["identity"]["starttime"] = (doc["identity"]["starttime"] or 0) + 1
+    (inst / "state.json").write_text(json.dumps(doc))
+    stale = cli("--instance", "demo", env={"SPECOPS_STATE": str(tmp_path / "state")}, check=False)
+    assert stale.returncode == 1 and "is not running (stale" in stale.stderr
 
 
 # ------------------------------------------------------------------------------------ live, real engines

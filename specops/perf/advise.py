@@ -430,15 +430,17 @@ def format_advice(adv: Advice) -> str:
 
 def read_instance(name: str, state_dir: str | None = None):
     """The acceptance window of a running ``specops up`` instance → (WindowStats, state dict)."""
-    from specops.run.instance import InstancePaths, pid_alive, read_state
+    from specops.run.identity import owner_problem
+    from specops.run.instance import InstancePaths, read_state
     from specops.watch.window import WindowStats
 
     paths = InstancePaths.for_profile(name, state_dir)
     state = read_state(paths)
     if state is None:
         raise SpecopsError(f"no instance named {name!r} (no {paths.state})")
-    if not pid_alive(state.get("pid")):
-        raise SpecopsError(f"instance {name!r} is not running (stale {paths.state})")
+    stale = owner_problem(state)  # the same check as `specops status`: a reused pid is not this instance
+    if stale:
+        raise SpecopsError(f"instance {name!r} is not running (stale {paths.state}: {stale})")
     acc = state.get("acceptance")
     if not isinstance(acc, dict):
         raise SpecopsError(f"instance {name!r} has no acceptance reading yet (state {state.get('state')})")

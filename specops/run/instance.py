@@ -24,7 +24,6 @@ from specops.errors import SpecopsError
 from specops.paths import private_dir, state_dir
 from specops.run.identity import (
     identity_problem,
-    pid_alive,  # noqa: F401  (perf/advise.py imports it from here)
     self_identity,
     short_repr,
     valid_pid,
