@@ -171,7 +171,10 @@ def _name(c) -> str:
 
 
 def _candidate_table(res, show_all: bool) -> list[str]:
-    """One row per candidate (the choice starred), with its findings, note and caveats beneath."""
+    """One row per candidate (the choice starred), with its findings, note and caveats beneath; a catalog pair
+    also with its source and how it is known (its format measured on an engine, or documented only)."""
+    from specops.resolve.catalog import format_evidence
+
     lines = [""]
     width = max(len(_name(c)) for c in res.candidates)
     width = min(max(width, 10), 72)
@@ -185,6 +188,9 @@ def _candidate_table(res, show_all: bool) -> list[str]:
             lines.append(f"       {SEVERITY_MARK[x.severity]}  {x.check}: {x.message}")
         if c.verdict == "unchecked" and c.note:
             lines.append(f"       {c.note}")
+        if c.entry is not None:
+            lines.append(f"       source   {c.entry.source}")
+            lines.append(f"       known    {format_evidence(c.entry)}")
         if c is res.choice or show_all:
             for cav in c.caveats:
                 lines.append(f"       caveat   {cav}")

@@ -3,11 +3,16 @@
 It ranks first among candidates, works offline, and its model facts let the checks run without the Hub.
 ``SPECOPS_CATALOG`` may name extra catalog files (``os.pathsep``-separated) whose entries come first, so a
 platform team can add its own trained drafts without forking specops.
+
+Each entry names its draft's ``format`` (one of :data:`FORMATS`) and says how the pair is ``known``: read in
+its ``source`` only, or also through the format's tiny checkpoint speculating on a real engine, which
+:func:`format_evidence` looks up in the measured support matrix (``specops/data/support_matrix.json``).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass, field
 from importlib import resources
@@ -15,11 +20,133 @@ from pathlib import Path
 
 import yaml
 
+from specops.backends.versions import Version
 from specops.errors import SpecopsError
 from specops.methods import Method
 from specops.resolve.detect import ConfigFacts
 
 SELF = "self"
+#: How a pair is known: ``documented`` (read in its source only) or ``tiny-format`` (also: the support matrix
+#: measured the draft's format speculating on an engine the entry lists, with a tiny generated checkpoint).
+KNOWN = ("documented", "tiny-format")
+ENGINE_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
+
+
+@dataclass(frozen=True)
+class DraftFormat:
+    """A draft checkpoint layout, and the support-matrix cells whose tiny checkpoint stands for it."""
+
+    name: str
+    method: Method
+    what: str
+    #: engine → text the matrix cell's ``format`` starts with (case-insensitive); none: never measured
+    cells: tuple[tuple[str, str], ...] = ()
+    #: what a speculating tiny checkpoint does not show (printed with the measurement)
+    caveat: str = ""
+
+
+FORMATS: dict[str, DraftFormat] = {
+    f.name: f
+    for f in (
+        DraftFormat("eagle1", Method.EAGLE, "EAGLE-1/2 head (SafeAILab layout)", (("vllm", "EAGLE-1 head"),)),
+        DraftFormat(
+            "eagle3", Method.EAGLE3, "EAGLE-3 head, original layout (d2t/t2d)", (("vllm", "EAGLE-3 head, original"),)
+        ),
+        DraftFormat(
+            "eagle3-speculators",
+            Method.EAGLE3,
+            "EAGLE-3 head, speculators layout (speculators_config)",
+            (("vllm", "EAGLE-3 head, speculators"),),
+        ),
+        DraftFormat("medusa-vllm", Method.MEDUSA, "Medusa heads in vLLM's layout", (("vllm", "Medusa, vLLM layout"),)),
+        DraftFormat(
+            "medusa-original",
+            Method.MEDUSA,
+            "Medusa-1 heads in FasterDecoding's layout (medusa_lm_head, no model_type)",
+            (("vllm", "Medusa, FasterDecoding layout"),),
+            caveat="random weights cannot show what vLLM loads: before 0.25 it maps none of the original keys, "
+            "from 0.25 it maps them but drops the heads' biases (config.json has no medusa_fc_bias)",
+        ),
+        DraftFormat(
+            "medusa2-full",
+            Method.MEDUSA,
+            "Medusa-2: the fine-tuned model and its heads in one repo (FasterDecoding)",
+        ),
+        DraftFormat("mlp-speculator", Method.MLP_SPECULATOR, "IBM MLP speculator", (("vllm", "MLP speculator"),)),
+        DraftFormat("draft-model", Method.DRAFT_MODEL, "HF causal LM (same tokenizer)", (("vllm", "HF draft model"),)),
+        DraftFormat(
+            "gguf-draft", Method.DRAFT_MODEL, "GGUF causal LM (same vocab)", (("llamacpp", "GGUF draft model"),)
+        ),
+        DraftFormat("mtp-mimo", Method.MTP, "MTP layers in a MiMo target", (("vllm", "MTP layers in the target"),)),
+        DraftFormat("mtp", Method.MTP, "MTP layers in the target (an architecture the matrix has no tiny model of)"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One support-matrix cell for a draft format: engine, version, outcome and the cell's own words."""
+
+    engine: str
+    version: str
+    outcome: str  # speculating | started-without-speculation | engine-refused | rendered-refused | ...
+    format: str
+    detail: str = ""
+
+    @property
+    def speculating(self) -> bool:
+        return self.outcome == "speculating"
+
+
+@functools.lru_cache(maxsize=1)
+def _matrix_cells() -> tuple[dict, ...]:
+    """The measured support matrix shipped in the package (its cells; none when the file is absent)."""
+    try:
+        text = resources.files("specops").joinpath("data/support_matrix.json").read_text(encoding="utf-8")
+        cells = json.loads(text).get("cells") or []
+    except (OSError, ValueError):
+        return ()
+    return tuple(c for c in cells if isinstance(c, dict))
+
+
+def measurements(fmt: DraftFormat, cells: tuple[dict, ...] | None = None) -> list[Measurement]:
+    """The support-matrix cells measured with ``fmt``'s tiny checkpoint, in matrix order."""
+    out = []
+    for c in _matrix_cells() if cells is None else cells:
+        for engine, prefix in fmt.cells:
+            if (
+                c.get("engine") == engine
+                and c.get("method") == fmt.method.value
+                and str(c.get("format", "")).lower().startswith(prefix.lower())
+            ):
+                out.append(
+                    Measurement(
+                        engine,
+                        str(c.get("version", "?")),
+                        str(c.get("outcome", "?")),
+                        str(c["format"]),
+                        str(c.get("detail", "")),
+                    )
+                )
+    return out
+
+
+def format_evidence(entry: CatalogEntry, cells: tuple[dict, ...] | None = None) -> str:
+    """One line on how ``entry`` is known: its format's tiny checkpoint as measured on the entry's engines, or
+    "documented only"."""
+    fmt = FORMATS.get(entry.format or "")
+    if fmt is None:
+        return "documented only (no draft format named)"
+    found = [m for m in measurements(fmt, cells) if m.engine in entry.backends]
+    good = [m for m in found if m.speculating]
+    if good:
+        where = ", ".join(f"{ENGINE_NAMES.get(m.engine, m.engine)} {m.version}" for m in good)
+        line = f"format {fmt.name} measured speculating on {where} (tiny checkpoint: {good[0].format})"
+        return line + (f"; {fmt.caveat}" if fmt.caveat else "")
+    if found:
+        where = "; ".join(f"{ENGINE_NAMES.get(m.engine, m.engine)} {m.version}: {m.outcome}" for m in found)
+        return f"documented only; format {fmt.name} measured not speculating ({where}, tiny checkpoint)"
+    return f"documented only (format {fmt.name} not measured on {', '.join(entry.backends) or 'any engine'})"
 
 
 @dataclass(frozen=True)
@@ -35,6 +162,10 @@ class CatalogEntry:
     context: int | None = None
     files: dict = field(default_factory=dict, hash=False, compare=False)
     caveats: tuple[str, ...] = ()
+    format: str | None = None  # a key of FORMATS
+    known: str = "documented"  # one of KNOWN
+    #: engine → the oldest version that runs this draft as published (e.g. {"vllm": "0.19.0"})
+    min_version: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -43,6 +174,10 @@ class CatalogEntry:
     @property
     def draft_repo(self) -> str | None:
         return None if self.draft == SELF else self.draft
+
+    def min_version_for(self, backend: str) -> str | None:
+        v = self.min_version.get(backend)
+        return str(v) if v else None
 
     def file_for(self, quant: str) -> str | None:
         for q, f in self.files.items():
@@ -116,6 +251,22 @@ class Catalog:
         return f
 
 
+KEYS = {
+    "target",
+    "draft",
+    "method",
+    "backends",
+    "source",
+    "also",
+    "context",
+    "files",
+    "caveats",
+    "format",
+    "known",
+    "min_version",
+}
+
+
 def _entry(raw: dict, where: str, default_backends: tuple[str, ...] = ()) -> CatalogEntry:
     if not isinstance(raw, dict):
         raise SpecopsError(f"{where}: a catalog entry must be a mapping")
@@ -130,19 +281,41 @@ def _entry(raw: dict, where: str, default_backends: tuple[str, ...] = ()) -> Cat
         raise SpecopsError(f"{where}: method {method} has no draft to catalog")
     if (method is Method.MTP) != (raw["draft"] == SELF):
         raise SpecopsError(f"{where}: MTP entries (and only they) use draft: self")
-    unknown = set(raw) - {"target", "draft", "method", "backends", "source", "also", "context", "files", "caveats"}
+    unknown = set(raw) - KEYS
     if unknown:
         raise SpecopsError(f"{where}: unknown catalog keys {', '.join(sorted(unknown))}")
+    fmt = raw.get("format")
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise SpecopsError(f"{where}: unknown draft format {fmt!r} (known: {', '.join(FORMATS)})")
+        if FORMATS[fmt].method is not method:
+            raise SpecopsError(f"{where}: format {fmt} is a {FORMATS[fmt].method} draft, not {method}")
+    known = str(raw.get("known", "documented"))
+    if known not in KNOWN:
+        raise SpecopsError(f"{where}: known must be one of {', '.join(KNOWN)}, not {known!r}")
+    min_version = raw.get("min_version") or {}
+    if not isinstance(min_version, dict):
+        raise SpecopsError(f"{where}: min_version must map an engine to a version, e.g. {{vllm: 0.19.0}}")
+    for engine, v in min_version.items():
+        try:
+            Version(str(v))
+        except ValueError:
+            raise SpecopsError(f"{where}: min_version.{engine}: not a version: {v!r}") from None
+    # backends: [] says no engine specops renders for loads the draft as published (kept, not defaulted)
+    backends = raw["backends"] if "backends" in raw and raw["backends"] is not None else default_backends
     return CatalogEntry(
         target=str(raw["target"]),
         draft=str(raw["draft"]),
         method=method,
-        backends=tuple(raw.get("backends") or default_backends),
+        backends=tuple(str(b) for b in backends),
         source=str(raw["source"]),
         also=tuple(raw.get("also") or ()),
         context=raw.get("context"),
         files=dict(raw.get("files") or {}),
         caveats=tuple(raw.get("caveats") or ()),
+        format=str(fmt) if fmt is not None else None,
+        known=known,
+        min_version={str(k): str(v) for k, v in min_version.items()},
     )
 
 

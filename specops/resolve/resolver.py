@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specops.backends import DEFAULT_BACKEND
+from specops.backends.versions import Version
 from specops.errors import ProfileError, SpecopsError
 from specops.methods import NEEDS_DRAFT, Method
 from specops.resolve.auto import choose, methods_for, sort_key
-from specops.resolve.catalog import Catalog, load_catalog
+from specops.resolve.catalog import FORMATS, Catalog, CatalogEntry, format_evidence, load_catalog
 from specops.resolve.check import Finding, backend_findings, compat_findings
 from specops.resolve.discover import Candidate, discover
 from specops.resolve.hub import Hub
@@ -64,7 +65,10 @@ class Resolution:
                 "model_revision": self.profile.model.revision,
             },
             "choice": self.choice.to_dict() if self.choice else None,
-            "candidates": [dict(rank=i + 1, **c.to_dict()) for i, c in enumerate(self.candidates)],
+            "candidates": [
+                dict(rank=i + 1, **c.to_dict(), **({"catalog": catalog_dict(c.entry)} if c.entry else {}))
+                for i, c in enumerate(self.candidates)
+            ],
             "findings": [f.to_dict() for f in self.findings],
             "notes": list(self.notes),
             "memory": self.memory.to_dict() if self.memory else None,
@@ -343,10 +347,74 @@ def _evaluate(c: Candidate, profile, target, catalog, hub, backend_obj, *, expli
     c.findings = compat_findings(
         c.method, view, target, profile, catalog=catalog, backend_obj=backend_obj, entry=c.entry, explicit=explicit
     )
-    if c.entry is not None and c.entry.backends and profile.backend not in c.entry.backends:
-        c.findings.append(Finding("info", "catalog", f"the catalog lists this pair for {', '.join(c.entry.backends)}"))
+    if c.entry is not None:
+        c.findings += catalog_findings(c.entry, profile)
     sev = {f.severity for f in c.findings}
     c.verdict = "refused" if "error" in sev else "warning" if "warning" in sev else "ok"
+
+
+def catalog_findings(entry: CatalogEntry, profile) -> list[Finding]:
+    """What the catalog entry says about running it on the profile's backend and pinned engine version."""
+    out: list[Finding] = []
+    backend = profile.backend
+    if not entry.backends:
+        fmt = FORMATS.get(entry.format or "")
+        what = fmt.what if fmt else "its format"
+        out.append(
+            Finding(
+                "warning",
+                "catalog",
+                f"no engine specops renders for loads this draft as published ({what}); see the caveats",
+            )
+        )
+    elif backend not in entry.backends:
+        out.append(Finding("info", "catalog", f"the catalog lists this pair for {', '.join(entry.backends)}"))
+    need = entry.min_version_for(backend)
+    if need:
+        engine = getattr(profile, "engine", None)
+        pinned = getattr(engine, "version", None)
+        try:
+            old = pinned is not None and Version(str(pinned)) < Version(need)
+        except ValueError:  # a llama.cpp flag generation or build name: not comparable
+            pinned, old = None, False
+        if old:
+            out.append(
+                Finding(
+                    "error",
+                    "catalog",
+                    f"{entry.draft} needs {backend} >= {need} (catalog min_version; {entry.source}); "
+                    f"the profile pins {pinned}",
+                    ("engine", "version"),
+                )
+            )
+        elif pinned is None:
+            out.append(
+                Finding(
+                    "warning",
+                    "catalog",
+                    f"{entry.draft} needs {backend} >= {need} (catalog min_version); no engine.version is pinned, "
+                    f"so the installed engine decides",
+                    ("engine", "version"),
+                )
+            )
+    return out
+
+
+def catalog_dict(entry: CatalogEntry) -> dict:
+    """The catalog's word on a candidate, for ``--json``."""
+    return {
+        "source": entry.source,
+        "format": entry.format,
+        "known": entry.known,
+        "evidence": format_evidence(entry),
+        "backends": list(entry.backends),
+        "min_version": dict(entry.min_version),
+    }
+
+
+def catalog_line(entry: CatalogEntry) -> str:
+    """How a catalog pair is known, for printing: its source and the measured evidence for its format."""
+    return f"{entry.source} — {format_evidence(entry)}"
 
 
 def _same_target(name: str, target, catalog) -> bool:
