@@ -18,6 +18,8 @@ class Method(str, Enum):
     MLP_SPECULATOR = "mlp_speculator"
     DRAFT_MODEL = "draft_model"
     MTP = "mtp"
+    DFLASH = "dflash"
+    DSPARK = "dspark"
     NGRAM = "ngram"
     SUFFIX = "suffix"
     NONE = "none"
@@ -28,7 +30,17 @@ class Method(str, Enum):
 
 
 #: Methods whose draft is a separate set of weights (a head or a model) that must be found and checked.
-NEEDS_DRAFT = frozenset({Method.EAGLE, Method.EAGLE3, Method.MEDUSA, Method.MLP_SPECULATOR, Method.DRAFT_MODEL})
+NEEDS_DRAFT = frozenset(
+    {
+        Method.EAGLE,
+        Method.EAGLE3,
+        Method.MEDUSA,
+        Method.MLP_SPECULATOR,
+        Method.DRAFT_MODEL,
+        Method.DFLASH,
+        Method.DSPARK,
+    }
+)
 #: Methods that take no draft weights at all.
 DRAFTLESS = frozenset({Method.NGRAM, Method.SUFFIX, Method.NONE, Method.MTP})
 #: Model-based methods ("better" than n-gram when they fit): the start of every fallback chain.
@@ -44,6 +56,8 @@ DEFAULT_K = {
     Method.MLP_SPECULATOR: 3,
     Method.DRAFT_MODEL: 4,
     Method.MTP: 1,
+    Method.DFLASH: 15,  # github.com/z-lab/dflash README: a block of 16 (15 drafted + 1) per step
+    Method.DSPARK: 7,  # vLLM sets it to the drafter's block_size when unset; DSpark drafts are block-7
     Method.NGRAM: 4,
     Method.SUFFIX: 8,
 }
@@ -53,12 +67,14 @@ RANK = {
     Method.EAGLE3: 0,
     Method.EAGLE: 1,
     Method.MTP: 2,
-    Method.MEDUSA: 3,
-    Method.MLP_SPECULATOR: 4,
-    Method.DRAFT_MODEL: 5,
-    Method.SUFFIX: 6,
-    Method.NGRAM: 7,
-    Method.NONE: 8,
+    Method.DFLASH: 3,
+    Method.DSPARK: 4,
+    Method.MEDUSA: 5,
+    Method.MLP_SPECULATOR: 6,
+    Method.DRAFT_MODEL: 7,
+    Method.SUFFIX: 8,
+    Method.NGRAM: 9,
+    Method.NONE: 10,
 }
 
 

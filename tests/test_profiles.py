@@ -24,10 +24,10 @@ PUBLISHED_PAIRS = {
     ("meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE-LLaMA3.1-Instruct-8B", "eagle"),
     ("meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "eagle3"),
     ("meta-llama/Llama-3.1-8B-Instruct", "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3", "eagle3"),
-    ("meta-llama/Llama-3.1-70B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-70B", "eagle3"),
+    ("meta-llama/Llama-3.3-70B-Instruct", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B", "eagle3"),
     ("Qwen/Qwen3-8B", "AngelSlim/Qwen3-8B_eagle3", "eagle3"),
     ("Qwen/Qwen3-8B", "RedHatAI/Qwen3-8B-speculator.eagle3", "eagle3"),
-    ("lmsys/vicuna-7b-v1.3", "FasterDecoding/medusa-vicuna-7b-v1.3", "medusa"),
+    ("lmsys/vicuna-7b-v1.3", "abhigoyal/vllm-medusa-vicuna-7b-v1.3", "medusa"),
     ("meta-llama/Llama-3.1-8B-Instruct", "ibm-ai-platform/llama3-8b-accelerator", "mlp_speculator"),
     ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct", "draft_model"),
     ("meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.2-1B-Instruct", "draft_model"),
@@ -108,10 +108,15 @@ def test_profiles_explain_their_choices():
             assert commented("chain") or commented("fallback"), f"{path}: why this chain?"
 
 
-def test_removed_vllm_methods_are_pinned_to_032():
-    for path, p in LOADED.items():
-        if p.speculative.method.value in ("medusa", "mlp_speculator"):
-            assert p.engine.version == "0.32.0", path
+def test_medusa_and_mlp_speculator_profiles_pin_a_version_that_runs_them():
+    """Medusa and MLP speculators run only on some vLLM versions: the profile must pin one of them."""
+    from specops.backends.versions import Version, vllm_method_problem
+
+    pinned = [(path, p) for path, p in LOADED.items() if p.speculative.method.value in ("medusa", "mlp_speculator")]
+    assert len(pinned) == 2
+    for path, p in pinned:
+        assert p.engine.version, path
+        assert vllm_method_problem(p.speculative.method.value, Version(p.engine.version)) is None, path
 
 
 def test_validate_profiles_directory_passes_without_any_environment():

@@ -37,7 +37,7 @@ DEFAULT_VERSION = {"vllm": "0.32.0", "llamacpp": "current"}
 
 JSON_PROFILES = (
     "llama31-8b-eagle3",
-    "llama31-70b-eagle3-tp4",
+    "llama33-70b-eagle3-tp4",
     "qwen25-coder-32b-gguf",
     "llama31-8b-chat-prod",
     "llamacpp-ngram-cpu",

@@ -153,7 +153,7 @@ def test_medusa_head_and_its_vllm_version_window(fake_hub, tmp_path):
 
     with pytest.raises(ProfileError) as exc:
         resolve_profile(load_profile(write_profile(tmp_path, text % "0.33.0", "q.yaml")), use_lock=False)
-    assert "vLLM 0.33.0 removed method medusa" in str(exc.value)
+    assert "vLLM 0.33.0 cannot run method medusa: 0.33.0 dropped it" in str(exc.value)
 
 
 def _seed_qwen(hub):

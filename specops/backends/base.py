@@ -224,11 +224,24 @@ class Backend:
     #: What ``specops advise`` tells an operator about high concurrency when the engine takes no k per batch
     #: size (see :meth:`takes_per_batch_size`); empty: nothing.
     concurrency_note: str = ""
+    #: Speculative methods the engine has that specops does not render, in the engine's own spelling, each
+    #: with what it is and how to run it anyway (so ``specops plugins`` and errors say so instead of
+    #: pretending the method does not exist).
+    engine_only_methods: dict[str, str] = {}
 
     @property
     def engine_name(self) -> str:
         """:attr:`display_name`, or the backend's name when it sets none."""
         return self.display_name or self.name
+
+    def unsupported_method_text(self, method: Method) -> str:
+        """Why a profile cannot use ``method`` with this backend, naming what it can use instead."""
+        text = (
+            f"backend {self.name} does not support method {method} "
+            f"(supported: {', '.join(sorted(m.value for m in self.methods))})"
+        )
+        near = [f"{name} ({what})" for name, what in self.engine_only_methods.items() if method.value in name]
+        return text + (f"; {self.engine_name} itself has {', '.join(near)}" if near else "")
 
     def method_version_problem(self, method: Method, version: str) -> str | None:
         """Why engine ``version`` (as a profile pins it) cannot run ``method``, else None (also when unsure).

@@ -78,6 +78,10 @@ class LlamaCppBackend(Backend):
     metric_prefix = "llamacpp:"
     display_name = "llama.cpp"
     model_format = "gguf"
+    engine_only_methods = {
+        "draft-dflash": "a --spec-type of llama-server commit 0c1e570 (2026-10); run it with method none + extra_args",
+        "draft-dspark": "a --spec-type of llama-server commit 0c1e570 (2026-10); run it with method none + extra_args",
+    }
     draft_vocab_tolerance = 128  # common/speculative.cpp: SPEC_VOCAB_MAX_SIZE_DIFFERENCE
     concurrency_note = (
         "llama-server has no per-batch-size k: under high concurrency keep "

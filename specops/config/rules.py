@@ -189,13 +189,7 @@ def _backend_problems(p: Profile, backend: Any) -> Findings:
     """What the named backend supports, and its own checks of the profile."""
     method = p.speculative.method
     if method is not Method.AUTO and method not in backend.methods:
-        yield (
-            ("speculative", "method"),
-            (
-                f"backend {p.backend} does not support method {method} "
-                f"(supported: {', '.join(sorted(m.value for m in backend.methods))})"
-            ),
-        )
+        yield ("speculative", "method"), backend.unsupported_method_text(method)
     yield from backend.check_profile(p)
 
 

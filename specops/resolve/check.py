@@ -54,15 +54,7 @@ def backend_findings(method: Method, profile, backend_obj) -> list[Finding]:
     if method in (Method.NONE, Method.AUTO):
         return out
     if backend_obj is not None and method not in backend_obj.methods:
-        out.append(
-            Finding(
-                "error",
-                "backend",
-                f"backend {profile.backend} does not support method {method} "
-                f"(supported: {', '.join(sorted(m.value for m in backend_obj.methods))})",
-                METHOD,
-            )
-        )
+        out.append(Finding("error", "backend", backend_obj.unsupported_method_text(method), METHOD))
         return out
     version = profile.engine.version
     if not version or backend_obj is None:
