@@ -142,14 +142,21 @@ def test_medusa_head_and_its_vllm_version_window(fake_hub, tmp_path):
     fake_hub.add_model(
         "FasterDecoding/medusa-vicuna-7b-v1.3", {"config.json": MEDUSA_VICUNA_7B, "medusa_lm_head.pt": 1_400_000_000}
     )
+    vllm_layout = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": 4096}
+    vllm_layout |= {"vocab_size": 32000, "num_heads": 5, "num_hidden_layers": 1}
+    fake_hub.add_model("abhigoyal/vllm-medusa-vicuna-7b-v1.3", {"config.json": vllm_layout, "model.safetensors": 10})
     text = (
         "name: medusa\nbackend: vllm\nengine: {version: '%s'}\nmodel: {id: lmsys/vicuna-7b-v1.3}\n"
         "speculative: {method: medusa, draft: auto}\n"
     )
     ok = resolve_profile(load_profile(write_profile(tmp_path, text % "0.32.0")), use_lock=False)
-    assert ok.profile.speculative.draft == "FasterDecoding/medusa-vicuna-7b-v1.3"
-    assert {"catalog", "medusa base_model_name_or_path"} <= set(ok.choice.signals)
-    assert ok.choice.verdict == "ok"
+    # the head in vLLM's layout is chosen; FasterDecoding's original-layout head is not offered as loading
+    assert ok.profile.speculative.draft == "abhigoyal/vllm-medusa-vicuna-7b-v1.3"
+    assert "catalog" in ok.choice.signals and ok.choice.verdict == "ok"
+    original = by_draft(ok, "FasterDecoding/medusa-vicuna-7b-v1.3")
+    assert original.verdict == "warning"
+    assert any("no engine specops renders for loads this draft as published" in f.message for f in original.findings)
+    assert {"catalog", "medusa base_model_name_or_path"} <= set(original.signals)
 
     with pytest.raises(ProfileError) as exc:
         resolve_profile(load_profile(write_profile(tmp_path, text % "0.33.0", "q.yaml")), use_lock=False)

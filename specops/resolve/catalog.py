@@ -64,8 +64,9 @@ FORMATS: dict[str, DraftFormat] = {
             Method.MEDUSA,
             "Medusa-1 heads in FasterDecoding's layout (medusa_lm_head, no model_type)",
             (("vllm", "Medusa, FasterDecoding layout"),),
-            caveat="random weights cannot show what vLLM loads: before 0.25 it maps none of the original keys, "
-            "from 0.25 it maps them but drops the heads' biases (config.json has no medusa_fc_bias)",
+            caveat="random weights cannot show what vLLM loads: before 0.25 none of the original keys match "
+            "(its loader then stops: weights not initialized from checkpoint), from 0.25 it maps them but drops "
+            "the heads' biases (config.json has no medusa_fc_bias); read in vLLM's source",
         ),
         DraftFormat(
             "medusa2-full",
@@ -132,21 +133,39 @@ def measurements(fmt: DraftFormat, cells: tuple[dict, ...] | None = None) -> lis
 
 
 def format_evidence(entry: CatalogEntry, cells: tuple[dict, ...] | None = None) -> str:
-    """One line on how ``entry`` is known: its format's tiny checkpoint as measured on the entry's engines, or
-    "documented only"."""
+    """One line on how ``entry`` is known: its format's tiny checkpoint as measured on the entry's engines
+    (``cells``: the support matrix's; default the shipped one), or "documented only"."""
     fmt = FORMATS.get(entry.format or "")
     if fmt is None:
         return "documented only (no draft format named)"
-    found = [m for m in measurements(fmt, cells) if m.engine in entry.backends]
+
+    def where(ms: list[Measurement], outcome: bool = False) -> str:
+        return ", ".join(
+            f"{ENGINE_NAMES.get(m.engine, m.engine)} {m.version}" + (f": {m.outcome}" if outcome else "") for m in ms
+        )
+
+    engines = entry.backends or tuple(e for e, _ in fmt.cells)
+    found = [m for m in measurements(fmt, cells) if m.engine in engines]
     good = [m for m in found if m.speculating]
+    caveat = f"; {fmt.caveat}" if fmt.caveat else ""
+    if good and entry.backends:
+        return f"format {fmt.name} measured speculating on {where(good)} (tiny checkpoint: {good[0].format})" + caveat
     if good:
-        where = ", ".join(f"{ENGINE_NAMES.get(m.engine, m.engine)} {m.version}" for m in good)
-        line = f"format {fmt.name} measured speculating on {where} (tiny checkpoint: {good[0].format})"
-        return line + (f"; {fmt.caveat}" if fmt.caveat else "")
+        return (
+            f"documented only: no engine specops renders for loads it as published (a tiny {fmt.name} checkpoint "
+            f"did speculate on {where(good)}{caveat})"
+        )
     if found:
-        where = "; ".join(f"{ENGINE_NAMES.get(m.engine, m.engine)} {m.version}: {m.outcome}" for m in found)
-        return f"documented only; format {fmt.name} measured not speculating ({where}, tiny checkpoint)"
-    return f"documented only (format {fmt.name} not measured on {', '.join(entry.backends) or 'any engine'})"
+        return f"documented only; format {fmt.name} measured not speculating ({where(found, True)}, tiny checkpoint)"
+    return f"documented only (format {fmt.name} not measured on {', '.join(engines) or 'any engine'})"
+
+
+def measured_speculating(entry: CatalogEntry, cells: tuple[dict, ...] | None = None) -> list[Measurement]:
+    """The matrix cells where ``entry``'s format speculated on one of the engines the entry lists."""
+    fmt = FORMATS.get(entry.format or "")
+    if fmt is None:
+        return []
+    return [m for m in measurements(fmt, cells) if m.engine in entry.backends and m.speculating]
 
 
 @dataclass(frozen=True)

@@ -248,6 +248,7 @@ def _resolve_discovered(
     res.choice = choose(candidates, requested)
     if res.choice is None:
         res.findings.append(_no_draft_finding(candidates, profile, target, requested))
+        res.notes.extend(_sibling_notes(catalog, target, requested, candidates))
         return res
     res.findings = list(res.choice.findings)
     res.profile = _with_choice(profile, res.choice, keep_revision=False)
@@ -293,6 +294,32 @@ def _no_draft_finding(candidates: list[Candidate], profile, target: ModelView, r
         f"no draft for {target.ref} passes the checks for {what} on {profile.backend} (candidates: {tried})",
         ("speculative", "draft" if requested in NEEDS_DRAFT else "method"),
     )
+
+
+def _sibling_notes(catalog: Catalog, target: ModelView, requested: Method, candidates: list[Candidate]) -> list[str]:
+    """When nothing passed: catalog drafts of the requested method published for another target with the same
+    shape (tokenizer family, hidden size, layers), named as such and not offered: they were not trained for it."""
+    mine = catalog.facts(target.ref)
+    if mine is None or not (mine.tokenizer and mine.hidden and mine.layers):
+        return []
+    tried = {(c.method, (c.draft or "").lower()) for c in candidates}
+    out = []
+    for e in catalog.entries:
+        if requested not in (Method.AUTO, e.method) or e.draft_repo is None or (e.method, e.draft.lower()) in tried:
+            continue
+        if any(catalog.canonical(t).lower() == catalog.canonical(target.ref).lower() for t in e.targets):
+            continue
+        theirs = catalog.facts(e.target)
+        if theirs is not None and (theirs.tokenizer, theirs.hidden, theirs.layers) == (
+            mine.tokenizer,
+            mine.hidden,
+            mine.layers,
+        ):
+            out.append(
+                f"the catalog has {e.method} {e.draft} for {e.target} (same tokenizer and shape as {target.ref}); "
+                f"it was trained for that model, not this one: name it explicitly to try it ({e.source})"
+            )
+    return out
 
 
 def _target_notes(res: Resolution, target: ModelView, hub: Hub) -> None:
