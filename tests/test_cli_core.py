@@ -260,7 +260,9 @@ def test_validate_empty_directory_is_an_error(tmp_path):
 def test_validate_mixes_files_and_directories(tmp_path):
     res = run("validate", "profiles/llama31-8b-eagle3.yaml", "tests/malformed/empty.yaml")
     assert res.code == 1
-    assert res.stdout.splitlines()[0].startswith("ok      profiles/llama31-8b-eagle3.yaml  (vllm, eagle3)")
+    assert res.stdout.splitlines()[0].startswith(
+        "ok      profiles/llama31-8b-eagle3.yaml  (vllm, eagle3, measured on 0.32.0)"
+    )
     assert "error   tests/malformed/empty.yaml:1:1: the file is empty" in res.stdout
 
 

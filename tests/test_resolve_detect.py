@@ -50,6 +50,16 @@ from specops.resolve.memory import GIB, Weights, estimate, from_files, from_safe
             Method.MLP_SPECULATOR,
             "mlp_speculator",
         ),
+        # DFlash drafters are Qwen3-shaped models (model_type qwen3) marked by their architecture / dflash_config
+        (
+            {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "dflash_config": {"mask_token_id": 0}},
+            "x/y",
+            Method.DFLASH,
+            "DFlashDraftModel",
+        ),
+        ({"model_type": "qwen3", "dflash_config": {"target_layer_ids": [1, 9]}}, "x/y", Method.DFLASH, "dflash_config"),
+        ({"architectures": ["DSparkDraftModel"], "model_type": "deepseek_v4"}, "x/y", Method.DSPARK, "DSpark"),
+        ({}, "z-lab/Qwen3-8B-DFlash-b16", Method.DFLASH, "name: dflash"),
         (EAGLE_LLAMA31_8B, "yuhuili/EAGLE-LLaMA3.1-Instruct-8B", Method.EAGLE, "name"),  # EAGLE-1: no marker
         (EAGLE_LLAMA31_8B, "someone/llama-head", None, "no method marker"),
         (LLAMA31_8B, "meta-llama/Llama-3.1-8B-Instruct", None, "no method marker"),

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from specops.backends import measured
 from specops.config.profile import check_version_text  # re-exported for backends
 from specops.methods import Method
 from specops.redact import MARK, MIN_SUBSTRING, Redactor, looks_secret, shell_quote, unmark
@@ -242,6 +243,21 @@ class Backend:
         )
         near = [f"{name} ({what})" for name, what in self.engine_only_methods.items() if method.value in name]
         return text + (f"; {self.engine_name} itself has {', '.join(near)}" if near else "")
+
+    def method_problem(self, method: Method, version: str | None) -> str | None:
+        """Why engine ``version`` cannot run ``method``: its version gate (read in the engine's source), or a
+        refusal the support matrix measured on that version. None when it can, or when nothing is known."""
+        if not version or method in (Method.NONE, Method.AUTO):
+            return None
+        return self.method_version_problem(method, version) or measured.refusal(
+            self.name, method.value, version, self.engine_name
+        )
+
+    def support(self, method: Method, version: str | None) -> tuple[str, str] | None:
+        """``("measured" | "inferred", why)``: was ``method`` on ``version`` seen running on the engine."""
+        if not version or method in (Method.NONE, Method.AUTO):
+            return None
+        return measured.support(self.name, method.value, version, self.engine_name)
 
     def method_version_problem(self, method: Method, version: str) -> str | None:
         """Why engine ``version`` (as a profile pins it) cannot run ``method``, else None (also when unsure).

@@ -39,6 +39,18 @@ SPEC_TYPE = {
         Method.NGRAM: "ngram-mod",
     },
 }
+
+
+def _generation_problem(method: Method, gen: str, version: str) -> str | None:
+    """Why llama-server ``version`` of flag generation ``gen`` cannot run ``method`` (legacy builds run a draft
+    model from ``-md`` alone, with no ``--spec-type``)."""
+    types = SPEC_TYPE[gen]
+    if method in types or (gen == "legacy" and method is Method.DRAFT_MODEL):
+        return None
+    supported = sorted({Method.DRAFT_MODEL.value} | {m.value for m in types})
+    return f"llama-server {version} (flag generation {gen}) cannot run {method}; it supports {', '.join(supported)}"
+
+
 NGRAM_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 DEFAULT_DRAFT_QUANT = "Q4_K_M"
 
@@ -105,9 +117,7 @@ class LlamaCppBackend(Backend):
             gen = llama_generation(version)
         except ValueError:
             return None
-        if method not in SPEC_TYPE.get(gen, {}):
-            return f"llama-server flag generation {gen!r} (profile pins {version}) has no --spec-type for {method}"
-        return None
+        return _generation_problem(method, gen, version)
 
     def generated_tokens(self, metrics_text):
         return counter_total(metrics_text, "llamacpp:tokens_predicted_total")
@@ -279,13 +289,9 @@ class LlamaCppBackend(Backend):
                 "`auto` must be resolved first: run `specops resolve` / `specops lock`",
             )
         types = SPEC_TYPE[gen]
-        if method not in types and not (gen == "legacy" and method is Method.DRAFT_MODEL):
-            supported = sorted({Method.DRAFT_MODEL.value} | {m.value for m in types})
-            raise RenderError(
-                ("speculative", "method"),
-                f"this llama-server build ({engine.version}, flag "
-                f"generation {gen}) cannot run {method}; it supports {', '.join(supported)}",
-            )
+        problem = _generation_problem(method, gen, engine.version)
+        if problem:
+            raise RenderError(("speculative", "method"), problem)
         out: list[str] = []
         if spec.draft:
             out += _model_args(

@@ -52,14 +52,22 @@ def render_plan(
                 raise
             hidden = redact_message(str(exc), "", texts, format_path)
             raise type(exc)(hidden) if type(exc).__init__ is SpecopsError.__init__ else SpecopsError(hidden) from None
+    method = loaded.profile.speculative.method
+    problem = backend.method_problem(method, engine.version)
+    if problem:
+        raise ProfileError([loaded.problem(("speculative", "method"), problem)])
+    support = backend.support(method, engine.version)
+
+    def plan_for(profile: Profile) -> LaunchPlan:
+        plan = backend.render(profile, engine, host=host, port=port)
+        return dataclasses.replace(plan, notes=(*plan.notes, support[1])) if support else plan
+
     try:
-        result = backend.render(loaded.profile, engine, host=host, port=port)
+        result = plan_for(loaded.profile)
     except RenderError as exc:
         raise ProfileError([loaded.problem(exc.path, str(exc))]) from None
     if texts:
-        result = with_env_secrets(
-            result, loaded.profile, texts, lambda prof: backend.render(prof, engine, host=host, port=port)
-        )
+        result = with_env_secrets(result, loaded.profile, texts, plan_for)
     return result
 
 

@@ -141,7 +141,8 @@ VLLM_UNTIL_WHY = {
 def vllm_method_problem(method: str, version: Version) -> str | None:
     """Why vLLM ``version`` cannot run ``method`` (read from the released wheels), or None when it can."""
     since, until = VLLM_METHOD_SINCE.get(method), VLLM_METHOD_UNTIL.get(method)
-    if since is not None and version < since:
+    legacy = version < VLLM_SPEC_CONFIG and method in VLLM_LEGACY_METHODS  # expressed by the old flags
+    if since is not None and version < since and not legacy:
         return f"method {method} needs vLLM >= {since} (rendering for {version})"
     if until is not None and version >= until:
         why = VLLM_UNTIL_WHY.get(method, f"{until} removed it")

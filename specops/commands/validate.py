@@ -88,6 +88,11 @@ def validate(paths, fmt, do_resolve, offline):
     PATHS may be files or directories (searched recursively for *.yaml / *.yml; files that other
     profiles `extends` are checked through them). Exit code 1 when any profile has an error.
 
+    A profile that pins engine.version is checked against that version's gates and against what specops'
+    support matrix measured on the real engine (refused there: an error naming a version that runs it).
+    `measured` / `inferred` says whether the method was seen speculating on that version (with tiny
+    checkpoints) or is only inferred from the engine's source.
+
     \b
     Examples:
       specops validate profiles/
@@ -131,6 +136,10 @@ def _check_one(path: Path, registry: Registry, *, is_base: bool, do_resolve: boo
             "backend": _shown(loaded, ("backend",), p.backend),
             "method": p.speculative.method.value,
         }
+        support = registry.backend(p.backend).support(p.speculative.method, p.engine.version)
+        if support:
+            summary["support"], summary["support_note"] = support
+            summary["engine_version"] = p.engine.version
         if do_resolve:
             from specops.resolve.check import check_loaded  # the resolver pulls in the Hub client: only when asked
 
@@ -168,7 +177,8 @@ def _print_github(results: list[dict]) -> None:
 def _print_text(results: list[dict], skipped: list[Path]) -> None:
     for r in results:
         if r["ok"]:
-            click.echo(f"ok      {r['file']}  ({r['backend']}, {r['method']})")
+            support = f", {r['support']} on {r['engine_version']}" if r.get("support") else ""
+            click.echo(f"ok      {r['file']}  ({r['backend']}, {r['method']}{support})")
         for e in r["errors"]:
             click.echo(f"error   {_line(e)}")
         for w in r["warnings"]:

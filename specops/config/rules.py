@@ -190,6 +190,10 @@ def _backend_problems(p: Profile, backend: Any) -> Findings:
     method = p.speculative.method
     if method is not Method.AUTO and method not in backend.methods:
         yield ("speculative", "method"), backend.unsupported_method_text(method)
+    elif p.engine.version:
+        problem = backend.method_problem(method, p.engine.version)
+        if problem:
+            yield ("speculative", "method"), problem
     yield from backend.check_profile(p)
 
 

@@ -274,6 +274,10 @@ def detect_method(config: dict | None, repo_id: str = "") -> tuple[Method | None
         if isinstance(value, str) and value.lower() in _SPECULATORS_ALGORITHMS:
             return _SPECULATORS_ALGORITHMS[value.lower()], f"config: {key} = {value}"
     archs = _strs(cfg.get("architectures"))
+    if any("dspark" in a.lower() for a in archs):
+        return Method.DSPARK, f"config: architectures = {archs[0]}"
+    if any("dflash" in a.lower() for a in archs) or isinstance(cfg.get("dflash_config"), dict):
+        return Method.DFLASH, "config: " + (f"architectures = {archs[0]}" if archs else "dflash_config")
     if any("eagle3" in a.lower() for a in archs):
         return Method.EAGLE3, f"config: architectures = {archs[0]}"
     if "draft_vocab_size" in cfg:
@@ -291,6 +295,10 @@ def detect_method(config: dict | None, repo_id: str = "") -> tuple[Method | None
 
 def detect_method_from_name(repo_id: str) -> tuple[Method | None, str]:
     name = repo_id.rsplit("/", 1)[-1].lower()
+    if "dspark" in name:
+        return Method.DSPARK, "name: dspark"
+    if "dflash" in name:
+        return Method.DFLASH, "name: dflash"
     if re.search(r"eagle-?3", name):
         return Method.EAGLE3, "name: eagle3"
     if "eagle" in name:

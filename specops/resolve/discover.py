@@ -32,6 +32,8 @@ SEARCHES = {
     Method.EAGLE: ("eagle",),
     Method.MEDUSA: ("medusa",),
     Method.MLP_SPECULATOR: ("accelerator", "speculator"),
+    Method.DFLASH: ("dflash",),
+    Method.DSPARK: ("dspark",),
 }
 
 

@@ -24,6 +24,8 @@ K_GRID = {
     Method.MLP_SPECULATOR: (1, 2, 3),
     Method.MEDUSA: (1, 2, 3, 4),
     Method.SUFFIX: (4, 8, 16, 24),
+    Method.DFLASH: (4, 8, 12, 15),  # a DFlash drafter proposes a whole block per step (16 in z-lab's releases)
+    Method.DSPARK: (3, 5, 7),
 }
 
 
