@@ -177,7 +177,8 @@ def test_evidence_names_the_engine_version_a_format_speculated_on():
     )
     line = format_evidence(e, cells)
     assert line.startswith("format eagle3-speculators measured speculating on vLLM 0.40.0 (tiny checkpoint")
-    assert "0.41.0" not in line and "0.8.5" not in line
+    assert line.endswith("; not on vLLM 0.8.5: engine-refused")
+    assert "0.41.0" not in line
 
 
 def test_evidence_for_a_refused_format_and_for_an_unmeasured_one():

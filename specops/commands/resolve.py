@@ -58,7 +58,9 @@ def resolve(
     Candidates come from the curated catalog, then the Hub (base_model tags, eagle / speculator /
     medusa / accelerator repos naming the target, same-family small models), ranked catalog >
     speculators verifier > base_model tag > name, then downloads. Each checked candidate gets a
-    verdict (ok, warning, refused) with its reason. Exit code 1 when nothing passes.
+    verdict (ok, warning, refused) with its reason. A catalog pair also prints its source and how it is
+    known: its draft format measured speculating on an engine version (a tiny checkpoint, from the
+    support matrix), or documented only. Exit code 1 when nothing passes.
 
     \b
     Examples:

@@ -149,7 +149,12 @@ def format_evidence(entry: CatalogEntry, cells: tuple[dict, ...] | None = None) 
     good = [m for m in found if m.speculating]
     caveat = f"; {fmt.caveat}" if fmt.caveat else ""
     if good and entry.backends:
-        return f"format {fmt.name} measured speculating on {where(good)} (tiny checkpoint: {good[0].format})" + caveat
+        bad = [m for m in found if not m.speculating]
+        return (
+            f"format {fmt.name} measured speculating on {where(good)} (tiny checkpoint: {good[0].format})"
+            + (f"; not on {where(bad, True)}" if bad else "")
+            + caveat
+        )
     if good:
         return (
             f"documented only: no engine specops renders for loads it as published (a tiny {fmt.name} checkpoint "
