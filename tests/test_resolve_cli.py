@@ -40,8 +40,10 @@ def test_resolve_prints_ranked_candidates_with_verdicts(fake_hub):
 def test_resolve_json_is_machine_readable(fake_hub):
     fake_hub.add_model("Qwen/Qwen2.5-7B-Instruct", {"config.json": QWEN25_7B})
     fake_hub.add_model("Qwen/Qwen2.5-0.5B-Instruct", {"config.json": QWEN25_05B})
-    r = specops("resolve", "Qwen/Qwen2.5-7B-Instruct", "--method", "draft_model", "--json")
-    assert r.returncode == 1  # nothing passes for vLLM
+    r = specops(
+        "resolve", "Qwen/Qwen2.5-7B-Instruct", "--method", "draft_model", "--backend-version", "0.24.0", "--json"
+    )
+    assert r.returncode == 1  # nothing passes for vLLM 0.24 (no use_heterogeneous_vocab before 0.25)
     data = json.loads(r.stdout)
     assert data["choice"] is None
     cand = data["candidates"][0]
@@ -99,7 +101,7 @@ def test_validate_resolve_reports_checks_at_the_profile_line(fake_hub, tmp_path)
     seed_llama31(fake_hub)
     bad = tmp_path / "bad.yaml"
     bad.write_text(
-        "name: bad\nbackend: vllm\nmodel: {id: Qwen/Qwen2.5-7B-Instruct}\n"
+        "name: bad\nbackend: vllm\nengine: {version: 0.24.0}\nmodel: {id: Qwen/Qwen2.5-7B-Instruct}\n"
         "speculative:\n  method: draft_model\n  draft: Qwen/Qwen2.5-0.5B-Instruct\n"
     )
     warn = tmp_path / "warn.yaml"
@@ -111,6 +113,6 @@ def test_validate_resolve_reports_checks_at_the_profile_line(fake_hub, tmp_path)
     assert plain.returncode == 0  # schema-valid; the Hub is only asked with --resolve
     r = specops("validate", "--resolve", str(bad), str(warn))
     assert r.returncode == 1
-    assert f"error   {bad}:6:10: speculative.draft: draft vocab_size 151936 != target's 152064" in r.stdout
+    assert f"error   {bad}:7:10: speculative.draft: draft vocab_size 151936 != target's 152064" in r.stdout
     assert f"warning {warn}:5:18: model.max_model_len: draft context 2048 < served context 8192" in r.stdout
     assert f"ok      {warn}" in r.stdout

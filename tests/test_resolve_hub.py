@@ -190,18 +190,40 @@ def _seed_qwen(hub):
     )
 
 
-def test_qwen25_vocab_mismatch_is_refused_for_vllm(fake_hub, tmp_path):
+def test_qwen25_vocab_mismatch_is_refused_where_vllm_cannot_map_vocabularies(fake_hub, tmp_path):
     _seed_qwen(fake_hub)
-    path = write_profile(
-        tmp_path,
-        "name: q\nbackend: vllm\nmodel: {id: Qwen/Qwen2.5-7B-Instruct}\n"
-        "speculative:\n  method: draft_model\n  draft: Qwen/Qwen2.5-0.5B-Instruct\n",
+    text = (
+        "name: q\nbackend: vllm\nengine: {version: '%s'}\nmodel: {id: Qwen/Qwen2.5-7B-Instruct}\n"
+        "speculative:\n  method: draft_model\n  draft: Qwen/Qwen2.5-0.5B-Instruct\n"
     )
+    path = write_profile(tmp_path, text % "0.24.0")
     with pytest.raises(ProfileError) as exc:
         resolve_profile(load_profile(path), use_lock=False)
     problem = exc.value.problems[0]
-    assert "vocab_size 151936 != target's 152064" in problem.message
-    assert (problem.field, problem.location.line) == ("speculative.draft", 6)  # located at the draft line
+    assert "vocab_size 151936 != target's 152064" in problem.message and "(0.24.0)" in problem.message
+    assert (problem.field, problem.location.line) == ("speculative.draft", 7)  # located at the draft line
+
+
+@pytest.mark.parametrize("pin", ["engine: {version: '0.32.0'}\n", ""])
+def test_qwen25_vocab_mismatch_runs_with_use_heterogeneous_vocab_where_vllm_has_it(fake_hub, tmp_path, pin):
+    """vLLM 0.25+ maps a draft model's tokens to the target's: the pair launches with the option set."""
+    from specops.resolve.prelaunch import resolve_for_launch
+
+    _seed_qwen(fake_hub)
+    path = write_profile(
+        tmp_path,
+        "name: q\nbackend: vllm\n" + pin + "model: {id: Qwen/Qwen2.5-7B-Instruct}\n"
+        "speculative:\n  method: draft_model\n  draft: Qwen/Qwen2.5-0.5B-Instruct\n",
+    )
+    loaded = load_profile(path)
+    res = resolve_profile(loaded, use_lock=False)
+    assert not res.errors
+    assert any(f.check == "vocab-mapped" and "use_heterogeneous_vocab: true" in f.message for f in res.findings)
+    said: list[str] = []
+    launch, refused = resolve_for_launch(loaded, offline=False, say=said.append)
+    assert refused is None
+    assert launch.profile.speculative.options == {"use_heterogeneous_vocab": True}
+    assert loaded.profile.speculative.options == {}  # the profile itself is unchanged
 
 
 def test_qwen25_vocab_mismatch_is_allowed_for_llamacpp(fake_hub, tmp_path):

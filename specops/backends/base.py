@@ -259,6 +259,11 @@ class Backend:
             return None
         return measured.support(self.name, method.value, version, self.engine_name)
 
+    def heterogeneous_vocab(self, version: str | None) -> dict | None:
+        """Speculative options that let a separate draft model with another vocabulary run on ``version``
+        (None: the engine needs equal vocabularies there). An unknown version is assumed to have them."""
+        return None
+
     def method_version_problem(self, method: Method, version: str) -> str | None:
         """Why engine ``version`` (as a profile pins it) cannot run ``method``, else None (also when unsure).
 

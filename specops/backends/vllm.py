@@ -109,6 +109,16 @@ class VllmBackend(Backend):
         except ValueError:
             return None
 
+    def heterogeneous_vocab(self, version):
+        """``use_heterogeneous_vocab`` (vLLM >= 0.25, read in its config; draft_model only): the draft's tokens are
+        mapped to the target's and the draft samples greedily."""
+        try:
+            if version and vllm_field_problem("use_heterogeneous_vocab", Version(version)):
+                return None
+        except ValueError:
+            pass
+        return {"use_heterogeneous_vocab": True}
+
     def generated_tokens(self, metrics_text):
         return counter_total(metrics_text, "vllm:generation_tokens_total")
 

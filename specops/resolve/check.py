@@ -218,6 +218,13 @@ def _target_names(target, catalog) -> list[str]:
     return names
 
 
+#: The option specops sets for a draft model whose vocabulary differs, where the engine has it.
+HETERO_VOCAB = "use_heterogeneous_vocab"
+#: The check name of that finding: :func:`specops.resolve.prelaunch.resolve_for_launch` applies the options.
+HETERO_CHECK = "vocab-mapped"
+HETERO_SEVERITY = "warning"
+
+
 def _vocab(method, draft, target, profile, be) -> list[Finding]:
     dv, tv = draft.facts.vocab, target.facts.vocab
     tolerance = be.draft_vocab_tolerance if method is Method.DRAFT_MODEL else 0
@@ -227,20 +234,37 @@ def _vocab(method, draft, target, profile, be) -> list[Finding]:
         return [Finding("info", "vocab", "vocab not checked: " + _unknown(dv, tv))]
     out = []
     if dv != tv:
-        hetero = bool(profile.speculative.options.get("use_heterogeneous_vocab")) and method is Method.DRAFT_MODEL
-        engine = be.engine_name
-        if hetero:
+        hetero = be.heterogeneous_vocab(profile.engine.version) if method is Method.DRAFT_MODEL else None
+        if profile.speculative.options.get(HETERO_VOCAB) and method is Method.DRAFT_MODEL:
             out.append(
                 Finding(
-                    "warning",
-                    "vocab",
-                    f"vocab_size differs ({dv} draft vs {tv} target); allowed by use_heterogeneous_vocab",
+                    "warning", "vocab", f"vocab_size differs ({dv} draft vs {tv} target); allowed by {HETERO_VOCAB}"
+                )
+            )
+        elif hetero:
+            on = f"vLLM {profile.engine.version}" if profile.engine.version else "an engine version that has it"
+            out.append(
+                Finding(
+                    HETERO_SEVERITY,
+                    HETERO_CHECK,
+                    f"vocab_size differs ({dv} draft vs {tv} target): launched with "
+                    f"{', '.join(f'{k}: {str(v).lower()}' for k, v in hetero.items())} on {on} "
+                    "(the draft's tokens are mapped to the target's; the draft samples greedily)",
                 )
             )
         else:
             what = "the head's" if method in HEAD_METHODS else "draft"
             out.append(
-                Finding("error", "vocab", f"{what} vocab_size {dv} != target's {tv}: {engine} needs equal vocabularies")
+                Finding(
+                    "error",
+                    "vocab",
+                    f"{what} vocab_size {dv} != target's {tv}: {be.engine_name} needs equal vocabularies"
+                    + (
+                        f" ({profile.engine.version})"
+                        if method is Method.DRAFT_MODEL and profile.engine.version
+                        else ""
+                    ),
+                )
             )
     dvs = draft.facts.draft_vocab
     if method is Method.EAGLE3 and dvs is not None and dvs > tv:

@@ -45,6 +45,22 @@ def resolve_for_launch(
     for finding in resolution.findings:
         if finding.severity in ("warning", "error"):
             say(f"{finding.severity}: {finding.message}")
-    if resolution.profile is loaded.profile:
+    profile = _with_mapped_vocab(resolution.profile, resolution.findings)
+    if profile is loaded.profile:
         return loaded, None
-    return LoadedProfile(resolution.profile, loaded.document, loaded.path), None
+    return LoadedProfile(profile, loaded.document, loaded.path), None
+
+
+def _with_mapped_vocab(profile, findings):
+    """The profile with the engine's heterogeneous-vocabulary options set when the checks found a draft model
+    whose vocabulary differs and the engine can map it (see :data:`specops.resolve.check.HETERO_CHECK`)."""
+    from specops.plugins import get_registry
+    from specops.resolve.check import HETERO_CHECK
+
+    if not any(f.check == HETERO_CHECK for f in findings):
+        return profile
+    options = get_registry().backend(profile.backend).heterogeneous_vocab(profile.engine.version) or {}
+    spec = profile.speculative
+    if all(spec.options.get(k) == v for k, v in options.items()):
+        return profile
+    return profile.model_copy(update={"speculative": spec.model_copy(update={"options": {**spec.options, **options}})})
