@@ -391,7 +391,8 @@ def catalog_findings(entry: CatalogEntry, profile) -> list[Finding]:
             Finding(
                 "warning",
                 "catalog",
-                f"no engine specops renders for loads this draft as published ({what}); see the caveats",
+                f"no engine specops renders for loads this draft as published ({what})"
+                + (f": {entry.caveats[0]}" if entry.caveats else ""),
             )
         )
     elif backend not in entry.backends:
