@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from specops.backends.measured import Cell
 from specops.errors import SpecopsError
 from specops.methods import Method
 from specops.resolve import resolve, synthetic_profile
@@ -164,8 +165,8 @@ def _entry(fmt: str, backends: str = "[vllm]"):
     return parse_catalog(text, "t.yaml").entries[0]
 
 
-def _cell(method: str, fmt_text: str, outcome: str, version: str = "9.9.9", engine: str = "vllm") -> dict:
-    return {"engine": engine, "version": version, "method": method, "format": fmt_text, "outcome": outcome}
+def _cell(method: str, fmt_text: str, outcome: str, version: str = "9.9.9", engine: str = "vllm") -> Cell:
+    return Cell(engine=engine, version=version, method=method, format=fmt_text, outcome=outcome, detail="")
 
 
 def test_evidence_names_the_engine_version_a_format_speculated_on():
@@ -186,6 +187,11 @@ def test_evidence_for_a_refused_format_and_for_an_unmeasured_one():
     assert refused.startswith("documented only; format mlp-speculator measured not speculating")
     assert "vLLM 9.9.9: engine-refused" in refused
     assert format_evidence(_entry("mtp"), ()).startswith("documented only (format mtp not measured")
+    # specops refusing to render a format is not a measurement of the engine
+    unrendered = (_cell("mlp_speculator", "MLP speculator", "rendered-refused"),)
+    assert format_evidence(_entry("mlp-speculator"), unrendered).startswith(
+        "documented only (format mlp-speculator not"
+    )
     # the matrix measured a llama.cpp cell: it says nothing about an entry listed for vLLM only
     gguf = format_evidence(_entry("draft-model"), (_cell("draft_model", "HF draft model", "speculating", engine="x"),))
     assert gguf.startswith("documented only")

@@ -12,14 +12,16 @@ its ``source`` only, or also through the format's tiny checkpoint speculating on
 from __future__ import annotations
 
 import functools
-import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import yaml
 
+from specops.backends.measured import Cell
+from specops.backends.measured import cells as measured_cells
 from specops.backends.versions import Version
 from specops.errors import SpecopsError
 from specops.methods import Method
@@ -30,6 +32,8 @@ SELF = "self"
 #: measured the draft's format speculating on an engine the entry lists, with a tiny generated checkpoint).
 KNOWN = ("documented", "tiny-format")
 ENGINE_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
+#: Matrix outcomes that say nothing about what the engine does with a format.
+UNMEASURED = ("not-measured", "rendered-refused")
 
 
 @dataclass(frozen=True)
@@ -84,68 +88,35 @@ FORMATS: dict[str, DraftFormat] = {
 }
 
 
-@dataclass(frozen=True)
-class Measurement:
-    """One support-matrix cell for a draft format: engine, version, outcome and the cell's own words."""
-
-    engine: str
-    version: str
-    outcome: str  # speculating | started-without-speculation | engine-refused | rendered-refused | ...
-    format: str
-    detail: str = ""
-
-    @property
-    def speculating(self) -> bool:
-        return self.outcome == "speculating"
+def measurements(fmt: DraftFormat, cells: Iterable[Cell] | None = None) -> list[Cell]:
+    """The support-matrix cells measured with ``fmt``'s tiny checkpoint (``cells``: default the shipped
+    matrix, :func:`specops.backends.measured.cells`), in matrix order."""
+    return [
+        c
+        for c in (measured_cells() if cells is None else cells)
+        for engine, prefix in fmt.cells
+        if c.engine == engine and c.method == fmt.method.value and c.format.lower().startswith(prefix.lower())
+    ]
 
 
-@functools.lru_cache(maxsize=1)
-def _matrix_cells() -> tuple[dict, ...]:
-    """The measured support matrix shipped in the package (its cells; none when the file is absent)."""
-    try:
-        text = resources.files("specops").joinpath("data/support_matrix.json").read_text(encoding="utf-8")
-        cells = json.loads(text).get("cells") or []
-    except (OSError, ValueError):
-        return ()
-    return tuple(c for c in cells if isinstance(c, dict))
-
-
-def measurements(fmt: DraftFormat, cells: tuple[dict, ...] | None = None) -> list[Measurement]:
-    """The support-matrix cells measured with ``fmt``'s tiny checkpoint, in matrix order."""
-    out = []
-    for c in _matrix_cells() if cells is None else cells:
-        for engine, prefix in fmt.cells:
-            if (
-                c.get("engine") == engine
-                and c.get("method") == fmt.method.value
-                and str(c.get("format", "")).lower().startswith(prefix.lower())
-            ):
-                out.append(
-                    Measurement(
-                        engine,
-                        str(c.get("version", "?")),
-                        str(c.get("outcome", "?")),
-                        str(c["format"]),
-                        str(c.get("detail", "")),
-                    )
-                )
-    return out
-
-
-def format_evidence(entry: CatalogEntry, cells: tuple[dict, ...] | None = None) -> str:
+def format_evidence(entry: CatalogEntry, cells: Iterable[Cell] | None = None) -> str:
     """One line on how ``entry`` is known: its format's tiny checkpoint as measured on the entry's engines
     (``cells``: the support matrix's; default the shipped one), or "documented only"."""
     fmt = FORMATS.get(entry.format or "")
     if fmt is None:
         return "documented only (no draft format named)"
 
-    def where(ms: list[Measurement], outcome: bool = False) -> str:
+    def where(ms: list[Cell], outcome: bool = False) -> str:
         return ", ".join(
-            f"{ENGINE_NAMES.get(m.engine, m.engine)} {m.version}" + (f": {m.outcome}" if outcome else "") for m in ms
+            f"{ENGINE_NAMES.get(m.engine, m.engine)} {m.version}"
+            + (f": {m.outcome}" + (f" ({m.level} level)" if m.level else "") if outcome else "")
+            for m in ms
         )
 
     engines = entry.backends or tuple(e for e, _ in fmt.cells)
-    found = [m for m in measurements(fmt, cells) if m.engine in engines]
+    cells = measured_cells() if cells is None else tuple(cells)
+    #: launched on the engine (specops refusing to render, or a cell never run, measures nothing)
+    found = [m for m in measurements(fmt, cells) if m.engine in engines and m.outcome not in UNMEASURED]
     good = [m for m in found if m.speculating]
     caveat = f"; {fmt.caveat}" if fmt.caveat else ""
     if good and entry.backends:
@@ -165,7 +136,7 @@ def format_evidence(entry: CatalogEntry, cells: tuple[dict, ...] | None = None) 
     return f"documented only (format {fmt.name} not measured on {', '.join(engines) or 'any engine'})"
 
 
-def measured_speculating(entry: CatalogEntry, cells: tuple[dict, ...] | None = None) -> list[Measurement]:
+def measured_speculating(entry: CatalogEntry, cells: Iterable[Cell] | None = None) -> list[Cell]:
     """The matrix cells where ``entry``'s format speculated on one of the engines the entry lists."""
     fmt = FORMATS.get(entry.format or "")
     if fmt is None:
