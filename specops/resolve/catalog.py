@@ -82,6 +82,8 @@ FORMATS: dict[str, DraftFormat] = {
         DraftFormat(
             "gguf-draft", Method.DRAFT_MODEL, "GGUF causal LM (same vocab)", (("llamacpp", "GGUF draft model"),)
         ),
+        DraftFormat("dflash", Method.DFLASH, "DFlash block-diffusion drafter", (("vllm", "DFlash drafter"),)),
+        DraftFormat("dspark", Method.DSPARK, "DSpark drafter"),
         DraftFormat("mtp-mimo", Method.MTP, "MTP layers in a MiMo target", (("vllm", "MTP layers in the target"),)),
         DraftFormat("mtp", Method.MTP, "MTP layers in the target (an architecture the matrix has no tiny model of)"),
     )
