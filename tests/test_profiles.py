@@ -119,6 +119,27 @@ def test_medusa_and_mlp_speculator_profiles_pin_a_version_that_runs_them():
         assert vllm_method_problem(p.speculative.method.value, Version(p.engine.version)) is None, path
 
 
+def test_no_profile_renders_a_method_its_engine_version_refuses():
+    """Each ready-made profile renders for its pinned engine version (or the default one) without a gate read
+    in the engine's source or a refusal measured on the engine standing in the way."""
+    from specops.backends.render import render_plan
+    from specops.plugins import get_registry
+
+    registry = get_registry()
+    refused = {}
+    for path in READY:
+        loaded = _load(path, SPECOPS_API_KEY="k")
+        if not loaded.profile.engine.version:  # probes the installed engine: only the method-none baseline
+            assert loaded.profile.speculative.method.value == "none", path
+            continue
+        backend = registry.backend(loaded.profile.backend)
+        plan = render_plan(loaded, registry, probe=False)
+        problem = backend.method_problem(loaded.profile.speculative.method, plan.engine_version)
+        if problem:
+            refused[path.name] = problem
+    assert refused == {}
+
+
 def test_validate_profiles_directory_passes_without_any_environment():
     """`specops validate profiles/` is what CI runs: no secrets, no Prometheus address needed."""
     res = run("validate", str(PROFILES), env={"SPECOPS_API_KEY": None, "PROMETHEUS_URL": None, "HF_TOKEN": None})
