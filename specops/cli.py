@@ -24,6 +24,7 @@ COMMANDS = {
     "resolve": "resolve:resolve",
     "lock": "resolve:lock",
     "up": "up:up",
+    "systemd": "systemd:systemd",
     "status": "status:status",
     "down": "status:down",
     "watch": "watch:watch",
