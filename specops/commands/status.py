@@ -153,6 +153,61 @@ def _text(value, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+#: Rules of a window that got no verdict, in words (see specops.watch.policy).
+_NO_VERDICT = {
+    "window-filling": "the window is still filling",
+    "not-fresh": "waiting for a window that does not overlap the last counted one",
+    "min-draft-tokens": "too few drafted tokens in the window",
+    "no-data": "nothing drafted in the window",
+    "spec-off": "the engine reports no speculative counters",
+    "coarse": "only a lifetime ratio (reported, not acted on)",
+    "source-unavailable": "metrics unavailable",
+    "switch-pending": "a switch is under way",
+    "no-speculation": "speculation is off",
+}
+
+
+def verdict_line(st: dict) -> str | None:
+    """The fallback verdict against the threshold and the hysteresis count, e.g.
+    ``below 0.6: 1 of 2 windows (falls back after 2)``; None when the state file predates these fields.
+
+    The acceptance line above it is the latest (sliding) window; the verdict counts disjoint windows
+    (see specops.watch.policy), so the two may differ for up to one window length.
+    """
+    policy = st.get("policy")
+    if not isinstance(policy, dict) or "consecutive_windows" not in policy:
+        return None
+    if policy.get("method") == "none":
+        return "no speculation: nothing to judge"
+    streak = round(_num(policy.get("streak")) or 0)
+    need = round(_num(policy.get("consecutive_windows")) or 1)
+    thr = _num(policy.get("min_acceptance"))
+    model = policy.get("mode") == "model"
+    bound = "predicted speedup below 1" if model else f"below {thr:g}" if thr is not None else "below the threshold"
+    last = st.get("last_verdict") if isinstance(st.get("last_verdict"), dict) else None
+    window = st.get("last_window") if isinstance(st.get("last_window"), dict) else {}
+    if streak:
+        out = f"{bound}: {streak} of {need} windows"
+        out += (
+            " (fallback disabled: watch only)"
+            if policy.get("fallback_enabled") is False
+            else f" (falls back after {need})"
+        )
+    elif last is not None:
+        measure = "predicted_speedup" if model else "acceptance"
+        value = _num(last.get(measure))
+        shown = f"; last counted window: {measure.replace('_', ' ')} {value:.3f}" if value is not None else ""
+        out = f"not {bound}: 0 of {need} windows{shown}"
+    else:
+        out = f"no verdict yet (falls back after {need} windows {bound})"
+    why = _NO_VERDICT.get(_text(window.get("rule")))
+    if why and window.get("rule") != "not-fresh":
+        if window.get("rule") == "min-draft-tokens":
+            why += f" (min_draft_tokens {_text(policy.get('min_draft_tokens'))})"
+        out += f"; latest window: {why}"
+    return out
+
+
 def _print(st: dict) -> None:
     name = _text(st.get("name"))
     if st.get("problem"):
@@ -175,11 +230,17 @@ def _print(st: dict) -> None:
     acc = st.get("acceptance")
     if isinstance(acc, dict):
         a, mal = _num(acc.get("acceptance")), _num(acc.get("mean_acceptance_length"))
+        data = _text(acc.get("status", ""))
+        # the window's data state is not a verdict: say it only when the window has no usable data
+        data_note = "" if data in ("ok", "") else f", {data}: {_text(acc.get('reason'), 200)}"
         click.echo(
             f"  acceptance {f'{a:.3f}' if a is not None else 'no data'} over {_text(acc.get('window_s'))}s "
             f"(mean length {f'{mal:.2f}' if mal is not None else '-'}, "
-            f"{_num(acc.get('draft_tokens')) or 0:.0f} drafted, {_text(acc.get('status', ''))})"
+            f"{_num(acc.get('draft_tokens')) or 0:.0f} drafted{data_note})"
         )
+    verdict = verdict_line(st)
+    if verdict:
+        click.echo(f"  verdict    {verdict}")
     tps = _num(st.get("tokens_per_s"))
     if tps is not None:
         click.echo(f"  tokens/s   {tps:.1f}")

@@ -52,6 +52,10 @@ class FallbackDecider:
         self.wall = wall
         self.switches = 0
         self.last_decision: dict[str, Any] | None = None
+        #: The latest window's decision (rule and reason) and the last window that got a verdict (low or
+        #: not, with its numbers), for ``specops status``.
+        self.last_window: dict[str, Any] | None = None
+        self.last_verdict: dict[str, Any] | None = None
 
     @classmethod
     def from_profile(cls, profile: Any, **kwargs: Any) -> FallbackDecider:
@@ -83,6 +87,14 @@ class FallbackDecider:
     def observe(self, stats: WindowStats, now: float) -> Decision:
         """The policy's decision for one window; notable ones go to the event log with the window."""
         decision = self.policy.observe(stats, now)
+        self.last_window = {"rule": decision.rule, "reason": decision.reason}
+        if "low" in decision.numbers:
+            keep = ("low", "acceptance", "predicted_speedup", "streak")
+            self.last_verdict = {
+                **{k: decision.numbers[k] for k in keep if k in decision.numbers},
+                "rule": decision.rule,
+                "at": self.wall(),
+            }
         if decision.warning:
             self.say(f"warning: {decision.warning}")
         if decision.notable:
@@ -115,5 +127,7 @@ class FallbackDecider:
         return {
             "switches": self.switches,
             "last_decision": self.last_decision,
+            "last_window": self.last_window,
+            "last_verdict": self.last_verdict,
             "policy": self.policy.snapshot(self.clock() if now is None else now),
         }

@@ -482,10 +482,17 @@ class Policy:
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """The policy's state, for ``specops status`` and the watcher's own metrics."""
+        cfg = self.config
         return {
             "method": self.current.method.value,
             "index": self.index,
             "streak": self.streak,
+            # the bound each window is held to and the hysteresis, so `specops status` can show the verdict
+            "mode": cfg.mode,
+            "min_acceptance": cfg.min_acceptance,
+            "consecutive_windows": cfg.consecutive_windows,
+            "min_draft_tokens": cfg.min_draft_tokens,
+            "fallback_enabled": cfg.enabled,
             "cooldown_until": self.cooldown_until(),
             "switches_last_hour": self.switches_in_last_hour(now),
             "retry_due": self.retry_due,
