@@ -96,6 +96,8 @@ def test_system_unit_runs_specops_up_with_absolute_paths(tmp_path):
     assert one(unit, "Service", "Type") == "exec"
     assert one(unit, "Service", "User") == pwd.getpwuid(os.getuid()).pw_name
     assert "ExecReload" not in svc  # `specops up` has no reload signal
+    # the proxy raises its own soft open-files limit up to the hard one; a LimitNOFILE would cap that
+    assert "LimitNOFILE" not in svc
     assert one(unit, "Service", "EnvironmentFile") == "-/etc/specops/llamacpp-cpu-draft.env"
     assert one(unit, "Install", "WantedBy") == "multi-user.target"
     # defaults: drain 60 s, stop 30 s: the stop budget is at least drain + SIGTERM→SIGKILL + the group's wait

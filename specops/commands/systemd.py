@@ -52,8 +52,6 @@ MARGIN_S = 15.0
 START_LIMIT_BURST = 5
 START_LIMIT_INTERVAL_S = 600
 RESTART_SEC = 30
-#: the proxy holds two descriptors per client connection (client, engine) on top of the engine's own
-LIMIT_NOFILE = 65536
 
 _UNSAFE_PATH = re.compile(r"[\x00-\x1f\x7f]")
 _ENV_FILE = re.compile(r"^(/|%h/)[^\s%\x00-\x1f\x7f]+$")
@@ -212,7 +210,6 @@ def render_unit(
         f"TimeoutStopSec={budget.timeout_stop_sec}",
         "Restart=on-failure",
         f"RestartSec={RESTART_SEC}",
-        f"LimitNOFILE={LIMIT_NOFILE}",
         "NoNewPrivileges=yes",
         f"SyslogIdentifier=specops-{name}",
         "",
