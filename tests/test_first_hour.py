@@ -116,3 +116,106 @@ def test_status_of_an_old_state_file_prints_no_verdict_line(tmp_path):
     write_state(paths, {"name": "old", "state": "ready", "proxy": False, "policy": {"method": "ngram", "streak": 0}})
     res = run("status", "old", "--state-dir", tmp_path)
     assert res.code == 0 and "verdict" not in res.stdout and "Traceback" not in res.stderr
+
+
+# ------------------------------------------------------------------------- engine discovery and `up`
+
+DEV_VLLM = sorted(
+    Path(os.environ.get("SPECOPS_CACHE", Path.home() / ".cache/specops")).glob("engines/vllm-*/bin/python")
+)
+NO_ENGINES_PATH = "/usr/bin:/bin"  # neither vllm nor llama-server lives there on a test machine
+
+
+def _dev(pattern: str) -> Path:
+    from specops.backends.devengines import dev_engines
+
+    found = dev_engines(pattern)
+    if not found:
+        from conftest import unavailable
+
+        unavailable(f"no CPU development engine {pattern} (specops engines setup)")
+    return found[0]
+
+
+def _gpu_profile(tmp_path: Path, backend: str, extra: str = "") -> Path:
+    model = "meta-llama/Llama-3.1-8B-Instruct" if backend == "vllm" else "/m/target.gguf"
+    spec = "{method: ngram}" if backend == "vllm" else "{method: draft_model, draft: /m/draft.gguf}"
+    path = tmp_path / f"gpu-{backend}.yaml"
+    path.write_text(
+        f"name: gpu-{backend}\nbackend: {backend}\nmodel: {{id: {model}}}\n"
+        f"speculative: {spec}\ngpus: {{devices: [0]}}\n{extra}",
+        encoding="utf-8",
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("backend", "pattern", "setting"),
+    [
+        ("vllm", "vllm-*/bin/python", "engine.python"),
+        ("llamacpp", "llama-server-*/bin/llama-server", "engine.executable"),
+    ],
+)
+def test_a_gpu_profile_never_gets_the_cpu_development_engine_silently(tmp_path, backend, pattern, setting):
+    dev = _dev(pattern)
+    path = _gpu_profile(tmp_path, backend)
+    res = run("render", path, "--format", "json", env={"PATH": NO_ENGINES_PATH})
+    assert res.code == 1 and "Traceback" not in res.stderr
+    err = res.stderr
+    assert f"specops' CPU development engine {dev.parent.parent} not used: it serves CPU profiles only" in err
+    assert f"gpus.devices [0]; to use it anyway, set {setting}: {dev}" in err
+    assert "on PATH" in err and "--backend-version" in err
+    # named explicitly, it is used: the user chose it
+    key = "python" if backend == "vllm" else "executable"
+    chosen = _gpu_profile(tmp_path, backend, f"engine: {{{key}: {dev}}}\n")
+    ok = run("render", chosen, "--format", "json", env={"PATH": NO_ENGINES_PATH})
+    assert ok.code == 0, ok.stderr
+    assert json.loads(ok.stdout)["argv"][0] == str(dev)
+
+
+@pytest.mark.parametrize(
+    ("profile", "pattern"),
+    [
+        ("examples/vllm-cpu-ngram.yaml", "vllm-*/bin/python"),
+        ("examples/llamacpp-cpu-draft.yaml", "llama-server-*/bin/llama-server"),
+    ],
+)
+def test_cpu_profiles_still_find_the_development_engine(profile, pattern):
+    dev = _dev(pattern)
+    res = run("render", ROOT / profile, "--format", "json", env={"PATH": NO_ENGINES_PATH})
+    assert res.code == 0, res.stderr
+    assert json.loads(res.stdout)["argv"][0] == str(dev)
+    from specops.config.profile import load_profile as _load
+    from specops.plugins import get_registry
+
+    loaded = _load(ROOT / profile)
+    saved = os.environ["PATH"]
+    os.environ["PATH"] = NO_ENGINES_PATH
+    try:
+        info = get_registry().backend(loaded.profile.backend).engine_info(loaded.profile)
+    finally:
+        os.environ["PATH"] = saved
+    assert info.source.startswith("specops' CPU development engine, probed ")  # `up` prints where it came from
+
+
+def test_up_without_the_engine_says_what_it_looked_for_where_and_how_to_fix(tmp_path):
+    (tmp_path / "model").mkdir()
+    path = tmp_path / "pinned.yaml"
+    path.write_text(
+        f"name: no-engine\nbackend: vllm\nengine: {{version: 0.32.0}}\nmodel: {{id: {tmp_path / 'model'}}}\n"
+        "speculative: {method: none}\nserver: {port: 18419}\n",
+        encoding="utf-8",
+    )
+    env = {**os.environ, "PATH": NO_ENGINES_PATH, "SPECOPS_STATE": str(tmp_path / "state")}
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "specops"), "up", str(path), "--offline", "--quiet-engine"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err.startswith(f"error: cannot start vllm: no program `vllm` in any folder of PATH ({NO_ENGINES_PATH})")
+    assert "version is given (0.32.0), so specops did not search for the engine" in err
+    assert "`pip install vllm`" in err and "engine.python" in err and "engine.executable" in err

@@ -7,6 +7,7 @@ their sources in :mod:`specops.backends.versions` (llama.cpp's ``common/arg.cpp`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ from specops.backends.base import (
     check_version_text,
     counter_total,
 )
+from specops.backends.devengines import DEV_ENGINE, dev_engine_skipped, dev_engines
 from specops.backends.versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
 from specops.errors import SpecopsError
 from specops.hookspecs import hookimpl
@@ -192,22 +194,32 @@ class LlamaCppBackend(Backend):
             )
 
     # ------------------------------------------------------------------ engine discovery
-    def find_executable(self, profile) -> str | None:
+    def search(self, profile) -> tuple[str | None, list[str]]:
+        """The llama-server program, and every place looked at on the way (for messages and `doctor`).
+
+        In order: ``engine.executable``; ``llama-server`` on PATH; then specops' own CPU build
+        (``specops engines setup llamacpp``, only once its build finished) — for CPU profiles only
+        (``gpus.devices`` unset or ``[]``): it has no GPU support, so a profile that names GPUs never gets it
+        by accident (point ``engine.executable`` at it to use it anyway).
+        """
         if profile.engine.executable:
-            return profile.engine.executable
+            return profile.engine.executable, [f"engine.executable {profile.engine.executable}"]
         found = shutil.which("llama-server")
         if found:
-            return found
-        builds = sorted(
-            (
-                p
-                for p in engines_dir().glob("llama-server-*/bin/llama-server")
-                if (p.parent.parent / ".specops-ready").is_file()
-            ),
-            key=os.path.getmtime,
-            reverse=True,
-        )
-        return str(builds[0]) if builds else None
+            return found, [f"`llama-server` on PATH: {found}"]
+        looked = ["no `llama-server` on PATH"]
+        dev = dev_engines("llama-server-*/bin/llama-server")
+        if not dev:
+            looked.append(f"no CPU development build in {engines_dir()}")
+        elif profile.gpus.devices:
+            looked.append(dev_engine_skipped(dev[0].parent.parent, dev[0], "engine.executable", profile.gpus.devices))
+        else:
+            return str(dev[0]), [*looked, f"{DEV_ENGINE} {dev[0].parent.parent} (a CPU profile)"]
+        return None, looked
+
+    def find_executable(self, profile) -> str | None:
+        """The llama-server program (see :meth:`search`), or None."""
+        return self.search(profile)[0]
 
     def engine_info(self, profile, version=None, *, probe=True):
         pinned, source = (
@@ -221,10 +233,14 @@ class LlamaCppBackend(Backend):
             except ValueError as exc:
                 raise SpecopsError(str(exc)) from None
             return EngineInfo(self.name, pinned, source, ("llama-server",))
-        exe = self.find_executable(profile) if probe else None
+        exe, looked = self.search(profile) if probe else (None, [])
         if exe is None:
-            raise SpecopsError(self.install_hint + " (or render for a pinned version with --backend-version)")
-        return probe_llama_server(exe)
+            where = f"; looked at: {'; '.join(looked)}" if looked else ""
+            raise SpecopsError(f"{self.install_hint}{where} (or render for a pinned version with --backend-version)")
+        info = probe_llama_server(exe)
+        if looked and looked[-1].startswith(DEV_ENGINE):
+            info = dataclasses.replace(info, source=f"{DEV_ENGINE}, {info.source}")
+        return info
 
     # ------------------------------------------------------------------ rendering
     def render(self, profile, engine, *, host=None, port=None):

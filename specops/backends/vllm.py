@@ -9,6 +9,7 @@ in :mod:`specops.backends.versions`.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from specops.backends.base import (
     check_version_text,
     counter_total,
 )
+from specops.backends.devengines import DEV_ENGINE, dev_engine_skipped, dev_engines
 from specops.backends.versions import (
     VLLM_LEGACY_METHODS,
     VLLM_METHOD_SINCE,
@@ -93,7 +95,7 @@ class VllmBackend(Backend):
     model_name_label = True  # every series carries model_name
     install_hint = (
         "vLLM not found: `pip install vllm` (GPU) or `specops engines setup vllm` (CPU build), "
-        "or point engine.python at a virtualenv that has it"
+        "or set engine.python to a Python or virtualenv that has it (or engine.executable to its `vllm` program)"
     )
 
     engine_only_methods = {
@@ -165,21 +167,41 @@ class VllmBackend(Backend):
                 )
 
     # ------------------------------------------------------------------ engine discovery
-    def find_python(self, profile) -> str | None:
-        """The interpreter that has vLLM: engine.python, the `vllm` script's shebang, or the engine cache."""
+    def search(self, profile) -> tuple[str | None, list[str]]:
+        """The interpreter that has vLLM, and every place looked at on the way (for messages and `doctor`).
+
+        In order: ``engine.python``; the shebang of ``engine.executable``, else of ``vllm`` on PATH; then
+        specops' own CPU development engines (``specops engines setup vllm``, only venvs whose set-up
+        finished) — for CPU profiles only (``gpus.devices`` unset or ``[]``): a profile that names GPUs never
+        gets the CPU build by accident (point ``engine.python`` at it to use it anyway).
+        """
         if profile.engine.python:
             py = Path(profile.engine.python).expanduser()
-            return str(py / "bin" / "python") if py.is_dir() else str(py)
-        script = profile.engine.executable or shutil.which("vllm")
+            return (str(py / "bin" / "python") if py.is_dir() else str(py)), [f"engine.python {profile.engine.python}"]
+        if profile.engine.executable:
+            found = _shebang_python(profile.engine.executable)
+            how = f"engine.executable {profile.engine.executable}"
+            return found, [how if found else how + ": not a Python console script (or not readable)"]
+        looked = []
+        script = shutil.which("vllm")
         if script:
-            return _shebang_python(script)
-        # only venvs whose set-up finished (the marker is written last): never a half-installed one
-        venvs = sorted(
-            (p for p in engines_dir().glob("vllm-*/bin/python") if (p.parent.parent / ".specops-ready").is_file()),
-            key=os.path.getmtime,
-            reverse=True,
-        )
-        return str(venvs[0]) if venvs else None
+            found = _shebang_python(script)
+            if found:
+                return found, [f"`vllm` on PATH: {script}"]
+            return None, [f"`vllm` on PATH: {script} is not a Python console script"]
+        looked.append("no `vllm` on PATH")
+        dev = dev_engines("vllm-*/bin/python")
+        if not dev:
+            looked.append(f"no CPU development engine in {engines_dir()}")
+        elif profile.gpus.devices:
+            looked.append(dev_engine_skipped(dev[0].parent.parent, dev[0], "engine.python", profile.gpus.devices))
+        else:
+            return str(dev[0]), [*looked, f"{DEV_ENGINE} {dev[0].parent.parent} (a CPU profile)"]
+        return None, looked
+
+    def find_python(self, profile) -> str | None:
+        """The interpreter that has vLLM (see :meth:`search`), or None."""
+        return self.search(profile)[0]
 
     def engine_info(self, profile, version=None, *, probe=True):
         pinned, source = (
@@ -195,10 +217,13 @@ class VllmBackend(Backend):
         custom = profile.engine.python or profile.engine.executable
         if pinned and not (probe and custom):
             return EngineInfo(self.name, pinned, source, ("vllm", "serve"))
-        python = self.find_python(profile) if probe else None
+        python, looked = self.search(profile) if probe else (None, [])
         if python is None:
-            raise SpecopsError(self.install_hint + " (or render for a pinned version with --backend-version)")
+            where = f"; looked at: {'; '.join(looked)}" if looked else ""
+            raise SpecopsError(f"{self.install_hint}{where} (or render for a pinned version with --backend-version)")
         info = probe_vllm(python, profile.engine.executable)
+        if looked and looked[-1].startswith(DEV_ENGINE):
+            info = dataclasses.replace(info, source=f"{DEV_ENGINE}, {info.source}")
         if pinned and Version(pinned) != Version(info.version):
             raise SpecopsError(f"{source} says vLLM {pinned} but {python} has vLLM {info.version}")
         return info

@@ -64,6 +64,30 @@ class ExitInfo:
         return f"exited with code {self.code}"
 
 
+def missing_program(plan: LaunchPlan, env: dict[str, str]) -> str:
+    """Why the engine's program could not be started: what was looked for, where, and how to fix it."""
+    program = plan.argv[0]
+    if os.sep in program:
+        where = f"{program} does not exist"
+    else:
+        dirs = [d for d in env.get("PATH", "").split(os.pathsep) if d]
+        shown = os.pathsep.join(dirs[:12]) + (f"{os.pathsep}… ({len(dirs)} folders)" if len(dirs) > 12 else "")
+        where = f"no program `{program}` in any folder of PATH ({shown or 'PATH is empty'})"
+        if plan.engine_version:
+            where += (
+                f"; the plan names `{program}` because the version is given ({plan.engine_version}), so specops "
+                "did not search for the engine"
+            )
+    try:
+        from specops.plugins import get_registry
+
+        hint = get_registry().backend(plan.backend).install_hint
+    except Exception:  # the hint is a courtesy: never hide the real error behind another
+        hint = ""
+    fix = hint.split(": ", 1)[1] if ": " in hint else hint
+    return f"cannot start {plan.backend}: {where}" + (f". To fix: {fix}" if fix else "")
+
+
 class EngineProcess:
     """A launched engine. ``on_line`` receives every output line (already decoded, without newline)."""
 
@@ -115,10 +139,13 @@ class EngineProcess:
             )
         except FileNotFoundError:
             self._close_log()
-            raise SpecopsError(f"cannot start {self.plan.argv[0]}: no such file") from None
+            raise SpecopsError(missing_program(self.plan, env)) from None
         except PermissionError:
             self._close_log()
-            raise SpecopsError(f"cannot start {self.plan.argv[0]}: permission denied") from None
+            raise SpecopsError(
+                f"cannot start {self.plan.argv[0]}: permission denied (not executable by this user); "
+                "point engine.executable or engine.python at a program you may run"
+            ) from None
         self.started_at = time.monotonic()
         self._leader_start = proc_starttime(self.proc.pid)  # not reaped yet: this is our child
         self._reader = asyncio.create_task(self._read_output())
