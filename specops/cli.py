@@ -34,6 +34,7 @@ COMMANDS = {
     "engines": "engines:engines",
     "schema": "schema:schema",
     "plugins": "plugins:plugins",
+    "k8s": "k8s:k8s",
 }
 
 
