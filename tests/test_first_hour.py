@@ -219,3 +219,33 @@ def test_up_without_the_engine_says_what_it_looked_for_where_and_how_to_fix(tmp_
     assert err.startswith(f"error: cannot start vllm: no program `vllm` in any folder of PATH ({NO_ENGINES_PATH})")
     assert "version is given (0.32.0), so specops did not search for the engine" in err
     assert "`pip install vllm`" in err and "engine.python" in err and "engine.executable" in err
+
+
+# ------------------------------------------------------------------------------------ bench plots
+
+
+def test_bench_without_matplotlib_says_so_before_and_after_the_run(tmp_path, monkeypatch):
+    """A real (tiny) bench on llama-server with matplotlib made unimportable: no PNG, and two warnings."""
+    _dev("llama-server-*/bin/llama-server")
+    from specops.devenv.testmodels import ensure_tiny_models
+
+    models = ensure_tiny_models(["gguf"])
+    profile = tmp_path / "b.yaml"
+    profile.write_text(
+        f"name: bench-noplots\nbackend: llamacpp\nmodel: {{id: {models['gguf-target.gguf']}, max_model_len: 512}}\n"
+        f"speculative: {{method: draft_model, draft: {models['gguf-draft-same.gguf']}}}\n"
+        "gpus: {devices: []}\nsupervisor: {stop_timeout: 10}\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    out = tmp_path / "out"
+    args = ("bench", profile, "-p", "code", "-c", "1", "-n", "1", "--warmup", "0", "--max-tokens", "8", "-o", out, "-q")
+    res = run(*args)
+    assert res.code == 0, res.stderr
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning: matplotlib is not installed")]
+    assert len(warnings) == 2, res.stderr  # before the run (time to install it) and after (not lost in output)
+    assert f"`{sys.executable} -m pip install 'specops[plots]'`" in warnings[0] and "--no-plots" in warnings[0]
+    files = sorted(p.name for p in out.iterdir())
+    assert "results.json" in files and "summary.md" in files and not [f for f in files if f.endswith(".png")]
+    quiet = run(*args[:-3], "-o", tmp_path / "out2", "-q", "--no-plots")
+    assert quiet.code == 0 and "matplotlib" not in quiet.stderr  # asked for no plots: nothing to warn about

@@ -161,10 +161,14 @@ def bench(
 ):
     from specops.perf.bench import BenchConfig, run_bench_blocking
     from specops.perf.bench_report import write_outputs
+    from specops.perf.plots import plots_missing
     from specops.plugins import get_registry
 
     loaded = load(profile)
     name = loaded.profile.name
+    no_plots_why = None if no_plots else plots_missing()
+    if no_plots_why:  # before the run, which takes minutes: the user may want to install it first
+        click.echo(f"warning: {no_plots_why}", err=True)
     out = out_dir or f"specops-bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     from pathlib import Path
 
@@ -190,11 +194,11 @@ def bench(
     if as_json:
         echo_json(report)
         return
-    _echo_summary(report, written)
+    _echo_summary(report, written, no_plots_why)
 
 
-def _echo_summary(report: dict, written: dict) -> None:
-    """summary.md as written, the files, and a warning on stderr when requests failed."""
+def _echo_summary(report: dict, written: dict, no_plots_why: str | None = None) -> None:
+    """summary.md as written, the files, and warnings on stderr when requests failed or plots are missing."""
     from pathlib import Path
 
     click.echo(Path(written["markdown"]).read_text(encoding="utf-8"), nl=False)
@@ -203,3 +207,5 @@ def _echo_summary(report: dict, written: dict) -> None:
         click.echo(f"wrote {path}")
     if report["errors"]:
         click.echo(f"warning: {report['errors']} requests failed; see results.json (first_error per cell)", err=True)
+    if no_plots_why:
+        click.echo(f"warning: {no_plots_why}", err=True)

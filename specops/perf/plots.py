@@ -4,6 +4,7 @@ set, and tokens/s with and without speculation. Needs matplotlib (``pip install 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,19 @@ class _Look:
 
     def rows(self, set_name: str) -> list[dict]:
         return [r for r in self.report["speedup"] if r["set"] == set_name]
+
+
+def plots_missing() -> str | None:
+    """Why this Python cannot draw the plots (matplotlib does not import), with how to get them; None when it can."""
+    try:
+        import matplotlib  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install: either way, no plots
+        why = "is not installed" if isinstance(exc, ImportError) else f"does not import ({type(exc).__name__})"
+        return (
+            f"matplotlib {why}, so no PNG plots: `{sys.executable} -m pip install 'specops[plots]'` "
+            "(from a checkout: `pip install -e '.[plots]'`), or pass --no-plots"
+        )
+    return None
 
 
 def plot(report: dict, out_dir: Path) -> list[Path]:
