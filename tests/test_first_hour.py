@@ -249,3 +249,51 @@ def test_bench_without_matplotlib_says_so_before_and_after_the_run(tmp_path, mon
     assert "results.json" in files and "summary.md" in files and not [f for f in files if f.endswith(".png")]
     quiet = run(*args[:-3], "-o", tmp_path / "out2", "-q", "--no-plots")
     assert quiet.code == 0 and "matplotlib" not in quiet.stderr  # asked for no plots: nothing to warn about
+
+
+# ------------------------------------------------------------------------------ scripts/setup output
+
+SETUPTOOLS_NOISE = """  /tmp/pip-build-env-x/overlay/lib/python3.11/site-packages/setuptools/command/editable_wheel.py:354: \
+BuildBackendWarning: Editable installation.
+  !!
+          ********************************************************************************
+          Please be careful with folders in your working directory with the same
+          name as your package as they may take precedence during imports.
+"""
+
+
+def _fake_venv(root: Path, pip_exit: int) -> Path:
+    """A venv stand-in: pip prints setuptools' editable-install warnings (a real install takes minutes and a
+    package index); specops says which engines step it was asked for."""
+    venv = root / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    noise = root / "noise.txt"
+    noise.write_text(SETUPTOOLS_NOISE, encoding="utf-8")
+    for name, body in (
+        ("pip", f'cat "{noise}" >&2\necho "Successfully installed specops"\nexit {pip_exit}\n'),
+        ("specops", 'echo "specops $*"\n'),
+    ):
+        script = venv / "bin" / name
+        script.write_text("#!/bin/sh\n" + body, encoding="utf-8")
+        script.chmod(0o755)
+    return venv
+
+
+@pytest.mark.parametrize("pip_exit", [0, 1])
+def test_setup_keeps_pip_and_setuptools_output_in_its_log(tmp_path, pip_exit):
+    venv, cache = _fake_venv(tmp_path, pip_exit), tmp_path / "cache"
+    env = {**os.environ, "SPECOPS_VENV": str(venv), "SPECOPS_CACHE": str(cache)}
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "setup"), "models"], capture_output=True, text=True, env=env, timeout=60
+    )
+    log = cache / "logs" / "pip-project.log"
+    assert "Editable installation" in log.read_text(encoding="utf-8")  # the full output is kept
+    console = (proc.stdout + proc.stderr).splitlines()
+    assert console[0] == f"setup: project venv {venv} (pip log: {log})"
+    if pip_exit == 0:
+        assert proc.returncode == 0 and console[1:] == ["specops engines setup models"]
+        assert not [line for line in console if "Editable" in line or "Successfully" in line]
+    else:  # on failure the log's tail and its path, so the cause is one look away
+        assert proc.returncode != 0 and "setup: failed:" in proc.stderr and f"setup: full log: {log}" in proc.stderr
+        assert "specops engines" not in proc.stdout
