@@ -322,13 +322,47 @@ class Retry(Section):
     max_after: Duration = Field(8 * 3600.0, description="Upper bound of the doubling wait.")
 
 
+class Goodput(Section):
+    """`mode: goodput`: choose the step with the most predicted output tokens/s at the live load."""
+
+    surface: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="The measured goodput surface: a `specops tune` record (`<profile>.tune.json`, or a lock file "
+        "with a `tune` entry); a relative path is read from the folder specops runs in. Unset: learned online only.",
+    )
+    hysteresis: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Switch only when the best option's predicted tokens/s beats the current one's by this fraction.",
+    )
+    sustain: Duration = Field(
+        30.0, description="The better option must stay better for this long (a sustained load change) before a switch."
+    )
+    min_dwell: Duration = Field(60.0, description="No switch within this long after the last one.")
+    regime: Duration = Field(
+        300.0,
+        gt=0,
+        description="Expected duration of a load regime (at least as long as it has lasted): the predicted gain over "
+        "it must exceed the switch cost.",
+    )
+    switch_cost: Duration | None = Field(
+        None,
+        description="Seconds without service per switch (drain + restart + warm-up) until one is measured. Unset: "
+        "the engine's measured start time.",
+    )
+
+
 class Fallback(Section):
     """When and how to leave a method whose acceptance is too low."""
 
     enabled: bool = Field(True, description="Switch methods automatically (false: watch and report only).")
-    mode: Literal["threshold", "model"] = Field(
+    mode: Literal["threshold", "model", "goodput"] = Field(
         "threshold",
-        description="`threshold`: switch when acceptance < min_acceptance; `model`: switch when predicted speedup < 1.",
+        description="`threshold`: switch when acceptance < min_acceptance; `model`: switch when predicted speedup < 1; "
+        "`goodput`: run the step with the most predicted tokens/s at the live concurrency (see `fallback.goodput`).",
     )
     min_acceptance: float = Field(
         0.6,
@@ -353,6 +387,7 @@ class Fallback(Section):
         None, ge=0, le=1, description="Model mode: cost of one draft step relative to a target step (c). Unset: 0.05."
     )
     retry: Retry = Field(default_factory=Retry)
+    goodput: Goodput = Field(default_factory=Goodput)
 
 
 class Monitor(Section):
