@@ -120,3 +120,44 @@ def test_hf_draft_formats(cache):
     )
     fixtures.ensure_draft_models(kinds=("hf",), python=REAL_VLLM_PYTHON, force=True)
     assert {k: sha256_tree(v) for k, v in paths.items()} == first
+
+
+def _gguf_with_nextn(dst: Path, n: int) -> Path:
+    """A header-only llama GGUF whose metadata declares ``n`` MTP (nextn) layers."""
+    writer = gguf.GGUFWriter(str(dst), arch="llama")
+    writer.add_block_count(2)
+    writer.add_embedding_length(64)
+    writer.add_context_length(512)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>", "a", "b"])
+    writer.add_uint32("llama.nextn_predict_layers", n)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.timeout(120)
+def test_mtp_on_a_local_gguf_follows_its_nextn_metadata(cache, tmp_path):
+    """llama-server refuses `--spec-type draft-mtp` on a GGUF without `<arch>.nextn_predict_layers` (the
+    support matrix saw it exit with "model doesn't contain MTP layers" on the tiny target): resolve refuses
+    the same file before launch, and accepts one whose metadata declares MTP layers."""
+    from specops.config.profile import load_profile
+    from specops.errors import ProfileError
+    from specops.resolve import resolve_profile
+
+    plain = fixtures.model_path("gguf-target.gguf")
+    with_mtp = _gguf_with_nextn(tmp_path / "mtp.gguf", 1)
+    body = "name: m\nbackend: llamacpp\nengine: {version: current}\nmodel: {id: '%s'}\nspeculative: {method: mtp}\n"
+    path = tmp_path / "p.yaml"
+
+    path.write_text(body % plain, encoding="utf-8")
+    with pytest.raises(ProfileError) as exc:
+        resolve_profile(load_profile(path, env={}), use_lock=False)
+    assert "has no MTP layers (its GGUF metadata has no <arch>.nextn_predict_layers)" in str(exc.value)
+
+    path.write_text(body % with_mtp, encoding="utf-8")
+    res = resolve_profile(load_profile(path, env={}), use_lock=False)
+    assert any(f.check == "mtp" and "1 MTP layer" in f.message for f in res.findings)
+    assert not res.errors

@@ -477,6 +477,12 @@ def _gguf(method, draft, profile, be) -> list[Finding]:
     return out
 
 
+def _mtp_keys(target) -> str:
+    if target.facts_source == "GGUF metadata":
+        return "GGUF metadata has no <arch>.nextn_predict_layers"
+    return "config.json has no num_nextn_predict_layers / mtp_num_hidden_layers"
+
+
 def _mtp(target) -> list[Finding]:
     n = target.facts.mtp_layers
     if n:
@@ -487,8 +493,7 @@ def _mtp(target) -> list[Finding]:
         Finding(
             "error",
             "mtp",
-            f"{target.ref} has no MTP layers (its config.json has no "
-            f"num_nextn_predict_layers / mtp_num_hidden_layers); pick another method",
+            f"{target.ref} has no MTP layers (its {_mtp_keys(target)}); pick another method",
             METHOD,
         )
     ]

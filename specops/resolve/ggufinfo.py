@@ -51,6 +51,9 @@ class GGUFVocab:
     context: int | None
     hidden: int | None
     layers: int | None
+    #: MTP layers (``<arch>.nextn_predict_layers``; llama.cpp reads an absent key as 0 and then refuses
+    #: ``--spec-type draft-mtp`` with "model doesn't contain MTP layers", seen on llama-server 0c1e570).
+    mtp_layers: int = 0
 
 
 def _scalar(reader, key):
@@ -87,6 +90,7 @@ def read_gguf(path: str | Path) -> GGUFVocab:
         context=arch_key("context_length"),
         hidden=arch_key("embedding_length"),
         layers=arch_key("block_count"),
+        mtp_layers=int(arch_key("nextn_predict_layers") or 0),
     )
 
 

@@ -327,7 +327,7 @@ def _apply_gguf(view: ModelView, path: Path) -> None:
         return
     view.gguf_vocab = v
     view.facts = ConfigFacts(
-        vocab=v.size, hidden=v.hidden, layers=v.layers, context=v.context, model_type=v.arch
+        vocab=v.size, hidden=v.hidden, layers=v.layers, context=v.context, model_type=v.arch, mtp_layers=v.mtp_layers
     ).merged(view.facts)
     view.facts_source = "GGUF metadata"
     try:
