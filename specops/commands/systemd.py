@@ -186,7 +186,7 @@ def render_unit(
     if profile.engine.executable is None and profile.engine.python is None:
         lines.append(
             "# The profile pins no engine.python/engine.executable: the engine is searched on systemd's PATH"
-            " (not your shell's) and in specops' engine cache."
+            " (not your shell's)."
         )
     if user_unit:
         lines.append("# A user unit runs only while you are logged in, unless: loginctl enable-linger $USER")
