@@ -121,3 +121,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    "doctor": "doctor:doctor",

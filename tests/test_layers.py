@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("watch", ("specops.watch",)),
     ("proxy", ("specops.proxy",)),
     ("perf", ("specops.perf",)),
-    ("app", ("specops.up", "specops.commands", "specops.cli", "specops.__main__")),
+    ("app", ("specops.up", "specops.doctor", "specops.commands", "specops.cli", "specops.__main__")),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 SIDE = {"devenv": ("specops.devenv",)}
