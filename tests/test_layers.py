@@ -1,6 +1,6 @@
 """The package's layers point one way: a module imports only from its own layer or the layers below it.
 
-    base → config → backends → resolve → run → watch → proxy → perf → app
+    base → config → backends → resolve → run → watch → proxy → perf → k8s → app
     devenv (beside them: it may use any layer but app; only app may use it)
 
 `base` is the handful of small modules every layer needs (errors, paths, methods, redaction, hook specs
@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("watch", ("specops.watch",)),
     ("proxy", ("specops.proxy",)),
     ("perf", ("specops.perf",)),
+    ("k8s", ("specops.k8s",)),
     ("app", ("specops.up", "specops.doctor", "specops.commands", "specops.cli", "specops.__main__")),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}

@@ -13,7 +13,15 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from specops.config.located import quote_value
-from specops.config.sections import ENV_NAME, LABEL_NAME, MAX_K, MAX_SEQUENCES, Profile
+from specops.config.sections import (
+    ENV_NAME,
+    K8S_LABEL_KEY,
+    K8S_LABEL_VALUE,
+    LABEL_NAME,
+    MAX_K,
+    MAX_SEQUENCES,
+    Profile,
+)
 from specops.errors import Problem
 from specops.methods import NEEDS_DRAFT, Method
 from specops.redact import secret_flag
@@ -44,8 +52,10 @@ def semantic_problems(loaded: LoadedProfile, registry: Registry) -> list[Problem
         _secret_and_option_problems(p),
         _monitor_and_port_problems(p),
         _backend_problems(p, backend) if backend is not None else iter(()),
+        _deploy_problems(p),
     ):
         out += [loaded.problem(path, msg) for path, msg in findings]
+    out += _node_selector_problems(loaded)
     return out
 
 
@@ -216,3 +226,99 @@ def _option_number_problems(value: Any, path: tuple) -> Findings:
     elif isinstance(value, list):
         for i, item in enumerate(value):
             yield from _option_number_problems(item, path + (i,))
+
+
+#: Multi-node modes each backend can run (``deploy.multi_node.mode``); the first is the default.
+MULTI_NODE_MODES = {"vllm": ("ray", "nnodes"), "llamacpp": ("rpc",)}
+
+
+def multi_node_mode(p: Profile) -> str | None:
+    """The multi-node mode in effect (None for a single node or a backend without one)."""
+    mn = p.deploy.multi_node
+    if mn.nodes <= 1:
+        return None
+    modes = MULTI_NODE_MODES.get(p.backend, ())
+    return mn.mode or (modes[0] if modes else None)
+
+
+def _deploy_problems(p: Profile) -> Findings:
+    """The ``deploy`` section against the rest of the profile (what ``specops k8s render`` needs)."""
+    d, g = p.deploy, p.gpus
+    mn = d.multi_node
+    modes = MULTI_NODE_MODES.get(p.backend, ())
+    if mn.mode is not None and mn.mode not in modes:
+        yield (
+            ("deploy", "multi_node", "mode"),
+            f"backend {p.backend} runs across nodes with {' or '.join(modes) or 'no mode specops knows'}, not {mn.mode}",
+        )
+    if mn.nodes > 1:
+        if not modes:
+            yield ("deploy", "multi_node", "nodes"), f"specops has no multi-node layout for backend {p.backend}"
+        if g.devices is not None:
+            yield (
+                ("gpus", "devices"),
+                "a multi-node layout gets its GPUs from the device plugin on each node: remove gpus.devices "
+                "(or set deploy.multi_node.nodes: 1)",
+            )
+        if p.backend == "vllm":
+            total = g.tensor_parallel_size * g.pipeline_parallel_size
+            if total % mn.nodes:
+                yield (
+                    ("deploy", "multi_node", "nodes"),
+                    f"tensor_parallel_size × pipeline_parallel_size = {total} GPUs do not split evenly over "
+                    f"{mn.nodes} nodes",
+                )
+            elif d.resources.gpus is not None and d.resources.gpus != total // mn.nodes:
+                yield (
+                    ("deploy", "resources", "gpus"),
+                    f"each of the {mn.nodes} nodes runs {total // mn.nodes} GPUs of TP × PP = {total}, "
+                    f"not {d.resources.gpus}",
+                )
+    elif mn.mode is not None:
+        yield ("deploy", "multi_node", "mode"), "a multi-node mode needs deploy.multi_node.nodes of 2 or more"
+    if (
+        p.backend == "vllm"
+        and mn.nodes == 1
+        and d.resources.gpus is not None
+        and d.resources.gpus < g.tensor_parallel_size * g.pipeline_parallel_size
+    ):
+        yield (
+            ("deploy", "resources", "gpus"),
+            f"{d.resources.gpus} GPUs per pod but tensor_parallel_size × pipeline_parallel_size = "
+            f"{g.tensor_parallel_size * g.pipeline_parallel_size}",
+        )
+    if d.startup_timeout is not None and d.startup_timeout < p.engine.ready_timeout:
+        yield (
+            ("deploy", "startup_timeout"),
+            f"shorter than engine.ready_timeout ({_num(int(p.engine.ready_timeout))}s): the kubelet would kill "
+            "the pod while specops still waits for the engine",
+        )
+    for i, t in enumerate(d.tolerations):
+        if t.operator == "Exists" and t.value is not None:
+            yield ("deploy", "tolerations", i, "value"), "operator Exists matches any value: remove value"
+        if t.operator == "Equal" and t.key is None:
+            yield ("deploy", "tolerations", i, "key"), "operator Equal needs a key (or use operator: Exists)"
+        if t.toleration_seconds is not None and t.effect != "NoExecute":
+            yield ("deploy", "tolerations", i, "toleration_seconds"), "toleration_seconds applies to NoExecute only"
+
+
+def _node_selector_problems(loaded: LoadedProfile) -> list[Problem]:
+    out: list[Problem] = []
+    for name, value in loaded.profile.deploy.node_selector.items():
+        if not K8S_LABEL_KEY.match(name):
+            out.append(
+                loaded.problem(
+                    ("deploy", "node_selector", name),
+                    f"{quote_value(name)} is not a Kubernetes label key",
+                    key=True,
+                    field="deploy.node_selector",
+                )
+            )
+        elif not K8S_LABEL_VALUE.match(value):
+            out.append(
+                loaded.problem(
+                    ("deploy", "node_selector", name),
+                    f"{quote_value(value)} is not a Kubernetes label value (at most 63 letters, digits, `-_.`)",
+                )
+            )
+    return out

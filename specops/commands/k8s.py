@@ -1,0 +1,116 @@
+"""``specops k8s``: Kubernetes manifests for profiles, and the helpers the pods run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def k8s():
+    """Deploy profiles on Kubernetes: render manifests, and the in-pod probe and multi-node helpers.
+
+    \b
+    Examples:
+      specops k8s render profiles/llama31-8b-eagle3.yaml
+      specops k8s render profiles/*.yaml -o deploy/rendered   # one folder per profile, kustomize-ready
+    """
+
+
+@k8s.command()
+@click.argument("profiles", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=str))
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write <DIR>/<name>/*.yaml with a kustomization.yaml per folder (default: one YAML stream on stdout).",
+)
+def render(profiles, output):
+    """Print the Kubernetes manifests that run PROFILE... with `specops up` in the pods.
+
+    Per profile: a ConfigMap (the profile with `extends` merged and `${VAR}` kept, plus its lock file), a
+    Deployment (or a LeaderWorkerSet when deploy.multi_node.nodes > 1), a Service to specops' proxy, a
+    PodDisruptionBudget, a PodMonitor (or ServiceMonitor) and a NetworkPolicy. Secrets only as
+    secretKeyRef. The output is deterministic; a pod-template annotation carries the profile's hash, so a
+    change in git rolls the pods.
+
+    \b
+    Examples:
+      specops k8s render profiles/llama31-8b-eagle3.yaml | kubectl apply --dry-run=client -f -
+      specops k8s render profiles/gitops/prod/llama31-8b-chat.yaml -o rendered/
+    """
+    from specops.errors import ProfileError
+    from specops.k8s import emit
+    from specops.k8s.manifests import pod_variables
+    from specops.k8s.manifests import render as render_profile
+    from specops.k8s.source import load_for_render
+    from specops.plugins import get_registry
+    from specops.resolve.lock import lock_path
+
+    rendered, problems = [], []
+    for path in profiles:
+        try:
+            loaded = load_for_render(path, get_registry(), pod_variables)
+            lock = lock_path(path)
+            lock_text = lock.read_text(encoding="utf-8") if lock.is_file() else None
+            r = render_profile(loaded, lock_text, source_name=Path(path).name)
+        except ProfileError as exc:
+            problems += exc.problems
+            continue
+        for note in r.notes:
+            click.echo(f"note: {note}", err=True)
+        rendered.append(r)
+    if problems:
+        raise ProfileError(problems)
+    names = [r.name for r in rendered]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        from specops.errors import SpecopsError
+
+        raise SpecopsError(f"two profiles render to the same Kubernetes name: {', '.join(dupes)}")
+    if output is None:
+        click.echo(emit.stream(rendered), nl=False)
+        return
+    for path in emit.write(rendered, output):
+        click.echo(str(path))
+
+
+@k8s.command(hidden=False)
+@click.option("--port", type=click.IntRange(1, 65535), required=True, help="specops' port on loopback.")
+@click.option("--key-env", help="Variable holding the API key (when the status endpoint needs it).")
+def probe(port, key_env):
+    """Exit 0 when specops' proxy on 127.0.0.1:PORT serves (the pods' startup and readiness probe)."""
+    from specops.k8s.pod import probe as check
+
+    why = check(port, key_env)
+    if why:
+        click.echo(why, err=True)
+        sys.exit(1)
+
+
+@k8s.command()
+@click.argument("profile", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--mode", type=click.Choice(["ray", "nnodes", "rpc"]), required=True)
+@click.option("--nodes", type=click.IntRange(2, 64), required=True, help="Pods in the group, leader included.")
+@click.option("--ray-port", type=click.IntRange(1, 65535), default=6379, show_default=True)
+@click.option("--rpc-port", type=click.IntRange(1, 65535), default=50052, show_default=True)
+@click.option("--timeout", type=float, default=1800.0, show_default=True, help="Seconds to wait for the group.")
+def leader(profile, mode, nodes, ray_port, rpc_port, timeout):
+    """A multi-node group's leader pod: prepare the group, then exec `specops up PROFILE`."""
+    from specops.k8s.pod import leader as run_leader
+
+    run_leader(mode, nodes, profile, ray_port=ray_port, rpc_port=rpc_port, timeout=timeout)
+
+
+@k8s.command()
+@click.argument("profile", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--port", type=click.IntRange(1, 65535), required=True, help="specops' port on the leader.")
+@click.option("--key-env", help="Variable holding the API key (to read the leader's status).")
+def worker(profile, port, key_env):
+    """An `nnodes` worker pod: the leader's vLLM command at this rank, headless, at the leader's method."""
+    from specops.k8s.pod import worker as run_worker
+
+    sys.exit(run_worker(profile, port, key_env))

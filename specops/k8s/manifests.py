@@ -1,0 +1,626 @@
+"""The Kubernetes objects of one profile, as plain data (``specops k8s render``).
+
+Pods run ``specops up`` (the engine is its child, on loopback; clients reach specops' proxy), so git holds
+the policy and the pods hold the runtime state: Argo CD / Flux see no drift when a replica falls back.
+
+- single node: ConfigMap, Deployment, Service, PodDisruptionBudget, PodMonitor (or ServiceMonitor),
+  NetworkPolicy;
+- several nodes per replica (``deploy.multi_node.nodes`` > 1): a LeaderWorkerSet instead of the Deployment
+  (vLLM over Ray or with ``--nnodes/--headless``; llama.cpp with ``rpc-server`` workers); only the leader runs
+  specops and serves HTTP and ``/metrics``.
+
+Every problem found here is a located profile error, like the loader's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from specops import __version__
+from specops.config.profile import LoadedProfile
+from specops.config.rules import multi_node_mode
+from specops.config.sections import Profile
+from specops.errors import Problem, ProfileError
+from specops.k8s.source import content_hash, dump, env_reference, merged_source
+from specops.methods import Method
+from specops.redact import looks_secret
+
+#: Where the pods find their profile (the ConfigMap is mounted here).
+CONFIG_DIR = "/etc/specops"
+PROFILE_KEY = "profile.yaml"
+#: ``specops up`` reads ``<profile>.lock.json`` beside the profile (specops.resolve.lock.lock_path).
+LOCK_KEY = "profile.lock.json"
+PROFILE_PATH = f"{CONFIG_DIR}/{PROFILE_KEY}"
+STATE_DIR = "/var/lib/specops"
+#: The image's non-root user (deploy/docker/Dockerfile.*: ``useradd --uid 1000``).
+UID = 1000
+CONTAINER = "specops"
+HASH_ANNOTATION = "specops.dev/profile-hash"
+#: Labels LeaderWorkerSet puts on its pods (leaderworkerset.x-k8s.io/v1, api/leaderworkerset/v1).
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+#: Variables LeaderWorkerSet injects; the profile may read them, and they are no secrets.
+LWS_VARS = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
+RPC_WORKERS_VAR = "SPECOPS_RPC_WORKERS"
+#: Seconds the pod stays in the Service's endpoints after deletion starts (preStop), so that load
+#: balancers stop sending before specops stops accepting.
+PRESTOP_SLEEP = 5
+#: Margin on top of drain + stop in terminationGracePeriodSeconds.
+GRACE_MARGIN = 15
+STARTUP_PERIOD = 10
+
+
+@dataclass
+class Rendered:
+    """The objects of one profile (in the order they are written) and notes for stderr."""
+
+    name: str
+    objects: list[tuple[str, dict]] = field(default_factory=list)  # (file name, object)
+    notes: list[str] = field(default_factory=list)
+
+
+def k8s_name(name: str) -> str:
+    """A profile name as a DNS-1035 label usable by every object and by LeaderWorkerSet pod hostnames."""
+    out = "".join(c if c.isalnum() and c.isascii() else "-" for c in name.lower())
+    if not out[:1].isalpha():
+        out = "specops-" + out
+    return out[:50].strip("-")
+
+
+def labels(p: Profile) -> dict[str, str]:
+    """The labels that select this deployment's pods."""
+    return {"app.kubernetes.io/name": "specops", "app.kubernetes.io/instance": k8s_name(p.name)}
+
+
+def _all_labels(p: Profile) -> dict[str, str]:
+    return {
+        **labels(p),
+        "app.kubernetes.io/component": "inference",
+        "app.kubernetes.io/managed-by": "specops",
+        "app.kubernetes.io/version": __version__,
+    }
+
+
+def _meta(p: Profile, name: str) -> dict:
+    return {"name": name, "labels": _all_labels(p)}
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+
+def pod_variables(loaded: LoadedProfile) -> set[str]:
+    """Variables the rendered pods get that the machine rendering them may lack (Secrets, LeaderWorkerSet)."""
+    p = loaded.profile
+    out: set[str] = set()
+    key_var = env_reference((merged_source(loaded.path).get("server") or {}).get("api_key"))
+    if p.deploy.secrets.api_key is not None and key_var is not None:
+        out.add(key_var)
+    if p.deploy.secrets.hf_token is not None:
+        out.add("HF_TOKEN")
+    if multi_node_mode(p) is not None:
+        out.update((*LWS_VARS, RPC_WORKERS_VAR))
+    return out
+
+
+def _problems(loaded: LoadedProfile, source: dict) -> list[Problem]:
+    """What a profile must satisfy to run in a pod (each located at the field to change)."""
+    p = loaded.profile
+    out: list[Problem] = []
+    if not p.proxy.enabled:
+        out.append(
+            loaded.problem(
+                ("proxy", "enabled"),
+                "the pods run specops' proxy in front of the engine (readiness, drain on switches, the engine "
+                "port stays private): set proxy.enabled: true",
+            )
+        )
+    raw_key = (source.get("server") or {}).get("api_key")
+    key_var = env_reference(raw_key)
+    if raw_key is not None and key_var is None:
+        out.append(
+            loaded.problem(
+                ("server", "api_key"),
+                "a literal API key would be written into the ConfigMap: write api_key: ${VAR} and set "
+                "deploy.secrets.api_key to the Secret that holds it",
+            )
+        )
+    if p.deploy.secrets.api_key is not None and key_var is None:
+        out.append(
+            loaded.problem(
+                ("deploy", "secrets", "api_key"),
+                "server.api_key must read the key from the pod's environment: api_key: ${SPECOPS_API_KEY}",
+            )
+        )
+    if key_var is not None and p.deploy.secrets.api_key is None and ":-" not in str(raw_key):
+        out.append(
+            loaded.problem(
+                ("server", "api_key"),
+                f"reads ${{{key_var}}}, which the pods do not have: set deploy.secrets.api_key",
+            )
+        )
+    for name, value in ((source.get("server") or {}).get("env") or {}).items():
+        if (looks_secret(str(name)) or str(name) == "HF_TOKEN") and env_reference(value) is None:
+            out.append(
+                loaded.problem(
+                    ("server", "env", name),
+                    f"a literal {name} would be written into the ConfigMap: use deploy.secrets (HF_TOKEN) or "
+                    "${VAR} with a Secret in a kustomize patch",
+                )
+            )
+    if p.proxy.admin_port is not None and p.deploy.monitor != "none":
+        out.append(
+            loaded.problem(
+                ("proxy", "admin_port"),
+                "the admin port listens on the pod's loopback only, so Prometheus could not scrape "
+                "/specops/metrics: unset proxy.admin_port (the metrics then need the API key) or set "
+                "deploy.monitor: none",
+            )
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------- pieces
+
+
+def gpus_per_pod(p: Profile) -> int:
+    """GPUs each (leader or worker) pod requests: TP × PP (per node for a group) for vLLM."""
+    if p.deploy.resources.gpus is not None:
+        return p.deploy.resources.gpus
+    g = p.gpus
+    if g.devices == []:
+        return 0
+    if p.backend == "vllm":
+        return (g.tensor_parallel_size * g.pipeline_parallel_size) // max(1, p.deploy.multi_node.nodes)
+    return len(g.devices) if g.devices else 1
+
+
+def startup_seconds(p: Profile) -> int:
+    s = p.deploy.startup_timeout
+    return math.ceil(s if s is not None else p.engine.ready_timeout + 300)
+
+
+def grace_seconds(p: Profile) -> int:
+    """terminationGracePeriodSeconds: preStop, then specops drains and stops the engine."""
+    return PRESTOP_SLEEP + math.ceil(p.proxy.drain_timeout + p.supervisor.stop_timeout) + GRACE_MARGIN
+
+
+def _resources(p: Profile, gpus: int) -> dict:
+    r = p.deploy.resources
+    limits: dict[str, str] = {}
+    requests: dict[str, str] = {}
+    for key, value in (("cpu", r.cpu), ("memory", r.memory)):
+        if value is not None:
+            requests[key] = limits[key] = value
+    if gpus:
+        requests[r.gpu_resource] = limits[r.gpu_resource] = str(gpus)
+    out = {}
+    if limits:
+        out["limits"] = limits
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def _env(p: Profile, key_var: str | None, *, lws: bool) -> list[dict]:
+    d = p.deploy
+    env: list[dict] = [
+        {"name": "SPECOPS_STATE", "value": f"{STATE_DIR}/state"},
+        {"name": "SPECOPS_CACHE", "value": f"{STATE_DIR}/cache"},
+        {"name": "HF_HOME", "value": d.hf_cache.mount_path},
+    ]
+    if lws:
+        env.append({"name": "SPECOPS_PUBLIC_VARS", "value": ",".join((*LWS_VARS, RPC_WORKERS_VAR))})
+    if d.secrets.hf_token is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": _secret(d.secrets.hf_token)}})
+    if d.secrets.api_key is not None and key_var is not None:
+        env.append({"name": key_var, "valueFrom": {"secretKeyRef": _secret(d.secrets.api_key)}})
+    return env
+
+
+def _secret(ref) -> dict:
+    return {"name": ref.name, "key": ref.key}
+
+
+def _security_context() -> dict:
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "runAsUser": UID,
+        "runAsGroup": UID,
+    }
+
+
+def _pod_security_context() -> dict:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": UID,
+        "runAsGroup": UID,
+        "fsGroup": UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _volumes(p: Profile, cm_name: str, *, config: bool = True) -> list[dict]:
+    d = p.deploy
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if d.resources.shm_size:
+        shm["sizeLimit"] = d.resources.shm_size
+    vols: list[dict] = []
+    if config:
+        vols.append({"name": "profile", "configMap": {"name": cm_name}})
+    vols.append({"name": "dshm", "emptyDir": shm})
+    if d.hf_cache.pvc:
+        pvc = {"claimName": d.hf_cache.pvc}
+        if d.hf_cache.read_only:
+            pvc["readOnly"] = True
+        vols.append({"name": "hf-cache", "persistentVolumeClaim": pvc})
+    else:
+        vols.append({"name": "hf-cache", "emptyDir": {}})
+    vols.append({"name": "state", "emptyDir": {}})
+    return vols
+
+
+def _mounts(p: Profile, *, config: bool = True) -> list[dict]:
+    d = p.deploy
+    mounts: list[dict] = []
+    if config:
+        mounts.append({"name": "profile", "mountPath": CONFIG_DIR, "readOnly": True})
+    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    hf = {"name": "hf-cache", "mountPath": d.hf_cache.mount_path}
+    if d.hf_cache.read_only:
+        hf["readOnly"] = True
+    mounts.append(hf)
+    mounts.append({"name": "state", "mountPath": STATE_DIR})
+    return mounts
+
+
+def probe_command(p: Profile, key_var: str | None) -> list[str]:
+    """The exec probe: specops' proxy answers and serves (``specops k8s probe``, loopback only)."""
+    port = p.proxy.admin_port or p.server.port
+    argv = ["specops", "k8s", "probe", "--port", str(port)]
+    if p.proxy.admin_port is None and key_var is not None:
+        argv += ["--key-env", key_var]
+    return argv
+
+
+def _server_container(p: Profile, key_var: str | None, args: list[str], *, lws: bool, gpus: int) -> dict:
+    d = p.deploy
+    probe = {"exec": {"command": probe_command(p, key_var)}}
+    ports = [{"name": "http", "containerPort": p.server.port, "protocol": "TCP"}]
+    mode = multi_node_mode(p)
+    if mode == "ray":
+        ports.append({"name": "ray", "containerPort": d.multi_node.ray_port, "protocol": "TCP"})
+    elif mode == "nnodes":
+        ports.append({"name": "dist", "containerPort": d.multi_node.master_port, "protocol": "TCP"})
+    c: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": image(p),
+        "imagePullPolicy": d.image_pull_policy,
+        "command": ["specops"],
+        "args": args,
+        "ports": ports,
+        "env": _env(p, key_var, lws=lws),
+        "resources": _resources(p, gpus),
+        "volumeMounts": _mounts(p),
+        # the engine may take long to download and load: only the startup probe waits for it
+        "startupProbe": {
+            **probe,
+            "periodSeconds": STARTUP_PERIOD,
+            "timeoutSeconds": 5,
+            "failureThreshold": max(1, math.ceil(startup_seconds(p) / STARTUP_PERIOD)),
+        },
+        # ready = specops' proxy serves (not while it holds requests for a switch or a restart)
+        "readinessProbe": {**probe, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 2},
+        # alive = specops' proxy accepts connections; it does while the engine loads or switches
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP)]}}},
+        "securityContext": _security_context(),
+    }
+    return c
+
+
+def image(p: Profile) -> str:
+    return p.deploy.image or f"specops-{p.backend}:{__version__}"
+
+
+def _pod_spec(p: Profile, containers: list[dict], volumes: list[dict]) -> dict:
+    d = p.deploy
+    spec: dict[str, Any] = {
+        "containers": containers,
+        "volumes": volumes,
+        "securityContext": _pod_security_context(),
+        "terminationGracePeriodSeconds": grace_seconds(p),
+        "enableServiceLinks": False,
+    }
+    if d.node_selector:
+        spec["nodeSelector"] = dict(sorted(d.node_selector.items()))
+    if d.tolerations:
+        spec["tolerations"] = [_toleration(t) for t in d.tolerations]
+    return spec
+
+
+def _toleration(t) -> dict:
+    out: dict[str, Any] = {}
+    if t.key is not None:
+        out["key"] = t.key
+    out["operator"] = t.operator
+    if t.value is not None:
+        out["value"] = t.value
+    if t.effect is not None:
+        out["effect"] = t.effect
+    if t.toleration_seconds is not None:
+        out["tolerationSeconds"] = t.toleration_seconds
+    return out
+
+
+# ------------------------------------------------------------------------------------------- objects
+
+
+def configmap_profile(loaded: LoadedProfile, source: dict) -> dict:
+    """The profile the pods run: ``extends`` merged, the proxy on every interface, the multi-node flags."""
+    p = loaded.profile
+    doc = dict(source)
+    server = dict(doc.get("server") or {})
+    server["host"] = "0.0.0.0"  # the pod's own network namespace; the Service and probes reach the pod IP
+    mode = multi_node_mode(p)
+    mn = p.deploy.multi_node
+    extra = list(server.get("extra_args") or [])
+    if mode == "ray":
+        extra += ["--distributed-executor-backend", "ray"]
+    elif mode == "nnodes":
+        extra += [
+            "--nnodes",
+            "${LWS_GROUP_SIZE}",
+            "--node-rank",
+            "0",
+            "--master-addr",
+            "${LWS_LEADER_ADDRESS}",
+            "--master-port",
+            str(mn.master_port),
+        ]
+    elif mode == "rpc":
+        extra += ["--rpc", "${" + RPC_WORKERS_VAR + "}"]
+    if extra:
+        server["extra_args"] = extra
+    doc["server"] = server
+    return doc
+
+
+def render(loaded: LoadedProfile, lock_text: str | None = None, source_name: str | None = None) -> Rendered:
+    """Every object of ``loaded``'s deployment; raises a located ProfileError when it cannot run in a pod."""
+    p = loaded.profile
+    source = merged_source(loaded.path)
+    problems = _problems(loaded, source)
+    if problems:
+        raise ProfileError(problems)
+    key_var = env_reference((source.get("server") or {}).get("api_key"))
+    name = k8s_name(p.name)
+    out = Rendered(name)
+    header = (
+        f"# Rendered by `specops k8s render` from {source_name or p.name}: `extends` merged, server.host set to "
+        "0.0.0.0 (the pod's own network namespace).\n"
+    )
+    profile_text = header + dump(configmap_profile(loaded, source))
+    data = {PROFILE_KEY: profile_text}
+    if lock_text is not None:
+        data[LOCK_KEY] = lock_text
+    digest = content_hash(*(f"{k}\n{v}" for k, v in sorted(data.items())))
+    cm_name = f"{name}-profile"
+    out.objects.append(
+        ("configmap.yaml", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(p, cm_name), "data": data})
+    )
+    mode = multi_node_mode(p)
+    annotations = {HASH_ANNOTATION: digest, "kubectl.kubernetes.io/default-container": CONTAINER}
+    if mode is None:
+        out.objects.append(("deployment.yaml", _deployment(p, name, cm_name, key_var, annotations)))
+    else:
+        out.objects.append(("leaderworkerset.yaml", _lws(p, name, cm_name, key_var, annotations, mode)))
+        if p.gpus.pipeline_parallel_size > 1 and p.speculative.method is not Method.NONE:
+            out.notes.append(
+                f"{p.name}: pipeline parallelism with speculative decoding: the draft runs on the last stage, "
+                "and which vLLM versions accept the pair varies; check yours (tensor parallelism across the "
+                "nodes avoids the question)"
+            )
+    out.objects.append(("service.yaml", _service(p, name, lws=mode is not None)))
+    out.objects.append(("pdb.yaml", _pdb(p, name)))
+    if p.deploy.monitor == "podmonitor":
+        out.objects.append(("podmonitor.yaml", _podmonitor(p, name, lws=mode is not None)))
+    elif p.deploy.monitor == "servicemonitor":
+        out.objects.append(("servicemonitor.yaml", _servicemonitor(p, name)))
+    out.objects.append(("networkpolicy.yaml", _networkpolicy(p, name, mode)))
+    if p.deploy.secrets.api_key is None and key_var is None:
+        out.notes.append(f"{p.name}: no API key: anyone who reaches the Service can use the model")
+    return out
+
+
+def _deployment(p: Profile, name: str, cm_name: str, key_var: str | None, annotations: dict) -> dict:
+    container = _server_container(p, key_var, ["up", PROFILE_PATH], lws=False, gpus=gpus_per_pod(p))
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(p, name),
+        "spec": {
+            "replicas": p.deploy.replicas,
+            "selector": {"matchLabels": labels(p)},
+            # GPUs are rarely spare: replace one pod at a time instead of surging a new one that stays Pending
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "progressDeadlineSeconds": startup_seconds(p) + 300,
+            "template": {
+                "metadata": {"labels": _all_labels(p), "annotations": annotations},
+                "spec": _pod_spec(p, [container], _volumes(p, cm_name)),
+            },
+        },
+    }
+
+
+def _lws(p: Profile, name: str, cm_name: str, key_var: str | None, annotations: dict, mode: str) -> dict:
+    mn = p.deploy.multi_node
+    gpus = gpus_per_pod(p)
+    leader_args = ["k8s", "leader", "--mode", mode, "--nodes", str(mn.nodes)]
+    if mode == "ray":
+        leader_args += ["--ray-port", str(mn.ray_port)]
+    elif mode == "rpc":
+        leader_args += ["--rpc-port", str(mn.rpc_port)]
+    leader_args += ["--timeout", str(startup_seconds(p)), PROFILE_PATH]
+    leader = _server_container(p, key_var, leader_args, lws=True, gpus=gpus)
+    worker: dict[str, Any] = {
+        "name": "worker",
+        "image": image(p),
+        "imagePullPolicy": p.deploy.image_pull_policy,
+        "env": _env(p, None, lws=True),
+        "resources": _resources(p, gpus),
+        "securityContext": _security_context(),
+    }
+    if mode == "ray":
+        # the Ray worker of this group; the leader's engine places its shards here
+        worker["command"] = ["ray"]
+        worker["args"] = ["start", f"--address=$(LWS_LEADER_ADDRESS):{mn.ray_port}", "--block"]
+        worker["volumeMounts"] = _mounts(p, config=False)
+        volumes = _volumes(p, cm_name, config=False)
+    elif mode == "nnodes":
+        # the same vLLM command with --node-rank $LWS_WORKER_INDEX and --headless, following the leader's method
+        worker["command"] = ["specops"]
+        worker["args"] = ["k8s", "worker", "--port", str(p.server.port)]
+        worker["args"] += ["--key-env", key_var] if key_var else []
+        worker["args"].append(PROFILE_PATH)
+        worker["env"] = _env(p, key_var, lws=True)  # it loads the same profile, which may read the key
+        worker["volumeMounts"] = _mounts(p)
+        volumes = _volumes(p, cm_name)
+        worker["ports"] = [{"name": "dist", "containerPort": mn.master_port, "protocol": "TCP"}]
+    else:  # rpc: llama.cpp's rpc-server (built with -DGGML_RPC=ON); insecure on untrusted networks
+        worker["command"] = ["rpc-server"]
+        worker["args"] = ["-H", "0.0.0.0", "-p", str(mn.rpc_port)]
+        worker["ports"] = [{"name": "rpc", "containerPort": mn.rpc_port, "protocol": "TCP"}]
+        worker["readinessProbe"] = {"tcpSocket": {"port": "rpc"}, "periodSeconds": 5}
+        worker["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+        volumes = [v for v in _volumes(p, cm_name, config=False) if v["name"] == "dshm"]
+    leader_spec = _pod_spec(p, [leader], _volumes(p, cm_name))
+    worker_spec = _pod_spec(p, [worker], volumes)
+    worker_spec["terminationGracePeriodSeconds"] = grace_seconds(p)
+    return {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": _meta(p, name),
+        "spec": {
+            "replicas": p.deploy.replicas,
+            # workers must start before the leader is ready (the leader waits for them): not LeaderReady
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
+            },
+            "leaderWorkerTemplate": {
+                "size": mn.nodes,
+                # a lost node breaks the group's engine: recreate the whole group
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": {
+                    "metadata": {
+                        "labels": {**_all_labels(p), "specops.dev/role": "leader"},
+                        "annotations": annotations,
+                    },
+                    "spec": leader_spec,
+                },
+                "workerTemplate": {
+                    "metadata": {
+                        "labels": {**_all_labels(p), "specops.dev/role": "worker"},
+                        "annotations": annotations,
+                    },
+                    "spec": worker_spec,
+                },
+            },
+        },
+    }
+
+
+def _service(p: Profile, name: str, *, lws: bool) -> dict:
+    selector = dict(labels(p))
+    if lws:
+        selector[LWS_WORKER_INDEX_LABEL] = "0"  # only the leader serves HTTP
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(p, name),
+        "spec": {
+            "type": p.deploy.service.type,
+            "selector": selector,
+            "ports": [
+                {
+                    "name": "http",
+                    "port": p.deploy.service.port or p.server.port,
+                    "targetPort": "http",
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def _pdb(p: Profile, name: str) -> dict:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(p, name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels(p)}},
+    }
+
+
+def _scrape_endpoints(p: Profile, key: str) -> list[dict]:
+    """specops' own metrics and the engine's (through the proxy: the engine listens on loopback only)."""
+    out = []
+    for path in ("/specops/metrics", "/metrics"):
+        ep: dict[str, Any] = {key: "http", "path": path, "interval": "15s"}
+        if p.deploy.secrets.api_key is not None:
+            ep["authorization"] = {"type": "Bearer", "credentials": _secret(p.deploy.secrets.api_key)}
+        out.append(ep)
+    return out
+
+
+def _podmonitor(p: Profile, name: str, *, lws: bool) -> dict:
+    selector = dict(labels(p))
+    if lws:
+        selector[LWS_WORKER_INDEX_LABEL] = "0"
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _meta(p, name),
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "podTargetLabels": ["app.kubernetes.io/instance"],
+            "podMetricsEndpoints": _scrape_endpoints(p, "port"),
+        },
+    }
+
+
+def _servicemonitor(p: Profile, name: str) -> dict:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(p, name),
+        "spec": {
+            "selector": {"matchLabels": labels(p)},
+            "targetLabels": ["app.kubernetes.io/instance"],
+            "endpoints": _scrape_endpoints(p, "port"),
+        },
+    }
+
+
+def _networkpolicy(p: Profile, name: str, mode: str | None) -> dict:
+    """Clients reach the proxy port only; the engine's port is on loopback and listed nowhere."""
+    ingress: list[dict] = [{"ports": [{"port": p.server.port, "protocol": "TCP"}]}]
+    if mode is not None:
+        # the group's own traffic: Ray, torch.distributed/NCCL or llama.cpp RPC between its pods
+        ingress.append({"from": [{"podSelector": {"matchLabels": labels(p)}}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(p, name),
+        "spec": {"podSelector": {"matchLabels": labels(p)}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }

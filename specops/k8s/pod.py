@@ -1,0 +1,172 @@
+"""What runs inside the pods that ``specops k8s render`` describes.
+
+- :func:`probe`: the readiness/startup probe: specops' proxy answers on loopback and serves (not while it
+  holds requests for a switch, a restart or the first load);
+- :func:`leader`: a multi-node group's leader: start the Ray head and wait for the group (``ray``), or wait for
+  the ``rpc-server`` workers and hand their addresses to the profile (``rpc``), then ``exec specops up``;
+- :func:`worker`: an ``nnodes`` worker: the leader's vLLM command with this pod's ``--node-rank`` and
+  ``--headless``, restarted at the leader's current method whenever it exits (a fallback on the leader
+  restarts its engine, and every rank must run the same configuration).
+
+No shell anywhere: every program is started from an argv list.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+
+from specops.errors import SpecopsError
+
+RPC_WORKERS_VAR = "SPECOPS_RPC_WORKERS"
+
+
+def probe(port: int, key_env: str | None = None, *, timeout: float = 4.0, env: Mapping[str, str] | None = None) -> str:
+    """'' when specops' proxy on ``127.0.0.1:port`` serves, else why not (for the kubelet's event)."""
+    env = os.environ if env is None else env
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/specops/status")
+    key = env.get(key_env) if key_env else None
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (loopback, fixed scheme)
+            doc = json.loads(resp.read(1 << 20))
+    except urllib.error.HTTPError as exc:
+        return f"specops answered {exc.code} on /specops/status"
+    except (OSError, ValueError) as exc:
+        return f"specops does not answer on port {port}: {type(exc).__name__}"
+    state = (doc.get("proxy") or {}).get("state") if isinstance(doc, dict) else None
+    if state != "serving":
+        return f"the proxy is {state or 'in an unknown state'}, not serving"
+    return ""
+
+
+def worker_addresses(leader_address: str, nodes: int, port: int) -> list[str]:
+    """``host:port`` of workers 1..nodes-1 of a LeaderWorkerSet group from ``$LWS_LEADER_ADDRESS``.
+
+    The leader is ``<set>-<group>.<set>.<namespace>...``; worker ``i`` is ``<set>-<group>-<i>`` in the same
+    subdomain (the pod hostnames LeaderWorkerSet gives its pods).
+    """
+    head, _, domain = leader_address.partition(".")
+    if not head or not domain:
+        raise SpecopsError(f"LWS_LEADER_ADDRESS {leader_address!r} is not <leader>.<subdomain>")
+    return [f"{head}-{i}.{domain}:{port}" for i in range(1, nodes)]
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, *, interval: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise SpecopsError(f"gave up after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _reachable(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
+_RAY_NODES = (
+    "import ray; ray.init(address='auto', logging_level='ERROR'); print(sum(1 for n in ray.nodes() if n.get('Alive')))"
+)
+
+
+def _ray_nodes() -> int:
+    done = subprocess.run([sys.executable, "-c", _RAY_NODES], capture_output=True, text=True, timeout=60)
+    try:
+        return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
+    except (ValueError, IndexError):
+        return 0
+
+
+def leader(mode: str, nodes: int, profile: str, *, ray_port: int, rpc_port: int, timeout: float) -> None:
+    """Prepare the group for ``mode``, then replace this process with ``specops up PROFILE``."""
+    env = dict(os.environ)
+    if mode == "ray":
+        subprocess.run(["ray", "start", "--head", f"--port={ray_port}", "--disable-usage-stats"], check=True)
+        wait_until(lambda: _ray_nodes() >= nodes, timeout, f"{nodes} Ray nodes")
+    elif mode == "rpc":
+        workers = worker_addresses(env.get("LWS_LEADER_ADDRESS", ""), nodes, rpc_port)
+        for address in workers:
+            wait_until(lambda a=address: _reachable(a), timeout, f"rpc-server at {address}")
+        env[RPC_WORKERS_VAR] = ",".join(workers)
+    print(f"specops k8s leader: {mode} group of {nodes} ready; exec specops up {profile}", flush=True)
+    os.execvpe("specops", ["specops", "up", profile], env)
+
+
+def leader_step(port: int, key_env: str | None, env: Mapping[str, str]) -> int | None:
+    """The chain step the leader's specops runs now (its /specops/status), None when it does not answer."""
+    host = env.get("LWS_LEADER_ADDRESS", "")
+    req = urllib.request.Request(f"http://{host}:{port}/specops/status")
+    key = env.get(key_env) if key_env else None
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 (the group's leader, fixed scheme)
+            doc = json.loads(resp.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    step = doc.get("step") if isinstance(doc, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def headless_argv(argv: tuple[str, ...] | list[str], rank: str) -> list[str]:
+    """The leader's vLLM argv for worker ``rank``: its ``--node-rank`` and ``--headless`` (no HTTP server)."""
+    out = list(argv)
+    if "--node-rank" in out:
+        out[out.index("--node-rank") + 1] = rank
+    else:
+        out += ["--node-rank", rank]
+    if "--headless" not in out:
+        out.append("--headless")
+    return out
+
+
+def worker(profile: str, port: int, key_env: str | None) -> int:
+    """Run this pod's rank of an ``nnodes`` group until SIGTERM, at the leader's method."""
+    from specops.backends.render import render_plan
+    from specops.config.profile import LoadedProfile, load_profile
+    from specops.plugins import get_registry
+
+    registry = get_registry()
+    stopping = False
+    child: subprocess.Popen | None = None
+
+    def stop(signum, frame):
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    rank = os.environ.get("LWS_WORKER_INDEX", "1")
+    while not stopping:
+        loaded = load_profile(profile, registry=registry)
+        step = leader_step(port, key_env, os.environ)
+        index = step if step is not None and 0 <= step < len(loaded.profile.steps) else 0
+        at = LoadedProfile(loaded.profile.at_step(index), loaded.document, loaded.path)
+        if at.profile.speculative.method.value == "auto" or at.profile.speculative.draft == "auto":
+            from specops.resolve import resolve_profile
+
+            at = LoadedProfile(resolve_profile(at, offline=True, use_lock=True).profile, at.document, at.path)
+        plan = render_plan(at, registry)
+        argv = headless_argv(plan.argv, rank)
+        print(f"specops k8s worker: rank {rank}, step {index} ({at.profile.speculative.method.value})", flush=True)
+        child = subprocess.Popen(argv, env={**os.environ, **dict(plan.env)})
+        child.wait()
+        if not stopping:
+            time.sleep(3)  # the leader restarts its engine; follow it at its (maybe new) method
+    return 0

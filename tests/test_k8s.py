@@ -1,0 +1,498 @@
+"""`specops k8s render`: golden manifests, schema validation, and the promises the manifests make.
+
+Every rendered object is validated offline: built-in kinds against the Kubernetes OpenAPI schemas of
+several minor versions (kubernetes-validate, strict: unknown fields fail), LeaderWorkerSet and
+PodMonitor/ServiceMonitor against their published CRD schemas vendored in tests/k8s_schemas/ (made
+strict the same way: an object schema with properties refuses unknown keys, as `kubectl --validate=strict`
+does on a cluster). No API server can run here.
+
+Update the goldens after an intended change with::
+
+    SPECOPS_UPDATE_GOLDEN=1 .venv/bin/pytest tests/test_k8s.py
+
+and review the diff of tests/golden/k8s/ by hand.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import unavailable
+from support_cli import ROOT, run
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "k8s"
+SCHEMAS = Path(__file__).resolve().parent / "k8s_schemas"
+FIXTURES = Path(__file__).resolve().parent / "k8s_profiles"
+UPDATE = os.environ.get("SPECOPS_UPDATE_GOLDEN") == "1"
+SECRET = "sk-k8s-golden-MUST-NOT-LEAK-51c2"
+#: The rendering machine has no secrets (as in CI or Argo CD's plugin); the pods get them from Secrets.
+ENV = {"SPECOPS_API_KEY": None, "HF_TOKEN": None, "PROMETHEUS_URL": None}
+#: Kubernetes minor versions every built-in object must validate against.
+K8S_VERSIONS = ("1.33", "1.35", "1.37")
+
+#: golden name -> profile (ready-made ones, the GitOps overlays and the multi-node layouts)
+CASES = {
+    "llama31-8b-eagle3": "profiles/llama31-8b-eagle3.yaml",
+    "llama33-70b-eagle3-tp4": "profiles/llama33-70b-eagle3-tp4.yaml",
+    "qwen25-coder-32b-gguf": "profiles/qwen25-coder-32b-gguf.yaml",
+    "llamacpp-ngram-cpu": "profiles/llamacpp-ngram-cpu.yaml",
+    "llama31-8b-chat-prod": "profiles/gitops/prod/llama31-8b-chat.yaml",
+    "llama31-405b-ray": "tests/k8s_profiles/vllm-405b-ray.yaml",
+    "qwen3-235b-nnodes": "tests/k8s_profiles/vllm-nnodes.yaml",
+    "qwen25-72b-rpc": "tests/k8s_profiles/llamacpp-rpc.yaml",
+}
+
+
+@pytest.fixture(autouse=True)
+def _in_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def render(*paths: str, env: dict | None = None) -> tuple[str, str]:
+    res = run("k8s", "render", *paths, env={**ENV, **(env or {})})
+    assert res.code == 0, res.stderr
+    return res.stdout, res.stderr
+
+
+def objects(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+_RENDERED: dict[str, str] = {}
+
+
+def rendered(case: str) -> str:
+    if case not in _RENDERED:
+        _RENDERED[case] = render(CASES[case])[0]
+    return _RENDERED[case]
+
+
+def by_kind(case: str) -> dict[str, dict]:
+    return {o["kind"]: o for o in objects(rendered(case))}
+
+
+def pod_specs(case: str) -> list[dict]:
+    """(leader and worker, or the one) pod specs of a case."""
+    kinds = by_kind(case)
+    if "Deployment" in kinds:
+        return [kinds["Deployment"]["spec"]["template"]["spec"]]
+    t = kinds["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
+    return [t["leaderTemplate"]["spec"], t["workerTemplate"]["spec"]]
+
+
+def server_container(case: str) -> dict:
+    return pod_specs(case)[0]["containers"][0]
+
+
+def load(case: str):
+    from specops.k8s.manifests import pod_variables
+    from specops.k8s.source import load_for_render
+    from specops.plugins import get_registry
+
+    return load_for_render(CASES[case], get_registry(), pod_variables).profile
+
+
+# ------------------------------------------------------------------------------------------- goldens
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(case):
+    text = rendered(case)
+    path = GOLDEN / f"{case}.yaml"
+    if UPDATE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    assert path.exists(), f"no golden {path.relative_to(ROOT)}: run with SPECOPS_UPDATE_GOLDEN=1 and review it"
+    assert text == path.read_text(encoding="utf-8"), f"k8s render of {CASES[case]} differs from its golden"
+
+
+def test_no_stale_goldens():
+    assert {p.stem for p in GOLDEN.glob("*.yaml")} == set(CASES)
+
+
+def test_render_is_deterministic_and_secret_free():
+    a = render(*CASES.values(), env={"SPECOPS_API_KEY": SECRET, "HF_TOKEN": SECRET})[0]
+    b = render(*CASES.values())[0]
+    assert a == b  # the machine's secrets change nothing: they are never read into the manifests
+    assert SECRET not in a
+
+
+# ------------------------------------------------------------------------------------------- schemas
+
+
+def _strict(node):
+    """A CRD schema made strict: objects with declared properties refuse unknown keys."""
+    if isinstance(node, dict):
+        out = {k: _strict(v) for k, v in node.items()}
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(node, list):
+        return [_strict(v) for v in node]
+    return node
+
+
+@functools.lru_cache(maxsize=1)
+def _crd_validators() -> dict[tuple[str, str], object]:
+    import jsonschema
+
+    out = {}
+    for path in SCHEMAS.glob("*.json"):
+        doc = json.loads(path.read_text())
+        for version, schema in doc["versions"].items():
+            out[(f"{doc['group']}/{version}", doc["kind"])] = jsonschema.Draft7Validator(_strict(schema))
+    return out
+
+
+def validate(obj: dict) -> list[str]:
+    """Why ``obj`` is not a valid object of its kind (empty: valid), on every version we check."""
+    try:
+        import kubernetes_validate
+    except ImportError:
+        unavailable("kubernetes-validate is not installed (pip install -e '.[test]')")
+    key = (obj["apiVersion"], obj["kind"])
+    crds = _crd_validators()
+    if key in crds:
+        return [f"{key}: {'.'.join(map(str, e.path))}: {e.message}" for e in crds[key].iter_errors(obj)]
+    errors = []
+    for version in K8S_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{version} {key}: {'.'.join(map(str, exc.path))}: {exc.message}")
+    return errors
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_object_validates(case):
+    objs = objects(rendered(case))
+    assert objs
+    for obj in objs:
+        assert validate(obj) == [], obj["kind"]
+
+
+def test_the_validation_catches_mistakes():
+    """The checker itself: an unknown field, a wrong type, in a built-in kind and in a CRD kind."""
+    kinds = by_kind("llama31-8b-eagle3")
+    bad = json.loads(json.dumps(kinds["Deployment"]))
+    bad["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    assert validate(bad) and len(validate(bad)) == len(K8S_VERSIONS)
+    bad = json.loads(json.dumps(kinds["Service"]))
+    bad["spec"]["ports"][0]["port"] = "eighty"
+    assert validate(bad)
+    bad = json.loads(json.dumps(kinds["PodMonitor"]))
+    bad["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
+    assert validate(bad)
+    lws = json.loads(json.dumps(by_kind("llama31-405b-ray")["LeaderWorkerSet"]))
+    lws["spec"]["leaderWorkerTemplate"]["size"] = "two"
+    assert validate(lws)
+    lws = json.loads(json.dumps(by_kind("llama31-405b-ray")["LeaderWorkerSet"]))
+    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["comand"] = ["x"]
+    assert validate(lws)
+
+
+def test_the_vendored_crd_schemas_name_their_source():
+    for path in SCHEMAS.glob("*.json"):
+        doc = json.loads(path.read_text())
+        assert doc["source"].startswith("https://github.com/") and "/blob/" in doc["source"]
+    kinds = {json.loads(p.read_text())["kind"] for p in SCHEMAS.glob("*.json")}
+    assert kinds == {"LeaderWorkerSet", "PodMonitor", "ServiceMonitor"}
+
+
+# ------------------------------------------------------------------------------------------- promises
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pods_run_specops_up_non_root_with_secrets_by_reference(case):
+    specs = pod_specs(case)
+    leader = specs[0]["containers"][0]
+    assert leader["command"] == ["specops"]
+    assert leader["args"][0] == "up" or leader["args"][:2] == ["k8s", "leader"]
+    assert leader["args"][-1] == "/etc/specops/profile.yaml"
+    for spec in specs:
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+        for c in spec["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+            for e in c.get("env", []):
+                if e["name"] in ("HF_TOKEN", "SPECOPS_API_KEY") or "KEY" in e["name"] or "TOKEN" in e["name"]:
+                    assert "value" not in e and set(e["valueFrom"]) == {"secretKeyRef"}, e
+        shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
+        assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_probes_and_termination_follow_the_profile(case):
+    p = load(case)
+    spec = pod_specs(case)[0]
+    c = spec["containers"][0]
+    start = c["startupProbe"]
+    budget = p.deploy.startup_timeout or p.engine.ready_timeout + 300
+    assert start["periodSeconds"] * start["failureThreshold"] >= budget >= p.engine.ready_timeout
+    assert c["readinessProbe"]["exec"]["command"][:3] == ["specops", "k8s", "probe"]
+    # liveness never depends on the engine: it only asks whether specops' proxy accepts connections
+    assert set(c["livenessProbe"]) >= {"tcpSocket"} and c["livenessProbe"]["tcpSocket"]["port"] == "http"
+    assert spec["terminationGracePeriodSeconds"] >= p.proxy.drain_timeout + p.supervisor.stop_timeout + 5
+    assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpus_are_tp_times_pp_per_node(case):
+    p = load(case)
+    nodes = p.deploy.multi_node.nodes
+    want = (
+        p.gpus.tensor_parallel_size * p.gpus.pipeline_parallel_size // nodes
+        if p.backend == "vllm" and p.gpus.devices != []
+        else (0 if p.gpus.devices == [] else len(p.gpus.devices or [0]))
+    )
+    for spec in pod_specs(case):
+        limits = spec["containers"][0].get("resources", {}).get("limits", {})
+        assert int(limits.get("nvidia.com/gpu", 0)) == want
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_only_the_proxy_port_is_reachable(case):
+    p = load(case)
+    kinds = by_kind(case)
+    svc = kinds["Service"]["spec"]["ports"]
+    assert [s["targetPort"] for s in svc] == ["http"]
+    c = server_container(case)
+    http = [port["containerPort"] for port in c["ports"] if port["name"] == "http"]
+    assert http == [p.server.port]
+    policy = kinds["NetworkPolicy"]["spec"]
+    open_ports = [port["port"] for rule in policy["ingress"] if "from" not in rule for port in rule["ports"]]
+    assert open_ports == [p.server.port]
+    # the rest is only for the group's own pods (Ray, torch.distributed, RPC)
+    assert all(rule.get("from") for rule in policy["ingress"] if "ports" not in rule)
+    cm = yaml.safe_load(kinds["ConfigMap"]["data"]["profile.yaml"])
+    assert cm["server"]["host"] == "0.0.0.0" and cm.get("proxy", {}).get("enabled", True) is True
+
+
+def test_the_engine_port_is_listed_nowhere(tmp_path):
+    prof = tmp_path / "p.yaml"
+    prof.write_text(
+        "name: pinned-port\nbackend: vllm\nengine: {version: 0.32.0}\nmodel: {id: m/x}\n"
+        "speculative: {method: ngram}\nproxy: {engine_port: 8123}\n"
+    )
+    text = render(str(prof))[0]
+    docs = objects(text)
+    for obj in docs:
+        if obj["kind"] != "ConfigMap":
+            assert "8123" not in json.dumps(obj), obj["kind"]
+
+
+def test_a_profile_change_rolls_the_pods(tmp_path):
+    prof = tmp_path / "p.yaml"
+    body = "name: rolls\nbackend: vllm\nengine: {version: 0.32.0}\nmodel: {id: m/x}\nspeculative: {method: ngram}\n"
+    prof.write_text(body)
+    first = by_hash(render(str(prof))[0])
+    prof.write_text(body + "fallback: {min_acceptance: 0.5}\n")
+    second = by_hash(render(str(prof))[0])
+    (tmp_path / "p.lock.json").write_text('{"pinned": true}\n')
+    third_text = render(str(prof))[0]
+    assert len({first, second, by_hash(third_text)}) == 3
+    cm = next(o for o in objects(third_text) if o["kind"] == "ConfigMap")
+    assert cm["data"]["profile.lock.json"] == '{"pinned": true}\n'
+
+
+def by_hash(text: str) -> str:
+    dep = next(o for o in objects(text) if o["kind"] == "Deployment")
+    return dep["spec"]["template"]["metadata"]["annotations"]["specops.dev/profile-hash"]
+
+
+def test_multi_node_layouts():
+    ray = by_kind("llama31-405b-ray")["LeaderWorkerSet"]["spec"]
+    t = ray["leaderWorkerTemplate"]
+    assert t["size"] == 2 and ray["replicas"] == 2 and ray["startupPolicy"] == "LeaderCreated"
+    assert t["workerTemplate"]["spec"]["containers"][0]["args"] == [
+        "start",
+        "--address=$(LWS_LEADER_ADDRESS):6379",
+        "--block",
+    ]
+    cm = yaml.safe_load(by_kind("llama31-405b-ray")["ConfigMap"]["data"]["profile.yaml"])
+    assert cm["server"]["extra_args"] == ["--distributed-executor-backend", "ray"]
+    assert "gpus" in cm and "devices" not in cm["gpus"]
+    assert by_kind("llama31-405b-ray")["Service"]["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+
+    nn = by_kind("qwen3-235b-nnodes")
+    cm = yaml.safe_load(nn["ConfigMap"]["data"]["profile.yaml"])
+    args = cm["server"]["extra_args"]
+    assert args[args.index("--nnodes") + 1] == "${LWS_GROUP_SIZE}" and args[args.index("--node-rank") + 1] == "0"
+    assert args[args.index("--master-addr") + 1] == "${LWS_LEADER_ADDRESS}"
+    w = nn["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    assert w["args"][:2] == ["k8s", "worker"] and "ServiceMonitor" in nn
+
+    rpc = by_kind("qwen25-72b-rpc")
+    cm = yaml.safe_load(rpc["ConfigMap"]["data"]["profile.yaml"])
+    assert cm["server"]["extra_args"] == ["--rpc", "${SPECOPS_RPC_WORKERS}"]
+    w = rpc["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    assert w["command"] == ["rpc-server"] and w["args"] == ["-H", "0.0.0.0", "-p", "50052"]
+    assert rpc["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]["size"] == 3
+    assert rpc["Service"]["spec"]["type"] == "LoadBalancer" and rpc["Service"]["spec"]["ports"][0]["port"] == 80
+
+
+def test_the_rendered_profile_loads_in_the_pod(tmp_path, monkeypatch):
+    """The ConfigMap's profile is a valid profile with the variables the pods have."""
+    from specops.config.profile import load_profile
+
+    for case in CASES:
+        cm = by_kind(case)["ConfigMap"]["data"]["profile.yaml"]
+        path = tmp_path / f"{case}.yaml"
+        path.write_text(cm)
+        pod_env = {
+            "SPECOPS_API_KEY": "k" * 12,
+            "LWS_LEADER_ADDRESS": "x-0.x.ns",
+            "LWS_GROUP_SIZE": "2",
+            "LWS_WORKER_INDEX": "0",
+            "SPECOPS_RPC_WORKERS": "x-0-1.x.ns:50052",
+        }
+        loaded = load_profile(path, env=pod_env)
+        assert loaded.profile.server.host == "0.0.0.0"
+
+
+def test_kustomize_builds_the_output_folder(tmp_path):
+    if shutil.which("kubectl") is None:
+        unavailable("kubectl is not installed")
+    res = run("k8s", "render", CASES["llama31-8b-eagle3"], CASES["qwen25-72b-rpc"], "-o", str(tmp_path), env=ENV)
+    assert res.code == 0, res.stderr
+    built = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    kinds = sorted(o["kind"] for o in objects(built.stdout))
+    assert kinds.count("ConfigMap") == 2 and "LeaderWorkerSet" in kinds and "Deployment" in kinds
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+def _profile(tmp_path, text: str) -> str:
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\nbackend: vllm\nengine: {version: 0.32.0}\nmodel: {id: m/x}\n" + text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "text,where,message",
+    [
+        ("deploy:\n  multi_node: {nodes: 3}\ngpus: {tensor_parallel_size: 8}\n", "bad.yaml:6:", "split evenly"),
+        ("deploy:\n  multi_node: {nodes: 2, mode: rpc}\n", "deploy.multi_node.mode", "ray or nnodes"),
+        ("deploy:\n  multi_node: {mode: ray}\n", "deploy.multi_node.mode", "2 or more"),
+        ("gpus: {devices: [0]}\ndeploy:\n  multi_node: {nodes: 2}\n", "gpus.devices", "device plugin"),
+        ("deploy:\n  node_selector: {'bad key!': x}\n", "deploy.node_selector", "label key"),
+        ("deploy:\n  image: 'x; rm -rf /'\n", "deploy.image", "image reference"),
+        ("deploy:\n  resources: {memory: 16 GB}\n", "deploy.resources.memory", "quantity"),
+        ("deploy:\n  secrets: {api_key: {name: Bad_Name, key: k}}\n", "deploy.secrets.api_key.name", "Kubernetes name"),
+        ("deploy:\n  startup_timeout: 1m\n", "deploy.startup_timeout", "engine.ready_timeout"),
+        ("deploy:\n  tolerations: [{operator: Exists, value: x}]\n", "deploy.tolerations[0].value", "any value"),
+        ("deploy:\n  replicas: -1\n", "deploy.replicas", "greater than or equal"),
+        ("deploy:\n  servce: {}\n", "deploy.servce", "service"),
+    ],
+)
+def test_deploy_section_errors_are_located(tmp_path, text, where, message):
+    res = run("validate", _profile(tmp_path, text), env=ENV)
+    assert res.code == 1, res.stdout
+    assert where in res.stderr + res.stdout and message in res.stderr + res.stdout, res.stderr + res.stdout
+
+
+@pytest.mark.parametrize(
+    "text,where,message",
+    [
+        ("server: {api_key: sk-literal-key}\n", "server.api_key", "ConfigMap"),
+        ("server: {api_key: '${MY_KEY}'}\n", "server.api_key", "deploy.secrets.api_key"),
+        ("deploy: {secrets: {api_key: {name: s, key: k}}}\n", "deploy.secrets.api_key", "${SPECOPS_API_KEY}"),
+        ("server: {env: {HF_TOKEN: hf_literal}}\n", "server.env.HF_TOKEN", "ConfigMap"),
+        ("proxy: {enabled: false}\n", "proxy.enabled", "proxy.enabled: true"),
+        ("proxy: {admin_port: 9100}\n", "proxy.admin_port", "loopback"),
+    ],
+)
+def test_render_refuses_what_cannot_run_in_a_pod(tmp_path, text, where, message):
+    res = run("k8s", "render", _profile(tmp_path, "speculative: {method: ngram}\n" + text), env={**ENV, "MY_KEY": "x"})
+    assert res.code == 1, res.stdout
+    assert "bad.yaml:" in res.stderr and where in res.stderr and message in res.stderr, res.stderr
+    assert "sk-literal-key" not in res.stderr and "hf_literal" not in res.stderr
+
+
+def test_a_variable_the_pods_do_not_get_stays_an_error(tmp_path):
+    res = run("k8s", "render", _profile(tmp_path, "server: {env: {EXTRA: '${NOT_SET_ANYWHERE}'}}\n"), env=ENV)
+    assert res.code == 1 and "NOT_SET_ANYWHERE" in res.stderr and "is not set" in res.stderr
+
+
+# ------------------------------------------------------------------------------------------- in the pod
+
+
+def test_probe_against_a_live_status_endpoint():
+    import http.server
+    import threading
+
+    from specops.k8s.pod import probe
+
+    state = {"doc": {"proxy": {"state": "idle"}}, "auth": []}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            state["auth"].append(self.headers.get("Authorization"))
+            if self.path != "/specops/status":
+                self.send_response(404)
+                self.end_headers()
+                return
+            body = json.dumps(state["doc"]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    try:
+        assert "idle" in probe(port)
+        state["doc"] = {"proxy": {"state": "held"}}
+        assert "held" in probe(port)
+        state["doc"] = {"proxy": {"state": "serving"}}
+        assert probe(port, "THE_KEY", env={"THE_KEY": "abc"}) == ""
+        assert state["auth"][-1] == "Bearer abc"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert "does not answer" in probe(port)
+
+
+def test_multi_node_helpers():
+    from specops.k8s.pod import headless_argv, worker_addresses
+
+    assert worker_addresses("chat-0.chat.prod", 3, 50052) == ["chat-0-1.chat.prod:50052", "chat-0-2.chat.prod:50052"]
+    argv = ["vllm", "serve", "m", "--nnodes", "2", "--node-rank", "0", "--master-addr", "a"]
+    assert headless_argv(argv, "1") == [
+        "vllm",
+        "serve",
+        "m",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "a",
+        "--headless",
+    ]
+
+
+def test_grace_covers_drain_and_stop():
+    from specops.k8s.manifests import GRACE_MARGIN, PRESTOP_SLEEP, grace_seconds
+
+    p = load("llama33-70b-eagle3-tp4")
+    assert p.proxy.drain_timeout == 120
+    assert grace_seconds(p) == PRESTOP_SLEEP + math.ceil(120 + p.supervisor.stop_timeout) + GRACE_MARGIN
