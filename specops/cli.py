@@ -34,6 +34,7 @@ COMMANDS = {
     "engines": "engines:engines",
     "schema": "schema:schema",
     "plugins": "plugins:plugins",
+    "doctor": "doctor:doctor",
     "k8s": "k8s:k8s",
 }
 
@@ -121,4 +122,3 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
-    "doctor": "doctor:doctor",
