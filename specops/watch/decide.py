@@ -23,6 +23,7 @@ from typing import Any
 
 from specops.run.events import EngineReady, FallbackOrder, StepChanged, StepFailed, SupervisorEvent
 from specops.watch.decision import Decision
+from specops.watch.goodput import Load, Surface, load_surface
 from specops.watch.policy import Policy
 from specops.watch.window import WindowStats
 
@@ -56,10 +57,18 @@ class FallbackDecider:
         #: not, with its numbers), for ``specops status``.
         self.last_window: dict[str, Any] | None = None
         self.last_verdict: dict[str, Any] | None = None
+        #: mode goodput: the last tick's concurrency, predicted tokens/s per option, switch cost and verdict
+        self.last_goodput: dict[str, Any] | None = None
+        self._goodput_shown: tuple | None = None
 
     @classmethod
-    def from_profile(cls, profile: Any, **kwargs: Any) -> FallbackDecider:
-        return cls(Policy.from_profile(profile), **kwargs)
+    def from_profile(cls, profile: Any, *, surface: Surface | None = None, **kwargs: Any) -> FallbackDecider:
+        """The decider for ``profile``; mode goodput reads ``fallback.goodput.surface`` unless ``surface`` is
+        given (raises SpecopsError when that file holds no surface)."""
+        fb = profile.fallback
+        if fb.mode == "goodput" and surface is None and fb.goodput.surface:
+            surface = load_surface(fb.goodput.surface)
+        return cls(Policy.from_profile(profile, surface=surface), **kwargs)
 
     # ------------------------------------------------------------------ the supervisor's failures
     def decide_after_failure(self, failure: StepFailed) -> FallbackOrder:
@@ -84,10 +93,13 @@ class FallbackDecider:
         return FallbackOrder(None, failure.reason)
 
     # ------------------------------------------------------------------ the watcher's windows
-    def observe(self, stats: WindowStats, now: float) -> Decision:
-        """The policy's decision for one window; notable ones go to the event log with the window."""
-        decision = self.policy.observe(stats, now)
+    def observe(self, stats: WindowStats, now: float, load: Load | None = None) -> Decision:
+        """The policy's decision for one window (and, for mode goodput, the live ``load``); notable ones go to
+        the event log with the window, and in mode goodput every change of verdict or best option too."""
+        decision = self.policy.observe(stats, now, load)
         self.last_window = {"rule": decision.rule, "reason": decision.reason}
+        if self.policy.goodput is not None:
+            self._goodput_event(decision, stats)
         if "low" in decision.numbers:
             keep = ("low", "acceptance", "predicted_speedup", "streak")
             self.last_verdict = {
@@ -100,6 +112,38 @@ class FallbackDecider:
         if decision.notable:
             self.events.emit("decision", **decision.to_dict(), window=stats.to_dict())
         return decision
+
+    def _goodput_event(self, decision: Decision, stats: WindowStats) -> None:
+        """Keep the goodput numbers for ``specops status``; log a ``goodput`` event when the verdict changes."""
+        n = decision.numbers
+        self.last_goodput = {
+            "rule": decision.rule,
+            "reason": decision.reason,
+            "at": self.wall(),
+            **{
+                k: n[k]
+                for k in (
+                    "concurrency",
+                    "concurrency_source",
+                    "predicted",
+                    "surface",
+                    "best",
+                    "live_tokens_per_s",
+                    "correction",
+                    "switch_cost_s",
+                    "switch_cost_basis",
+                    "gain_tokens",
+                    "cost_tokens",
+                    "regime_s",
+                    "sustained_s",
+                )
+                if k in n
+            },
+        }
+        shown = (decision.rule, n.get("best"), decision.from_index)
+        if shown != self._goodput_shown and not decision.notable:
+            self.events.emit("goodput", **decision.to_dict(), window=stats.to_dict())
+        self._goodput_shown = shown
 
     def not_executed(self, decision: Decision) -> None:
         """The decided switch was not executed (the supervisor could not take it, or watching read-only):
@@ -120,6 +164,7 @@ class FallbackDecider:
                     "at": self.wall(),
                 }
         elif isinstance(event, EngineReady):
+            self.policy.note_engine_start(event.seconds)
             self.policy.on_switched(event.index, self.clock())
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
@@ -129,5 +174,6 @@ class FallbackDecider:
             "last_decision": self.last_decision,
             "last_window": self.last_window,
             "last_verdict": self.last_verdict,
+            **({"last_goodput": self.last_goodput} if self.policy.goodput is not None else {}),
             "policy": self.policy.snapshot(self.clock() if now is None else now),
         }

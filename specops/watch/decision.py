@@ -18,6 +18,7 @@ from specops.speedup import (
     expected_tokens_per_step,
     speedup_from_length,
 )
+from specops.watch.goodput import GoodputConfig
 from specops.watch.window import WindowStats
 
 
@@ -56,10 +57,11 @@ class PolicyConfig:
     retry_after_s: float = 1800.0
     retry_max_after_s: float = 8 * 3600.0
     act_on_coarse: bool = False  # decide on vLLM V0's lifetime ratio too
+    goodput: GoodputConfig = field(default_factory=GoodputConfig)  # mode goodput
 
     def __post_init__(self) -> None:
-        if self.mode not in ("threshold", "model"):
-            raise ValueError(f"mode must be 'threshold' or 'model', not {self.mode!r}")
+        if self.mode not in ("threshold", "model", "goodput"):
+            raise ValueError(f"mode must be 'threshold', 'model' or 'goodput', not {self.mode!r}")
         if self.consecutive_windows < 1 or self.max_switches_per_hour < 1 or self.min_draft_tokens < 0:
             raise ValueError("consecutive_windows and max_switches_per_hour must be >= 1, min_draft_tokens >= 0")
         if not self.window_s > 0:
@@ -85,6 +87,7 @@ class PolicyConfig:
             retry_enabled=fb.retry.enabled,
             retry_after_s=fb.retry.after,
             retry_max_after_s=max(fb.retry.max_after, fb.retry.after),
+            goodput=GoodputConfig.from_fallback(fb),
         )
 
     @classmethod

@@ -27,6 +27,11 @@ keep the method, switch to the next step, retry the primary, or hold. Rules, in 
     (hold: ``max_switches_per_hour`` switches in the last hour), else ``switch`` to the next step — or, when
     the method was a retry, back to the step the retry came from (``retry-failed``).
 
+With ``mode: goodput`` rules 3 to 11 give way to :class:`specops.watch.goodput.GoodputPolicy`: each tick it
+predicts every step's tokens/s at the live concurrency (the measured surface, live acceptance, online correction)
+and switches to the best one with hysteresis, a sustain time, a minimum dwell and a switch-cost test (rules
+``goodput-*``); ``fallback-disabled`` and ``flap-guard`` still hold a switch.
+
 Every :class:`~specops.watch.decision.Decision` carries the rule that produced it, a sentence, and the numbers
 behind it.
 """
@@ -38,7 +43,7 @@ from dataclasses import replace
 from typing import Any
 
 from specops.config.profile import ChainStep
-from specops.methods import Method
+from specops.methods import DEFAULT_K, Method
 from specops.watch.decision import (
     HOLD,
     KEEP,
@@ -47,9 +52,11 @@ from specops.watch.decision import (
     Action,
     Decision,
     PolicyConfig,
+    step_k,
     verdict_numbers,
     window_numbers,
 )
+from specops.watch.goodput import GoodputModel, GoodputPolicy, Load, Surface, step_options
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
 
 FLAP_PERIOD_S = 3600.0
@@ -59,7 +66,15 @@ class Policy:
     """The decision engine for one deployment. Feed it windows (:meth:`observe`) and what the supervisor
     did (:meth:`on_switched`, :meth:`on_failed_start`); it never reads a clock — ``now`` is always given."""
 
-    def __init__(self, config: PolicyConfig, steps: Sequence[ChainStep], current: int | ChainStep | Method = 0):
+    def __init__(
+        self,
+        config: PolicyConfig,
+        steps: Sequence[ChainStep],
+        current: int | ChainStep | Method = 0,
+        *,
+        surface: Surface | None = None,
+        per_batch: Sequence | None = None,
+    ):
         if not steps:
             raise ValueError("a policy needs at least one step (the primary method)")
         self.config = config
@@ -74,10 +89,24 @@ class Policy:
         self.retry_origin: int | None = None  # the step a running retry came from
         self.down_since: float | None = None  # the source has been unreadable since
         self._warned: set[str] = set()  # one-time warnings for the current method
+        #: mode goodput: the chooser (``per_batch``: the primary step's k per batch size, when it runs one)
+        self.goodput: GoodputPolicy | None = None
+        if config.mode == "goodput":
+            self.goodput = GoodputPolicy(
+                config.goodput, step_options(self.steps, DEFAULT_K, per_batch), GoodputModel(surface), config.window_s
+            )
 
     @classmethod
-    def from_profile(cls, profile: Any, current: int | ChainStep | Method = 0) -> Policy:
-        return cls(PolicyConfig.from_profile(profile), profile.steps, current)
+    def from_profile(
+        cls, profile: Any, current: int | ChainStep | Method = 0, *, surface: Surface | None = None
+    ) -> Policy:
+        return cls(
+            PolicyConfig.from_profile(profile),
+            profile.steps,
+            current,
+            surface=surface,
+            per_batch=profile.speculative.per_batch_size,
+        )
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -134,8 +163,9 @@ class Policy:
         return text
 
     # ------------------------------------------------------------------ the verdict
-    def observe(self, stats: WindowStats, now: float) -> Decision:
-        """The decision for the window ``stats`` observed at ``now`` (call once per monitor tick)."""
+    def observe(self, stats: WindowStats, now: float, load: Load | None = None) -> Decision:
+        """The decision for the window ``stats`` observed at ``now`` (call once per monitor tick); ``load`` is the
+        live concurrency and tokens/s (mode goodput decides with it)."""
         if self.pending is not None:
             p = self.pending
             return self._decision(
@@ -168,6 +198,8 @@ class Policy:
             notes.append(f"source recovered after {now - self.down_since:g}s")
             self.down_since = None
 
+        if self.goodput is not None:
+            return self._with_notes(self._goodput_decision(stats, now, load), notes)
         retry = self._maybe_retry(now)
         if retry is not None:
             return self._with_notes(retry, notes)
@@ -178,6 +210,64 @@ class Policy:
         if not notes:
             return d
         return replace(d, reason=d.reason + " (" + "; ".join(notes) + ")", numbers={**d.numbers, "recovered": True})
+
+    def _goodput_decision(self, stats: WindowStats, now: float, load: Load | None) -> Decision:
+        """Mode goodput: note the live acceptance of the running method, then the chooser's verdict."""
+        g, cfg = self.goodput, self.config
+        assert g is not None
+        cur = self.current
+        if (
+            cur.method is not Method.NONE
+            and stats.status == OK
+            and stats.full
+            and not stats.coarse
+            and stats.mean_acceptance_length is not None
+            and (stats.draft_tokens or 0.0) >= cfg.min_draft_tokens
+        ):
+            g.model.note_acceptance(cur.method, stats.mean_acceptance_length, stats.mean_draft_length or step_k(cur))
+        choice = g.choose(self.index, load, now)
+        numbers = dict(choice.numbers)
+        if stats.status == OK:
+            numbers.update(acceptance=stats.acceptance, mean_acceptance_length=stats.mean_acceptance_length)
+        if choice.target is None:
+            return self._decision(KEEP, choice.rule, choice.reason, now, numbers)
+        target = choice.target
+        if not cfg.enabled:
+            return self._decision(
+                HOLD,
+                "fallback-disabled",
+                f"{choice.reason}; fallback is disabled (watch only)",
+                now,
+                numbers,
+                warning=f"goodput would switch {cur.method} → {self.steps[target].method}, but fallback is disabled",
+            )
+        recent = self.switches_in_last_hour(now)
+        if recent >= cfg.max_switches_per_hour:
+            numbers["switches_last_hour"] = recent
+            return self._decision(
+                HOLD,
+                "flap-guard",
+                f"{choice.reason}; {recent} switches in the last hour reached "
+                f"max_switches_per_hour={cfg.max_switches_per_hour}: holding {cur.method}",
+                now,
+                numbers,
+                warning=self._warn_once("flap", f"flap guard: holding {cur.method} after {recent} switches in an hour"),
+            )
+        d = self._decision(
+            SWITCH, choice.rule, f"{choice.reason}: switching to {self.steps[target].method}", now, numbers, to=target
+        )
+        self.pending = d
+        return d
+
+    def note_switch_cost(self, seconds: float) -> None:
+        """A switch took ``seconds`` from the decision to the new engine being ready (mode goodput)."""
+        if self.goodput is not None:
+            self.goodput.note_switch_cost(seconds)
+
+    def note_engine_start(self, seconds: float) -> None:
+        """An engine took ``seconds`` from launch to ready (mode goodput's switch-cost estimate until a switch)."""
+        if self.goodput is not None:
+            self.goodput.note_start(seconds)
 
     def _maybe_retry(self, now: float) -> Decision | None:
         cfg = self.config
@@ -414,6 +504,9 @@ class Policy:
         self.streak = 0
         self.last_verdict_end = now  # only windows that start after the switch count
         self._warned.clear()
+        if self.goodput is not None:  # goodput moves both ways by itself: no retry bookkeeping
+            self.goodput.switched(now)
+            return
         cfg = self.config
         if new < old:  # moved up: a retry is running
             self.retry_origin = old
@@ -500,4 +593,26 @@ class Policy:
             "retrying_from": self.retry_origin,
             "pending": self.pending.to_dict() if self.pending else None,
             "source_down_since": self.down_since,
+            **({"goodput": self._goodput_snapshot(now)} if self.goodput is not None else {}),
+        }
+
+    def _goodput_snapshot(self, now: float) -> dict[str, Any]:
+        g = self.goodput
+        assert g is not None
+        cost, basis = g.switch_cost_s
+        s = g.model.surface
+        return {
+            "concurrency": g.concurrency(now),
+            "switch_cost_s": cost,
+            "switch_cost_basis": basis,
+            "candidate": g.options[g.candidate].label if g.candidate is not None else None,
+            "candidate_since": g.candidate_since,
+            "correction": {str(b): round(v, 3) for b, v in sorted(g.model.correction.items())},
+            "surface": None
+            if s is None
+            else {
+                **{k: s.meta.get(k) for k in ("date", "engine_version", "draft_sha")},
+                "levels": s.levels(),
+                "crossover": s.crossovers(),
+            },
         }

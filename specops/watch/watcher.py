@@ -23,6 +23,7 @@ import base64
 import json
 import math
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -38,6 +39,7 @@ from specops.run.events import EngineLine, EngineReady, State, StateChanged
 from specops.urls import check_http_url, redact_text, redact_url, split_userinfo
 from specops.watch.decide import FallbackDecider
 from specops.watch.decision import Decision
+from specops.watch.goodput import Load
 from specops.watch.policy import Policy
 from specops.watch.sources import LogLineSource, PromQLSource, ScrapeSource, SourceError, promql_labels
 from specops.watch.window import Sample, SampleBuffer, WindowStats
@@ -83,11 +85,36 @@ class LiveCounters:
         self.draft_tokens = self.accepted = 0
 
 
+#: Gauges of requests an engine is running or holding (summed over their series) when its backend object has no
+#: ``running_requests(metrics_text)``: the names the built-in engines use, under the backend's ``metric_prefix``.
+LOAD_GAUGES = ("num_requests_running", "num_requests_waiting", "requests_processing", "requests_deferred")
+
+
+def engine_load(backend: Any, metrics_text: str | None) -> float | None:
+    """Requests the engine runs or holds now, from its /metrics text: ``backend.running_requests(text)`` when the
+    backend has it, else the sum of :data:`LOAD_GAUGES` under its prefix; None when none is exposed."""
+    if not metrics_text:
+        return None
+    ask = getattr(backend, "running_requests", None)
+    if callable(ask):
+        return ask(metrics_text)
+    prefix = re.escape(getattr(backend, "metric_prefix", "") or "")
+    names = "|".join(LOAD_GAUGES)
+    found = re.findall(rf"^{prefix}(?:{names})(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)\s*$", metrics_text, re.M)
+    if not found:
+        return None
+    try:
+        return sum(float(v) for v in found)
+    except ValueError:
+        return None
+
+
 @dataclass
 class Reading:
     stats: WindowStats
     tokens_per_s: float | None = None
     counters: SpecCounters | None = None
+    engine_load: float | None = None  # requests the engine runs or holds (its gauges), when exposed
 
 
 @dataclass
@@ -158,11 +185,12 @@ class AcceptanceReader:
         else:
             scrape_error = None
         tps = self._tokens_per_s(text, now) if text is not None else None
+        load = engine_load(self.backend, text)
         if self._promql is not None:
             try:
-                return Reading(self._promql.read(now=now), tps)
+                return Reading(self._promql.read(now=now), tps, engine_load=load)
             except SourceError as exc:
-                return Reading(WindowStats.unavailable(now, str(exc), self.window_s), tps)
+                return Reading(WindowStats.unavailable(now, str(exc), self.window_s), tps, engine_load=load)
         if scrape_error is not None:
             return Reading(WindowStats.unavailable(now, scrape_error, self.window_s))
         try:
@@ -184,8 +212,8 @@ class AcceptanceReader:
             self._live_buffer.add(Sample(now, live))
             live_stats = self._live_buffer.stats(now)
             if live_stats.status == "ok" and (stats.status != "ok" or live_stats.draft_tokens > stats.draft_tokens):
-                return Reading(live_stats, tps, counters)  # totals seen stay the engine's (one source)
-        return Reading(stats, tps, counters)
+                return Reading(live_stats, tps, counters, load)  # totals seen stay the engine's (one source)
+        return Reading(stats, tps, counters, load)
 
     @property
     def prefix(self) -> str:
@@ -280,7 +308,9 @@ class Watcher:
     Decisions come from ``decider`` (a :class:`~specops.watch.decide.FallbackDecider`: the policy, the
     decision log). ``act(decision) -> bool`` performs a switch (under ``specops up``: a
     :class:`~specops.run.events.SwitchOrder` to the supervisor; False when it cannot take it now); without
-    ``act`` the watcher only recommends, through ``on_recommend(decision, stats)``. ``on_tick()`` runs after
+    ``act`` the watcher only recommends, through ``on_recommend(decision, stats)``. ``concurrency()`` (optional)
+    is the number of requests in flight (the proxy's); without it, mode goodput uses the engine's gauges of running
+    and waiting requests. ``on_tick()`` runs after
     each handled reading (``specops up`` writes its state file then). Under ``specops up`` the watcher is
     a supervisor listener (:meth:`on_event`): it reads only while an engine is ready, and starts a fresh
     window for each new engine. :meth:`snapshot` is what it shows in ``specops status``.
@@ -298,6 +328,7 @@ class Watcher:
         on_tick: Callable[[], None] | None = None,
         metrics: SpecopsMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        concurrency: Callable[[], float | None] | None = None,
     ):
         self.profile = profile
         self.reader = reader
@@ -308,6 +339,7 @@ class Watcher:
         self.on_tick = on_tick or (lambda: None)
         self.metrics = metrics
         self.clock = clock
+        self.concurrency = concurrency
         self.interval = watch_interval(profile.monitor.interval)
         self.attached = False  # the reader follows an engine (under `up`: since the first EngineReady)
         self.serving = False  # under `up`: the supervisor is READY
@@ -342,8 +374,16 @@ class Watcher:
     def _on_engine_ready(self, event: EngineReady) -> None:
         now = self.clock()
         decision = self.last_decision
-        if decision is not None and decision.acts and self.metrics is not None and decision.to_index == event.index:
-            self.metrics.switch_seconds.observe(max(0.0, now - self.decided_at.get(id(decision), now)))
+        if (
+            decision is not None
+            and decision.acts
+            and decision.to_index == event.index
+            and id(decision) in self.decided_at
+        ):
+            took = max(0.0, now - self.decided_at.pop(id(decision)))
+            self.policy.note_switch_cost(took)  # mode goodput weighs the next switch against it
+            if self.metrics is not None:
+                self.metrics.switch_seconds.observe(took)
         plan = event.plan
         self.reader.attach(plan.metrics_url, plan.model_name, plan.auth_headers)
         self.attached = True
@@ -374,9 +414,18 @@ class Watcher:
         reading = await asyncio.to_thread(self.reader.read_blocking, now)
         return self.handle(reading, now)
 
+    def load(self, reading: Reading) -> Load:
+        """This tick's concurrency (the proxy's in-flight requests, else the engine's gauges) and tokens/s."""
+        conc, source = None, ""
+        if self.concurrency is not None:
+            conc, source = self.concurrency(), "proxy in-flight"
+        if conc is None and reading.engine_load is not None:
+            conc, source = reading.engine_load, "engine running + waiting"
+        return Load(conc, reading.tokens_per_s, source)
+
     def handle(self, reading: Reading, now: float) -> Decision:
         stats = reading.stats
-        decision = self.decider.observe(stats, now)
+        decision = self.decider.observe(stats, now, self.load(reading))
         if self.metrics is not None:
             self.metrics.observe(reading)
             if decision.notable:
