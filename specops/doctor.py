@@ -617,8 +617,13 @@ def _hub(ctx: _Context) -> list[Check]:
         model = ctx.loaded.profile.model.id
         if is_repo_id(model) and not os.path.exists(os.path.expanduser(model)):
             repo, mine = model, True  # the question that matters: can this machine get the target?
+    gated = ""
     try:
-        hub.model_info(repo)
+        meta = hub.model_info(repo)
+        if mine and meta.gated:
+            gated = "; gated, and this machine's token has access"
+            if "config.json" in meta.files:  # metadata is public; files of a gated repo need a granted token
+                hub.download(repo, "config.json", ctx.loaded.profile.model.revision)
     except HubError as exc:
         if exc.kind in ("gated", "unauthorized", "not_found") and mine:
             return [
@@ -643,7 +648,7 @@ def _hub(ctx: _Context) -> list[Check]:
             )
         ]
     ctx.hub_ok = True
-    return [Check("hub", OK, f"{endpoint} reachable" + (f"; model.id {repo} is accessible" if mine else ""))]
+    return [Check("hub", OK, f"{endpoint} reachable" + (f"; model.id {repo} is accessible{gated}" if mine else ""))]
 
 
 def _hub_timeout() -> float:
