@@ -297,3 +297,9 @@ def test_setup_keeps_pip_and_setuptools_output_in_its_log(tmp_path, pip_exit):
     else:  # on failure the log's tail and its path, so the cause is one look away
         assert proc.returncode != 0 and "setup: failed:" in proc.stderr and f"setup: full log: {log}" in proc.stderr
         assert "specops engines" not in proc.stdout
+
+
+def test_status_verdict_in_model_mode_names_the_predicted_speedup(tmp_path):
+    out, row = _state_after(tmp_path, [_window(0.1, 20.0)], fallback=", mode: model, draft_cost_ratio: 0.5")
+    assert _line(out, "verdict") == "verdict    predicted speedup below 1: 1 of 2 windows (falls back after 2)"
+    assert row["last_verdict"]["predicted_speedup"] < 1

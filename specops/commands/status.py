@@ -182,8 +182,12 @@ def verdict_line(st: dict) -> str | None:
     streak = round(_num(policy.get("streak")) or 0)
     need = round(_num(policy.get("consecutive_windows")) or 1)
     thr = _num(policy.get("min_acceptance"))
-    model = policy.get("mode") == "model"
-    bound = "predicted speedup below 1" if model else f"below {thr:g}" if thr is not None else "below the threshold"
+    mode = _text(policy.get("mode") or "threshold", 40)
+    model = mode == "model"
+    if mode == "threshold":
+        bound = f"below {thr:g}" if thr is not None else "below the threshold"
+    else:
+        bound = "predicted speedup below 1" if model else f"low by the {mode} rule"
     last = st.get("last_verdict") if isinstance(st.get("last_verdict"), dict) else None
     window = st.get("last_window") if isinstance(st.get("last_window"), dict) else {}
     if streak:
