@@ -662,24 +662,28 @@ def _hf_cache(ctx: _Context) -> list[Check]:
 
     cache = hf_cache_dir()
     if not cache.is_dir():
-        return [Check("hf-cache", OK, f"{cache} does not exist yet (nothing downloaded)")]
-    repos = sorted(d.name for d in cache.glob("models--*") if d.is_dir())
-    writable = os.access(cache, os.W_OK | os.X_OK)
-    summary = f"{cache}: {len(repos)} model repo(s) cached" + ("" if writable else ", not writable")
-    out = [
-        Check(
-            "hf-cache",
-            OK if writable else WARNING,
-            summary,
-            "" if writable else "let this user write it, or set HF_HOME / HF_HUB_CACHE",
-        )
-    ]
+        out = [Check("hf-cache", OK, f"{cache} does not exist yet (nothing downloaded)")]
+    else:
+        repos = sorted(d.name for d in cache.glob("models--*") if d.is_dir())
+        writable = os.access(cache, os.W_OK | os.X_OK)
+        summary = f"{cache}: {len(repos)} model repo(s) cached" + ("" if writable else ", not writable")
+        out = [
+            Check(
+                "hf-cache",
+                OK if writable else WARNING,
+                summary,
+                "" if writable else "let this user write it, or set HF_HOME / HF_HUB_CACHE",
+            )
+        ]
     if ctx.loaded is not None:
         p = ctx.loaded.profile
         from specops.reponames import is_repo_id
 
         hub = Hub(cache_dir=cache, offline=True)
-        offline = ctx.offline or not ctx.hub_ok
+        from specops.resolve.hub import env_offline
+
+        # the engine downloads what is missing, unless it is offline too or the Hub cannot be reached
+        blocked = "HF_HUB_OFFLINE=1" if env_offline() else "" if ctx.offline or ctx.hub_ok else "the Hub is unreachable"
         for what, repo, rev in (
             ("model.id", p.model.id, p.model.revision),
             ("speculative.draft", p.speculative.draft, p.speculative.draft_revision),
@@ -693,14 +697,14 @@ def _hf_cache(ctx: _Context) -> list[Check]:
                 out.append(
                     Check(
                         "hf-cache",
-                        WARNING if offline else OK,
+                        WARNING if blocked else OK,
                         f"{what} {repo} is not in the cache"
                         + (
-                            "; offline, the engine cannot download it"
-                            if offline
+                            f"; {blocked}: the engine cannot download it"
+                            if blocked
                             else "; the engine downloads it at start"
                         ),
-                        f"download it where the Hub is reachable (`hf download {repo}`)" if offline else "",
+                        f"download it where the Hub is reachable (`hf download {repo}`)" if blocked else "",
                     )
                 )
     return out
@@ -891,6 +895,8 @@ def _memory(ctx: _Context) -> list[Check]:
     if est.per_gpu_bytes is None:
         return [Check("memory", OK, "no weight sizes known (offline without the HF cache, or a local model)")]
     line = est.line()
+    if res.profile.gpus.devices == []:
+        line = "CPU run: " + line.replace(" per GPU", " in memory")
     if est.over_budget:
         return [
             Check(

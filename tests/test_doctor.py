@@ -15,6 +15,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import huggingface_hub  # noqa: F401 - imported now, before any test sets HF_HUB_OFFLINE (read once, at import)
 import pytest
 from fakehub import FakeHub, seed_llama31
 from support_cli import ROOT, run
@@ -267,6 +268,27 @@ def test_memory_fit_against_the_gpus_nvidia_smi_lists(env, tmp_path, hub_online)
         mem = one(rep, "memory")
         assert code == 1 and mem["level"] == "error" and "more than 0.9 of the smallest GPU (15 GiB)" in mem["summary"]
         assert checks(rep, "resolve")[0]["level"] == "ok"
+
+
+def test_hf_cache_state_of_the_profiles_models(env, tmp_path):
+    """A target in the HF cache (refs/main → a snapshot) is found; a draft that is not, with HF_HUB_OFFLINE=1
+    in the engine's environment, is a warning: the engine could not download it."""
+    sha = "a" * 40
+    repo_dir = tmp_path / "hf" / "hub" / "models--meta-llama--Llama-3.1-8B-Instruct"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(sha)
+    (repo_dir / "snapshots" / sha).mkdir(parents=True)
+    path = gpu_profile(tmp_path)
+    _, rep, _ = doctor(path, env=env)
+    cache = checks(rep, "hf-cache")
+    assert cache[0]["summary"] == f"{tmp_path / 'hf' / 'hub'}: 1 model repo(s) cached"
+    assert cache[1]["summary"] == f"model.id meta-llama/Llama-3.1-8B-Instruct is in the cache (commit {sha[:10]})"
+    assert cache[2]["level"] == "ok" and cache[2]["summary"].endswith("the engine downloads it at start")
+    _, rep, _ = doctor(path, env={**env, "HF_HUB_OFFLINE": "1"}, online=True)
+    draft = checks(rep, "hf-cache")[2]
+    assert draft["level"] == "warning" and "HF_HUB_OFFLINE=1: the engine cannot download it" in draft["summary"]
+    assert draft["fix"] == "download it where the Hub is reachable (`hf download yuhuili/EAGLE3-LLaMA3.1-Instruct-8B`)"
+    assert one(rep, "hub")["summary"].startswith("offline (HF_HUB_OFFLINE=1)")
 
 
 # ----------------------------------------------------------------------------------------- Prometheus
