@@ -19,8 +19,24 @@ def k8s():
     """
 
 
+def profile_files(paths: tuple[str, ...]) -> list[str]:
+    """The profiles to render: files as given; for a folder, its `*.yaml`/`*.yml` files that are profiles
+    (a top-level `name`; bases without one and Kubernetes/kustomize files with a `kind` are skipped)."""
+    from specops.k8s.source import is_deployable_profile
+
+    out: list[str] = []
+    for path in paths:
+        folder = Path(path)
+        if not folder.is_dir():
+            out.append(path)
+            continue
+        found = [str(f) for f in sorted(folder.iterdir()) if f.suffix in (".yaml", ".yml") and f.is_file()]
+        out += [f for f in found if is_deployable_profile(f)]
+    return out
+
+
 @k8s.command()
-@click.argument("profiles", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=str))
+@click.argument("profiles", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option(
     "-o",
     "--output",
@@ -30,6 +46,9 @@ def k8s():
 )
 def render(profiles, output):
     """Print the Kubernetes manifests that run PROFILE... with `specops up` in the pods.
+
+    A folder stands for the profiles in it (files with a top-level `name`; bases are skipped), so an
+    Argo CD plugin can run `specops k8s render .` in an application's folder.
 
     Per profile: a ConfigMap (the profile with `extends` merged and `${VAR}` kept, plus its lock file), a
     Deployment (or a LeaderWorkerSet when deploy.multi_node.nodes > 1), a Service to specops' proxy, a
@@ -51,7 +70,10 @@ def render(profiles, output):
     from specops.resolve.lock import lock_path
 
     rendered, problems = [], []
-    for path in profiles:
+    paths = profile_files(profiles)
+    if not paths:
+        raise click.UsageError("no profile found (a folder's profiles are its YAML files with a top-level name)")
+    for path in paths:
         try:
             loaded = load_for_render(path, get_registry(), pod_variables)
             lock = lock_path(path)

@@ -367,7 +367,8 @@ def _toleration(t) -> dict:
 def configmap_profile(loaded: LoadedProfile, source: dict) -> dict:
     """The profile the pods run: ``extends`` merged, the proxy on every interface, the multi-node flags."""
     p = loaded.profile
-    doc = dict(source)
+    order = list(Profile.model_fields)
+    doc = {k: source[k] for k in sorted(source, key=lambda k: order.index(k) if k in order else len(order))}
     server = dict(doc.get("server") or {})
     server["host"] = "0.0.0.0"  # the pod's own network namespace; the Service and probes reach the pod IP
     mode = multi_node_mode(p)
@@ -408,11 +409,12 @@ def render(loaded: LoadedProfile, lock_text: str | None = None, source_name: str
         f"# Rendered by `specops k8s render` from {source_name or p.name}: `extends` merged, server.host set to "
         "0.0.0.0 (the pod's own network namespace).\n"
     )
-    profile_text = header + dump(configmap_profile(loaded, source))
-    data = {PROFILE_KEY: profile_text}
+    body = dump(configmap_profile(loaded, source))
+    # the hash covers what the pods read (not the header's file name): a change rolls them, a rename does not
+    digest = content_hash(body, lock_text or "")
+    data = {PROFILE_KEY: header + body}
     if lock_text is not None:
         data[LOCK_KEY] = lock_text
-    digest = content_hash(*(f"{k}\n{v}" for k, v in sorted(data.items())))
     cm_name = f"{name}-profile"
     out.objects.append(
         ("configmap.yaml", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(p, cm_name), "data": data})

@@ -113,3 +113,15 @@ def load_for_render(path: str, registry, pod_vars) -> Any:
     if not unset <= set(pod_vars(loaded)):
         raise original
     return loaded
+
+
+def is_deployable_profile(path: str | Path) -> bool:
+    """Whether a YAML file in a folder is a profile to render: a mapping with a top-level ``name`` and no
+    ``kind`` (Kubernetes and kustomize files have one); a base without ``name`` is not deployable alone."""
+    from specops.errors import ProfileError
+
+    try:
+        data = yaml.safe_load(read_text(Path(path), str(path)))
+    except (ProfileError, yaml.YAMLError):
+        return True  # let the loader report it, located
+    return isinstance(data, dict) and "name" in data and "kind" not in data
