@@ -180,21 +180,16 @@ def test_a_gpu_profile_never_gets_the_cpu_development_engine_silently(tmp_path, 
         ("examples/llamacpp-cpu-draft.yaml", "llama-server-*/bin/llama-server"),
     ],
 )
-def test_cpu_profiles_still_find_the_development_engine(profile, pattern):
+def test_cpu_profiles_still_find_the_development_engine(profile, pattern, monkeypatch):
     dev = _dev(pattern)
     res = run("render", ROOT / profile, "--format", "json", env={"PATH": NO_ENGINES_PATH})
     assert res.code == 0, res.stderr
     assert json.loads(res.stdout)["argv"][0] == str(dev)
-    from specops.config.profile import load_profile as _load
     from specops.plugins import get_registry
 
-    loaded = _load(ROOT / profile)
-    saved = os.environ["PATH"]
-    os.environ["PATH"] = NO_ENGINES_PATH
-    try:
-        info = get_registry().backend(loaded.profile.backend).engine_info(loaded.profile)
-    finally:
-        os.environ["PATH"] = saved
+    loaded = load_profile(ROOT / profile)
+    monkeypatch.setenv("PATH", NO_ENGINES_PATH)
+    info = get_registry().backend(loaded.profile.backend).engine_info(loaded.profile)
     assert info.source.startswith("specops' CPU development engine, probed ")  # `up` prints where it came from
 
 
