@@ -31,6 +31,7 @@ COMMANDS = {
     "advise": "advise:advise",
     "bench": "bench:bench",
     "tune": "tune:tune",
+    "certify": "certify:certify",
     "engines": "engines:engines",
     "schema": "schema:schema",
     "plugins": "plugins:plugins",
