@@ -276,3 +276,82 @@ def test_prometheus_scrapes_specops_and_the_engine_with_the_contrib_config(tmp_p
             assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
             fired = prom.query('ALERTS{alertname="SpecopsFallback"}')
             assert fired and fired[0]["metric"]["to_method"] == "ngram"
+
+
+@pytest.mark.engines
+@pytest.mark.prometheus
+def test_a_real_fallback_fires_the_alert(tmp_path, tiny_models):
+    """The whole path: `specops up` on llama-server with a noisy draft (acceptance ≈ 0.5), traffic through
+    its proxy, a real Prometheus with the contrib config and rules: the fallback to n-gram fires
+    SpecopsFallback and SpecopsMethodChanged."""
+    from support_engines import need_llama_server
+    from support_prometheus import PrometheusServer
+    from support_up import UpRun, free_port, http_json, write_profile
+
+    need_llama_server()
+    port = free_port()
+    profile = write_profile(
+        tmp_path / "noisy.yaml",
+        {
+            "name": "noisy",
+            "backend": "llamacpp",
+            "model": {"id": str(tiny_models / "gguf-target.gguf"), "max_model_len": 1024},
+            "speculative": {
+                "method": "draft_model",
+                "draft": str(tiny_models / "gguf-draft-noisy.gguf"),
+                "num_speculative_tokens": 8,
+            },
+            "gpus": {"devices": []},
+            "server": {"port": port, "parallel": 2},
+            "fallback": {"window": "4s", "min_draft_tokens": 100, "consecutive_windows": 2, "chain": ["ngram", "none"]},
+            "monitor": {"interval": "500ms"},
+        },
+    )
+    config = yaml.safe_load(SCRAPE.read_text(encoding="utf-8"))
+    config["global"] = {"scrape_interval": "500ms", "scrape_timeout": "500ms", "evaluation_interval": "500ms"}
+    for job in config["scrape_configs"]:
+        job["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"]
+        job["static_configs"][0]["labels"] = {"deployment": "noisy"}
+    (tmp_path / "prom").mkdir()
+    shutil.copy(ALERTS, tmp_path / "prom" / "alerts.yml")  # beside the config: rule_files is relative to it
+
+    class ContribPrometheus(PrometheusServer):
+        def config_text(self) -> str:
+            return json.dumps(config, indent=2) + "\n"
+
+    stop = threading.Event()
+
+    def traffic():
+        i = 0
+        while not stop.is_set():
+            try:
+                http_json(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    {"prompt": f"the quick brown fox {i} jumps over", "max_tokens": 64, "temperature": 0},
+                    timeout=60,
+                )
+            except OSError:
+                time.sleep(0.2)
+            i += 1
+
+    with UpRun(profile, tmp_path / "state", "noisy") as up, ContribPrometheus(tmp_path / "prom", []) as prom:
+        up.wait_for(lambda st: st.get("state") == "ready", 60, "ready")
+        with NO_PROXY.open(prom.url + "/api/v1/rules", timeout=5) as resp:
+            assert json.load(resp)["data"]["groups"], "the rules did not load"
+        client = threading.Thread(target=traffic, daemon=True)
+        client.start()
+        try:
+            fired: dict = {}
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and len(fired) < 2:
+                for r in prom.query('ALERTS{alertstate="firing",deployment="noisy"}'):
+                    fired[r["metric"]["alertname"]] = r["metric"]
+                time.sleep(0.5)
+        finally:
+            stop.set()
+            client.join(70)
+        assert "SpecopsFallback" in fired, (fired, up.output())
+        fb = fired["SpecopsFallback"]
+        assert (fb["from_method"], fb["to_method"], fb["severity"]) == ("draft_model", "ngram", "warning")
+        assert "SpecopsMethodChanged" in fired
+        assert up.stop() == 0
