@@ -496,3 +496,20 @@ def test_grace_covers_drain_and_stop():
     p = load("llama33-70b-eagle3-tp4")
     assert p.proxy.drain_timeout == 120
     assert grace_seconds(p) == PRESTOP_SLEEP + math.ceil(120 + p.supervisor.stop_timeout) + GRACE_MARGIN
+
+
+def test_ray_is_asked_through_the_engines_interpreter(tmp_path, monkeypatch):
+    """specops lives in its own virtualenv: the leader counts Ray nodes with the interpreter of `ray`."""
+    import sys
+
+    from specops.k8s.pod import script_python
+
+    script = tmp_path / "ray"
+    script.write_text("#!/usr/lib/vllm-python/bin/python3\nimport ray\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert script_python("ray") == "/usr/lib/vllm-python/bin/python3"
+    script.write_text("#!/usr/bin/env python3\n")  # not a plain interpreter path: fall back to this one
+    assert script_python("ray") == sys.executable
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert script_python("ray") == sys.executable

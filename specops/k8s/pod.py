@@ -83,8 +83,28 @@ _RAY_NODES = (
 )
 
 
+def script_python(program: str) -> str:
+    """The interpreter of a console script on PATH (its shebang), else this one.
+
+    specops lives in a virtualenv of its own; ``ray`` is importable only by vLLM's interpreter.
+    """
+    import shutil
+
+    path = shutil.which(program)
+    if path:
+        try:
+            with open(path, "rb") as f:
+                first = f.readline(512).decode("utf-8", "replace").strip()
+        except OSError:
+            first = ""
+        if first.startswith("#!") and " " not in first[2:].strip():
+            return first[2:].strip()
+    return sys.executable
+
+
 def _ray_nodes() -> int:
-    done = subprocess.run([sys.executable, "-c", _RAY_NODES], capture_output=True, text=True, timeout=60)
+    python = script_python("ray")
+    done = subprocess.run([python, "-c", _RAY_NODES], capture_output=True, text=True, timeout=60)
     try:
         return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
     except (ValueError, IndexError):
