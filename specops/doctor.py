@@ -115,6 +115,14 @@ class _Context:
     profile_path: str | None = None
     loaded: Any = None
     gpus: list[dict] | None = None  # what nvidia-smi listed
+    _smi: tuple[list[dict] | None, str] | None = None
+
+    def nvidia(self) -> tuple[list[dict] | None, str]:
+        """nvidia-smi's answer, asked once."""
+        if self._smi is None:
+            self._smi = _nvidia_smi()
+        return self._smi
+
     hub_ok: bool = False
     resolved: Any = None  # the LoadedProfile after resolution
     resolution: Any = None
@@ -307,6 +315,8 @@ def _probed(label: str, backend, where: str, looked: list[str], probe_with) -> t
 
 
 def _profile_engine(ctx: _Context) -> Check:
+    from specops.backends.devengines import DEV_ENGINE
+
     p = ctx.loaded.profile
     backend = ctx.registry.backend(p.backend)
     label = "engine"
@@ -326,6 +336,13 @@ def _profile_engine(ctx: _Context) -> Check:
         return Check(label, ERROR, what, _fix_of(backend.install_hint))
     unpinned = p.model_copy(update={"engine": p.engine.model_copy(update={"version": None})}) if pinned else p
     check, info = _probed(label, backend, where, looked, unpinned)
+    if info is not None and looked[-1].startswith(DEV_ENGINE) and p.gpus.devices is None and ctx.nvidia()[0]:
+        check.level = WARNING
+        check.fix = (
+            "this machine has GPUs, but the profile leaves gpus.devices unset, so it counts as a CPU profile and "
+            "gets specops' CPU development engine: install the engine for your GPUs (or set engine.python / "
+            "engine.executable) and set gpus.devices"
+        )
     if info is None or not pinned:
         return check
     if not (p.engine.python or p.engine.executable):
@@ -402,7 +419,7 @@ def _nvidia_smi() -> tuple[list[dict] | None, str]:
 def _gpus(ctx: _Context) -> list[Check]:
     p = ctx.loaded.profile if ctx.loaded is not None else None
     devices = p.gpus.devices if p is not None else None
-    gpus, how = _nvidia_smi()
+    gpus, how = ctx.nvidia()
     ctx.gpus = gpus
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     details = []

@@ -124,6 +124,24 @@ def test_cpu_demo_profile_is_ready(env, tmp_path):
     assert [c["level"] for c in checks(rep, "state")] == ["ok"]
 
 
+def test_unset_devices_on_a_gpu_machine_do_not_quietly_get_the_cpu_engine(env, tmp_path):
+    """gpus.devices unset counts as a CPU profile: on a machine with GPUs, doctor says the engine it would get is
+    specops' CPU build."""
+    from specops.backends.devengines import dev_engines
+
+    if not dev_engines("vllm-*/bin/python"):
+        from conftest import unavailable
+
+        unavailable("no vLLM CPU venv in the engine cache (specops engines setup vllm)")
+    profile = ROOT / "examples" / "vllm-cpu-ngram.yaml"
+    _, rep, _ = doctor(profile, env=env)
+    assert one(rep, "engine")["level"] == "ok"  # no GPU here: the CPU engine is the right one
+    _, rep, _ = doctor(profile, env={**env, "PATH": fake_nvidia_smi(tmp_path, H100)})
+    engine = one(rep, "engine")
+    assert engine["level"] == "warning" and "specops' CPU development engine" in engine["details"][0]
+    assert engine["fix"].startswith("this machine has GPUs, but the profile leaves gpus.devices unset")
+
+
 def test_gpu_profile_on_a_machine_without_its_engine_and_gpu(env, tmp_path):
     """Pinned vLLM GPU profile, no vLLM installed, nvidia-smi lists GPU 0 only, the profile wants GPU 1."""
     path = gpu_profile(tmp_path, "[1]")
