@@ -820,3 +820,109 @@ def test_a_profile_with_per_batch_size_is_written_without_it_and_says_so(tmp_pat
     )
     assert "speculative.per_batch_size is set and overrides k for the batch sizes it lists" in out.notes[0]
     assert out.changes == ["speculative.num_speculative_tokens: 4"] and path.read_text() == vllm
+
+
+# ------------------------------------------------------------------------------------------- widening k
+
+
+def curve(peak: int, top: float = 200.0):
+    """A synthetic measurement: tokens/s rising by 10 per k up to ``peak``, then falling by 15 per k."""
+
+    def speed(k: int) -> float:
+        return top - 10 * (peak - k) if k <= peak else top - 15 * (k - peak)
+
+    return speed
+
+
+def widening_race(peak: int, grid=(1, 2, 4, 8), budget=1000.0, fail=()):
+    clock = Clock()
+    speed = curve(peak, top=200.0 + 10 * max(peak, 0))  # tokens/s > 0 from k = 1
+
+    class Speeds(dict):
+        def __missing__(self, label):  # any k the race asks for
+            return [speed(int(label.split("k=")[1]))] * 5
+
+    drv = FakeDriver(clock, Speeds(), fail=fail)
+    o = TuneOptions(budget_s=budget, levels=(1,), min_rounds=3, max_rounds=3, widen=True)
+    settings = [dm(k) for k in grid]
+    return asyncio.run(Tuner(settings, drv, o, current=settings[0], clock=clock).run()), drv
+
+
+def test_tune_widens_k_until_the_curve_turns_down():
+    # peak at 13 (330 tok/s): the grid's best is 8 (280, the edge); next k = 8 + 4 = 12 (320, still the edge),
+    # 12 + 6 = 18 (255 < 320: bracketed, the curve turned down)
+    res, drv = widening_race(13)
+    assert [s.k for s in drv.launched] == [1, 2, 4, 8, 12, 18]
+    assert res.winner.setting == dm(12)
+    [edge] = res.k_edges()
+    assert edge["best_k"] == 12 and edge["at_edge"] is None and edge["tried"] == [1, 2, 4, 8, 12, 18]
+    assert edge["why"].startswith("the curve turns down after k=12 (320.0 tok/s; next k: 255.0")
+
+
+def test_an_interior_best_is_not_widened():
+    res, drv = widening_race(3)
+    assert [s.k for s in drv.launched] == [1, 2, 4, 8]
+    assert res.winner.setting == dm(2)  # 220 tok/s: between 1 (210) and 4 (215)
+    assert res.k_edges()[0]["at_edge"] is None
+
+
+def test_widening_stops_at_the_cap_and_says_the_best_is_at_the_edge():
+    res, drv = widening_race(100)  # rises everywhere: 8 → 12 → 18 → 27 → 32 (the cap), still rising
+    assert [s.k for s in drv.launched] == [1, 2, 4, 8, 12, 18, 27, 32]
+    [edge] = res.k_edges()
+    assert edge["best_k"] == 32 and edge["at_edge"] == "high"
+    assert edge["why"] == "k=32 is the cap for draft_model (32): the curve may still rise past it"
+    assert res.to_dict()["k_range"] == [edge]
+
+
+def test_widening_below_the_smallest_k_when_it_is_best():
+    res, drv = widening_race(-5, grid=(4, 8))  # falls everywhere: 4 best → try 2 → try 1
+    assert [s.k for s in drv.launched] == [4, 8, 2, 1]
+    assert res.winner.setting == dm(1)
+
+
+def test_widening_that_runs_out_of_budget_says_so():
+    res, drv = widening_race(100, budget=14.0)  # each setting ≈ 1 + 0.1 + 3 × 0.5 + 0.2 = 2.8 s
+    [edge] = res.k_edges()
+    assert edge["at_edge"] == "high" and "the budget ran out" in edge["why"]
+
+
+def test_a_k_the_engine_refuses_ends_the_widening():
+    res, drv = widening_race(100, fail=("draft_model k=12",))
+    [edge] = res.k_edges()
+    assert edge["best_k"] == 8 and edge["at_edge"] == "high"
+    assert "k=12 could not be measured (failed: draft_model k=12 did not start)" in edge["why"]
+
+
+def test_the_reference_none_is_measured_for_the_surface_but_never_wins():
+    clock = Clock()
+    speeds = {"draft_model k=2": [50] * 5, "draft_model k=4": [60] * 5, "none": [90] * 5}
+    drv = FakeDriver(clock, speeds)
+    o = TuneOptions(budget_s=100.0, levels=(2, 1), min_rounds=3, max_rounds=3)
+    res = asyncio.run(Tuner([dm(2), dm(4)], drv, o, current=dm(2), clock=clock, reference=[Setting(Method.NONE)]).run())
+    assert drv.launched == [dm(2), dm(4), Setting(Method.NONE)]
+    assert res.winner.setting == dm(4)  # none measured 90 but is only the baseline
+    assert res.result_for(Setting(Method.NONE)).rounds(1) == 3  # not pruned: both levels
+    pts = {(p["method"], p["k"], p["concurrency"]): p["tokens_per_s"] for p in res.surface_points()}
+    assert pts[("none", 0, 2)] == 90 and pts[("draft_model", 4, 1)] == 60 and len(pts) == 6
+
+
+def test_write_back_records_the_surface_with_where_it_was_measured(tmp_path):
+    from specops.watch.goodput import load_surface
+
+    path = tmp_path / "chat.yaml"
+    path.write_text(LLAMA)
+    loaded = load_profile(path)
+    cur = current_setting(loaded.profile)
+    none = Setting(Method.NONE)
+    res = result_with({2: {cur: 100.0, none: 120.0}, 1: {cur: 80.0, none: 40.0}}, levels=(2, 1), current=cur)
+    res.reference_only = frozenset({none})
+    out = write_back(
+        loaded, loaded.profile, res, get_registry(), engine=engine_for(loaded), workload={}, date="2026-12-01"
+    )
+    assert out.record["chosen"]["label"] == cur.label  # none is faster at 2 but only the baseline
+    s = out.record["surface"]
+    assert (s["date"], s["backend"], s["levels"]) == ("2026-12-01", "llamacpp", [1, 2])
+    assert s["crossover"] == {cur.label: pytest.approx(1.68, abs=0.01)}  # 80 + 20t = 40 + 80t at t = 2/3
+    surface = load_surface(tune_record_path(path))
+    assert surface.tokens_per_s(Method.NONE, 0, 2) == 120.0

@@ -229,3 +229,88 @@ def test_duration_bound_run_stops_starting_requests(llama):
     assert len(res.requests) >= 2 and not res.errors
     assert max(r.start for r in res.requests) - min(r.start for r in res.requests) < 0.5 + 0.1
     assert json.dumps(res.summary())  # JSON-ready
+
+
+# ------------------------------------------------------------------------------------ fitting to the deployment
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def test_prompts_that_do_not_fit_are_trimmed_from_the_start_and_said():
+    from specops.perf.workload import fit_prompts
+
+    long = " ".join(f"w{i}" for i in range(300))  # 300 tokens by `words`
+    prompts = [Prompt(long, 64, 0.0, "code"), Prompt("short one", 64, 0.0, "code"), Prompt(long, 64, 0.7, "chat")]
+    fit = asyncio.run(fit_prompts(prompts, 256, words, counted_by="words"))
+    # room 256 − 8 = 248; with 64 output tokens a prompt gets at most 184
+    assert [words(p.text) + p.max_tokens <= 248 for p in fit.prompts] == [True, True, True]
+    assert fit.prompts[1] == prompts[1]
+    assert fit.prompts[0].text.endswith("w299") and not fit.prompts[0].text.startswith("w0 ")  # the end is kept
+    assert fit.prompts[2].temperature == 0.7
+    assert fit.notes == [
+        f"1 of 2 code prompt(s) trimmed from the start to fit 256 tokens per request with their max_tokens "
+        f"(tokens, counted by words: 300 → {words(fit.prompts[0].text)})",
+        f"1 of 1 chat prompt(s) trimmed from the start to fit 256 tokens per request with their max_tokens "
+        f"(tokens, counted by words: 300 → {words(fit.prompts[2].text)})",
+    ]
+
+
+def test_max_tokens_shrinks_only_when_it_alone_would_fill_the_context():
+    from specops.perf.workload import estimate_tokens, fit_prompts
+
+    fit = asyncio.run(fit_prompts([Prompt("def f():", 512, 0.0, "code")], 128))
+    # room 120; the output may take at most 75 % of it: 90
+    assert fit.prompts[0].max_tokens == 90 and fit.prompts[0].text == "def f():"
+    assert fit.notes == ["max_tokens of set code lowered to 90 to fit 128 tokens per request"]
+    assert estimate_tokens("x" * 25) == 11  # 2.5 characters per token, rounded up: more than a tokenizer gives
+    with pytest.raises(SpecopsError, match="no room"):
+        asyncio.run(fit_prompts([Prompt("x", 1)], 10))
+
+
+def test_fitting_asks_the_running_engine_for_its_context_and_its_tokenizer():
+    from aiohttp import web
+
+    from specops.perf.workload import fit_to_engine
+
+    async def main(style: str):
+        app = web.Application()
+
+        async def props(request):
+            if style == "llama":
+                return web.json_response({"default_generation_settings": {"n_ctx": 96}, "total_slots": 4})
+            return web.Response(status=404)
+
+        async def models(request):
+            return web.json_response({"data": [{"id": "m", "max_model_len": 96}]})
+
+        async def tokenize(request):
+            body = await request.json()
+            n = words(body["content"] if style == "llama" else body["prompt"])
+            return web.json_response({"tokens": list(range(n))} if style == "llama" else {"count": n, "tokens": []})
+
+        app.router.add_get("/props", props)
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/tokenize", tokenize)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+
+        class Eng:
+            base_url = f"http://127.0.0.1:{port}"
+            model_name = "m"
+            api_key = None
+
+        try:
+            return await fit_to_engine(Eng(), [Prompt(" ".join(["a"] * 100), 32, 0.0, "code")])
+        finally:
+            await runner.cleanup()
+
+    for style in ("llama", "vllm"):
+        fit = asyncio.run(main(style))
+        assert (fit.context, fit.counted_by) == (96, "the engine's /tokenize")
+        assert words(fit.prompts[0].text) + 32 <= 96 - 8  # 56 words at most
+        assert "counted by the engine's /tokenize: 100 → " in fit.notes[0]

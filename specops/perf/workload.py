@@ -496,3 +496,157 @@ async def warm_up(
     )
     if not res.ok:
         raise SpecopsError(f"warm-up requests to {engine.base_url} failed: {res.errors[0].error}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# fitting a workload to the deployment: each prompt and its max_tokens within the context one request gets
+
+#: Characters per token assumed when no tokenizer answers (low, so an estimate trims rather than overflows).
+CHARS_PER_TOKEN_ESTIMATE = 2.5
+#: Tokens kept free in each request's context (special tokens, the engine's own bookkeeping).
+CONTEXT_MARGIN = 8
+#: The output never gets less than this share of the context when max_tokens has to shrink.
+MIN_OUTPUT_SHARE = 0.25
+
+
+def estimate_tokens(text: str) -> int:
+    """A conservative token count without a tokenizer (more tokens than most tokenizers give)."""
+    return max(1, int(len(text) / CHARS_PER_TOKEN_ESTIMATE) + 1)
+
+
+@dataclass
+class Fit:
+    """What :func:`fit_prompts` did: the prompts, and one line per change (empty: everything fitted)."""
+
+    prompts: list[Prompt]
+    notes: list[str]
+    context: int
+    counted_by: str
+
+
+async def fit_prompts(
+    prompts: Sequence[Prompt],
+    context: int,
+    count: Callable[[str], Any] | None = None,
+    *,
+    counted_by: str = "an estimate",
+) -> Fit:
+    """Each prompt trimmed (its beginning dropped: continuations need the end) so that prompt + ``max_tokens``
+    fits ``context`` tokens (less :data:`CONTEXT_MARGIN`); ``max_tokens`` shrinks to fit first only when it alone
+    would take more than 1 − :data:`MIN_OUTPUT_SHARE` of the context. ``count(text)`` returns the token count
+    (a coroutine function or a plain one; None → the estimate). Raises SpecopsError when the context is too
+    small for any request."""
+    room = context - CONTEXT_MARGIN
+    if room < 8:
+        raise SpecopsError(f"{context} tokens per request leave no room for a prompt and an answer")
+
+    async def n_tokens(text: str) -> int:
+        if count is None:
+            return estimate_tokens(text)
+        got = count(text)
+        got = (await got) if asyncio.iscoroutine(got) else got
+        return estimate_tokens(text) if got is None else int(got)
+
+    out: list[Prompt] = []
+    trimmed: dict[str, list[tuple[int, int]]] = {}
+    capped: dict[str, int] = {}
+    for p in prompts:
+        max_tokens = min(p.max_tokens, max(1, int(room * (1 - MIN_OUTPUT_SHARE))))
+        if max_tokens < p.max_tokens:
+            capped[p.set] = max_tokens
+        n = await n_tokens(p.text)
+        text, before = p.text, n
+        while n + max_tokens > room and text:
+            keep = max(1, int(len(text) * (room - max_tokens) / n * 0.95))
+            text = text[-keep:] if keep < len(text) else text[1:]
+            n = await n_tokens(text)
+        if not text:
+            raise SpecopsError(f"a prompt of set {p.set} does not fit {context} tokens per request even when empty")
+        if text != p.text:
+            trimmed.setdefault(p.set, []).append((before, n))
+        out.append(Prompt(text, max_tokens, p.temperature, p.set))
+    notes = [f"max_tokens of set {s} lowered to {m} to fit {context} tokens per request" for s, m in capped.items()]
+    for s, pairs in trimmed.items():
+        total = sum(1 for p in prompts if p.set == s)
+        sizes = ", ".join(f"{a} → {b}" for a, b in pairs[:4]) + (", ..." if len(pairs) > 4 else "")
+        notes.append(
+            f"{len(pairs)} of {total} {s} prompt(s) trimmed from the start to fit {context} tokens per request "
+            f"with their max_tokens (tokens, counted by {counted_by}: {sizes})"
+        )
+    return Fit(out, notes, context, counted_by)
+
+
+async def engine_context(base_url: str, api_key: str | None = None, timeout: float = 5.0) -> int | None:
+    """The context one request gets, as the running engine reports it: ``/props`` (llama-server: the slot's
+    ``n_ctx``) or ``/v1/models`` (vLLM: ``max_model_len``); None when neither says."""
+    data = await _get_json(base_url, "/props", api_key, timeout)
+    if isinstance(data, dict):
+        gen = data.get("default_generation_settings")
+        n = gen.get("n_ctx") if isinstance(gen, dict) else None
+        if isinstance(n, int) and n > 0:
+            return n
+    data = await _get_json(base_url, "/v1/models", api_key, timeout)
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        for m in data["data"]:
+            n = m.get("max_model_len") if isinstance(m, dict) else None
+            if isinstance(n, int) and n > 0:
+                return n
+    return None
+
+
+def engine_tokenizer(base_url: str, model_name: str, api_key: str | None = None, timeout: float = 5.0):
+    """``count(text)``: tokens of ``text`` by the engine's own ``/tokenize`` endpoint (vLLM: ``count``;
+    llama-server: the ``tokens`` list), or None when it does not answer."""
+
+    async def count(text: str) -> int | None:
+        body = {"model": model_name, "prompt": text, "content": text}
+        data = await _post_json(base_url, "/tokenize", body, api_key, timeout)
+        if not isinstance(data, dict):
+            return None
+        if isinstance(data.get("count"), int):
+            return data["count"]
+        toks = data.get("tokens")
+        return len(toks) if isinstance(toks, list) else None
+
+    return count
+
+
+async def fit_to_engine(engine, prompts: Sequence[Prompt], fallback_context: int | None = None) -> Fit:
+    """:func:`fit_prompts` against a running engine (``base_url``, ``model_name``, ``api_key``): its reported
+    context per request (else ``fallback_context``) and its tokenizer (else the estimate)."""
+    context = await engine_context(engine.base_url, engine.api_key) or fallback_context
+    if context is None:
+        return Fit(list(prompts), [], 0, "")
+    count = engine_tokenizer(engine.base_url, engine.model_name, engine.api_key)
+    probe = await count(prompts[0].text) if prompts else None
+    if probe is None:
+        return await fit_prompts(prompts, context, None)
+    return await fit_prompts(prompts, context, count, counted_by="the engine's /tokenize")
+
+
+async def _get_json(base_url: str, path: str, api_key: str | None, timeout: float):
+    return await _request_json("GET", base_url, path, None, api_key, timeout)
+
+
+async def _post_json(base_url: str, path: str, body: dict, api_key: str | None, timeout: float):
+    return await _request_json("POST", base_url, path, body, api_key, timeout)
+
+
+async def _request_json(method: str, base_url: str, path: str, body, api_key: str | None, timeout: float):
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession(trust_env=False) as sess:
+            async with sess.request(
+                method,
+                base_url.rstrip("/") + path,
+                json=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                return await resp.json(content_type=None)
+    except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError):
+        return None

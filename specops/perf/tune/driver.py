@@ -49,8 +49,12 @@ class EngineDriver:
         log_path: Path | None = None,
         ready_timeout: float | None = None,
         extra_body: dict | None = None,
+        workload: dict | None = None,
     ):
         self.loaded, self.resolved, self.registry, self.engine = loaded, resolved, registry, engine
+        #: the workload's description (the record's ``workload``); gets ``fitted`` when prompts were trimmed
+        self.workload = workload
+        self.fitted = False
         self.extra_body = extra_body
         self.prompts = list(prompts)
         self.requests_per_round = requests_per_round
@@ -76,7 +80,20 @@ class EngineDriver:
             log_path=self.log_path,
             ready_timeout=self.ready_timeout,
         ) as eng:
+            if not self.fitted:
+                await self.fit(eng)
             yield _EngineSession(eng, self)
+
+    async def fit(self, eng) -> None:
+        """Fit the prompts to the context one request gets on the first engine (its tokenizer counts), once:
+        every setting then sees the same prompts."""
+        from specops.perf.workload import fit_to_engine
+
+        fit = await fit_to_engine(eng, self.prompts, fallback_context=self.resolved.model.max_model_len)
+        self.prompts, self.fitted = fit.prompts, True
+        if fit.notes and self.workload is not None:
+            self.workload["fitted"] = {"context_per_request": fit.context, "counted_by": fit.counted_by}
+            self.workload.setdefault("notes", []).extend(fit.notes)
 
 
 class _EngineSession:

@@ -52,6 +52,9 @@ class TunePlan:
     prompts: list
     workload: dict
     notes: list[str] = field(default_factory=list)
+    #: measured as the goodput surface's baseline only (``none`` when the sweep has no such setting)
+    reference: list[Setting] = field(default_factory=list)
+    widen: bool = False
 
 
 def prepare(loaded, registry, cfg: TuneConfig) -> TunePlan:
@@ -89,7 +92,14 @@ def prepare(loaded, registry, cfg: TuneConfig) -> TunePlan:
     levels = concurrency_levels(resolved, cfg.concurrency)
     prompts, workload = load_workload(cfg.workload, cfg.max_tokens)
     workload.update(requests_per_round=cfg.requests_per_round or "max(4, 2 x concurrency)", ignore_eos=cfg.ignore_eos)
-    return TunePlan(resolved, engine, current, choices, settings, levels, prompts, workload, notes)
+    reference = []
+    if Method.NONE in backend.methods and Setting(Method.NONE) not in settings:
+        reference.append(Setting(Method.NONE))
+        notes.append("none (no speculation) is measured last as the goodput surface's baseline; it is never written")
+    widen = not cfg.k_values and any(backend.k_applies(c.method) for c in choices)
+    if widen:
+        notes.append("k is widened past the grid while the best k is at its edge (the curve has not turned down)")
+    return TunePlan(resolved, engine, current, choices, settings, levels, prompts, workload, notes, reference, widen)
 
 
 def _check_options(cfg: TuneConfig, backend, choices: list[MethodChoice], notes: list[str]) -> None:
@@ -131,6 +141,7 @@ async def run_sweep(
         log_path=log_path,
         ready_timeout=cfg.ready_timeout,
         extra_body={"ignore_eos": True} if cfg.ignore_eos else None,
+        workload=plan.workload,
     )
     opts = TuneOptions(
         budget_s=cfg.budget_s,
@@ -139,8 +150,11 @@ async def run_sweep(
         max_rounds=cfg.max_rounds,
         margin=cfg.margin,
         prune=cfg.prune,
+        widen=plan.widen,
     )
-    return await Tuner(plan.settings, driver, opts, current=plan.current, on_event=on_event).run()
+    return await Tuner(
+        plan.settings, driver, opts, current=plan.current, on_event=on_event, reference=plan.reference
+    ).run()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import re
 import time
@@ -24,7 +25,7 @@ from specops.config.durations import format_duration
 from specops.errors import SpecopsError
 from specops.perf.stats import median
 from specops.perf.tune.results import LevelResult, Round, SettingResult, TuneResult
-from specops.perf.tune.settings import Setting
+from specops.perf.tune.settings import Setting, k_widen_cap, next_k
 
 #: Seconds one round takes before one was measured (only for the up-front budget check).
 ROUND_PRIOR_S = 1.0
@@ -72,6 +73,7 @@ class TuneOptions:
     max_rounds: int = 7
     margin: float = 0.05  # "clearly worse": even the best round is this far below the best median
     prune: bool = True  # False: every setting gets its rounds (an exhaustive sweep)
+    widen: bool = False  # past the planned settings, widen k while the best is at an edge (see Tuner.widen)
 
     def check(self) -> None:
         if self.min_rounds < 1 or self.max_rounds < self.min_rounds:
@@ -99,11 +101,14 @@ class Tuner:
         current: Setting,
         clock: Callable[[], float] = time.monotonic,
         on_event: Event | None = None,
+        reference: Sequence[Setting] = (),
     ):
         options.check()
         if not settings:
             raise SpecopsError("nothing to tune: the sweep is empty")
-        self.settings = list(settings)
+        #: measured after the sweep as the goodput surface's baseline (never pruned, never the winner)
+        self.reference = [r for r in reference if r not in settings]
+        self.settings = list(settings) + self.reference
         self.driver = driver
         self.o = options
         self.current = current
@@ -129,7 +134,12 @@ class Tuner:
         t0 = self.clock()
         deadline = t0 + self.o.budget_s
         result = TuneResult(
-            [SettingResult(s) for s in self.settings], self.o.levels, self.current, self.o.min_rounds, self.o.budget_s
+            [SettingResult(s) for s in self.settings],
+            self.o.levels,
+            self.current,
+            self.o.min_rounds,
+            self.o.budget_s,
+            reference_only=frozenset(self.reference),
         )
         self._refuse_a_small_budget()
         n = len(self.settings)
@@ -145,9 +155,67 @@ class Tuner:
             await self._measure(res, rounds, deadline, result)
             self.emit("done", index=i, total=n, result=res)
             self._stop_early_if_hopeless(i, res, result)
+        if self.o.widen:
+            await self.widen(result, deadline)
         result.elapsed_s = self.clock() - t0
         self._refuse_an_empty_result(result)
         return result
+
+    async def widen(self, result: TuneResult, deadline: float) -> None:
+        """While a method's best k is the largest (or, above 1, the smallest) k measured, measure the next k
+        past it (:func:`~specops.perf.tune.settings.next_k`), up to the method's cap and within the budget;
+        ``result.widening`` says per method where and why the range ended."""
+        while True:
+            todo: list[Setting] = []
+            for method in dict.fromkeys(r.setting.method for r in result.results if r.setting.k is not None):
+                nxt = self._next_setting(result, method)
+                if nxt is not None:
+                    todo.append(nxt)
+            if not todo:
+                return
+            if deadline - self.clock() < self.min_cost():
+                for st in todo:
+                    best = max(result.k_curve(st.method), key=lambda kv: kv[1])[0]
+                    result.widening[st.method.value] = (
+                        f"the budget ran out while the best was k={best}, at the edge of what was tried "
+                        f"(next: k={st.k})"
+                    )
+                return
+            for st in todo:
+                res = SettingResult(st)
+                result.results.append(res)
+                self.emit("setting", index=len(result.results) - 1, total=len(result.results), setting=st, rounds=0)
+                await self._measure(res, self._rounds_for(deadline - self.clock()), deadline, result)
+                self.emit("done", index=len(result.results) - 1, total=len(result.results), result=res)
+
+    def _next_setting(self, result: TuneResult, method) -> Setting | None:
+        """The next setting to widen ``method``'s k range to, or None (with the reason in ``result.widening``)."""
+        curve = result.k_curve(method)
+        if not curve:
+            return None
+        ks = [k for k, _ in curve]
+        best_k = max(curve, key=lambda kv: kv[1])[0]
+        cap = k_widen_cap(method)
+        k = next_k(ks, best_k, cap)
+        if k is None:
+            if best_k == max(ks) and best_k >= cap:
+                why = f"k={best_k} is the cap for {method.value} ({cap}): the curve may still rise past it"
+            elif best_k == max(ks):
+                why = f"k={best_k} is the only k measured"
+            else:
+                after = next(v for kk, v in curve if kk > best_k)
+                why = f"the curve turns down after k={best_k} ({dict(curve)[best_k]:.1f} tok/s; next k: {after:.1f})"
+            result.widening[method.value] = why
+            return None
+        template = next(r.setting for r in result.eligible() if r.setting.method is method and r.setting.k == best_k)
+        candidate = dataclasses.replace(template, k=k)
+        tried = result.result_for(candidate)
+        if tried is not None:  # measured before and not eligible: it failed or was skipped
+            result.widening[method.value] = (
+                f"the best is k={best_k}, at the edge: k={k} could not be measured ({tried.status}: {tried.reason})"
+            )
+            return None
+        return candidate
 
     def _rounds_for(self, share: float) -> int:
         """Rounds per level for a setting given ``share`` seconds of the budget (within min/max rounds)."""
@@ -289,7 +357,8 @@ class Tuner:
                 rounds=rounds,
                 tokens_per_s=rnd.tokens_per_s,
             )
-            why = self._clearly_worse(lr, best)
+            # the surface's baseline is measured in full, never pruned
+            why = None if res.setting in self.reference else self._clearly_worse(lr, best)
             if why:
                 res.status, res.reason = "pruned", why
                 return

@@ -139,20 +139,93 @@ class TuneResult:
     min_rounds: int
     budget_s: float
     elapsed_s: float = 0.0
+    #: settings measured only as the surface's baseline (``none`` when it was not asked for): never the winner
+    reference_only: frozenset = frozenset()
+    #: per method, why the k range ended where it did (filled by the race's widening)
+    widening: dict = field(default_factory=dict)
 
     @property
     def primary(self) -> int:
         return self.levels[0]
 
-    def eligible(self, level: int | None = None) -> list[SettingResult]:
-        """Results with at least ``min_rounds`` rounds at ``level`` (and not failed), best median first."""
+    def eligible(self, level: int | None = None, *, reference: bool = False) -> list[SettingResult]:
+        """Results with at least ``min_rounds`` rounds at ``level`` (and not failed), best median first
+        (``reference``: with the settings measured only as the surface's baseline)."""
         level = self.primary if level is None else level
-        ok = [r for r in self.results if r.status in ("measured", "pruned") and r.rounds(level) >= self.min_rounds]
+        ok = [
+            r
+            for r in self.results
+            if r.status in ("measured", "pruned")
+            and r.rounds(level) >= self.min_rounds
+            and (reference or r.setting not in self.reference_only)
+        ]
         return sorted(ok, key=lambda r: -(r.median(level) or 0.0))
 
-    def best_at(self, level: int) -> SettingResult | None:
-        ranked = self.eligible(level)
+    def best_at(self, level: int, *, reference: bool = False) -> SettingResult | None:
+        ranked = self.eligible(level, reference=reference)
         return ranked[0] if ranked else None
+
+    # ---- the k range: bracketed or at its edge
+    def k_curve(self, method: Method) -> list[tuple[int, float]]:
+        """(k, best median at the primary level over the method's settings with that k), by k."""
+        best: dict[int, float] = {}
+        for r in self.eligible():
+            if r.setting.method is method and r.setting.k is not None:
+                best[r.setting.k] = max(best.get(r.setting.k, 0.0), r.median(self.primary) or 0.0)
+        return sorted(best.items())
+
+    def k_edges(self) -> list[dict]:
+        """Per method that takes k: the best k, the ks tried, and whether the best is at an edge of them
+        (the optimum is then not bracketed: the curve may keep rising past it), with the widening's why."""
+        out = []
+        for method in dict.fromkeys(r.setting.method for r in self.results if r.setting.k is not None):
+            curve = self.k_curve(method)
+            if not curve:
+                continue
+            ks = [k for k, _ in curve]
+            best_k = max(curve, key=lambda kv: kv[1])[0]
+            edge = None
+            if len(ks) == 1:
+                edge = "only"
+            elif best_k == ks[-1]:
+                edge = "high"
+            elif best_k == ks[0] and best_k > 1:
+                edge = "low"
+            out.append(
+                {
+                    "method": method.value,
+                    "best_k": best_k,
+                    "tried": ks,
+                    "at_edge": edge,
+                    "why": self.widening.get(method.value, ""),
+                }
+            )
+        return out
+
+    # ---- the goodput surface
+    def surface_points(self) -> list[dict]:
+        """Every measured (method, k) at every level with ``min_rounds`` rounds: the median tokens/s and mean
+        acceptance length (``none`` as k 0; settings without a k, such as llama.cpp n-gram types, are left out;
+        of several settings with one method and k, e.g. n-gram min/max pairs, the best)."""
+        best: dict[tuple[str, int, int], dict] = {}
+        for r in self.results:
+            st = r.setting
+            if st.method is not Method.NONE and st.k is None:
+                continue
+            k = 0 if st.method is Method.NONE else st.k
+            for c, lr in r.levels.items():
+                if len(lr.rounds) < self.min_rounds or lr.median is None:
+                    continue
+                key = (st.method.value, k, c)
+                if key not in best or lr.median > best[key]["tokens_per_s"]:
+                    best[key] = {
+                        "method": st.method.value,
+                        "k": k,
+                        "concurrency": c,
+                        "tokens_per_s": round(lr.median, 3),
+                        "mean_acceptance_length": rounded(lr.mean_acceptance_length),
+                    }
+        return [best[key] for key in sorted(best)]
 
     @property
     def winner(self) -> SettingResult | None:
@@ -180,7 +253,7 @@ class TuneResult:
         if len(self.levels) < 2 or not backend_of(backend).takes_per_batch_size(engine_version):
             return None
         levels = sorted(self.levels)
-        best = {c: self.best_at(c) for c in levels}
+        best = {c: self.best_at(c, reference=True) for c in levels}  # none (k 0) counts where it wins
         method = _one_method(best)
         if method is None:
             return None
@@ -208,6 +281,8 @@ class TuneResult:
             "best_per_concurrency": {
                 str(c): (b.setting.label if (b := self.best_at(c)) else None) for c in self.levels
             },
+            "reference_only": [s.label for s in self.reference_only],
+            "k_range": self.k_edges(),
             "results": [r.to_dict() for r in self.results],
         }
 

@@ -29,6 +29,26 @@ K_GRID = {
 }
 
 
+#: How far ``specops tune`` widens k past the grid while the curve still rises (a stated cap), per method.
+K_WIDEN_CAP = {Method.MTP: 8, Method.MLP_SPECULATOR: 8, Method.MEDUSA: 8, Method.DFLASH: 16, Method.DSPARK: 16}
+DEFAULT_K_WIDEN_CAP = 32
+
+
+def k_widen_cap(method: Method) -> int:
+    return K_WIDEN_CAP.get(method, DEFAULT_K_WIDEN_CAP)
+
+
+def next_k(tried: Sequence[int], best_k: int, cap: int) -> int | None:
+    """The next k to try when ``best_k`` is at an edge of ``tried``: half as much again above the largest
+    (at most ``cap``), or half the smallest below it; None when the best is bracketed (or at the cap / 1)."""
+    hi, lo = max(tried), min(tried)
+    if best_k == hi and hi < cap:
+        return min(cap, hi + max(1, hi // 2))
+    if best_k == lo and lo > 1 and len(tried) > 1:
+        return max(1, lo // 2)
+    return None
+
+
 def backend_of(backend):
     """The backend object for ``backend`` (a name, looked up in the plugin registry, or the object itself)."""
     if isinstance(backend, str):

@@ -32,6 +32,8 @@ __all__ = [
     "WriteOutcome",
     "base_data_of",
     "build_record",
+    "draft_sha",
+    "surface_record",
     "edit_yaml",
     "tune_plot_path",
     "tune_record_path",
@@ -98,6 +100,7 @@ def build_record(
     per_batch: dict | None,
     written_to: str,
     written: Setting | None = None,
+    surface: dict | None = None,
 ) -> dict:
     from specops import __version__
 
@@ -118,7 +121,47 @@ def build_record(
         "changes": format_changes(changes),
         "per_batch_size_proposal": per_batch,
         **result.to_dict(),
+        "surface": surface,
     }
+
+
+#: Local draft files up to this size get a sha256 in the surface's record (bigger ones: their size and mtime).
+DRAFT_HASH_LIMIT = 256 * 1024 * 1024
+
+
+def draft_sha(profile) -> str | None:
+    """What identifies the draft the surface was measured with: its pinned Hub revision, else the sha256 of a
+    local draft file (up to :data:`DRAFT_HASH_LIMIT`); None without a draft."""
+    spec = profile.speculative
+    if spec.draft_revision:
+        return spec.draft_revision
+    if not spec.draft or spec.method not in NEEDS_DRAFT:
+        return None
+    p = Path(spec.draft)
+    if not p.is_file():
+        return None
+    import hashlib
+
+    st = p.stat()
+    if st.st_size > DRAFT_HASH_LIMIT:
+        return f"size {st.st_size}, mtime {int(st.st_mtime)}"
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def surface_record(result: TuneResult, *, backend: str, engine_version: str | None, date: str, draft: str | None):
+    """The goodput surface of ``result`` (:class:`specops.watch.goodput.Surface` as a dict, with its crossovers and
+    where it was measured), or None when nothing reached ``min_rounds``."""
+    from specops.watch.goodput import Surface
+
+    points = result.surface_points()
+    if not points:
+        return None
+    meta = {"date": date, "backend": backend, "engine_version": engine_version, "draft_sha": draft}
+    return Surface.from_dict({"points": points, **meta}).to_dict()
 
 
 def write_back(
@@ -143,7 +186,7 @@ def write_back(
     path = Path(loaded.path)
     if result.winner is None:
         raise SpecopsError("no setting was measured; nothing to write")
-    notes: list[str] = []
+    notes: list[str] = list(workload.get("notes", []))  # what fitting the workload to the deployment changed
     pbs = per_batch["value"] if (per_batch and apply_per_batch) else None
     written = _setting_to_write(result, per_batch, pbs, notes)
     changes = desired_changes(loaded.profile, resolved_profile, written, per_batch_size=pbs)
@@ -166,6 +209,13 @@ def write_back(
         per_batch=per_batch,
         written_to=path.name,
         written=written,
+        surface=surface_record(
+            result,
+            backend=loaded.profile.backend,
+            engine_version=getattr(engine, "version", None),
+            date=date,
+            draft=draft_sha(resolved_profile),
+        ),
     )
     old_record, new_record_text = _record_texts(record_path, lock, new_loaded.profile, record)
     out = WriteOutcome(
