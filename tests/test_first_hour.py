@@ -298,3 +298,17 @@ def test_status_verdict_in_model_mode_names_the_predicted_speedup(tmp_path):
     out, row = _state_after(tmp_path, [_window(0.1, 20.0)], fallback=", mode: model, draft_cost_ratio: 0.5")
     assert _line(out, "verdict") == "verdict    predicted speedup below 1: 1 of 2 windows (falls back after 2)"
     assert row["last_verdict"]["predicted_speedup"] < 1
+
+
+@pytest.mark.parametrize(
+    ("backend", "setting", "expected"),
+    [
+        ("vllm", "python", "cannot run /nonexistent/bin/python to find vLLM (no such file): point engine.python"),
+        ("llamacpp", "executable", "llama-server not found at /nonexistent/bin/python: fix engine.executable"),
+    ],
+)
+def test_an_engine_setting_that_points_nowhere_says_which_setting_to_fix(tmp_path, backend, setting, expected):
+    path = _gpu_profile(tmp_path, backend, f"engine: {{{setting}: /nonexistent/bin/python}}\n")
+    res = run("render", path)
+    assert res.code == 1 and "Traceback" not in res.stderr
+    assert res.stderr.startswith(f"error: {expected}")

@@ -384,7 +384,10 @@ def probe_llama_server(exe: str) -> EngineInfo:
                 [exe, flag], capture_output=True, text=True, timeout=30, env={**os.environ, "LLAMA_LOG_COLORS": "0"}
             )
         except FileNotFoundError:
-            raise SpecopsError(f"llama-server not found at {exe}") from None
+            raise SpecopsError(
+                f"llama-server not found at {exe}: fix engine.executable, or unset it to search PATH "
+                "(and, for CPU profiles, specops' engine cache)"
+            ) from None
         except PermissionError:
             raise SpecopsError(f"{exe} is not executable") from None
         except subprocess.TimeoutExpired:

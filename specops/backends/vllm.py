@@ -441,8 +441,12 @@ def probe_vllm(python: str, script: str | None = None) -> EngineInfo:
     """
     try:
         res = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60)
-    except (FileNotFoundError, PermissionError):
-        raise SpecopsError(f"cannot run {python} to find vLLM") from None
+    except (FileNotFoundError, PermissionError) as exc:
+        why = "no such file" if isinstance(exc, FileNotFoundError) else "permission denied"
+        raise SpecopsError(
+            f"cannot run {python} to find vLLM ({why}): point engine.python at a Python or virtualenv that has "
+            "vLLM (or engine.executable at its `vllm` script, whose #! line names the Python)"
+        ) from None
     except subprocess.TimeoutExpired:
         raise SpecopsError(f"{python} did not answer within 60 s") from None
     try:
