@@ -187,8 +187,10 @@ def flap_guard_decision():
     t = 0.0
     for _ in range(40):
         t += 60.0
-        d = p.observe(WindowStats(OK, window_s=60.0, start=t - 60, end=t, acceptance=0.3, draft_tokens=1000,
-                                  accepted=300, full=True, reason="test"), t)  # fmt: skip
+        low = WindowStats(
+            OK, window_s=60.0, start=t - 60, end=t, acceptance=0.3, draft_tokens=1000, accepted=300, full=True
+        )
+        d = p.observe(low, t)
         if d.acts:
             p.on_switched(d.to_index, t)
         elif d.action is not KEEP:
