@@ -170,6 +170,8 @@ class _Bench:
         self.cells: list[dict] = []
         self.launches: list[dict] = []
         self.per_engine_requests = sum((cfg.requests_for(c) or 0) for c in self.levels) * len(self.sets)
+        self.fitted = False
+        self.fit_notes: list[str] = []
 
     def grid(self) -> list[tuple[str, int]]:
         """Every (prompt set, concurrency) cell of a round, in the order they run."""
@@ -219,8 +221,23 @@ class _Bench:
             log_path=log_path,
         )
 
+    async def fit(self, eng) -> None:
+        """Fit every prompt set to the context one request gets on the first engine (its own tokenizer counts),
+        once, so both modes and every round send the same prompts; say what was trimmed."""
+        from specops.perf.workload import fit_to_engine
+
+        self.fitted = True
+        for name, prompts in self.sets.items():
+            fit = await fit_to_engine(eng, prompts, fallback_context=self.profiles[SPEC].model.max_model_len)
+            self.sets[name] = fit.prompts
+            for note in fit.notes:
+                self.say(note)
+                self.fit_notes.append(note)
+
     async def ready(self, eng, mode: str, rnd: int) -> None:
         self.say(f"ready in {eng.ready_s:.1f}s on {eng.base_url}")
+        if not self.fitted:
+            await self.fit(eng)
         self.launches.append(
             {
                 "mode": mode,
@@ -280,6 +297,7 @@ class _Bench:
                 "step": cfg.step_index,
                 "interleave": cfg.interleave,
                 "draft_cost_ratio": _draft_cost(cfg, spec),
+                "fitted": self.fit_notes,
             },
             "launches": self.launches,
         }
