@@ -378,3 +378,22 @@ def test_text_output_names_each_check_with_its_fix_and_counts(env, tmp_path):
     assert lines[state + 1].strip() == f"fix: `chmod 700 {env['SPECOPS_STATE']}`"
     n_err = sum(line.split()[0] == "error" for line in lines[1:-1] if line.startswith("  ") and line.split())
     assert lines[-1].startswith(f"{n_err} error") and res.code == (1 if n_err else 0)
+
+
+def test_a_check_that_breaks_is_an_error_row_not_a_traceback(env, monkeypatch):
+    from specops.doctor import run_doctor
+    from specops.plugins import get_registry
+
+    registry = get_registry()
+
+    def broken(profile):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(registry.backends["vllm"], "search", broken)
+    for k, v in env.items():
+        monkeypatch.delenv(k, raising=False) if v is None else monkeypatch.setenv(k, v)
+    report = run_doctor(None, offline=True, registry=registry)
+    broke = [c for c in report.checks if c.name == "engine"]
+    assert [c.summary for c in broke] == ["doctor could not check this: RuntimeError: disk on fire"]
+    assert not report.ok and report.to_dict()["errors"] >= 1
+    assert [c.name for c in report.checks][-1] == "hf-token"  # the checks after it still ran

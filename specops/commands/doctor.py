@@ -10,7 +10,7 @@ from specops.commands._common import echo_json, json_option
 @click.command()
 @click.argument("profile", required=False, type=click.Path(dir_okay=False, path_type=str))
 @click.option(
-    "--offline", is_flag=True, help="Do not ask the Hub (as HF_HUB_OFFLINE=1); resolve from the lock and caches."
+    "--offline", is_flag=True, help="Do not ask the Hub; resolve from the lock file, the HF cache and the catalog."
 )
 @json_option
 def doctor(profile, offline, as_json):
