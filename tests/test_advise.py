@@ -347,3 +347,53 @@ def test_live_from_prometheus_scraping_llama_server(tmp_path):
         assert acc["given"] == "mean_length" and acc["measured_k"] == 4 and out["backend"] == "llamacpp"
         assert 0.9 <= acc["acceptance_rate"] <= 1.0 and acc["draft_tokens"] > 0
         assert run.stop() == 0
+
+
+# ------------------------------------------------------------------------------------ a measured surface
+
+SURFACE = {
+    "date": "2026-12-01",
+    "engine_version": "0.32.0",
+    "points": [
+        {"method": "none", "k": 0, "concurrency": 1, "tokens_per_s": 40},
+        {"method": "none", "k": 0, "concurrency": 2, "tokens_per_s": 120},
+        {"method": "draft_model", "k": 4, "concurrency": 1, "tokens_per_s": 80},
+        {"method": "draft_model", "k": 4, "concurrency": 2, "tokens_per_s": 100},
+    ],
+}
+
+
+def test_advise_prints_the_measured_crossover_of_a_recorded_surface(tmp_path):
+    prof = tmp_path / "p.yaml"
+    prof.write_text(
+        "name: p\nbackend: vllm\nmodel: {id: a/b}\nspeculative: {method: draft_model, draft: c/d}\n"
+        "server: {parallel: 2}\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "p.tune.json").write_text(json.dumps({"surface": SURFACE}), encoding="utf-8")
+    out = cli(str(prof), "--alpha", "0.8").stdout
+    # 80 + 20t = 40 + 80t at t = 2/3 (log2 c); the first 1/8-octave grid point past it: 2^0.75 = 1.68
+    assert (
+        "note: draft_model k=4 stops beating no speculation at concurrency 1.68 "
+        "(measured 2026-12-01 on 0.32.0, concurrency 1, 2)" in out
+    )
+    data = json.loads(cli(str(prof), "--alpha", "0.8", "--json").stdout)
+    assert data["crossover"] == {"draft_model k=4": 1.68}
+    # vLLM takes a k per batch size: the schedule comes from the measurements (k 0 at 2, where none wins)
+    assert data["per_batch_size"] == [[1, 1, 4], [2, 2, 0]]
+    (tmp_path / "p.tune.json").write_text("{}", encoding="utf-8")
+    assert json.loads(cli(str(prof), "--alpha", "0.8", "--json").stdout)["crossover"] is None
+
+
+def test_a_surface_where_speculation_always_wins_or_never_does():
+    from specops.watch.goodput import Surface
+
+    s = Surface.from_dict(SURFACE)
+    adv = A.advise(A.from_alpha(0.8), k=4, backend="llamacpp", surface=s)
+    assert "stops beating no speculation at concurrency 1.68" in " ".join(adv.notes)
+    never = Surface.from_dict({"points": [{**p, "tokens_per_s": 10} if p["k"] else p for p in SURFACE["points"]]})
+    adv = A.advise(A.from_alpha(0.8), k=4, backend="llamacpp", surface=never)
+    assert any("does not beat no speculation even at concurrency 1" in n for n in adv.notes)
+    always = Surface.from_dict({"points": [{**p, "tokens_per_s": 500} if p["k"] else p for p in SURFACE["points"]]})
+    adv = A.advise(A.from_alpha(0.8), k=4, backend="llamacpp", surface=always)
+    assert any("beats no speculation at every measured concurrency up to 2" in n for n in adv.notes)

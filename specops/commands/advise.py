@@ -144,7 +144,9 @@ def advise(
         from specops.perf.advise import DEFAULT_K
 
         k = profile_k or acc.measured_k or DEFAULT_K
-    _print_advice(acc, prof, backend, k, c, batch_size, k_max, as_json)
+    from specops.perf.advise import find_surface
+
+    _print_advice(acc, prof, backend, k, c, batch_size, k_max, as_json, find_surface(profile, prof))
 
 
 def _sources_given(
@@ -242,8 +244,10 @@ def _print_advice(
     batch_size: int | None,
     k_max: int,
     as_json: bool,
+    surface=None,
 ) -> None:
-    """The advice for ``acc`` at ``k``; c and the concurrency default to the profile's."""
+    """The advice for ``acc`` at ``k``; c and the concurrency default to the profile's; ``surface``: the profile's
+    measured goodput surface (its crossovers are printed)."""
     from specops.perf import advise as adv_mod
     from specops.speedup import DEFAULT_DRAFT_COST
 
@@ -259,6 +263,7 @@ def _print_advice(
         backend=backend,
         max_batch=prof.server.parallel if prof is not None else None,
         min_acceptance=prof.fallback.min_acceptance if prof is not None else None,
+        surface=surface,
     )
     if as_json:
         echo_json(advice.to_dict())

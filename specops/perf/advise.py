@@ -22,6 +22,7 @@ caveat and, for vLLM, a ``num_speculative_tokens_per_batch_size`` schedule to st
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -178,6 +179,9 @@ class Advice:
     batch_caveat: str = ""
     per_batch_size: list[list[int]] | None = None
     notes: list[str] = field(default_factory=list)
+    #: from a measured goodput surface (``specops tune``): where each option stops beating no speculation
+    crossover: dict[str, float | None] | None = None
+    surface: dict | None = None  # where the surface was measured (date, engine version, draft sha, levels)
 
     @property
     def alpha(self) -> float:
@@ -207,6 +211,8 @@ class Advice:
             "batch_caveat": self.batch_caveat,
             "per_batch_size": self.per_batch_size,
             "notes": self.notes,
+            "crossover": self.crossover,
+            "surface": self.surface,
         }
 
 
@@ -244,13 +250,16 @@ def advise(
     backend: str | None = None,
     max_batch: int | None = None,
     min_acceptance: float | None = None,
+    surface=None,
 ) -> Advice:
     """The model's answer for ``acc`` at ``k`` draft tokens with draft cost ratio ``c``.
 
     ``max_batch`` is the most concurrent sequences the deployment serves (profile ``server.parallel``);
     with ``batch_size`` it decides whether the batch caveat comes with a per-batch-size schedule.
     ``min_acceptance`` (the profile's fallback threshold, on the acceptance *rate*) adds a note when
-    the threshold watcher would act against the model.
+    the threshold watcher would act against the model. ``surface`` (a measured
+    :class:`specops.watch.goodput.Surface`) adds the measured crossover concurrency of every option and, for
+    engines that take it, a per-batch-size schedule rendered from the measurements instead of the published shape.
     """
     k = _check_k(k)
     c = _check_settings(k_max, c, batch_size)
@@ -258,7 +267,67 @@ def advise(
     _model_numbers(adv)
     _warnings(adv, min_acceptance)
     _batch_advice(adv, max_batch)
+    if surface is not None:
+        _surface_advice(adv, surface, max_batch)
     return adv
+
+
+def _surface_advice(adv: Advice, surface, max_batch: int | None) -> None:
+    """The measured crossovers, and the schedule from the measured surface (replacing the published shape)."""
+    from specops.methods import Method
+    from specops.watch.goodput import per_batch_schedule
+
+    adv.crossover = surface.crossovers()
+    adv.surface = {
+        **{k: surface.meta.get(k) for k in ("date", "backend", "engine_version", "draft_sha")},
+        "levels": surface.levels(),
+    }
+    where = (
+        f"measured {surface.meta.get('date') or '(undated)'} on {surface.meta.get('engine_version') or 'the engine'}, "
+        f"concurrency {', '.join(map(str, surface.levels()))}"
+    )
+    top = max(surface.levels())
+    for label, c in adv.crossover.items():
+        if c is None:
+            adv.notes.append(f"{label} beats no speculation at every measured concurrency up to {top} ({where})")
+        elif c <= 1:
+            adv.notes.append(f"{label} does not beat no speculation even at concurrency 1 ({where})")
+        else:
+            adv.notes.append(f"{label} stops beating no speculation at concurrency {c:g} ({where})")
+    be = _backend(adv.backend)
+    methods = [m for m, _ in surface.options() if m is not Method.NONE]
+    if be is not None and be.takes_per_batch_size(None) and methods:
+        method = methods[0]
+        adv.per_batch_size = per_batch_schedule(surface, method, max_batch=max_batch or top)
+        adv.notes.append(
+            f"speculative.per_batch_size from the measured surface ({method.value}): {adv.per_batch_size} "
+            "(k 0 where no speculation was faster)"
+        )
+
+
+def find_surface(profile_path: str | None, profile=None):
+    """The goodput surface recorded for a profile: ``fallback.goodput.surface``, else ``<profile>.tune.json``,
+    else the lock file's ``tune`` entry; None when none holds one (a broken file raises SpecopsError)."""
+    from pathlib import Path
+
+    from specops.watch.goodput import Surface, load_surface
+
+    named = getattr(getattr(getattr(profile, "fallback", None), "goodput", None), "surface", None)
+    if named:
+        return load_surface(named)
+    if not profile_path:
+        return None
+    p = Path(profile_path)
+    for candidate in (p.with_name(p.stem + ".tune.json"), p.with_name(p.stem + ".lock.json")):
+        if candidate.is_file():
+            try:
+                record = json.loads(candidate.read_text(encoding="utf-8"))
+                found = Surface.from_record(record) if isinstance(record, dict) else None
+            except ValueError as exc:
+                raise SpecopsError(f"{candidate}: {exc}") from None
+            if found is not None:
+                return found
+    return None
 
 
 def _check_settings(k_max: int, c: float, batch_size: int) -> float:
