@@ -260,7 +260,7 @@ def _engines(ctx: _Context) -> list[Check]:
         else:
             found_any = True
             out.append(_probed(label, backend, where, looked, _with_program(name, Path(where)))[0])
-    for name, pattern in (("vllm", "vllm-*/bin/python"), ("llamacpp", "llama-server-*/bin/llama-server")):
+    for name, pattern in (("llamacpp", "llama-server-*/bin/llama-server"), ("vllm", "vllm-*/bin/python")):
         backend = ctx.registry.backends.get(name)
         for program in dev_engines(pattern) if backend is not None else []:
             try:
