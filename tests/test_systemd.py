@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shlex
 import shutil
 import stat
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import unavailable
-from support_cli import ROOT, run
+from support_cli import ROOT, ready_made_profiles, run
 
 from specops.config.durations import parse_duration
 
@@ -158,6 +159,22 @@ def test_a_unit_that_would_hold_a_secret_value_is_refused(tmp_path):
     assert secret not in res.stderr
 
 
+@pytest.mark.parametrize(
+    ("model", "spec"),
+    [("./models/target.gguf", "{method: ngram}"), ("/models/target.gguf", "{method: draft_model, draft: d.gguf}")],
+)
+def test_relative_model_paths_are_refused(tmp_path, model, spec):
+    """The service runs in /, where a path relative to the shell's folder finds nothing."""
+    path = tmp_path / "relative.yaml"
+    path.write_text(
+        f"name: relative\nbackend: llamacpp\nmodel: {{id: {model}}}\nspeculative: {spec}\ngpus: {{devices: []}}\n",
+        encoding="utf-8",
+    )
+    res = run("systemd", path)
+    assert res.code == 1 and "relative path" in res.stderr and "runs in /" in res.stderr
+    assert res.stdout == ""
+
+
 def test_a_missing_variable_is_the_profiles_located_error(tmp_path):
     path = write_profile(tmp_path, "unset", "server: {api_key: '${SPECOPS_T_UNSET_KEY}'}\n")
     res = run("systemd", path, env={"SPECOPS_T_UNSET_KEY": None})
@@ -239,3 +256,20 @@ def test_systemd_analyze_catches_a_broken_unit(tmp_path):
     res = run("systemd", "examples/llamacpp-cpu-draft.yaml", "--specops", "/nonexistent/bin/specops", "-o", out)
     assert res.code == 0, res.stderr
     assert verify(out).returncode != 0
+
+
+@pytest.mark.parametrize("profile", ready_made_profiles() + sorted((ROOT / "examples").glob("*.yaml")), ids=str)
+def test_every_shipped_profile_gets_a_unit_systemd_accepts(tmp_path, profile):
+    variables = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", profile.read_text(encoding="utf-8")))
+    env = {name: f"value-of-{name.lower()}-42" for name in variables if not name.startswith("SPECOPS_")}
+    out = tmp_path / "unit.service"
+    res = run("systemd", profile, "--run-as", "llm", "-o", out, env=env)
+    assert res.code == 0, res.stderr
+    text = out.read_text(encoding="utf-8")
+    for value in env.values():
+        assert value not in text
+    unit = parse_unit(text)
+    assert exec_words(one(unit, "Service", "ExecStart"))[2] == str(profile)
+    if shutil.which("systemd-analyze"):
+        checked = verify(out)
+        assert checked.returncode == 0 and checked.stderr.strip() == "", checked.stderr

@@ -152,6 +152,7 @@ def render_unit(
     env_file = env_file or (f"%h/.config/specops/{name}.env" if user_unit else f"/etc/specops/{name}.env")
     if not _ENV_FILE.match(env_file):
         raise SpecopsError(f"--env-file must be an absolute path (or %h/...) without spaces or %, not {env_file!r}")
+    _refuse_relative_paths(profile)
     variables = _profile_variables(loaded)
     budget = stop_budget(profile)
     unit_name = f"specops-{name}.service"
@@ -219,6 +220,18 @@ def render_unit(
     text = "\n".join(lines) + "\n"
     _refuse_secret_values(loaded, text)
     return text
+
+
+def _refuse_relative_paths(profile) -> None:
+    """A service starts in ``/``: a model or draft given as a relative local path would not be found there."""
+    from specops.resolve.models import is_local_ref
+
+    for field, ref in (("model.id", profile.model.id), ("speculative.draft", profile.speculative.draft)):
+        if ref and ref != "auto" and is_local_ref(ref) and not os.path.isabs(os.path.expanduser(ref)):
+            raise SpecopsError(
+                f"{field} {ref!r} is a relative path, and a systemd service runs in /: "
+                "write an absolute path (or one under ${SPECOPS_MODELS})"
+            )
 
 
 def _refuse_secret_values(loaded: LoadedProfile, text: str) -> None:
