@@ -229,6 +229,7 @@ def test_pods_run_specops_up_non_root_with_secrets_by_reference(case):
             for e in c.get("env", []):
                 if e["name"] in ("HF_TOKEN", "SPECOPS_API_KEY") or "KEY" in e["name"] or "TOKEN" in e["name"]:
                     assert "value" not in e and set(e["valueFrom"]) == {"secretKeyRef"}, e
+        assert spec["enableServiceLinks"] is False  # no VLLM_PORT from a Service called vllm
         shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
         assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
 
@@ -435,7 +436,7 @@ def test_probe_against_a_live_status_endpoint():
     import http.server
     import threading
 
-    from specops.k8s.pod import probe
+    from specops.k8s.pod import leader_step, probe
 
     state = {"doc": {"proxy": {"state": "idle"}}, "auth": []}
 
@@ -465,6 +466,12 @@ def test_probe_against_a_live_status_endpoint():
         state["doc"] = {"proxy": {"state": "serving"}}
         assert probe(port, "THE_KEY", env={"THE_KEY": "abc"}) == ""
         assert state["auth"][-1] == "Bearer abc"
+        # an nnodes worker follows the leader's chain step (its /specops/status)
+        state["doc"] = {"proxy": {"state": "held"}, "step": 1, "method": "ngram"}
+        env = {"LWS_LEADER_ADDRESS": f"127.0.0.1:{port}".rpartition(":")[0], "K": "key"}
+        assert leader_step(port, "K", env) == 1 and state["auth"][-1] == "Bearer key"
+        state["doc"] = {"step": True}
+        assert leader_step(port, None, env) is None
     finally:
         srv.shutdown()
         srv.server_close()
@@ -513,3 +520,69 @@ def test_ray_is_asked_through_the_engines_interpreter(tmp_path, monkeypatch):
     assert script_python("ray") == sys.executable
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert script_python("ray") == sys.executable
+
+
+@pytest.mark.parametrize(
+    "case,flags",
+    [
+        ("llama31-405b-ray", ["--distributed-executor-backend", "ray", "--tensor-parallel-size", "8"]),
+        ("qwen3-235b-nnodes", ["--nnodes", "2", "--node-rank", "0", "--master-addr", "lws-0.lws.ns"]),
+        ("qwen25-72b-rpc", ["--rpc", "lws-0-1.lws.ns:50052,lws-0-2.lws.ns:50052"]),
+    ],
+)
+def test_the_leaders_engine_command(tmp_path, case, flags):
+    """The leader's ConfigMap profile renders (through the backends' own checks) the multi-node flags."""
+    path = tmp_path / "profile.yaml"
+    path.write_text(by_kind(case)["ConfigMap"]["data"]["profile.yaml"])
+    pod_env = {
+        "SPECOPS_API_KEY": "k" * 12,
+        "LWS_LEADER_ADDRESS": "lws-0.lws.ns",
+        "LWS_GROUP_SIZE": "2",
+        "LWS_WORKER_INDEX": "0",
+        "SPECOPS_RPC_WORKERS": "lws-0-1.lws.ns:50052,lws-0-2.lws.ns:50052",
+        "SPECOPS_PUBLIC_VARS": "LWS_LEADER_ADDRESS,LWS_GROUP_SIZE,LWS_WORKER_INDEX,SPECOPS_RPC_WORKERS",
+    }
+    res = run("render", str(path), "--format", "args", env=pod_env)
+    assert res.code == 0, res.stderr
+    args = res.stdout.split("\n")
+    for i, flag in enumerate(flags[::2]):
+        assert flag in args and args[args.index(flag) + 1] == flags[2 * i + 1], (flag, args)
+
+
+def test_leader_prepares_the_group_then_execs_specops_up(monkeypatch):
+    from specops.k8s import pod
+
+    calls = []
+
+    class Exec(Exception):
+        pass
+
+    def fake_exec(prog, argv, env):
+        calls.append((prog, argv, env))
+        raise Exec
+
+    monkeypatch.setattr(pod.os, "execvpe", fake_exec)
+    monkeypatch.setattr(pod, "_reachable", lambda address: calls.append(("reach", address)) or True)
+    monkeypatch.setenv("LWS_LEADER_ADDRESS", "chat-1.chat.prod.svc.cluster.local")
+    with pytest.raises(Exec):
+        pod.leader("rpc", 3, "/etc/specops/profile.yaml", ray_port=6379, rpc_port=50052, timeout=5)
+    workers = ["chat-1-1.chat.prod.svc.cluster.local:50052", "chat-1-2.chat.prod.svc.cluster.local:50052"]
+    assert [c[1] for c in calls[:2]] == workers
+    prog, argv, env = calls[-1]
+    assert argv == ["specops", "up", "/etc/specops/profile.yaml"] and env["SPECOPS_RPC_WORKERS"] == ",".join(workers)
+
+    calls.clear()
+    ran = []
+    monkeypatch.setattr(pod.subprocess, "run", lambda argv, **kw: ran.append(argv))
+    counts = iter([1, 1, 2])
+    monkeypatch.setattr(pod, "_ray_nodes", lambda: next(counts))
+    monkeypatch.setattr(pod.time, "sleep", lambda s: None)
+    with pytest.raises(Exec):
+        pod.leader("ray", 2, "/etc/specops/profile.yaml", ray_port=6379, rpc_port=50052, timeout=60)
+    assert ran == [["ray", "start", "--head", "--port=6379", "--disable-usage-stats"]]
+    assert calls[-1][1] == ["specops", "up", "/etc/specops/profile.yaml"]
+    monkeypatch.setattr(pod, "_ray_nodes", lambda: 1)
+    from specops.errors import SpecopsError
+
+    with pytest.raises(SpecopsError, match="2 Ray nodes"):
+        pod.leader("ray", 2, "/p.yaml", ray_port=6379, rpc_port=50052, timeout=0)

@@ -338,6 +338,7 @@ def _pod_spec(p: Profile, containers: list[dict], volumes: list[dict]) -> dict:
         "volumes": volumes,
         "securityContext": _pod_security_context(),
         "terminationGracePeriodSeconds": grace_seconds(p),
+        # no {SERVICE}_PORT variables: a Service named like the engine (vllm) would set VLLM_PORT, which vLLM reads
         "enableServiceLinks": False,
     }
     if d.node_selector:
