@@ -40,6 +40,7 @@ class UpOptions:
     show_engine_output: bool = True
     offline: bool = False
     health_interval: float = 0.25
+    require_certificate: bool = False  # refuse to start without a current certificate (``specops certify``)
 
 
 class Console:
@@ -68,12 +69,14 @@ class Console:
 async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Console | None = None) -> int:
     """Run one deployment until SIGINT/SIGTERM (exit 0) or until no method of the chain can run (1)."""
     console = console or Console(loaded.profile.backend, opts.show_engine_output)
+    as_written = loaded
     loaded, refused = resolve_for_launch(loaded, opts.offline, console.say)
     profile = loaded.profile
     if refused and not profile.chain:
         raise SpecopsError(f"the draft was refused and the fallback chain is empty: {refused}")
     backend = registry.backend(profile.backend)
     engine = backend.engine_info(profile, opts.backend_version, probe=True)
+    _check_certificate(as_written, registry, engine.version, opts.require_certificate, console.say)
     engine_host, engine_port = _engine_address(profile)
 
     paths = InstancePaths.for_profile(profile.name, profile.supervisor.state_dir)
@@ -97,6 +100,30 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     if refused:
         up.sup.refuse_primary(refused)
     return await _serve(up)
+
+
+def _check_certificate(loaded: LoadedProfile, registry, engine_version: str, required: bool, say) -> None:
+    """Warn when the certificate (``specops certify``) no longer matches what is about to run: the engine
+    version, the target or draft revision, the chat template or the profile; refuse instead when
+    ``required`` (also when there is none or it does not certify)."""
+    from specops.perf.certify_file import certificate_report
+
+    rep = certificate_report(loaded, registry, engine_version)
+    name = rep["path"].name
+    problems = [d.message() for d in rep["stale"]]
+    if rep["exists"] and not rep["certified"]:
+        problems.insert(0, f"{name} does not certify this deployment (its verdict: not certified)")
+    if not rep["exists"]:
+        if required:
+            raise SpecopsError(f"--require-certificate: {rep['path']} is missing; run `specops certify {loaded.path}`")
+        return
+    if not problems:
+        say(f"certificate {name}: current ({rep['cert'].get('created')})")
+        return
+    text = f"certificate {name}: " + "; ".join(problems)
+    if required:
+        raise SpecopsError(f"--require-certificate: {text}; run `specops certify {loaded.path}` again")
+    say(f"warning: {text}")
 
 
 def _engine_address(profile) -> tuple[str, int]:

@@ -19,7 +19,13 @@ from specops.up import UpOptions, up_blocking
 )
 @click.option("--quiet-engine", is_flag=True, help="Do not echo the engine's output (it still goes to the log file).")
 @click.option("--offline", is_flag=True, help="Resolve drafts from the lock file, HF cache and catalog only.")
-def up(profile, backend_version, quiet_engine, offline):
+@click.option(
+    "--require-certificate",
+    is_flag=True,
+    help="Refuse to start unless PROFILE.cert.json (`specops certify`) is current: without it, a changed "
+    "engine version, draft revision or chat template is only a warning.",
+)
+def up(profile, backend_version, quiet_engine, offline, require_certificate):
     """Launch the engine for PROFILE, supervise it, watch acceptance and fall back when it drops.
 
     Runs in the foreground until SIGINT/SIGTERM (or `specops down NAME`), then stops the engine
@@ -37,6 +43,11 @@ def up(profile, backend_version, quiet_engine, offline):
         up_blocking(
             loaded,
             get_registry(),
-            UpOptions(backend_version=backend_version, show_engine_output=not quiet_engine, offline=offline),
+            UpOptions(
+                backend_version=backend_version,
+                show_engine_output=not quiet_engine,
+                offline=offline,
+                require_certificate=require_certificate,
+            ),
         )
     )

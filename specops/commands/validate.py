@@ -82,7 +82,13 @@ class _AnyEnv(dict):
     help="Also resolve drafts and run the compatibility checks (uses the Hub unless offline).",
 )
 @click.option("--offline", is_flag=True, help="With --resolve: use only the lock file, the HF cache and the catalog.")
-def validate(paths, fmt, do_resolve, offline):
+@click.option(
+    "--require-certificate",
+    is_flag=True,
+    help="Fail unless each profile has a current certificate from `specops certify` (PROFILE.cert.json): "
+    "missing, not certified, or stale (profile, engine version, target/draft revision or chat template changed).",
+)
+def validate(paths, fmt, do_resolve, offline, require_certificate):
     """Validate profiles: schema, cross-field rules and backend support, with file:line:column errors.
 
     PATHS may be files or directories (searched recursively for *.yaml / *.yml; files that other
@@ -103,7 +109,14 @@ def validate(paths, fmt, do_resolve, offline):
     skipped: list[Path] = []
     results = []
     for path in profiles:
-        result = _check_one(path, registry, is_base=path in bases, do_resolve=do_resolve, offline=offline)
+        result = _check_one(
+            path,
+            registry,
+            is_base=path in bases,
+            do_resolve=do_resolve,
+            offline=offline,
+            certificate=require_certificate,
+        )
         if result is None:
             skipped.append(path)
         else:
@@ -123,7 +136,9 @@ def validate(paths, fmt, do_resolve, offline):
         raise SystemExit(1)
 
 
-def _check_one(path: Path, registry: Registry, *, is_base: bool, do_resolve: bool, offline: bool) -> dict | None:
+def _check_one(
+    path: Path, registry: Registry, *, is_base: bool, do_resolve: bool, offline: bool, certificate: bool = False
+) -> dict | None:
     """One profile's result row (its errors, warnings and summary); None for a base that is only partial."""
     problems: list[Problem] = []
     warnings: list[Problem] = []
@@ -146,6 +161,8 @@ def _check_one(path: Path, registry: Registry, *, is_base: bool, do_resolve: boo
             for finding in check_loaded(loaded, offline=offline):
                 target = problems if finding.severity == "error" else warnings
                 target.append(loaded.problem(finding.path, finding.message))
+        if certificate:
+            _check_certificate(loaded, registry, problems, warnings, summary)
     except ProfileError as exc:
         if is_base and _only_incomplete(exc):
             return None
@@ -159,6 +176,39 @@ def _check_one(path: Path, registry: Registry, *, is_base: bool, do_resolve: boo
         "errors": [p.to_dict() for p in problems],
         "warnings": [w.to_dict() for w in warnings],
     }
+
+
+def _check_certificate(
+    loaded: LoadedProfile, registry: Registry, problems: list, warnings: list, summary: dict
+) -> None:
+    """--require-certificate: a located error when the certificate is missing, not certified or stale."""
+    from specops.perf.certify_file import certificate_report
+
+    rep = certificate_report(loaded, registry)
+    name = rep["path"].name
+    if not rep["exists"]:
+        problems.append(
+            Problem(
+                Location(loaded.path, 1, 1),
+                "",
+                f"no certificate: {name} is missing beside the profile; run `specops certify {loaded.path}`",
+            )
+        )
+        return
+    summary["certificate"] = str(rep["path"])
+    cert = rep["cert"]
+    if not rep["certified"]:
+        why = "; ".join((cert.get("verdict") or {}).get("findings") or []) or "its verdict is not certified"
+        problems.append(Problem(Location(loaded.path, 1, 1), "", f"{name} does not certify this deployment: {why}"))
+    for d in rep["stale"]:
+        msg = f"{name} is stale: {d.message()}; run `specops certify {loaded.path}` again"
+        where = d.profile_path
+        if where and loaded.document.locate(where) is not None:
+            problems.append(loaded.problem(where, msg))
+        else:
+            problems.append(Problem(Location(loaded.path, 1, 1), "", msg))
+    for d in rep["unchecked"]:
+        warnings.append(Problem(Location(loaded.path, 1, 1), "", f"{name}: {d.message()}"))
 
 
 def _print_github(results: list[dict]) -> None:

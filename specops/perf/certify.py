@@ -528,7 +528,10 @@ def summarize(runs: dict, sets: dict[str, list[Prompt]], level: int, tolerance: 
         wl: WorkloadResult = c1["workload"]
         row["response_draft_tokens"], row["response_accepted"] = wl.draft_tokens, wl.accepted
         greedy = runs[SPEC]["greedy"][set_name]["acceptance"] or {}
-        row["greedy"] = {k: greedy.get(k) for k in ("acceptance", "mean_acceptance_length", "per_position")}
+        row["greedy"] = {
+            k: greedy.get(k)
+            for k in ("acceptance", "mean_acceptance_length", "per_position", "draft_tokens", "accepted", "drafts")
+        }
         row["speedup"] = {}
         for lvl in sorted({1, level}):
             on = runs[SPEC]["by_level"][lvl][set_name]["workload"].tokens_per_s
@@ -560,7 +563,9 @@ def summarize(runs: dict, sets: dict[str, list[Prompt]], level: int, tolerance: 
 
 
 def verdict(lossless: dict, sets: dict, throughput: dict, min_acceptance: float, errors: int = 0) -> dict:
-    """certified = lossless (exactly or within the stated tolerance) and the engine really speculated.
+    """certified = lossless (exactly or within the stated tolerance), the engine really speculated, and the
+    draft fits the target: its greedy acceptance over every set is at least ``fallback.min_acceptance``
+    (sampled sets legitimately accept less, so their acceptance is a finding, not a refusal).
 
     Findings that do not refuse the certificate but that a person must read: a set whose acceptance is
     below the profile's ``fallback.min_acceptance``, a concurrency where speculation is slower, failed
@@ -569,6 +574,10 @@ def verdict(lossless: dict, sets: dict, throughput: dict, min_acceptance: float,
     findings = []
     drafted = sum((r.get("draft_tokens") or 0) for r in sets.values())
     speculating = drafted > 0
+    g_drafted = sum((r["greedy"].get("draft_tokens") or 0) for r in sets.values())
+    g_accepted = sum((r["greedy"].get("accepted") or 0) for r in sets.values())
+    greedy_acceptance = g_accepted / g_drafted if g_drafted else None
+    draft_fits = greedy_acceptance is not None and greedy_acceptance >= min_acceptance
     if not lossless["lossless"]:
         d = next((x for x in lossless["divergences"] if x["status"] != "tolerated"), None)
         if d is not None and d["status"] == "diverged":
@@ -581,6 +590,11 @@ def verdict(lossless: dict, sets: dict, throughput: dict, min_acceptance: float,
             findings.append(f"losslessness not established: {lossless['failed']} greedy requests failed")
     if not speculating:
         findings.append("the engine drafted no tokens: it ran without speculation (its counters did not move)")
+    elif not draft_fits:
+        findings.append(
+            f"the draft does not fit the target: greedy acceptance {greedy_acceptance or 0:.3f} over every set "
+            f"< fallback.min_acceptance {min_acceptance:g} (a wrong draft, tokenizer or sampling set-up?)"
+        )
     for name, r in sets.items():
         acc = r.get("acceptance")
         if acc is not None and acc < min_acceptance:
@@ -594,9 +608,11 @@ def verdict(lossless: dict, sets: dict, throughput: dict, min_acceptance: float,
     if errors:
         findings.append(f"{errors} measurement requests failed")
     return {
-        "certified": lossless["lossless"] and speculating,
+        "certified": lossless["lossless"] and speculating and draft_fits,
         "lossless": lossless["lossless"],
         "speculating": speculating,
+        "greedy_acceptance": greedy_acceptance,
+        "draft_fits": draft_fits,
         "findings": findings,
     }
 
@@ -672,7 +688,11 @@ def summary_text(cert: dict) -> str:
     lines += ["", f"tokens/s with vs without speculation: {tp}"]
     v = cert["verdict"]
     lines.append("")
-    lines.append("CERTIFIED: lossless and speculating" if v["certified"] else "NOT CERTIFIED")
+    lines.append(
+        f"CERTIFIED: lossless, speculating, greedy acceptance {v['greedy_acceptance']:.3f}"
+        if v["certified"]
+        else "NOT CERTIFIED"
+    )
     lines += [f"  - {f}" for f in v["findings"]]
     return "\n".join(lines) + "\n"
 

@@ -280,7 +280,7 @@ def identity(loaded, backend, engine_version: str | None) -> dict:
         "profile_sha256": digest(profile_inputs(profile)),
         "backend": profile.backend,
         "engine_version": engine_version,
-        "target": profile.model.id if not Path(profile.model.id).expanduser().exists() else _portable(profile.model.id),
+        "target": _portable(profile.model.id),
         "target_revision": _revision(profile.model.id, profile.model.revision, target_pin),
         "method": method.value,
         "draft": _portable(draft) if draft else None,
@@ -375,23 +375,41 @@ def compare(cert: dict, now: dict) -> list[Staleness]:
     return out
 
 
-def current_identity(loaded, registry, engine_version: str | None = None, *, probe: bool = True) -> dict:
-    """:func:`identity` with the engine version given, pinned in the profile, or probed (None when absent)."""
+def current_identity(loaded, registry, engine_version: str | None = None, *, probe: bool = True, step: int = 0) -> dict:
+    """:func:`identity` (of chain step ``step``) with the engine version given, pinned in the profile, or
+    probed from the installed engine (None when there is none)."""
+    from specops.config.profile import LoadedProfile
+
+    if step and 0 < step < len(loaded.profile.steps):
+        loaded = LoadedProfile(loaded.profile.at_step(step), loaded.document, loaded.path)
     profile = loaded.profile
     backend = registry.backend(profile.backend)
-    version = engine_version or profile.engine.version
-    if version is None and probe:
+    version = engine_version
+    if version is None:  # the version certify and up would see: the pin, else the installed engine's
         try:
-            version = backend.engine_info(profile, None, probe=True).version
+            version = backend.engine_info(profile, None, probe=probe).version
         except SpecopsError:
             version = None
     return identity(loaded, backend, version)
 
 
-def certificate_problems(loaded, registry, engine_version: str | None = None) -> tuple[Path, list[Staleness] | None]:
-    """The certificate's path and what is stale in it (None: there is no certificate)."""
+def certificate_report(loaded, registry, engine_version: str | None = None) -> dict:
+    """Everything ``validate`` and ``up`` say about a profile's certificate.
+
+    ``{"path", "exists", "certified", "stale": [Staleness], "unchecked": [Staleness], "cert"}``; ``cert`` is
+    None when there is none. Raises :class:`SpecopsError` for a file that is not a certificate.
+    """
     path = cert_path(loaded.path)
     if not path.is_file():
-        return path, None
+        return {"path": path, "exists": False, "certified": False, "stale": [], "unchecked": [], "cert": None}
     cert = read_cert(path)
-    return path, compare(cert, current_identity(loaded, registry, engine_version))
+    step = (cert.get("settings") or {}).get("step") or 0
+    diffs = compare(cert, current_identity(loaded, registry, engine_version, step=step))
+    return {
+        "path": path,
+        "exists": True,
+        "certified": bool((cert.get("verdict") or {}).get("certified")),
+        "stale": [d for d in diffs if d.checked],
+        "unchecked": [d for d in diffs if not d.checked],
+        "cert": cert,
+    }
