@@ -586,3 +586,14 @@ def test_leader_prepares_the_group_then_execs_specops_up(monkeypatch):
 
     with pytest.raises(SpecopsError, match="2 Ray nodes"):
         pod.leader("ray", 2, "/p.yaml", ray_port=6379, rpc_port=50052, timeout=0)
+
+
+def test_auto_without_a_lock_is_pointed_out(tmp_path):
+    prof = tmp_path / "p.yaml"
+    prof.write_text(
+        "name: auto-draft\nbackend: vllm\nengine: {version: 0.32.0}\nmodel: {id: m/x}\n"
+        "speculative: {method: eagle3, draft: auto}\n"
+    )
+    assert "run `specops lock`" in render(str(prof))[1]
+    (tmp_path / "p.lock.json").write_text("{}\n")
+    assert "specops lock" not in render(str(prof))[1]

@@ -439,6 +439,11 @@ def render(loaded: LoadedProfile, lock_text: str | None = None, source_name: str
     elif p.deploy.monitor == "servicemonitor":
         out.objects.append(("servicemonitor.yaml", _servicemonitor(p, name)))
     out.objects.append(("networkpolicy.yaml", _networkpolicy(p, name, mode)))
+    if lock_text is None and (p.speculative.method is Method.AUTO or p.speculative.draft == "auto"):
+        out.notes.append(
+            f"{p.name}: `auto` without a lock file: every pod resolves the draft when it starts (Hub access "
+            "needed, and replicas may pick differently); run `specops lock` and commit the .lock.json"
+        )
     if p.deploy.secrets.api_key is None and key_var is None:
         out.notes.append(f"{p.name}: no API key: anyone who reaches the Service can use the model")
     return out
