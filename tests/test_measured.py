@@ -146,3 +146,25 @@ def test_validate_refuses_a_pinned_version_the_gates_refuse(tmp_path):
     res = run("validate", "--format", "json", str(path))
     assert res.code == 0, res.stdout
     assert '"support": "inferred"' in res.stdout or '"support": "measured"' in res.stdout
+
+
+def test_a_probed_llama_server_is_judged_by_its_flags_not_its_build_number(tmp_path):
+    """A llama-server built from source reports "build 1"; read as a release build that would be the legacy
+    flag generation, which has no n-gram drafter. The probed binary's --help decides instead."""
+    from specops.backends.base import EngineInfo
+
+    probed = EngineInfo(
+        "llamacpp",
+        "0.5.0-dev (build 1, commit 0c1e570)",
+        "llama-server --version",
+        ("llama-server",),
+        flags=frozenset({"--spec-type", "--spec-draft-n-max", "-md"}),
+        flag_values={"--spec-type": ("none", "draft-simple", "ngram-mod")},
+    )
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "name: m\nbackend: llamacpp\nmodel: {id: /m/x.gguf}\nspeculative: {method: ngram}\n", encoding="utf-8"
+    )
+    plan = render_plan(load_profile(path, env={}), get_registry(), engine=probed)
+    assert "ngram-mod" in plan.argv
+    assert get_registry().backend("llamacpp").method_problem(Method.NGRAM, "b1") is not None  # a pinned b1 is legacy

@@ -115,6 +115,11 @@ class LlamaCppBackend(Backend):
     )
 
     def method_version_problem(self, method, version):
+        """Judged only for a pinned version (a flag generation or a release build such as b9100): a probed
+        binary's own version text carries an unreliable build number (a source build says "build 1"), so
+        its render judges it by the flags its --help lists instead."""
+        if not re.fullmatch(r"\s*(?:b?\d+|[a-z-]+)\s*", version, re.IGNORECASE):
+            return None
         try:
             gen = llama_generation(version)
         except ValueError:
