@@ -232,6 +232,12 @@ def test_pods_run_specops_up_non_root_with_secrets_by_reference(case):
         assert spec["enableServiceLinks"] is False  # no VLLM_PORT from a Service called vllm
         shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
         assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
+    # downloads land on the cache volume: HF_HOME, and LLAMA_CACHE for llama-server's own -hf downloads
+    env = {e["name"]: e.get("value") for e in leader.get("env", [])}
+    mounts = {m["mountPath"] for m in leader["volumeMounts"]}
+    assert env["HF_HOME"] in mounts
+    if load(case).backend == "llamacpp":
+        assert env["LLAMA_CACHE"].startswith(env["HF_HOME"] + "/")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

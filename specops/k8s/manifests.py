@@ -210,6 +210,8 @@ def _env(p: Profile, key_var: str | None, *, lws: bool) -> list[dict]:
         {"name": "SPECOPS_CACHE", "value": f"{STATE_DIR}/cache"},
         {"name": "HF_HOME", "value": d.hf_cache.mount_path},
     ]
+    if p.backend == "llamacpp":  # llama-server's own downloads (-hf) go to LLAMA_CACHE
+        env.append({"name": "LLAMA_CACHE", "value": f"{d.hf_cache.mount_path.rstrip('/')}/llama.cpp"})
     if lws:
         env.append({"name": "SPECOPS_PUBLIC_VARS", "value": ",".join((*LWS_VARS, RPC_WORKERS_VAR))})
     if d.secrets.hf_token is not None:
