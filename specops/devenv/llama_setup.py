@@ -1,6 +1,16 @@
 """llama-server (``engines/llama-server-<v>/bin/llama-server``), built from the llama.cpp sources vendored
 in the llama-cpp-python sdist (its ``vendor/llama.cpp``), with ``-DBUILD_SHARED_LIBS=OFF`` so the binary
-can move."""
+can move.
+
+The default build (:data:`LLAMA_CPP_PYTHON_VERSION`, the one tests, the demo and ``up`` use) lives in
+``engines/llama-server-<v>/``. Other sdists, for the support matrix (``specops engines setup llamacpp
+--llama-cpp-python-version X``), go to ``engines/versions/llama-server-<X>/``: outside the
+``llama-server-*`` glob the llamacpp backend uses to find a build, so building one never changes which
+llama-server ``up`` picks. Which sdist vendors which flag generation (read from each sdist's
+``vendor/llama.cpp/common/arg.cpp``): 0.3.16 legacy (``--draft-max`` only); 0.3.18-0.3.21 ``--spec-type``
+(n-gram types, no ``--spec-draft-n-max``); 0.3.22-0.3.33 ``--spec-draft-n-max`` (no ``draft-simple``);
+0.3.36 current (``draft-simple``, ``draft-eagle3``, ``draft-mtp``).
+"""
 
 from __future__ import annotations
 
@@ -32,30 +42,49 @@ LLAMA_CMAKE_FLAGS = (
 )
 
 
-def llama_server_dir() -> Path:
-    return engines_dir() / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}"
+def _version(version: str | None) -> str:
+    return version or LLAMA_CPP_PYTHON_VERSION
 
 
-def llama_server_bin() -> Path:
-    return llama_server_dir() / "bin" / "llama-server"
+def check_version(version: str) -> str:
+    """A release number (``0.3.20``): anything else would end up in a path or a pip argument."""
+    if not re.fullmatch(r"\d+(\.\d+){1,3}", version or ""):
+        raise SpecopsError(f"not a release version: {version!r} (e.g. 0.3.20)")
+    return version
 
 
-def llama_build_dir() -> Path:
+def llama_server_dir(version: str | None = None) -> Path:
+    v = _version(version)
+    if v == LLAMA_CPP_PYTHON_VERSION:
+        return engines_dir() / f"llama-server-{v}"
+    return engines_dir() / "versions" / f"llama-server-{v}"
+
+
+def llama_server_bin(version: str | None = None) -> Path:
+    return llama_server_dir(version) / "bin" / "llama-server"
+
+
+def llama_build_dir(version: str | None = None) -> Path:
     # Outside the ``llama-server-*`` glob the llamacpp backend uses to find installed builds.
-    return engines_dir() / "build" / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}"
+    return engines_dir() / "build" / f"llama-server-{_version(version)}"
 
 
 def downloads_dir() -> Path:
     return engines_dir() / "downloads"
 
 
-def llama_sdist() -> Path:
-    return downloads_dir() / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+def llama_sdist(version: str | None = None) -> Path:
+    return downloads_dir() / f"llama_cpp_python-{_version(version)}.tar.gz"
 
 
-def llama_ready() -> bool:
-    m = read_marker(llama_server_dir())
-    return bool(m and m.get("llama-cpp-python") == LLAMA_CPP_PYTHON_VERSION and os.access(llama_server_bin(), os.X_OK))
+def llama_step(version: str | None = None) -> str:
+    v = _version(version)
+    return "llamacpp" if v == LLAMA_CPP_PYTHON_VERSION else f"llamacpp-{v}"
+
+
+def llama_ready(version: str | None = None) -> bool:
+    m = read_marker(llama_server_dir(version))
+    return bool(m and m.get("llama-cpp-python") == _version(version) and os.access(llama_server_bin(version), os.X_OK))
 
 
 def llama_server_version(exe: Path, timeout: float = 30) -> str:
@@ -119,43 +148,51 @@ def _has_shared_llama_libs(exe: Path) -> list[str]:
 
 
 def setup_llamacpp(
-    *, force: bool = False, jobs: int | None = None, keep_build: bool = False, progress: Progress | None = None
+    *,
+    version: str | None = None,
+    force: bool = False,
+    jobs: int | None = None,
+    keep_build: bool = False,
+    progress: Progress | None = None,
 ) -> StepResult:
     """Build a static ``llama-server`` from the llama.cpp vendored in the llama-cpp-python sdist and
-    install it as ``engines/llama-server-<v>/bin/llama-server``.
+    install it as ``engines/llama-server-<v>/bin/llama-server`` (another ``version``:
+    ``engines/versions/llama-server-<v>/``).
 
     An installed binary without a valid marker is verified (it must answer ``--version`` and need no
     shared libllama/libggml) and adopted; otherwise: download the sdist (kept in ``engines/downloads``),
     unpack, cmake configure + build (incremental if an earlier build was interrupted), copy, verify.
     """
-    dest = llama_server_dir()
-    exe = llama_server_bin()
+    v = check_version(_version(version))
+    dest = llama_server_dir(v)
+    exe = llama_server_bin(v)
+    step = llama_step(v)
     t0 = time.monotonic()
-    if not force and llama_ready():
-        return StepResult("llamacpp", "cached", time.monotonic() - t0, exe, read_marker(dest) or {})
-    with locked(engines_dir() / ".lock-llamacpp"):
-        if not force and llama_ready():
-            return StepResult("llamacpp", "cached", time.monotonic() - t0, exe, read_marker(dest) or {})
-        log = StepLog("llamacpp", progress)
+    if not force and llama_ready(v):
+        return StepResult(step, "cached", time.monotonic() - t0, exe, read_marker(dest) or {})
+    with locked(engines_dir() / f".lock-{step}"):
+        if not force and llama_ready(v):
+            return StepResult(step, "cached", time.monotonic() - t0, exe, read_marker(dest) or {})
+        log = StepLog(step, progress)
         if not force and exe.exists():
-            adopted = _adopt(exe, log, t0)
+            adopted = _adopt(exe, log, t0, v)
             if adopted:
                 return adopted
-        build = llama_build_dir()
-        built = _build(_fetch_sdist(log), build, log, jobs)
-        version = _install(built, exe, log)
+        build = llama_build_dir(v)
+        built = _build(_fetch_sdist(log, v), build, log, jobs)
+        server_version = _install(built, exe, log)
         seconds = time.monotonic() - t0
-        data = _llama_marker(version, seconds, "installed")
+        data = _llama_marker(server_version, seconds, "installed", v)
         write_marker(dest, data)
-        log.note(f"installed {exe} ({version}) in {seconds:.1f} s")
+        log.note(f"installed {exe} ({server_version}) in {seconds:.1f} s")
         if not keep_build:
             shutil.rmtree(build, ignore_errors=True)
             with contextlib.suppress(OSError):
                 build.parent.rmdir()  # only when empty
-        return StepResult("llamacpp", "installed", seconds, exe, data, log.path)
+        return StepResult(step, "installed", seconds, exe, data, log.path)
 
 
-def _adopt(exe: Path, log: StepLog, t0: float) -> StepResult | None:
+def _adopt(exe: Path, log: StepLog, t0: float, v: str) -> StepResult | None:
     """Adopt a binary found without a valid marker when it runs and is static; None: rebuild it."""
     log.note(f"found {exe} without a valid marker: verifying it")
     try:
@@ -167,14 +204,14 @@ def _adopt(exe: Path, log: StepLog, t0: float) -> StepResult | None:
     if shared:
         log.note(f"it needs shared libraries {shared}: rebuilding")
         return None
-    data = _llama_marker(version, time.monotonic() - t0, "adopted")
-    write_marker(llama_server_dir(), data)
-    return StepResult("llamacpp", "adopted", time.monotonic() - t0, exe, data, log.path)
+    data = _llama_marker(version, time.monotonic() - t0, "adopted", v)
+    write_marker(llama_server_dir(v), data)
+    return StepResult(llama_step(v), "adopted", time.monotonic() - t0, exe, data, log.path)
 
 
-def _fetch_sdist(log: StepLog) -> Path:
+def _fetch_sdist(log: StepLog, v: str) -> Path:
     """The llama-cpp-python sdist, downloaded unless a usable one is kept already."""
-    sdist = llama_sdist()
+    sdist = llama_sdist(v)
     if _sdist_ok(sdist):
         return sdist
     downloads_dir().mkdir(parents=True, exist_ok=True)
@@ -191,9 +228,9 @@ def _fetch_sdist(log: StepLog) -> Path:
             ":all:",
             "-d",
             str(downloads_dir()),
-            f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+            f"llama-cpp-python=={v}",
         ],
-        f"pip download llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} (sdist)",
+        f"pip download llama-cpp-python=={v} (sdist)",
     )
     if not _sdist_ok(sdist):
         raise log.fail(f"pip download did not produce a usable {sdist.name}")
@@ -236,11 +273,11 @@ def _install(built: Path, exe: Path, log: StepLog) -> str:
     return version
 
 
-def _llama_marker(version: str, seconds: float, how: str) -> dict:
+def _llama_marker(version: str, seconds: float, how: str, v: str | None = None) -> dict:
     return {
-        "llama-cpp-python": LLAMA_CPP_PYTHON_VERSION,
+        "llama-cpp-python": _version(v),
         "llama-server": version,
-        "binary": str(llama_server_bin()),
+        "binary": str(llama_server_bin(v)),
         "cmake_flags": list(LLAMA_CMAKE_FLAGS),
         "machine": platform.machine(),
         "cpu": _cpu_model(),

