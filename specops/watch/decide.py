@@ -59,7 +59,7 @@ class FallbackDecider:
         self.last_verdict: dict[str, Any] | None = None
         #: mode goodput: the last tick's concurrency, predicted tokens/s per option, switch cost and verdict
         self.last_goodput: dict[str, Any] | None = None
-        self._goodput_shown: tuple | None = None
+        self._goodput_shown: tuple[Any, ...] | None = None
 
     @classmethod
     def from_profile(cls, profile: Any, *, surface: Surface | None = None, **kwargs: Any) -> FallbackDecider:

@@ -186,7 +186,8 @@ class Surface:
         steps = int(math.ceil(math.log2(max(top, 1.0)) * 8)) + 1
         for i in range(steps):
             c = 2 ** (i / 8)
-            if self.tokens_per_s(method, k, c) <= self.tokens_per_s(Method.NONE, 0, c):
+            spec, none = self.tokens_per_s(method, k, c), self.tokens_per_s(Method.NONE, 0, c)
+            if spec is not None and none is not None and spec <= none:
                 return round(c, 2)
         return None
 
@@ -257,7 +258,7 @@ def scheduled_k(schedule: Sequence[Sequence[int]], batch: float) -> int | None:
 
 def bucket(concurrency: float) -> int:
     """The correction bucket of a concurrency: the nearest power of two (1, 2, 4, ...)."""
-    return 2 ** max(0, round(math.log2(max(1.0, concurrency))))
+    return int(2 ** max(0, round(math.log2(max(1.0, concurrency)))))
 
 
 def alpha_from_length(tau: float, k: float) -> float:
@@ -383,12 +384,14 @@ class Choice:
     numbers: dict[str, Any]
 
 
-def step_options(steps: Sequence[Any], default_k: Mapping[Method, int], per_batch: Sequence | None) -> list[Option]:
+def step_options(
+    steps: Sequence[Any], default_k: Mapping[Method, int], per_batch: Sequence[Sequence[int]] | None
+) -> list[Option]:
     """An :class:`Option` per chain step (``per_batch``: the primary's schedule, when it runs one)."""
     out = []
     for i, st in enumerate(steps):
         k = 0 if st.method is Method.NONE else (st.num_speculative_tokens or default_k.get(st.method, 0))
-        pb = tuple(tuple(int(x) for x in r) for r in per_batch) if (i == 0 and per_batch) else None
+        pb = tuple((int(r[0]), int(r[1]), int(r[2])) for r in per_batch) if (i == 0 and per_batch) else None
         out.append(Option(st.method, k, pb))
     return out
 

@@ -73,7 +73,7 @@ class Policy:
         current: int | ChainStep | Method = 0,
         *,
         surface: Surface | None = None,
-        per_batch: Sequence | None = None,
+        per_batch: Sequence[Sequence[int]] | None = None,
     ):
         if not steps:
             raise ValueError("a policy needs at least one step (the primary method)")
