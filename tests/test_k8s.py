@@ -88,6 +88,14 @@ def pod_specs(case: str) -> list[dict]:
     return [t["leaderTemplate"]["spec"], t["workerTemplate"]["spec"]]
 
 
+def pod_templates(case: str) -> list[dict]:
+    kinds = by_kind(case)
+    if "Deployment" in kinds:
+        return [kinds["Deployment"]["spec"]["template"]]
+    t = kinds["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
+    return [t["leaderTemplate"], t["workerTemplate"]]
+
+
 def server_container(case: str) -> dict:
     return pod_specs(case)[0]["containers"][0]
 
@@ -218,6 +226,9 @@ def test_the_vendored_crd_schemas_name_their_source():
 def test_pods_run_specops_up_non_root_with_secrets_by_reference(case):
     specs = pod_specs(case)
     leader = specs[0]["containers"][0]
+    for template in pod_templates(case):  # `kubectl logs` picks the container that exists
+        names = [c["name"] for c in template["spec"]["containers"]]
+        assert template["metadata"]["annotations"]["kubectl.kubernetes.io/default-container"] in names
     assert leader["command"] == ["specops"]
     assert leader["args"][0] == "up" or leader["args"][:2] == ["k8s", "leader"]
     assert leader["args"][-1] == "/etc/specops/profile.yaml"

@@ -504,7 +504,6 @@ def _lws(p: Profile, name: str, cm_name: str, key_var: str | None, annotations: 
         worker["env"] = _env(p, key_var, lws=True)  # it loads the same profile, which may read the key
         worker["volumeMounts"] = _mounts(p)
         volumes = _volumes(p, cm_name)
-        worker["ports"] = [{"name": "dist", "containerPort": mn.master_port, "protocol": "TCP"}]
     else:  # rpc: llama.cpp's rpc-server (built with -DGGML_RPC=ON); insecure on untrusted networks
         worker["command"] = ["rpc-server"]
         worker["args"] = ["-H", "0.0.0.0", "-p", str(mn.rpc_port)]
@@ -541,7 +540,7 @@ def _lws(p: Profile, name: str, cm_name: str, key_var: str | None, annotations: 
                 "workerTemplate": {
                     "metadata": {
                         "labels": {**_all_labels(p), "specops.dev/role": "worker"},
-                        "annotations": annotations,
+                        "annotations": {**annotations, "kubectl.kubernetes.io/default-container": "worker"},
                     },
                     "spec": worker_spec,
                 },
