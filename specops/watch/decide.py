@@ -23,7 +23,7 @@ from typing import Any
 
 from specops.run.events import EngineReady, FallbackOrder, StepChanged, StepFailed, SupervisorEvent
 from specops.watch.decision import Decision
-from specops.watch.goodput import Load, Surface, load_surface
+from specops.watch.goodput import Load, Surface
 from specops.watch.policy import Policy
 from specops.watch.window import WindowStats
 
@@ -65,9 +65,6 @@ class FallbackDecider:
     def from_profile(cls, profile: Any, *, surface: Surface | None = None, **kwargs: Any) -> FallbackDecider:
         """The decider for ``profile``; mode goodput reads ``fallback.goodput.surface`` unless ``surface`` is
         given (raises SpecopsError when that file holds no surface)."""
-        fb = profile.fallback
-        if fb.mode == "goodput" and surface is None and fb.goodput.surface:
-            surface = load_surface(fb.goodput.surface)
         return cls(Policy.from_profile(profile, surface=surface), **kwargs)
 
     # ------------------------------------------------------------------ the supervisor's failures

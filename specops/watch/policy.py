@@ -56,7 +56,7 @@ from specops.watch.decision import (
     verdict_numbers,
     window_numbers,
 )
-from specops.watch.goodput import GoodputModel, GoodputPolicy, Load, Surface, step_options
+from specops.watch.goodput import GoodputModel, GoodputPolicy, Load, Surface, load_surface, step_options
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
 
 FLAP_PERIOD_S = 3600.0
@@ -100,6 +100,11 @@ class Policy:
     def from_profile(
         cls, profile: Any, current: int | ChainStep | Method = 0, *, surface: Surface | None = None
     ) -> Policy:
+        """The policy of ``profile``; mode goodput reads ``fallback.goodput.surface`` (once, here) unless ``surface``
+        is given (raises SpecopsError when that file holds no surface)."""
+        fb = profile.fallback
+        if fb.mode == "goodput" and surface is None and fb.goodput.surface:
+            surface = load_surface(fb.goodput.surface)
         return cls(
             PolicyConfig.from_profile(profile),
             profile.steps,
