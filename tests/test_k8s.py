@@ -263,7 +263,14 @@ def test_probes_and_termination_follow_the_profile(case):
     # liveness never depends on the engine: it only asks whether specops' proxy accepts connections
     assert set(c["livenessProbe"]) >= {"tcpSocket"} and c["livenessProbe"]["tcpSocket"]["port"] == "http"
     assert spec["terminationGracePeriodSeconds"] >= p.proxy.drain_timeout + p.supervisor.stop_timeout + 5
-    assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    pre = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre[:3] == ["specops", "k8s", "prestop"] and pre[pre.index("--timeout") + 1] == str(
+        math.ceil(p.proxy.drain_timeout)
+    )
+    # one replica stays ready through a switch (its proxy queues); several route around the switching one
+    ready = c["readinessProbe"]["exec"]["command"]
+    assert ("--accept-held" in ready) == (p.deploy.replicas <= 1)
+    assert "--accept-held" not in start["exec"]["command"]  # the first readiness is the engine serving
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -453,7 +460,7 @@ def test_probe_against_a_live_status_endpoint():
     import http.server
     import threading
 
-    from specops.k8s.pod import leader_step, probe
+    from specops.k8s.pod import leader_step, prestop, probe
 
     state = {"doc": {"proxy": {"state": "idle"}}, "auth": []}
 
@@ -483,6 +490,24 @@ def test_probe_against_a_live_status_endpoint():
         state["doc"] = {"proxy": {"state": "serving"}}
         assert probe(port, "THE_KEY", env={"THE_KEY": "abc"}) == ""
         assert state["auth"][-1] == "Bearer abc"
+        state["doc"] = {"proxy": {"state": "held"}}
+        assert "held" in probe(port) and probe(port, accept=("serving", "held")) == ""
+        # preStop: waits until nothing is in flight or queued
+        seq = iter([{"in_flight": 2, "queue_depth": 1}, {"in_flight": 1, "queue_depth": 0}, {"in_flight": 0}])
+        slept = []
+
+        def next_doc(seconds):
+            slept.append(seconds)
+            if seconds == 0.5:
+                state["doc"] = {"proxy": next(seq)}
+
+        state["doc"] = {"proxy": {"in_flight": 3}}
+        assert prestop(port, None, settle=5, timeout=60, sleep=next_doc) == "drained"
+        assert slept == [5, 0.5, 0.5, 0.5]
+        state["doc"] = {"proxy": {"in_flight": 1}}
+        clock = iter([0.0, 1.0, 2.0, 99.0])
+        out = prestop(port, None, settle=0, timeout=10, sleep=lambda s: None, clock=lambda: next(clock))
+        assert out == "1 request(s) still in flight after 10s"
         # an nnodes worker follows the leader's chain step (its /specops/status)
         state["doc"] = {"proxy": {"state": "held"}, "step": 1, "method": "ngram"}
         env = {"LWS_LEADER_ADDRESS": f"127.0.0.1:{port}".rpartition(":")[0], "K": "key"}
@@ -493,6 +518,7 @@ def test_probe_against_a_live_status_endpoint():
         srv.shutdown()
         srv.server_close()
     assert "does not answer" in probe(port)
+    assert prestop(port, None, settle=0, timeout=5, sleep=lambda s: None) == "specops does not answer: nothing to drain"
 
 
 def test_multi_node_helpers():

@@ -100,17 +100,30 @@ def render(profiles, output):
         click.echo(str(path))
 
 
-@k8s.command(hidden=False)
+@k8s.command()
 @click.option("--port", type=click.IntRange(1, 65535), required=True, help="specops' port on loopback.")
 @click.option("--key-env", help="Variable holding the API key (when the status endpoint needs it).")
-def probe(port, key_env):
+@click.option("--accept-held", is_flag=True, help="Ready while a switch holds requests too (a single replica).")
+def probe(port, key_env, accept_held):
     """Exit 0 when specops' proxy on 127.0.0.1:PORT serves (the pods' startup and readiness probe)."""
     from specops.k8s.pod import probe as check
 
-    why = check(port, key_env)
+    why = check(port, key_env, accept=("serving", "held") if accept_held else ("serving",))
     if why:
         click.echo(why, err=True)
         sys.exit(1)
+
+
+@k8s.command()
+@click.option("--port", type=click.IntRange(1, 65535), required=True, help="specops' port on loopback.")
+@click.option("--key-env", help="Variable holding the API key (when the status endpoint needs it).")
+@click.option("--settle", type=click.FloatRange(0, 600), default=5.0, show_default=True, help="Seconds first.")
+@click.option("--timeout", type=click.FloatRange(0, 86400), required=True, help="Longest wait (drain_timeout).")
+def prestop(port, key_env, settle, timeout):
+    """The pods' preStop hook: wait SETTLE seconds, then until specops has no request in flight."""
+    from specops.k8s.pod import prestop as drain
+
+    click.echo(drain(port, key_env, settle=settle, timeout=timeout), err=True)
 
 
 @k8s.command()

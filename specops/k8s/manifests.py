@@ -44,8 +44,8 @@ LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 #: Variables LeaderWorkerSet injects; the profile may read them, and they are no secrets.
 LWS_VARS = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
 RPC_WORKERS_VAR = "SPECOPS_RPC_WORKERS"
-#: Seconds the pod stays in the Service's endpoints after deletion starts (preStop), so that load
-#: balancers stop sending before specops stops accepting.
+#: Seconds the preStop hook waits before draining, so that the endpoints (and load balancers) stop sending
+#: to the pod first; then it waits for in-flight requests (at most proxy.drain_timeout), then SIGTERM.
 PRESTOP_SLEEP = 5
 #: Margin on top of drain + stop in terminationGracePeriodSeconds.
 GRACE_MARGIN = 15
@@ -279,13 +279,38 @@ def _mounts(p: Profile, *, config: bool = True) -> list[dict]:
     return mounts
 
 
-def probe_command(p: Profile, key_var: str | None) -> list[str]:
-    """The exec probe: specops' proxy answers and serves (``specops k8s probe``, loopback only)."""
-    port = p.proxy.admin_port or p.server.port
-    argv = ["specops", "k8s", "probe", "--port", str(port)]
+def _status_args(p: Profile, key_var: str | None) -> list[str]:
+    """How the in-pod helpers reach specops' status on loopback: the admin port (no key), else the public one."""
+    argv = ["--port", str(p.proxy.admin_port or p.server.port)]
     if p.proxy.admin_port is None and key_var is not None:
         argv += ["--key-env", key_var]
     return argv
+
+
+def probe_command(p: Profile, key_var: str | None, *, readiness: bool = False) -> list[str]:
+    """The exec probe: specops' proxy answers and serves (``specops k8s probe``, loopback only).
+
+    A single replica stays ready while a switch holds requests (its proxy queues them; there is no other
+    replica to route to); with several, a switching replica leaves the Service.
+    """
+    argv = ["specops", "k8s", "probe", *_status_args(p, key_var)]
+    if readiness and p.deploy.replicas <= 1:
+        argv.append("--accept-held")
+    return argv
+
+
+def prestop_command(p: Profile, key_var: str | None) -> list[str]:
+    """preStop: the endpoints drop the pod, then in-flight requests finish (at most ``proxy.drain_timeout``)."""
+    return [
+        "specops",
+        "k8s",
+        "prestop",
+        *_status_args(p, key_var),
+        "--settle",
+        str(PRESTOP_SLEEP),
+        "--timeout",
+        str(math.ceil(p.proxy.drain_timeout)),
+    ]
 
 
 def _server_container(p: Profile, key_var: str | None, args: list[str], *, lws: bool, gpus: int) -> dict:
@@ -315,7 +340,12 @@ def _server_container(p: Profile, key_var: str | None, args: list[str], *, lws: 
             "failureThreshold": max(1, math.ceil(startup_seconds(p) / STARTUP_PERIOD)),
         },
         # ready = specops' proxy serves (not while it holds requests for a switch or a restart)
-        "readinessProbe": {**probe, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 2},
+        "readinessProbe": {
+            "exec": {"command": probe_command(p, key_var, readiness=True)},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+            "failureThreshold": 2,
+        },
         # alive = specops' proxy accepts connections; it does while the engine loads or switches
         "livenessProbe": {
             "tcpSocket": {"port": "http"},
@@ -323,7 +353,7 @@ def _server_container(p: Profile, key_var: str | None, args: list[str], *, lws: 
             "timeoutSeconds": 5,
             "failureThreshold": 6,
         },
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP)]}}},
+        "lifecycle": {"preStop": {"exec": {"command": prestop_command(p, key_var)}}},
         "securityContext": _security_context(),
     }
     return c

@@ -29,24 +29,75 @@ from specops.errors import SpecopsError
 RPC_WORKERS_VAR = "SPECOPS_RPC_WORKERS"
 
 
-def probe(port: int, key_env: str | None = None, *, timeout: float = 4.0, env: Mapping[str, str] | None = None) -> str:
-    """'' when specops' proxy on ``127.0.0.1:port`` serves, else why not (for the kubelet's event)."""
+def status(port: int, key_env: str | None, *, host: str = "127.0.0.1", timeout: float = 4.0, env=None) -> dict:
+    """specops' ``/specops/status`` document (raises OSError/ValueError when it does not answer)."""
     env = os.environ if env is None else env
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/specops/status")
+    req = urllib.request.Request(f"http://{host}:{port}/specops/status")
     key = env.get(key_env) if key_env else None
     if key:
         req.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (fixed scheme, a pod's own address)
+        doc = json.loads(resp.read(1 << 20))
+    if not isinstance(doc, dict):
+        raise ValueError("not a status document")
+    return doc
+
+
+def probe(
+    port: int,
+    key_env: str | None = None,
+    *,
+    accept: tuple[str, ...] = ("serving",),
+    timeout: float = 4.0,
+    env: Mapping[str, str] | None = None,
+) -> str:
+    """'' when specops' proxy on ``127.0.0.1:port`` is in one of the ``accept`` states, else why not.
+
+    ``serving`` only, by default: a replica leaves the Service while it switches methods or restarts its
+    engine. A single replica accepts ``held`` too: there is no other one to route to, and its proxy queues
+    the requests through the switch (which is what it is for).
+    """
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (loopback, fixed scheme)
-            doc = json.loads(resp.read(1 << 20))
+        doc = status(port, key_env, timeout=timeout, env=env)
     except urllib.error.HTTPError as exc:
         return f"specops answered {exc.code} on /specops/status"
     except (OSError, ValueError) as exc:
         return f"specops does not answer on port {port}: {type(exc).__name__}"
-    state = (doc.get("proxy") or {}).get("state") if isinstance(doc, dict) else None
-    if state != "serving":
-        return f"the proxy is {state or 'in an unknown state'}, not serving"
+    state = (doc.get("proxy") or {}).get("state") if isinstance(doc.get("proxy"), dict) else None
+    if state not in accept:
+        return f"the proxy is {state or 'in an unknown state'}, not {' or '.join(accept)}"
     return ""
+
+
+def prestop(
+    port: int,
+    key_env: str | None,
+    *,
+    settle: float,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> str:
+    """The pod's preStop hook: let the endpoints drop the pod, then wait for in-flight requests to finish.
+
+    After ``settle`` seconds no new request should arrive; then it polls specops until nothing is in flight or
+    queued, at most ``timeout`` seconds (``proxy.drain_timeout``). SIGTERM follows, and specops stops the
+    engine. Returns what it saw (for the pod's events); it never fails, a hook that fails only delays.
+    """
+    sleep(settle)
+    deadline = clock() + timeout
+    while True:
+        try:
+            proxy = status(port, key_env, env=env).get("proxy") or {}
+            busy = int(proxy.get("in_flight") or 0) + int(proxy.get("queue_depth") or 0)
+        except (OSError, ValueError, TypeError):
+            return "specops does not answer: nothing to drain"
+        if busy == 0:
+            return "drained"
+        if clock() >= deadline:
+            return f"{busy} request(s) still in flight after {timeout:.0f}s"
+        sleep(0.5)
 
 
 def worker_addresses(leader_address: str, nodes: int, port: int) -> list[str]:
@@ -128,17 +179,11 @@ def leader(mode: str, nodes: int, profile: str, *, ray_port: int, rpc_port: int,
 
 def leader_step(port: int, key_env: str | None, env: Mapping[str, str]) -> int | None:
     """The chain step the leader's specops runs now (its /specops/status), None when it does not answer."""
-    host = env.get("LWS_LEADER_ADDRESS", "")
-    req = urllib.request.Request(f"http://{host}:{port}/specops/status")
-    key = env.get(key_env) if key_env else None
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
     try:
-        with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 (the group's leader, fixed scheme)
-            doc = json.loads(resp.read(1 << 20))
+        doc = status(port, key_env, host=env.get("LWS_LEADER_ADDRESS", ""), timeout=5, env=env)
     except (OSError, ValueError):
         return None
-    step = doc.get("step") if isinstance(doc, dict) else None
+    step = doc.get("step")
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
