@@ -63,9 +63,10 @@ def test_overlays_build_and_validate(env, replicas, namespace):
     image = dep["template"]["spec"]["containers"][0]["image"]
     assert image.startswith("registry.example.com/specops-vllm")
     assert image.endswith("0.1.0-rc1") if env == "staging" else "@sha256:" in image
-    # the Component narrows the proxy port to the ingress namespace; the engine port is nowhere
-    ingress = kinds["NetworkPolicy"]["spec"]["ingress"][0]
-    assert ingress["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ingress-nginx"}
+    # the Component narrows the proxy port to the ingress controller and Prometheus (which scrapes it)
+    ingress = kinds["NetworkPolicy"]["spec"]["ingress"]
+    peers = [f["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for f in ingress[0]["from"]]
+    assert peers == ["ingress-nginx", "monitoring"] and len(ingress) == 1
     if env == "prod":
         assert dep["template"]["spec"]["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
         assert dep["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
