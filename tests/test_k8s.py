@@ -640,3 +640,10 @@ def test_auto_without_a_lock_is_pointed_out(tmp_path):
     assert "run `specops lock`" in render(str(prof))[1]
     (tmp_path / "p.lock.json").write_text("{}\n")
     assert "specops lock" not in render(str(prof))[1]
+
+
+def test_a_deployment_without_an_api_key_is_pointed_out():
+    assert "no API key: anyone who reaches the Service" in render(CASES["qwen25-72b-rpc"])[1]
+    note = render(CASES["llama31-8b-chat-prod"])[1]
+    assert "reads ${SPECOPS_API_KEY} but no deploy.secrets.api_key provides it" in note
+    assert "anyone" not in render(CASES["llama31-405b-ray"])[1]

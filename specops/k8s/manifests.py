@@ -476,8 +476,13 @@ def render(loaded: LoadedProfile, lock_text: str | None = None, source_name: str
             f"{p.name}: `auto` without a lock file: every pod resolves the draft when it starts (Hub access "
             "needed, and replicas may pick differently); run `specops lock` and commit the .lock.json"
         )
-    if p.deploy.secrets.api_key is None and key_var is None:
-        out.notes.append(f"{p.name}: no API key: anyone who reaches the Service can use the model")
+    if p.deploy.secrets.api_key is None:
+        why = (
+            f"server.api_key reads ${{{key_var}}} but no deploy.secrets.api_key provides it"
+            if key_var
+            else "no API key"
+        )
+        out.notes.append(f"{p.name}: {why}: anyone who reaches the Service can use the model")
     return out
 
 
