@@ -1,0 +1,346 @@
+"""Speculation that follows the load: ``fallback.mode: goodput`` against static deployments on a phased workload.
+
+1. **The surface**: ``specops tune --dry-run --json`` measures the deployment (the layer-skip fixture on
+   llama-server) at concurrency 1, 2 and 4 with speculation (k) and without (the baseline tune adds), and its
+   record's ``surface`` gives the crossover concurrency. The script prints the measured curve.
+2. **The phased workload**, the same for three deployments run by ``specops up`` one after the other (the order
+   rotates per round; medians over rounds): greedy at concurrency 1, greedy at ``--high`` (past the crossover),
+   greedy at 1 again, then temperature 1.5 at 1 (the draft is rarely accepted):
+
+   - **managed**: ``fallback.mode: goodput`` with the measured surface (chain ``[none]``);
+   - **static speculation**: the draft, ``fallback.enabled: false``;
+   - **static none**: no speculation.
+
+Reported per phase: tokens/s (output tokens ÷ the phase's wall time, clients closed-loop) of each, the managed
+one against the best static configuration of that phase, the whole run, and the managed deployment's decisions
+(time into the run, from → to, concurrency, predicted tokens/s).
+
+    .venv/bin/python benchmarks/bench_goodput.py
+    .venv/bin/python benchmarks/bench_goodput.py --phase 40 --rounds 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specops.perf.bench import machine  # noqa: E402
+from specops.perf.workload import Prompt, run_workload  # noqa: E402
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog and",
+    "Once upon a time in a land far away",
+    "def hello world return print self import",
+    "It is the and of to in that for on with as",
+]
+CONFIGS = ("managed", "static-spec", "static-none")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def profile_yaml(config: str, paths: dict, port: int, args, surface: Path | None) -> str:
+    spec = (
+        "speculative:\n  method: none\n"
+        if config == "static-none"
+        else f"speculative:\n  method: draft_model\n  draft: {paths['draft']}\n  num_speculative_tokens: {args.k}\n"
+    )
+    if config == "managed":
+        fallback = (
+            f"fallback:\n  mode: goodput\n  window: {args.window}\n  min_draft_tokens: 50\n  chain: [none]\n"
+            f"  max_switches_per_hour: 60\n  goodput:\n    surface: {surface}\n    sustain: {args.sustain}\n"
+            f"    min_dwell: {args.dwell}\n    regime: 1m\n"
+        )
+    else:
+        fallback = "fallback:\n  enabled: false\n"
+    return (
+        f"name: goodput-{config}\nbackend: llamacpp\nmodel:\n  id: {paths['target']}\n  max_model_len: 4096\n{spec}"
+        f"gpus:\n  devices: []\nserver:\n  port: {port}\n  parallel: {args.parallel}\n"
+        + (f'  extra_args: ["-t", "{args.llama_threads}"]\n' if args.llama_threads else "")
+        + fallback
+        + "monitor:\n  interval: 500ms\nsupervisor:\n  stop_timeout: 10\n"
+    )
+
+
+class Up:
+    """``specops up PROFILE`` as a subprocess, stopped with SIGTERM like ``specops down``."""
+
+    def __init__(self, profile: Path, state: Path, name: str):
+        self.profile, self.state, self.name = profile, state, name
+        state.mkdir(parents=True, exist_ok=True)
+        self.log = open(state / f"{name}.up.log", "w")
+        env = {**os.environ, "SPECOPS_STATE": str(state)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specops.cli", "up", str(profile), "--quiet-engine"],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def st(self) -> dict:
+        try:
+            return json.loads((self.state / self.name / "state.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def events(self) -> list[dict]:
+        try:
+            return [json.loads(x) for x in (self.state / self.name / "events.jsonl").read_text().splitlines() if x]
+        except FileNotFoundError:
+            return []
+
+    def wait_ready(self, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.st()
+            if st.get("state") == "ready":
+                return st
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"specops up exited: {(self.state / f'{self.name}.up.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        raise RuntimeError("specops up not ready in time")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def measure_surface(paths: dict, work: Path, args, say) -> dict:
+    """``specops tune --dry-run --json`` on the static-speculation profile: the record's surface."""
+    prof = work / "surface.yaml"
+    prof.write_text(profile_yaml("static-spec", paths, free_port(), args, None))
+    cmd = [
+        sys.executable,
+        "-m",
+        "specops.cli",
+        "tune",
+        str(prof),
+        "--k",
+        str(args.k),
+        "-c",
+        ",".join(str(c) for c in sorted({args.high, 2, 1}, reverse=True)),
+        "--budget",
+        args.surface_budget,
+        "--max-tokens",
+        str(args.tokens),
+        "--ignore-eos",
+        "--min-rounds",
+        "3",
+        "--rounds",
+        "5",
+        "--dry-run",
+        "--json",
+        "--no-plot",
+        "-q",
+    ]
+    say("measuring the surface: " + " ".join(cmd[3:]))
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SPECOPS_STATE": str(work)})
+    if out.returncode:
+        raise RuntimeError(f"specops tune failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout)["record"]["surface"]
+
+
+async def phase_load(url: str, concurrency: int, seconds: float, temperature: float, tokens: int) -> dict:
+    prompts = [Prompt(p, tokens, temperature, "phase") for p in PROMPTS]
+    res = await run_workload(
+        url, "x", prompts, concurrency=concurrency, duration=seconds, extra_body={"ignore_eos": True}
+    )
+    return {
+        "tokens": res.output_tokens,
+        "wall_s": res.wall_s,
+        "tokens_per_s": res.output_tokens / res.wall_s if res.wall_s else 0.0,
+        "requests": len(res.requests),
+        "errors": len(res.errors),
+    }
+
+
+def run_config(config: str, paths: dict, work: Path, args, surface: Path, phases, say) -> dict:
+    prof = work / f"{config}.yaml"
+    prof.write_text(profile_yaml(config, paths, free_port(), args, surface))
+    up = Up(prof, work, f"goodput-{config}")
+    try:
+        st = up.wait_ready()
+        asyncio.run(phase_load(st["url"], 1, 1.0, 0.0, 8))  # warm-up
+        t0 = time.time()
+        out: dict = {"phases": {}}
+        for name, conc, temp in phases:
+            start = round(time.time() - t0, 1)
+            out["phases"][name] = asyncio.run(phase_load(st["url"], conc, args.phase, temp, args.tokens))
+            out["phases"][name]["start_s"] = start
+        out["decisions"] = [
+            {
+                "t": round(e["ts"] - t0, 1),
+                "from": e.get("from"),
+                "to": e.get("to"),
+                "rule": e.get("rule"),
+                "concurrency": round(e["numbers"].get("concurrency") or 0, 2),
+                "predicted": e["numbers"].get("predicted"),
+            }
+            for e in up.events()
+            if e["event"] == "decision" and e.get("action") == "switch"
+        ]
+        say(
+            f"  {config}: "
+            + ", ".join(f"{p} {v['tokens_per_s']:.1f}" for p, v in out["phases"].items())
+            + (f"; switches at {[d['t'] for d in out['decisions']]}" if out["decisions"] else "")
+        )
+        return out
+    finally:
+        up.stop()
+
+
+def print_surface(surface) -> None:
+    print("Measured surface (tokens/s; specops tune, medians of its rounds):\n")
+    levels = surface.levels()
+    print("| option | " + " | ".join(f"c={c}" for c in levels) + " | mean acc. length |")
+    print("|---|" + "---|" * (len(levels) + 1))
+    for meth, k in surface.options():
+        row = [surface.tokens_per_s(meth, k, c) for c in levels]
+        tau = surface.tau(meth, k)
+        print(
+            f"| {meth.value if k == 0 else f'{meth.value} k={k}'} | "
+            + " | ".join(f"{v:.1f}" for v in row)
+            + f" | {'' if tau is None else f'{tau:.2f}'} |"
+        )
+    print(f"\ncrossover concurrency: {surface.crossovers()} (None: speculation wins at every measured level)\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--phase", type=float, default=40.0, help="seconds per phase")
+    ap.add_argument("--high", type=int, default=4, help="the high concurrency of phase 2")
+    ap.add_argument("--parallel", type=int, default=4, help="server.parallel of every deployment")
+    ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--window", default="3s")
+    ap.add_argument("--sustain", default="2s")
+    ap.add_argument("--dwell", default="5s")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--surface-budget", default="3m")
+    ap.add_argument("--surface", help="a tune record with a surface to use instead of measuring one")
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument(
+        "--draft-layers",
+        type=int,
+        default=1,
+        help="a costlier draft: the layer-skip target with this many layers (the same function as the target, "
+        "at draft-layers/layers of its cost; 1 = the fixture's one-layer draft)",
+    )
+    ap.add_argument("--surface-only", action="store_true", help="measure and print the surface, then stop")
+    ap.add_argument("--llama-threads", type=int, default=1)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    from specops.devenv.testmodels import ensure_layerskip
+    from specops.watch.goodput import Surface
+
+    paths = dict(ensure_layerskip("gguf", args.hidden, args.layers))
+    if args.draft_layers > 1:  # layer 0 and the embeddings come first from one seed: the same function, costlier
+        paths["draft"] = ensure_layerskip("gguf", args.hidden, args.draft_layers)["target"]
+    phases = [
+        ("1 greedy c=1", 1, 0.0),
+        (f"2 greedy c={args.high}", args.high, 0.0),
+        ("3 greedy c=1", 1, 0.0),
+        ("4 temperature 1.5 c=1", 1, 1.5),
+    ]
+    load_before = os.getloadavg()
+    runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    with tempfile.TemporaryDirectory(prefix="specops-bench-goodput-") as tmp:
+        work = Path(tmp)
+        record = work / "surface.tune.json"
+        if args.surface:
+            surface_d = json.loads(Path(args.surface).read_text())["surface"]
+        else:
+            surface_d = measure_surface(paths, work, args, say)
+            if args.json:
+                Path(args.json).with_suffix(".surface.json").write_text(json.dumps({"surface": surface_d}, indent=2))
+        record.write_text(json.dumps({"surface": surface_d}))
+        surface = Surface.from_dict(surface_d)
+        if args.surface_only:
+            print_surface(surface)
+            return
+        for rnd in range(args.rounds):
+            order = CONFIGS[rnd % 3 :] + CONFIGS[: rnd % 3]
+            say(f"round {rnd + 1}/{args.rounds}: {', '.join(order)}")
+            for config in order:
+                runs[config].append(run_config(config, paths, work / f"r{rnd}", args, record, phases, say))
+    load_after = os.getloadavg()
+    names = [p[0] for p in phases]
+    med = {c: {p: statistics.median(r["phases"][p]["tokens_per_s"] for r in runs[c]) for p in names} for c in CONFIGS}
+    total = {
+        c: statistics.median(
+            sum(r["phases"][p]["tokens"] for p in names) / sum(r["phases"][p]["wall_s"] for p in names) for r in runs[c]
+        )
+        for c in CONFIGS
+    }
+    m = machine()
+    print(
+        f"Goodput policy, llama-server, layer-skip {args.hidden}x{args.layers}, draft_model k={args.k}, "
+        f"server.parallel {args.parallel}; machine: {m['cpu']}, {m['cores']} cores; llama-server threads "
+        f"{args.llama_threads or 'default'}; {args.tokens} tokens/request (ignore_eos); phases of {args.phase:g}s; "
+        f"managed: window {args.window}, sustain {args.sustain}, min_dwell {args.dwell}; deployments one after the "
+        f"other, order rotating; medians of {args.rounds} round(s); load average {load_before[0]:.1f} before, "
+        f"{load_after[0]:.1f} after\n"
+    )
+    print_surface(surface)
+    print("| phase | managed tok/s | static spec tok/s | static none tok/s | managed ÷ best static |")
+    print("|---|---|---|---|---|")
+    for p in names:
+        best = max(med["static-spec"][p], med["static-none"][p])
+        print(
+            f"| {p} | {med['managed'][p]:.1f} | {med['static-spec'][p]:.1f} | {med['static-none'][p]:.1f} | "
+            f"**{med['managed'][p] / best:.2f}** |"
+        )
+    best_total = max(total["static-spec"], total["static-none"])
+    print(
+        f"| whole run | {total['managed']:.1f} | {total['static-spec']:.1f} | {total['static-none']:.1f} | "
+        f"**{total['managed'] / best_total:.2f}** |"
+    )
+    print(
+        "\nmanaged decisions (seconds into the run; phases start at "
+        + ", ".join(f"{p} {runs['managed'][0]['phases'][p]['start_s']}" for p in names)
+        + "):"
+    )
+    for i, r in enumerate(runs["managed"]):
+        for d in r["decisions"]:
+            print(
+                f"  round {i + 1}: t={d['t']}s {d['from']} → {d['to']} [{d['rule']}] concurrency {d['concurrency']}, "
+                f"predicted {d['predicted']}"
+            )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"machine": m, "args": vars(args), "surface": surface_d, "runs": runs, "medians": med, "whole": total},
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
