@@ -167,6 +167,7 @@ class _Instance:
     watcher: Watcher | None = None
     proxy: object | None = None
     sup: Supervisor | None = None
+    draining: asyncio.Task | None = None  # the shutdown drain, once a stop signal came
 
     @property
     def public_url(self) -> str:
@@ -252,7 +253,7 @@ async def _serve(up: _Instance) -> int:
     profile, sup, engine = up.loaded.profile, up.sup, up.engine
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, sup.request_stop, f"received {signal.Signals(sig).name}")
+        loop.add_signal_handler(sig, _on_stop_signal, up, signal.Signals(sig).name)
     up.events.emit(
         "up",
         profile=os.path.abspath(up.loaded.path),
@@ -285,6 +286,28 @@ async def _serve(up: _Instance) -> int:
         release(up.paths)
     up.console.say("stopped" if rc == 0 else "gave up: no method of the chain could run")
     return rc
+
+
+def _on_stop_signal(up: _Instance, name: str) -> None:
+    """First SIGINT/SIGTERM: drain the requests in flight, then stop; a second one: stop now."""
+    why = f"received {name}"
+    if up.proxy is None or up.draining is not None:
+        up.sup.request_stop(why + (" again: stopping without waiting for the drain" if up.draining else ""))
+        return
+    up.draining = asyncio.get_running_loop().create_task(_drain_then_stop(up, why))
+
+
+async def _drain_then_stop(up: _Instance, why: str) -> None:
+    """Stop forwarding (new requests wait, and get 503 when specops stops), let the requests on the engine
+    finish for at most ``proxy.drain_timeout``, then stop: shutting down loses no request in flight."""
+    timeout = up.loaded.profile.proxy.drain_timeout
+    up.console.say(f"{why}: finishing the requests in flight (at most {timeout:g}s), then stopping")
+    up.proxy.hold()
+    try:
+        result = await up.proxy.drain(timeout)
+        up.events.emit("shutdown-drain", **result.to_dict())
+    finally:
+        up.sup.request_stop(why)
 
 
 async def _start_proxy(up: _Instance) -> None:

@@ -183,3 +183,39 @@ def test_chain_exhausted_exits_with_code_1(tmp_path, models):
         assert run.state()["state"] == "fatal"
         assert run.events("decision")[-1]["action"] == "fatal"
         assert "no method left" in run.output()
+
+
+def test_sigterm_lets_the_requests_in_flight_finish(tmp_path, models):
+    """`specops down` / systemd / Kubernetes stop with SIGTERM: the requests already on the engine finish
+    (within proxy.drain_timeout) before the engine is stopped, instead of being cut."""
+    import json
+    import threading
+
+    profile = llama_profile(tmp_path, models, "llama-drain", proxy={"drain_timeout": 60})
+    results: list[tuple[int, object]] = []
+    with UpRun(profile, tmp_path / "state", profile.stem) as run:
+        st = run.wait_ready(timeout=120)
+        url = st["url"]
+
+        def one(i: int) -> None:
+            body = {"prompt": f"request {i} the quick brown fox", "max_tokens": 160, "temperature": 0}
+            results.append(http_json(url + "/v1/completions", body, timeout=120))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if json.loads(http_text(url + "/specops/status"))["proxy"]["in_flight"] >= 2:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the requests never reached the engine")
+        rc = run.stop()
+        for t in threads:
+            t.join(timeout=120)
+        assert rc == 0, run.output()
+        assert [status for status, _ in results] == [200, 200, 200], results
+        assert all(body["choices"][0]["finish_reason"] in ("length", "stop") for _, body in results), results
+        drains = run.events("shutdown-drain")
+        assert drains and drains[0]["in_flight"] >= 2 and drains[0]["cut"] == 0, drains

@@ -433,7 +433,8 @@ class ProxySettings(Section):
     queue_size: int = Field(256, ge=0, description="Requests that may wait while the engine is switching.")
     queue_timeout: Duration = Field(120.0, description="Longest wait in the queue before a 503 with Retry-After.")
     drain_timeout: Duration = Field(
-        60.0, description="How long in-flight requests may finish before a switch stops the engine."
+        60.0,
+        description="How long in-flight requests may finish before a switch, or a stop (SIGTERM), stops the engine.",
     )
     retry_unstarted: bool = Field(
         True, description="Retry once on the next engine a request that failed before any response byte (false: 502)."
