@@ -130,6 +130,37 @@ def test_chat_prompts_become_one_user_turn():
     assert messages_for("def f():\n") == [{"role": "user", "content": "def f():\n"}]
 
 
+def test_both_at_once_stops_the_other_start_up_when_one_fails():
+    import asyncio
+    import contextlib
+
+    from specops.perf.certify import _both
+
+    stopped: list[str] = []
+
+    def launch(mode):
+        @contextlib.asynccontextmanager
+        async def cm():
+            try:
+                if mode == "none":
+                    await asyncio.sleep(0.05)
+                    raise SpecopsError("none: not ready")
+                await asyncio.sleep(30)  # still starting when the other fails
+                yield mode
+            finally:
+                stopped.append(mode)
+
+        return cm()
+
+    async def main():
+        async with _both(launch, lambda mode, eng: None):
+            raise AssertionError("never reached")
+
+    with pytest.raises(SpecopsError, match="none: not ready"):
+        asyncio.run(asyncio.wait_for(main(), 5))
+    assert sorted(stopped) == ["none", "spec"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # the certificate file and staleness (real files, no engine)
 
@@ -366,12 +397,14 @@ def test_certify_vllm_cpu(tmp_path):
     profile.write_text(
         f"name: certify-vllm\nbackend: vllm\nmodel:\n  id: {target}\n  dtype: float32\n  max_model_len: 256\n"
         f"speculative:\n  method: draft_model\n  draft: {target}\n  num_speculative_tokens: 2\n"
-        'server:\n  env:\n    VLLM_CPU_KVCACHE_SPACE: "1"\nsupervisor:\n  stop_timeout: 20\n'
+        'server:\n  extra_args: ["--enforce-eager"]\n  env:\n    VLLM_CPU_KVCACHE_SPACE: "1"\n'
+        "supervisor:\n  stop_timeout: 20\n"
     )
-    cert = run_certify(profile, "-w", "code", "-n", "2", "--max-tokens", "12", timeout=400)
+    cert = run_certify(profile, "-w", "code", "-n", "2", "--max-tokens", "12", "--both-at-once", timeout=400)
     lo = cert["lossless"]
     assert lo["verdict"] == "exact" and lo["requests"] == 2 and lo["compared_by"] == ["token"], lo
     row = cert["sets"]["code"]
     check_counters_consistent(row, 2)
     assert row["greedy"]["acceptance"] == pytest.approx(1.0) and cert["verdict"]["certified"]
     assert cert["settings"]["concurrency"] == [1] and cert["identity"]["engine_version"] == "0.32.0"
+    assert [x["mode"] for x in cert["launches"]] == ["spec", "none"]

@@ -84,6 +84,12 @@ Examples:
     type=click.Path(file_okay=False),
     help="Write certificate.png (acceptance per position, speedup) here (needs matplotlib).",
 )
+@click.option(
+    "--both-at-once",
+    is_flag=True,
+    help="Start both engines (with and without speculation) together so their start-ups overlap; the "
+    "measurements still take turns. Needs memory for two (on a GPU lower gpus.memory_utilization).",
+)
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Keep the engines' logs here.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output on stderr.")
 @json_option
@@ -100,6 +106,7 @@ def certify(
     output,
     no_write,
     plots_dir,
+    both_at_once,
     log_dir,
     quiet,
     as_json,
@@ -118,6 +125,7 @@ def certify(
         tolerance=tolerance,
         step_index=step,
         backend_version=backend_version,
+        both_at_once=both_at_once,
         log_dir=Path(log_dir) if log_dir else None,
     )
     if cfg.log_dir:

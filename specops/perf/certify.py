@@ -27,6 +27,7 @@ The report is the certificate (:mod:`specops.perf.certify_file`): identity + fig
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as _dt
 import re
 import time
@@ -65,6 +66,7 @@ class CertifyConfig:
     tolerance: float = 0.0
     step_index: int = 0
     warmup: int = 1
+    both_at_once: bool = False  # start both engines together (memory for two; start-ups overlap)
     backend_version: str | None = None
     ready_timeout: float | None = None
     log_dir: Path | None = None
@@ -391,22 +393,36 @@ async def run_certify(loaded: LoadedProfile, registry, cfg: CertifyConfig, *, sa
     say(endpoint_note)
     sets = load_sets(cfg.prompt_sets, cfg.prompts_per_set, cfg.max_tokens)
     level = cfg.concurrency or spec.server.parallel or 1
-    runs: dict[str, dict] = {}
-    launches = []
-    for mode, prof in ((SPEC, spec), (BASE, without_speculation(spec))):
+    profiles = {SPEC: spec, BASE: without_speculation(spec)}
+    launches: list[dict] = []
+
+    def launch(mode: str):
+        from specops.perf.launch import launched
+
+        prof = profiles[mode]
         what = f"{prof.speculative.method} k={prof.speculative.k}" if mode == SPEC else "no speculation (none)"
         say(f"launching {prof.backend} {engine.version} with {what}")
         log_path = (cfg.log_dir / f"engine-{mode}.log") if cfg.log_dir else None
-        from specops.perf.launch import launched
-
-        async with launched(
+        return launched(
             loaded, registry, profile=prof, engine=engine, ready_timeout=cfg.ready_timeout, log_path=log_path, say=say
-        ) as eng:
-            say(f"ready in {eng.ready_s:.1f}s on {eng.base_url}")
-            launches.append(
-                {"mode": mode, "ready_s": round(eng.ready_s, 2), "argv": [eng.plan.redact(a) for a in eng.plan.argv]}
-            )
-            runs[mode] = await _passes(eng, sets, level, chat, cfg, say)
+        )
+
+    def ready(mode: str, eng) -> None:
+        say(f"{mode}: ready in {eng.ready_s:.1f}s on {eng.base_url}")
+        argv = [eng.plan.redact(a) for a in eng.plan.argv]
+        launches.append({"mode": mode, "ready_s": round(eng.ready_s, 2), "argv": argv})
+
+    runs: dict[str, dict] = {}
+    if cfg.both_at_once:
+        async with _both(launch, ready) as engines:
+            for mode in (SPEC, BASE):
+                runs[mode] = await _passes(engines[mode], sets, level, chat, cfg, say)
+    else:
+        for mode in (SPEC, BASE):
+            async with launch(mode) as eng:
+                ready(mode, eng)
+                runs[mode] = await _passes(eng, sets, level, chat, cfg, say)
+    launches.sort(key=lambda x: x["mode"] != SPEC)
     report = {
         "certificate_version": CERT_VERSION,
         "generated_by": f"specops {__version__}",
@@ -434,6 +450,30 @@ async def run_certify(loaded: LoadedProfile, registry, cfg: CertifyConfig, *, sa
     report.update(summarize(runs, sets, level, cfg.tolerance, spec.fallback.min_acceptance))
     report["seconds"] = round(time.time() - started, 1)
     return report
+
+
+@contextlib.asynccontextmanager
+async def _both(launch, ready):
+    """Both engines started at once (their start-ups overlap), each stopped on exit whatever happens; the
+    measurements still run one engine at a time. A failed start cancels the other one's."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines: dict[str, Any] = {}
+
+        async def start(mode: str) -> None:
+            engines[mode] = await stack.enter_async_context(launch(mode))
+            ready(mode, engines[mode])
+
+        tasks = [asyncio.ensure_future(start(mode)) for mode in (SPEC, BASE)]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in tasks:  # a failed start (or our own cancellation) stops the other start-up too
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        failed = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+        if failed:
+            raise next((e for e in failed if isinstance(e, SpecopsError)), failed[0])
+        yield engines
 
 
 def _endpoint(choice: str, ident: dict) -> tuple[bool, str]:
