@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from specops.commands._common import echo_json, json_option, load, profile_argument, version_param
+from specops.commands._common import duration_param, echo_json, json_option, load, profile_argument, version_param
 
 CERTIFY_HELP = """Certify PROFILE on its real engine: lossless under greedy decoding, and how fast.
 
@@ -91,6 +91,29 @@ Examples:
     "measurements still take turns. Needs memory for two (on a GPU lower gpus.memory_utilization).",
 )
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Keep the engines' logs here.")
+@click.option(
+    "--spot-reference",
+    metavar="URL",
+    help="Live spot checks instead of a certification: compare greedy probes sent to the running deployment "
+    "(server.host:port of PROFILE) with this instance of the same model without speculation, every --every, "
+    "recording spot_check / spot_divergence events in the deployment's events.jsonl.",
+)
+@click.option(
+    "--every",
+    callback=duration_param,
+    metavar="DURATION",
+    default="10m",
+    show_default=True,
+    help="Spot checks: time between checks (at least 10s).",
+)
+@click.option("--checks", type=int, help="Spot checks: stop after this many (default: until interrupted).")
+@click.option("--sample", type=int, default=2, show_default=True, help="Spot checks: greedy probes per check.")
+@click.option(
+    "--metrics-file",
+    type=click.Path(dir_okay=False),
+    help="Spot checks: write the specops_spot_check_* metrics here after each check (Prometheus text format, "
+    "for node_exporter's textfile collector).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress output on stderr.")
 @json_option
 def certify(
@@ -108,6 +131,11 @@ def certify(
     plots_dir,
     both_at_once,
     log_dir,
+    spot_reference,
+    every,
+    checks,
+    sample,
+    metrics_file,
     quiet,
     as_json,
 ):
@@ -116,6 +144,26 @@ def certify(
     from specops.plugins import get_registry
 
     loaded = load(profile)
+    say = (lambda m: None) if quiet else (lambda m: click.echo(f"specops: {m}", err=True))
+    if spot_reference:
+        results = _spot_checks(
+            loaded,
+            spot_reference,
+            prompt_sets,
+            max_tokens,
+            tolerance,
+            endpoint,
+            every,
+            checks,
+            sample,
+            metrics_file,
+            say,
+        )
+        if as_json:
+            echo_json(json.loads(json.dumps(results, default=str)))
+        if any(not r["lossless"] for r in results):
+            raise SystemExit(1)
+        return
     cfg = CertifyConfig(
         prompt_sets=[x.strip() for x in prompt_sets.split(",") if x.strip()],
         prompts_per_set=prompts_per_set,
@@ -130,7 +178,6 @@ def certify(
     )
     if cfg.log_dir:
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
-    say = (lambda m: None) if quiet else (lambda m: click.echo(f"specops: {m}", err=True))
     cert = run_certify_blocking(loaded, get_registry(), cfg, say=say)
     written = None
     if not no_write:
@@ -156,3 +203,56 @@ def certify(
             click.echo(f"wrote {p}")
     if not cert["verdict"]["certified"]:
         raise SystemExit(1)
+
+
+def _spot_checks(
+    loaded, reference, prompt_sets, max_tokens, tolerance, endpoint, every, checks, sample, metrics_file, say
+):
+    """``--spot-reference``: live spot checks against the running deployment until interrupted (or --checks)."""
+    import asyncio
+
+    from specops.perf.certify import Endpoint, load_sets
+    from specops.perf.certify_file import chat_template
+    from specops.perf.certify_spot import SpotChecker, SpotConfig, SpotMetrics, model_name_of
+    from specops.plugins import get_registry
+    from specops.run.instance import EventLog, InstancePaths
+    from specops.urls import http_url
+
+    profile = loaded.profile
+    live_url = http_url(profile.server.host, profile.server.port)
+    key = profile.server.api_key
+    if endpoint == "auto":
+        chat = chat_template(profile, get_registry().backend(profile.backend)).sha256 is not None
+    else:
+        chat = endpoint == "chat"
+    prompts = [p for ps in load_sets([x.strip() for x in prompt_sets.split(",") if x.strip()]).values() for p in ps]
+    cfg = SpotConfig(every=every, sample=sample, max_tokens=max_tokens or 32, tolerance=tolerance, chat=chat)
+    metrics = SpotMetrics()
+
+    async def main():
+        live = Endpoint(live_url, await model_name_of(live_url, key), key)
+        ref = Endpoint(reference.rstrip("/"), await model_name_of(reference, key), key)
+        paths = InstancePaths.for_profile(profile.name, profile.supervisor.state_dir)
+        checker = SpotChecker(live, ref, prompts, cfg, events=EventLog(paths.events), metrics=metrics, say=say)
+        say(f"spot checks: {live_url} (speculation) vs {reference} (reference), {sample} probes every {every:g}s")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        import signal
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        while not stop.is_set() and (checks is None or len(checker.results) < checks):
+            await checker.run(stop, checks=1)
+            if metrics_file:
+                from prometheus_client import write_to_textfile
+
+                write_to_textfile(metrics_file, metrics.registry)
+            if checks is not None and len(checker.results) >= checks:
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), cfg.every)
+            except asyncio.TimeoutError:
+                pass
+        return checker.results
+
+    return asyncio.run(main())

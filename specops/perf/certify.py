@@ -157,6 +157,25 @@ def _parse_logprobs(choice: dict, gen: Generation) -> None:
             gen.top = [{("text", k): v for k, v in d.items()} for d in gen.top]
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """An OpenAI-compatible server specops did not launch (a deployment, a reference instance)."""
+
+    base_url: str
+    model_name: str
+    api_key: str | None = None
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def auth_headers(eng) -> dict[str, str]:
+    """The headers that authenticate to ``eng``: a launched engine (its plan) or an :class:`Endpoint`."""
+    plan = getattr(eng, "plan", None)
+    return plan.auth_headers if plan is not None else eng.auth_headers
+
+
 async def generate(
     session,
     eng,
@@ -167,7 +186,8 @@ async def generate(
     logprobs: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> Generation:
-    """One non-streamed request to ``eng`` (a launched engine); failures are recorded, never raised."""
+    """One non-streamed request to ``eng`` (a launched engine or an :class:`Endpoint`); failures are recorded,
+    never raised."""
     import aiohttp
 
     from specops.perf.workload import _take_final
@@ -183,7 +203,7 @@ async def generate(
         if logprobs:
             body.update(logprobs=TOP_LOGPROBS, return_token_ids=True)
     url = eng.base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
-    headers = {"Content-Type": "application/json", **eng.plan.auth_headers}
+    headers = {"Content-Type": "application/json", **auth_headers(eng)}
     start = time.monotonic()
     res = RequestResult(set=prompt.set, ok=False, start=start, end=start)
     gen = Generation(res)
