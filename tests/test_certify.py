@@ -5,6 +5,7 @@ timings; a draft that does not fit is refused; one short vLLM-CPU run)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -365,6 +366,19 @@ def test_certify_llama_server_end_to_end(tmp_path):
 
 
 @pytest.mark.engines
+@pytest.mark.timeout(120)
+def test_certify_llama_server_through_chat_completions(tmp_path):
+    """--endpoint chat on a model without a template: llama-server applies its built-in one, and says so."""
+    profile = llama_profile(tmp_path, "gguf-draft-same.gguf")
+    cert = run_certify(
+        profile, "-w", "chat", "-n", "2", "--max-tokens", "24", "-c", "1", "--endpoint", "chat", timeout=100
+    )
+    assert cert["endpoint"] == "/v1/chat/completions" and "the engine's default template" in cert["endpoint_note"]
+    assert cert["lossless"]["verdict"] == "exact" and cert["lossless"]["identical"] == 2
+    check_counters_consistent(cert["sets"]["chat"], 4)
+
+
+@pytest.mark.engines
 @pytest.mark.timeout(180)
 def test_certify_refuses_a_draft_that_does_not_fit(tmp_path):
     """A deliberately wrong draft (other weights, same vocab, under checks: warn): still lossless — the target
@@ -393,6 +407,10 @@ def test_certify_vllm_cpu(tmp_path):
     models = ensure_tiny_models(["hf"])
     target = tmp_path / "hf-target"
     shutil.copytree(models["hf-target"], target)
+    # give the copy a chat template: certify must find it, send chat completions and record its hash
+    template = "{% for m in messages %}<s>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
     profile = tmp_path / "v.yaml"
     profile.write_text(
         f"name: certify-vllm\nbackend: vllm\nmodel:\n  id: {target}\n  dtype: float32\n  max_model_len: 256\n"
@@ -400,11 +418,14 @@ def test_certify_vllm_cpu(tmp_path):
         'server:\n  extra_args: ["--enforce-eager"]\n  env:\n    VLLM_CPU_KVCACHE_SPACE: "1"\n'
         "supervisor:\n  stop_timeout: 20\n"
     )
-    cert = run_certify(profile, "-w", "code", "-n", "2", "--max-tokens", "12", "--both-at-once", timeout=400)
+    cert = run_certify(profile, "-w", "code,chat", "-n", "1", "--max-tokens", "12", "--both-at-once", timeout=400)
+    assert cert["endpoint"] == "/v1/chat/completions"
+    assert cert["identity"]["chat_template_sha256"] == "sha256:" + hashlib.sha256(template.encode()).hexdigest()
     lo = cert["lossless"]
     assert lo["verdict"] == "exact" and lo["requests"] == 2 and lo["compared_by"] == ["token"], lo
-    row = cert["sets"]["code"]
-    check_counters_consistent(row, 2)
-    assert row["greedy"]["acceptance"] == pytest.approx(1.0) and cert["verdict"]["certified"]
+    for row in cert["sets"].values():
+        check_counters_consistent(row, 2)
+        assert row["greedy"]["acceptance"] == pytest.approx(1.0)
+    assert cert["verdict"]["certified"]
     assert cert["settings"]["concurrency"] == [1] and cert["identity"]["engine_version"] == "0.32.0"
     assert [x["mode"] for x in cert["launches"]] == ["spec", "none"]

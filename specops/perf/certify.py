@@ -197,7 +197,7 @@ async def generate(
     if chat:
         body["messages"] = messages_for(prompt.text)
         if logprobs:
-            body.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
+            body.update(logprobs=True, top_logprobs=TOP_LOGPROBS, return_token_ids=True)
     else:
         body["prompt"] = prompt.text
         if logprobs:
