@@ -105,7 +105,13 @@ def render(profiles, output):
 @click.option("--key-env", help="Variable holding the API key (when the status endpoint needs it).")
 @click.option("--accept-held", is_flag=True, help="Ready while a switch holds requests too (a single replica).")
 def probe(port, key_env, accept_held):
-    """Exit 0 when specops' proxy on 127.0.0.1:PORT serves (the pods' startup and readiness probe)."""
+    """Exit 0 when specops' proxy on 127.0.0.1:PORT serves (the pods' startup and readiness probe).
+
+    \b
+    Examples (what `specops k8s render` writes into the pod spec):
+      specops k8s probe --port 8000 --key-env SPECOPS_API_KEY                 # startup probe
+      specops k8s probe --port 8000 --key-env SPECOPS_API_KEY --accept-held   # readiness, a single replica
+    """
     from specops.k8s.pod import probe as check
 
     why = check(port, key_env, accept=("serving", "held") if accept_held else ("serving",))
@@ -120,7 +126,12 @@ def probe(port, key_env, accept_held):
 @click.option("--settle", type=click.FloatRange(0, 600), default=5.0, show_default=True, help="Seconds first.")
 @click.option("--timeout", type=click.FloatRange(0, 86400), required=True, help="Longest wait (drain_timeout).")
 def prestop(port, key_env, settle, timeout):
-    """The pods' preStop hook: wait SETTLE seconds, then until specops has no request in flight."""
+    """The pods' preStop hook: wait SETTLE seconds, then until specops has no request in flight.
+
+    \b
+    Example (what `specops k8s render` writes into the pod spec, with proxy.drain_timeout 30):
+      specops k8s prestop --port 8000 --key-env SPECOPS_API_KEY --settle 5 --timeout 30
+    """
     from specops.k8s.pod import prestop as drain
 
     click.echo(drain(port, key_env, settle=settle, timeout=timeout), err=True)
@@ -134,7 +145,13 @@ def prestop(port, key_env, settle, timeout):
 @click.option("--rpc-port", type=click.IntRange(1, 65535), default=50052, show_default=True)
 @click.option("--timeout", type=float, default=1800.0, show_default=True, help="Seconds to wait for the group.")
 def leader(profile, mode, nodes, ray_port, rpc_port, timeout):
-    """A multi-node group's leader pod: prepare the group, then exec `specops up PROFILE`."""
+    """A multi-node group's leader pod: prepare the group, then exec `specops up PROFILE`.
+
+    \b
+    Examples (what `specops k8s render` writes into a LeaderWorkerSet's leader):
+      specops k8s leader --mode ray --nodes 2 --ray-port 6379 --timeout 2100 /etc/specops/profile.yaml
+      specops k8s leader --mode rpc --nodes 3 --rpc-port 50052 --timeout 2100 /etc/specops/profile.yaml
+    """
     from specops.k8s.pod import leader as run_leader
 
     run_leader(mode, nodes, profile, ray_port=ray_port, rpc_port=rpc_port, timeout=timeout)
@@ -145,7 +162,12 @@ def leader(profile, mode, nodes, ray_port, rpc_port, timeout):
 @click.option("--port", type=click.IntRange(1, 65535), required=True, help="specops' port on the leader.")
 @click.option("--key-env", help="Variable holding the API key (to read the leader's status).")
 def worker(profile, port, key_env):
-    """An `nnodes` worker pod: the leader's vLLM command at this rank, headless, at the leader's method."""
+    """An `nnodes` worker pod: the leader's vLLM command at this rank, headless, at the leader's method.
+
+    \b
+    Example (what `specops k8s render` writes into a LeaderWorkerSet's workers in mode nnodes):
+      specops k8s worker --port 8000 --key-env SPECOPS_API_KEY /etc/specops/profile.yaml
+    """
     from specops.k8s.pod import worker as run_worker
 
     sys.exit(run_worker(profile, port, key_env))
