@@ -648,7 +648,11 @@ def verdict(lossless: dict, sets: dict, throughput: dict, min_acceptance: float,
                 + (f" (margin {d['margin']:.4g} nats)" if d.get("margin") is not None else "")
             )
         else:
-            findings.append(f"losslessness not established: {lossless['failed']} greedy requests failed")
+            first = next((x.get("error") for x in lossless["divergences"] if x["status"] == "failed"), None)
+            findings.append(
+                f"losslessness not established: {lossless['failed']} greedy requests failed"
+                + (f" (first: {str(first)[:160]})" if first else "")
+            )
     if not speculating:
         findings.append("the engine drafted no tokens: it ran without speculation (its counters did not move)")
     elif not draft_fits:
