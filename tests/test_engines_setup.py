@@ -431,6 +431,13 @@ def test_older_vllm_requirements_are_relaxed():
     ]
     out = vllm_setup.relax_requirements(reqs, "0.0.1")
     assert out == ["torch==2.11.0", "transformers>=4.56.0", "mistral_common[image]>=1.8.8"]
+    # the triton pin was for the CPU torch; the plain torch brings its own
+    triton = [["torch", "", "==2.8.0+cpu"], ["triton", "", "==3.2.0"]]
+    assert vllm_setup.relax_requirements(triton, "0.0.1") == ["torch==2.8.0"]
+    assert vllm_setup.relax_requirements([["torch", "", "==2.6.0"], ["triton", "", "==3.2.0"]], "0.0.1") == [
+        "torch==2.6.0",
+        "triton==3.2.0",
+    ]
     for version, pins in vllm_setup.VLLM_EXTRA_PINS.items():
         assert vllm_setup.relax_requirements([], version) == list(pins)
 

