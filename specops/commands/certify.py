@@ -54,6 +54,13 @@ Examples:
     "-c", "--concurrency", type=int, help="The higher concurrency to measure (default: server.parallel, else only 1)."
 )
 @click.option(
+    "--rounds",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Repeat the tokens/s passes this many times on each engine; tokens/s are medians over rounds.",
+)
+@click.option(
     "--endpoint",
     type=click.Choice(["auto", "chat", "completions"]),
     default="auto",
@@ -122,6 +129,7 @@ def certify(
     prompts_per_set,
     max_tokens,
     concurrency,
+    rounds,
     endpoint,
     tolerance,
     step,
@@ -169,6 +177,7 @@ def certify(
         prompts_per_set=prompts_per_set,
         max_tokens=max_tokens,
         concurrency=concurrency,
+        rounds=rounds,
         endpoint=endpoint,
         tolerance=tolerance,
         step_index=step,

@@ -66,6 +66,7 @@ class CertifyConfig:
     tolerance: float = 0.0
     step_index: int = 0
     warmup: int = 1
+    rounds: int = 1  # the c=1 and c=N passes are repeated this many times; tokens/s are medians
     both_at_once: bool = False  # start both engines together (memory for two; start-ups overlap)
     backend_version: str | None = None
     ready_timeout: float | None = None
@@ -79,6 +80,8 @@ class CertifyConfig:
             raise SpecopsError("--prompts-per-set must be >= 1")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise SpecopsError("--max-tokens must be >= 1")
+        if self.rounds < 1:
+            raise SpecopsError("--rounds must be >= 1")
         if self.concurrency is not None and self.concurrency < 1:
             raise SpecopsError("--concurrency must be >= 1")
         if self.endpoint not in ENDPOINTS:
@@ -460,6 +463,7 @@ async def run_certify(loaded: LoadedProfile, registry, cfg: CertifyConfig, *, sa
             "prompts_per_set": cfg.prompts_per_set,
             "max_tokens": cfg.max_tokens,
             "concurrency": sorted({1, level}),
+            "rounds": cfg.rounds,
             "tolerance_nats": cfg.tolerance,
             "step": cfg.step_index,
             "method": spec.speculative.method.value,
@@ -546,11 +550,14 @@ async def _passes(eng, sets: dict[str, list[Prompt]], level: int, chat: bool, cf
         per_set = {}
         for set_name, prompts in sets.items():
             before = await eng.settled_counters()
-            gens, res = await generate_all(
-                eng, prompts, concurrency=lvl, chat=chat, requests=max(len(prompts), lvl), timeout=cfg.timeout
-            )
+            rounds = []
+            for _ in range(cfg.rounds):
+                _gens, res = await generate_all(
+                    eng, prompts, concurrency=lvl, chat=chat, requests=max(len(prompts), lvl), timeout=cfg.timeout
+                )
+                rounds.append(res)
             per_set[set_name] = {
-                "workload": res,
+                "workloads": rounds,
                 "acceptance": acceptance_figures(before, await eng.settled_counters()),
             }
         out["by_level"][lvl] = per_set
@@ -564,6 +571,14 @@ def _tps(results: list[WorkloadResult]) -> float | None:
     tokens = sum(r.output_tokens for r in results)
     wall = sum(r.wall_s for r in results)
     return tokens / wall if wall > 0 else None
+
+
+def _median_tps(rounds: list[list[WorkloadResult]]) -> float | None:
+    """The median over rounds of each round's tokens/s (its output tokens over its wall time)."""
+    from specops.perf.stats import median
+
+    values = [v for v in (_tps(r) for r in rounds) if v is not None]
+    return median(values) if values else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -586,8 +601,8 @@ def summarize(runs: dict, sets: dict[str, list[Prompt]], level: int, tolerance: 
         temps = sorted({p.temperature for p in prompts})
         row: dict[str, Any] = {"prompts": len(prompts), "temperature": temps[0] if len(temps) == 1 else temps}
         row.update(c1["acceptance"] or {"status": "spec-off"})
-        wl: WorkloadResult = c1["workload"]
-        row["response_draft_tokens"], row["response_accepted"] = wl.draft_tokens, wl.accepted
+        all_c1 = WorkloadResult(1, [r for w in c1["workloads"] for r in w.requests], 0.0)
+        row["response_draft_tokens"], row["response_accepted"] = all_c1.draft_tokens, all_c1.accepted
         greedy = runs[SPEC]["greedy"][set_name]["acceptance"] or {}
         row["greedy"] = {
             k: greedy.get(k)
@@ -595,24 +610,27 @@ def summarize(runs: dict, sets: dict[str, list[Prompt]], level: int, tolerance: 
         }
         row["speedup"] = {}
         for lvl in sorted({1, level}):
-            on = runs[SPEC]["by_level"][lvl][set_name]["workload"].tokens_per_s
-            off = runs[BASE]["by_level"][lvl][set_name]["workload"].tokens_per_s
+            spec_w = runs[SPEC]["by_level"][lvl][set_name]["workloads"]
+            base_w = runs[BASE]["by_level"][lvl][set_name]["workloads"]
+            on, off = _median_tps([[w] for w in spec_w]), _median_tps([[w] for w in base_w])
             row["speedup"][str(lvl)] = {
                 "spec_tokens_per_s": on,
                 "base_tokens_per_s": off,
                 "speedup": _ratio(on, off),
-                "spec_output_tokens": runs[SPEC]["by_level"][lvl][set_name]["workload"].output_tokens,
-                "base_output_tokens": runs[BASE]["by_level"][lvl][set_name]["workload"].output_tokens,
+                "spec_output_tokens": sum(w.output_tokens for w in spec_w),
+                "base_output_tokens": sum(w.output_tokens for w in base_w),
             }
         set_rows[set_name] = row
 
     throughput = {}
     errors = 0
     for lvl in sorted({1, level}):
-        on = [runs[SPEC]["by_level"][lvl][s]["workload"] for s in sets]
-        off = [runs[BASE]["by_level"][lvl][s]["workload"] for s in sets]
-        errors += sum(len(w.errors) for w in on + off)
-        a, b = _tps(on), _tps(off)
+        by_round = {}
+        for mode in (SPEC, BASE):
+            per_set = [runs[mode]["by_level"][lvl][s]["workloads"] for s in sets]
+            by_round[mode] = [list(r) for r in zip(*per_set, strict=True)]  # round i: every set's workload
+            errors += sum(len(w.errors) for r in by_round[mode] for w in r)
+        a, b = _median_tps(by_round[SPEC]), _median_tps(by_round[BASE])
         throughput[str(lvl)] = {"spec_tokens_per_s": a, "base_tokens_per_s": b, "speedup": _ratio(a, b)}
     return {
         "lossless": lossless,
