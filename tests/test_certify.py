@@ -289,6 +289,30 @@ def test_up_warns_on_a_stale_certificate_and_refuses_when_required(hf_profile):
         _check_certificate(loaded, get_registry(), "0.32.1", True, said.append)
 
 
+def test_chat_template_of_a_gguf_model_and_of_an_explicit_argument(tmp_path):
+    import gguf
+
+    from specops.perf.certify_file import chat_template
+
+    model = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(model), "llama")
+    w.add_string("tokenizer.chat_template", "{{ messages }}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    profile = tmp_path / "g.yaml"
+    profile.write_text(f"name: g\nbackend: llamacpp\nmodel:\n  id: {model}\nspeculative:\n  method: ngram\n")
+    backend = get_registry().backend("llamacpp")
+    tpl = chat_template(load_profile(profile).profile, backend)
+    assert tpl.sha256 == "sha256:" + hashlib.sha256(b"{{ messages }}").hexdigest()
+    assert tpl.source.endswith("tokenizer.chat_template")
+    (tmp_path / "t.jinja").write_text("{{ other }}")
+    profile.write_text(profile.read_text() + f"server:\n  extra_args: [--chat-template-file, {tmp_path / 't.jinja'}]\n")
+    tpl = chat_template(load_profile(profile).profile, backend)
+    assert tpl.sha256 == "sha256:" + hashlib.sha256(b"{{ other }}").hexdigest()
+
+
 def test_a_broken_certificate_file_is_a_clear_error(hf_profile):
     profile, _, _ = hf_profile
     cert_path(profile).write_text("{not json")
