@@ -212,22 +212,9 @@ def _no_profile(devices) -> Any:
     )
 
 
-def _generation(info) -> str:
-    """The llama-server flag generation of a probed binary ('' for other engines)."""
-    if info.backend != "llamacpp":
-        return ""
-    from specops.backends.versions import llama_generation, llama_generation_from_help
-
-    try:
-        if info.flags is not None:
-            return llama_generation_from_help(info.flags, frozenset(info.flag_values.get("--spec-type", ())))
-        return llama_generation(info.version)
-    except ValueError:
-        return ""
-
-
-def _describe(info) -> str:
-    gen = _generation(info)
+def _describe(backend, info) -> str:
+    """The engine's version, and its flag generation where it has one (llama-server)."""
+    gen = backend.flag_generation(info)
     return f"{info.version}" + (f" (flag generation {gen})" if gen else "")
 
 
@@ -241,12 +228,12 @@ def _engines(ctx: _Context) -> list[Check]:
 
     found_any = False
     for name, backend in sorted(ctx.registry.backends.items()):
-        search = getattr(backend, "search", None)
-        if search is None:
+        # a profile that names GPUs: what a production profile finds (the dev engines are listed apart)
+        found = backend.search(_no_profile([0]))
+        if found is None:  # no discovery of its own to show
             continue
         label = f"engine {name}"
-        # a profile that names GPUs: what a production profile finds (the dev engines are listed apart)
-        where, looked = search(_no_profile([0]))
+        where, looked = found
         looked = [line for line in looked if not line.startswith(DEV_ENGINE)]  # listed apart, below
         if where is None:
             out.append(
@@ -259,13 +246,12 @@ def _engines(ctx: _Context) -> list[Check]:
             )
         else:
             found_any = True
-            out.append(_probed(label, backend, where, looked, _with_program(name, Path(where)))[0])
-    for name, pattern in (("llamacpp", "llama-server-*/bin/llama-server"), ("vllm", "vllm-*/bin/python")):
-        backend = ctx.registry.backends.get(name)
-        for program in dev_engines(pattern) if backend is not None else []:
+            out.append(_probed(label, backend, where, looked, _with_program(backend, Path(where)))[0])
+    for name, backend in sorted(ctx.registry.backends.items()):
+        for program in dev_engines(backend.dev_engine_pattern) if backend.dev_engine_pattern else []:
             try:
-                info = backend.engine_info(_with_program(name, program), probe=True)
-                version = _describe(info)
+                info = backend.engine_info(_with_program(backend, program), probe=True)
+                version = _describe(backend, info)
             except SpecopsError as exc:
                 version = f"unusable: {_one_line(str(exc), 200)}"
             out.append(
@@ -283,12 +269,10 @@ def _engines(ctx: _Context) -> list[Check]:
     return out
 
 
-def _with_program(backend: str, program: Path) -> Any:
+def _with_program(backend, program: Path) -> Any:
+    """A profile without one whose engine setting (``engine.python`` or ``engine.executable``) is ``program``."""
     ns = _no_profile([])
-    if backend == "vllm":
-        ns.engine.python = str(program)
-    else:
-        ns.engine.executable = str(program)
+    setattr(ns.engine, backend.engine_setting.removeprefix("engine."), str(program))
     return ns
 
 
@@ -310,7 +294,7 @@ def _probed(label: str, backend, where: str, looked: list[str], probe_with) -> t
         )
         return check, None
     return Check(
-        label, OK, f"{_display(backend)} {_describe(info)} at {where}", details=[f"found by: {looked[-1]}"]
+        label, OK, f"{_display(backend)} {_describe(backend, info)} at {where}", details=[f"found by: {looked[-1]}"]
     ), info
 
 
@@ -320,14 +304,14 @@ def _profile_engine(ctx: _Context) -> Check:
     p = ctx.loaded.profile
     backend = ctx.registry.backend(p.backend)
     label = "engine"
-    search = getattr(backend, "search", None)
-    if search is None:  # a plugin backend: its own discovery
+    found = backend.search(p)
+    if found is None:  # a backend without discovery to show (e.g. a plugin's): it finds its engine itself
         try:
             info = backend.engine_info(p, probe=True)
         except SpecopsError as exc:
             return Check(label, ERROR, _one_line(str(exc)), _fix_of(getattr(backend, "install_hint", "")))
-        return Check(label, OK, f"{_display(backend)} {_describe(info)} ({info.source})")
-    where, looked = search(p)
+        return Check(label, OK, f"{_display(backend)} {_describe(backend, info)} ({info.source})")
+    where, looked = found
     pinned = p.engine.version
     if where is None:
         what = f"{_display(backend)} not found ({'; '.join(looked)})"
@@ -347,42 +331,23 @@ def _profile_engine(ctx: _Context) -> Check:
         return check
     if not (p.engine.python or p.engine.executable):
         # for a pinned version `up` runs the bare program name from PATH: is it there?
-        program = {"vllm": "vllm", "llamacpp": "llama-server"}.get(p.backend)
+        program = backend.program
         if program and shutil.which(program) is None:
-            setting = "engine.python" if p.backend == "vllm" else "engine.executable"
             return Check(
                 label,
                 ERROR,
                 f"engine.version {pinned} is pinned, so `up` runs `{program}` from PATH, and there is none "
-                f"(discovery found {_display(backend)} {_describe(info)} at {where})",
-                f"set {setting} to the engine you mean (e.g. {where}), or put `{program}` on PATH",
+                f"(discovery found {_display(backend)} {_describe(backend, info)} at {where})",
+                f"set {backend.engine_setting} to the engine you mean (e.g. {where}), or put `{program}` on PATH",
                 check.details,
             )
-    if not _same_version(backend.name, pinned, info):
+    if not backend.pin_matches(pinned, info):
         check.level = WARNING
         check.fix = (
             f"the profile renders for engine.version {pinned}, not for the installed {info.version}: "
             "install that version, or remove engine.version to follow the installed engine"
         )
     return check
-
-
-def _same_version(backend: str, pinned: str, info) -> bool:
-    if backend == "vllm":
-        from specops.backends.versions import Version
-
-        try:
-            return Version(pinned) == Version(info.version)
-        except ValueError:
-            return False
-    if backend == "llamacpp":
-        from specops.backends.versions import llama_generation
-
-        try:
-            return llama_generation(pinned) == _generation(info)
-        except ValueError:
-            return False
-    return pinned == info.version
 
 
 # --------------------------------------------------------------------------------------------- GPUs

@@ -98,6 +98,31 @@ def test_each_measured_format_names_cells_the_matrix_has():
             assert len(measurements(fmt)) >= len(hits)
 
 
+def test_the_draft_formats_are_the_catalogs_formats_section():
+    """FORMATS is data (specops/data/catalog.yaml ``formats:``), read in file order; a malformed item is a
+    located error, and importing the catalog module parses no YAML."""
+    import yaml
+
+    from specops.resolve.catalog import _draft_formats
+
+    data = yaml.safe_load((MATRIX.parent / "catalog.yaml").read_text(encoding="utf-8"))
+    assert list(FORMATS) == list(data["formats"])
+    assert FORMATS["gguf-draft"].cells == (("llamacpp", "GGUF draft model"),)
+    assert FORMATS["medusa-original"].caveat.startswith("random weights cannot show what vLLM loads: before 0.25")
+    assert FORMATS["dspark"].cells == () and FORMATS["dspark"].method is Method.DSPARK
+    for bad, message in (
+        ({"x": {"method": "nope", "what": "y"}}, "formats.x: unknown method 'nope'"),
+        ({"x": {"method": "eagle"}}, "formats.x: a draft format needs a method and what it is"),
+        ({"x": {"method": "eagle", "what": "y", "cell": {}}}, "formats.x: unknown format keys cell"),
+        ({"x": {"method": "eagle", "what": "y", "cells": ["vllm"]}}, "formats.x: cells must map an engine"),
+    ):
+        with pytest.raises(SpecopsError, match=message):
+            _draft_formats(bad, "t.yaml")
+    code = "import specops.resolve.catalog as c; print(c._shipped_data.cache_info().currsize)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "0", proc.stderr  # not read on import
+
+
 def test_no_published_pair_is_one_the_sources_do_not_show(offline):
     cat = load_catalog()
     drafts = {e.draft for e in cat.entries}

@@ -309,3 +309,41 @@ def test_backend_facts_are_capabilities_not_name_comparisons():
         if NAME_CHECK.search(line)
     ]
     assert offenders == []
+
+
+def test_a_plugin_backend_gets_the_engine_facts_of_k8s_and_the_profile_rules(tmp_path, monkeypatch):
+    """Multi-node modes, the engine's own download cache and the TP × PP layout are asked of the backend, so
+    a plugin's backend that says the same as llama.cpp (here a look-alike under another name) gets the same
+    LeaderWorkerSet; one that says nothing has no multi-node layout."""
+    from specops.backends.base import Backend
+    from specops.backends.llamacpp import LlamaCppBackend
+    from specops.errors import ProfileError
+    from specops.k8s.manifests import gpus_per_pod, pod_variables, render
+    from specops.k8s.source import load_for_render
+    from specops.plugins import get_registry
+
+    class Lookalike(LlamaCppBackend):
+        name = "lookalike"
+
+    class Plain(Backend):
+        name = "plain"
+        methods = LlamaCppBackend.methods
+
+    registry = get_registry()
+    monkeypatch.setitem(registry.backends, "lookalike", Lookalike())
+    monkeypatch.setitem(registry.backends, "plain", Plain())
+    text = (ROOT / "tests" / "k8s_profiles" / "llamacpp-rpc.yaml").read_text(encoding="utf-8")
+    profile = tmp_path / "lookalike.yaml"
+    profile.write_text(text.replace("backend: llamacpp", "backend: lookalike"), encoding="utf-8")
+    loaded = load_for_render(str(profile), registry, pod_variables)
+    kinds = {obj["kind"]: obj for _, obj in render(loaded).objects}
+    template = kinds["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
+    leader = template["leaderTemplate"]["spec"]["containers"][0]
+    assert leader["args"][:4] == ["k8s", "leader", "--mode", "rpc"]  # the first of its multi_node_modes
+    assert {"name": "LLAMA_CACHE", "value": "/data/hf/llama.cpp"} in leader["env"]  # its download_cache_env
+    assert template["workerTemplate"]["spec"]["containers"][0]["command"] == ["rpc-server"]
+    assert gpus_per_pod(loaded.profile) == 1  # layers split over the devices it gets, not TP × PP
+
+    profile.write_text(text.replace("backend: llamacpp", "backend: plain"), encoding="utf-8")
+    with pytest.raises(ProfileError, match="no multi-node layout for backend plain"):
+        load_for_render(str(profile), registry, pod_variables)

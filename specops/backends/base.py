@@ -347,6 +347,44 @@ class Backend:
         """
         return None
 
+    # ---- what `specops doctor` asks of an engine (the defaults: a backend that finds its engine itself)
+    #: The program ``up`` runs from PATH for a pinned ``engine.version`` when the profile names no
+    #: ``engine.python``/``engine.executable`` (``vllm``, ``llama-server``); empty: none doctor can look for.
+    program: str = ""
+    #: The profile setting that points specops at an installed engine (``engine.python`` for vLLM,
+    #: ``engine.executable`` for llama.cpp): named in advice, and set by doctor to probe a program it found.
+    engine_setting: str = "engine.executable"
+    #: Glob, under specops' engine cache, of the program of this engine's CPU development build (see
+    #: :mod:`specops.backends.devengines`); empty: the backend has none.
+    dev_engine_pattern: str = ""
+
+    def search(self, profile) -> tuple[str | None, list[str]] | None:
+        """Where the engine for ``profile`` is (None: not found), and every place looked at on the way.
+
+        None (the default): the backend has no discovery to show, and :meth:`engine_info` finds (or
+        probes) its engine by itself.
+        """
+        return None
+
+    def flag_generation(self, engine: EngineInfo) -> str:
+        """The flag generation of ``engine`` (probed: from its --help, else from its version), for messages;
+        empty: the engine has no such generations, or it cannot be told."""
+        return ""
+
+    def pin_matches(self, pinned: str, engine: EngineInfo) -> bool:
+        """Whether a profile pinned to ``engine.version: pinned`` renders as it would for the probed ``engine``
+        (the default: the same version text)."""
+        return pinned == engine.version
+
+    # ---- what `specops k8s render` asks of an engine
+    #: The ways it runs one replica across several nodes (``deploy.multi_node.mode``); the first is the
+    #: default; empty: specops has no multi-node layout for it.
+    multi_node_modes: tuple[str, ...] = ()
+    #: The variable that says where the engine's own downloads go (llama-server ``-hf``: ``LLAMA_CACHE``), and
+    #: the folder under the pods' HF cache volume it points at; empty: the engine downloads through HF_HOME.
+    download_cache_env: str = ""
+    download_cache_dir: str = ""
+
     # ---- what `specops tune` asks of an engine (capabilities; the defaults suit an engine without quirks)
     #: Seconds the engine typically takes to become ready, before a start was measured (sizes a tune budget).
     launch_prior_s: float = 30.0

@@ -199,6 +199,28 @@ class LlamaCppBackend(Backend):
             )
 
     # ------------------------------------------------------------------ engine discovery
+    program = "llama-server"
+    engine_setting = "engine.executable"
+    dev_engine_pattern = "llama-server-*/bin/llama-server"
+    multi_node_modes = ("rpc",)
+    download_cache_env = "LLAMA_CACHE"  # llama-server's own downloads (-hf)
+    download_cache_dir = "llama.cpp"
+
+    def flag_generation(self, engine):
+        try:
+            if engine.flags is not None:
+                return llama_generation_from_help(engine.flags, frozenset(engine.flag_values.get("--spec-type", ())))
+            return llama_generation(engine.version)
+        except ValueError:
+            return ""
+
+    def pin_matches(self, pinned, engine):
+        """The same flag generation (what a render of llama-server depends on), not the same build."""
+        try:
+            return llama_generation(pinned) == self.flag_generation(engine)
+        except ValueError:
+            return False
+
     def search(self, profile) -> tuple[str | None, list[str]]:
         """The llama-server program, and every place looked at on the way (for messages and `doctor`).
 
@@ -213,7 +235,7 @@ class LlamaCppBackend(Backend):
         if found:
             return found, [f"`llama-server` on PATH: {found}"]
         looked = ["no `llama-server` on PATH"]
-        dev = dev_engines("llama-server-*/bin/llama-server")
+        dev = dev_engines(self.dev_engine_pattern)
         if not dev:
             looked.append(f"no CPU development build in {engines_dir()}")
         elif profile.gpus.devices:

@@ -167,6 +167,17 @@ class VllmBackend(Backend):
                 )
 
     # ------------------------------------------------------------------ engine discovery
+    program = "vllm"
+    engine_setting = "engine.python"
+    dev_engine_pattern = "vllm-*/bin/python"
+    multi_node_modes = ("ray", "nnodes")
+
+    def pin_matches(self, pinned, engine):
+        try:
+            return Version(pinned) == Version(engine.version)
+        except ValueError:
+            return False
+
     def search(self, profile) -> tuple[str | None, list[str]]:
         """The interpreter that has vLLM, and every place looked at on the way (for messages and `doctor`).
 
@@ -190,7 +201,7 @@ class VllmBackend(Backend):
                 return found, [f"`vllm` on PATH: {script}"]
             return None, [f"`vllm` on PATH: {script} is not a Python console script"]
         looked.append("no `vllm` on PATH")
-        dev = dev_engines("vllm-*/bin/python")
+        dev = dev_engines(self.dev_engine_pattern)
         if not dev:
             looked.append(f"no CPU development engine in {engines_dir()}")
         elif profile.gpus.devices:

@@ -52,7 +52,7 @@ def semantic_problems(loaded: LoadedProfile, registry: Registry) -> list[Problem
         _secret_and_option_problems(p),
         _monitor_and_port_problems(p),
         _backend_problems(p, backend) if backend is not None else iter(()),
-        _deploy_problems(p),
+        _deploy_problems(p, backend),
     ):
         out += [loaded.problem(path, msg) for path, msg in findings]
     out += _node_selector_problems(loaded)
@@ -228,24 +228,29 @@ def _option_number_problems(value: Any, path: tuple) -> Findings:
             yield from _option_number_problems(item, path + (i,))
 
 
-#: Multi-node modes each backend can run (``deploy.multi_node.mode``); the first is the default.
-MULTI_NODE_MODES = {"vllm": ("ray", "nnodes"), "llamacpp": ("rpc",)}
+def _multi_node_modes(backend: Any) -> tuple[str, ...]:
+    """The multi-node modes ``backend`` can run (``deploy.multi_node.mode``, the first is the default);
+    none for an unknown backend (None)."""
+    return tuple(getattr(backend, "multi_node_modes", ()))
 
 
-def multi_node_mode(p: Profile) -> str | None:
-    """The multi-node mode in effect (None for a single node or a backend without one)."""
+def multi_node_mode(p: Profile, backend: Any) -> str | None:
+    """The multi-node mode in effect (None for a single node or a backend without one); ``backend``: the
+    registered backend ``p.backend`` names (None: unknown)."""
     mn = p.deploy.multi_node
     if mn.nodes <= 1:
         return None
-    modes = MULTI_NODE_MODES.get(p.backend, ())
+    modes = _multi_node_modes(backend)
     return mn.mode or (modes[0] if modes else None)
 
 
-def _deploy_problems(p: Profile) -> Findings:
+def _deploy_problems(p: Profile, backend: Any) -> Findings:
     """The ``deploy`` section against the rest of the profile (what ``specops k8s render`` needs)."""
     d, g = p.deploy, p.gpus
     mn = d.multi_node
-    modes = MULTI_NODE_MODES.get(p.backend, ())
+    modes = _multi_node_modes(backend)
+    # one replica uses exactly TP × PP GPUs (vLLM), split evenly over its nodes
+    tp_layout = backend is not None and getattr(backend, "parallel_layout", True)
     if mn.mode is not None and mn.mode not in modes:
         yield (
             ("deploy", "multi_node", "mode"),
@@ -260,7 +265,7 @@ def _deploy_problems(p: Profile) -> Findings:
                 "a multi-node layout gets its GPUs from the device plugin on each node: remove gpus.devices "
                 "(or set deploy.multi_node.nodes: 1)",
             )
-        if p.backend == "vllm":
+        if tp_layout:
             total = g.tensor_parallel_size * g.pipeline_parallel_size
             if total % mn.nodes:
                 yield (
@@ -277,7 +282,7 @@ def _deploy_problems(p: Profile) -> Findings:
     elif mn.mode is not None:
         yield ("deploy", "multi_node", "mode"), "a multi-node mode needs deploy.multi_node.nodes of 2 or more"
     if (
-        p.backend == "vllm"
+        tp_layout
         and mn.nodes == 1
         and d.resources.gpus is not None
         and d.resources.gpus < g.tensor_parallel_size * g.pipeline_parallel_size

@@ -61,6 +61,13 @@ class Rendered:
     notes: list[str] = field(default_factory=list)
 
 
+def _backend(p: Profile) -> Any:
+    """The registered backend ``p`` names (None: unknown), for what differs between engines."""
+    from specops.plugins import get_registry
+
+    return get_registry().backends.get(p.backend)
+
+
 def k8s_name(name: str) -> str:
     """A profile name as a DNS-1035 label usable by every object and by LeaderWorkerSet pod hostnames."""
     out = "".join(c if c.isalnum() and c.isascii() else "-" for c in name.lower())
@@ -99,7 +106,7 @@ def pod_variables(loaded: LoadedProfile) -> set[str]:
         out.add(key_var)
     if p.deploy.secrets.hf_token is not None:
         out.add("HF_TOKEN")
-    if multi_node_mode(p) is not None:
+    if multi_node_mode(p, _backend(p)) is not None:
         out.update((*LWS_VARS, RPC_WORKERS_VAR))
     return out
 
@@ -171,7 +178,7 @@ def gpus_per_pod(p: Profile) -> int:
     g = p.gpus
     if g.devices == []:
         return 0
-    if p.backend == "vllm":
+    if getattr(_backend(p), "parallel_layout", False):  # one replica uses exactly TP × PP GPUs
         return (g.tensor_parallel_size * g.pipeline_parallel_size) // max(1, p.deploy.multi_node.nodes)
     return len(g.devices) if g.devices else 1
 
@@ -210,8 +217,11 @@ def _env(p: Profile, key_var: str | None, *, lws: bool) -> list[dict]:
         {"name": "SPECOPS_CACHE", "value": f"{STATE_DIR}/cache"},
         {"name": "HF_HOME", "value": d.hf_cache.mount_path},
     ]
-    if p.backend == "llamacpp":  # llama-server's own downloads (-hf) go to LLAMA_CACHE
-        env.append({"name": "LLAMA_CACHE", "value": f"{d.hf_cache.mount_path.rstrip('/')}/llama.cpp"})
+    backend = _backend(p)
+    cache_env = getattr(backend, "download_cache_env", "")
+    if cache_env:  # the engine's own downloads (llama-server -hf: LLAMA_CACHE) go to the HF cache volume too
+        folder = f"{d.hf_cache.mount_path.rstrip('/')}/{backend.download_cache_dir}"
+        env.append({"name": cache_env, "value": folder})
     if lws:
         env.append({"name": "SPECOPS_PUBLIC_VARS", "value": ",".join((*LWS_VARS, RPC_WORKERS_VAR))})
     if d.secrets.hf_token is not None:
@@ -317,7 +327,7 @@ def _server_container(p: Profile, key_var: str | None, args: list[str], *, lws: 
     d = p.deploy
     probe = {"exec": {"command": probe_command(p, key_var)}}
     ports = [{"name": "http", "containerPort": p.server.port, "protocol": "TCP"}]
-    mode = multi_node_mode(p)
+    mode = multi_node_mode(p, _backend(p))
     if mode == "ray":
         ports.append({"name": "ray", "containerPort": d.multi_node.ray_port, "protocol": "TCP"})
     elif mode == "nnodes":
@@ -404,7 +414,7 @@ def configmap_profile(loaded: LoadedProfile, source: dict) -> dict:
     doc = {k: source[k] for k in sorted(source, key=lambda k: order.index(k) if k in order else len(order))}
     server = dict(doc.get("server") or {})
     server["host"] = "0.0.0.0"  # the pod's own network namespace; the Service and probes reach the pod IP
-    mode = multi_node_mode(p)
+    mode = multi_node_mode(p, _backend(p))
     mn = p.deploy.multi_node
     extra = list(server.get("extra_args") or [])
     if mode == "ray":
@@ -452,7 +462,7 @@ def render(loaded: LoadedProfile, lock_text: str | None = None, source_name: str
     out.objects.append(
         ("configmap.yaml", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(p, cm_name), "data": data})
     )
-    mode = multi_node_mode(p)
+    mode = multi_node_mode(p, _backend(p))
     annotations = {HASH_ANNOTATION: digest, "kubectl.kubernetes.io/default-container": CONTAINER}
     if mode is None:
         out.objects.append(("deployment.yaml", _deployment(p, name, cm_name, key_var, annotations)))

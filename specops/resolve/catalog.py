@@ -4,7 +4,7 @@ It ranks first among candidates, works offline, and its model facts let the chec
 ``SPECOPS_CATALOG`` may name extra catalog files (``os.pathsep``-separated) whose entries come first, so a
 platform team can add its own trained drafts without forking specops.
 
-Each entry names its draft's ``format`` (one of :data:`FORMATS`) and says how the pair is ``known``: read in
+Each entry names its draft's ``format`` (one of :data:`FORMATS`, the catalog's ``formats:`` section) and says how the pair is ``known``: read in
 its ``source`` only, or also through the format's tiny checkpoint speculating on a real engine, which
 :func:`format_evidence` looks up in the measured support matrix (``specops/data/support_matrix.json``).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -31,7 +31,6 @@ SELF = "self"
 #: How a pair is known: ``documented`` (read in its source only) or ``tiny-format`` (also: the support matrix
 #: measured the draft's format speculating on an engine the entry lists, with a tiny generated checkpoint).
 KNOWN = ("documented", "tiny-format")
-ENGINE_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
 #: Matrix outcomes that say nothing about what the engine does with a format.
 UNMEASURED = ("not-measured", "rendered-refused")
 
@@ -49,45 +48,69 @@ class DraftFormat:
     caveat: str = ""
 
 
-FORMATS: dict[str, DraftFormat] = {
-    f.name: f
-    for f in (
-        DraftFormat("eagle1", Method.EAGLE, "EAGLE-1/2 head (SafeAILab layout)", (("vllm", "EAGLE-1 head"),)),
-        DraftFormat(
-            "eagle3", Method.EAGLE3, "EAGLE-3 head, original layout (d2t/t2d)", (("vllm", "EAGLE-3 head, original"),)
-        ),
-        DraftFormat(
-            "eagle3-speculators",
-            Method.EAGLE3,
-            "EAGLE-3 head, speculators layout (speculators_config)",
-            (("vllm", "EAGLE-3 head, speculators"),),
-        ),
-        DraftFormat("medusa-vllm", Method.MEDUSA, "Medusa heads in vLLM's layout", (("vllm", "Medusa, vLLM layout"),)),
-        DraftFormat(
-            "medusa-original",
-            Method.MEDUSA,
-            "Medusa-1 heads in FasterDecoding's layout (medusa_lm_head, no model_type)",
-            (("vllm", "Medusa, FasterDecoding layout"),),
-            caveat="random weights cannot show what vLLM loads: before 0.25 none of the original keys match "
-            "(its loader then stops: weights not initialized from checkpoint), from 0.25 it maps them but drops "
-            "the heads' biases (config.json has no medusa_fc_bias); read in vLLM's source",
-        ),
-        DraftFormat(
-            "medusa2-full",
-            Method.MEDUSA,
-            "Medusa-2: the fine-tuned model and its heads in one repo (FasterDecoding)",
-        ),
-        DraftFormat("mlp-speculator", Method.MLP_SPECULATOR, "IBM MLP speculator", (("vllm", "MLP speculator"),)),
-        DraftFormat("draft-model", Method.DRAFT_MODEL, "HF causal LM (same tokenizer)", (("vllm", "HF draft model"),)),
-        DraftFormat(
-            "gguf-draft", Method.DRAFT_MODEL, "GGUF causal LM (same vocab)", (("llamacpp", "GGUF draft model"),)
-        ),
-        DraftFormat("dflash", Method.DFLASH, "DFlash block-diffusion drafter", (("vllm", "DFlash drafter"),)),
-        DraftFormat("dspark", Method.DSPARK, "DSpark drafter"),
-        DraftFormat("mtp-mimo", Method.MTP, "MTP layers in a MiMo target", (("vllm", "MTP layers in the target"),)),
-        DraftFormat("mtp", Method.MTP, "MTP layers in the target (an architecture the matrix has no tiny model of)"),
-    )
-}
+#: The keys a ``formats:`` item may have.
+FORMAT_KEYS = {"method", "what", "cells", "caveat"}
+
+
+def _draft_formats(raw, origin: str) -> dict[str, DraftFormat]:
+    """The ``formats:`` section of a catalog file: format name → :class:`DraftFormat`, in file order."""
+    if not isinstance(raw, dict):
+        raise SpecopsError(f"{origin}: formats must map a format name to its method, what, cells and caveat")
+    out: dict[str, DraftFormat] = {}
+    for name, item in raw.items():
+        where = f"{origin}: formats.{name}"
+        if not isinstance(item, dict) or not item.get("method") or not item.get("what"):
+            raise SpecopsError(f"{where}: a draft format needs a method and what it is")
+        unknown = set(item) - FORMAT_KEYS
+        if unknown:
+            raise SpecopsError(f"{where}: unknown format keys {', '.join(sorted(unknown))}")
+        try:
+            method = Method(item["method"])
+        except ValueError:
+            raise SpecopsError(f"{where}: unknown method {item['method']!r}") from None
+        cells = item.get("cells") or {}
+        if not isinstance(cells, dict):
+            raise SpecopsError(f"{where}: cells must map an engine to the start of its matrix cells' format")
+        out[str(name)] = DraftFormat(
+            str(name),
+            method,
+            str(item["what"]),
+            tuple((str(engine), str(prefix)) for engine, prefix in cells.items()),
+            str(item.get("caveat") or ""),
+        )
+    return out
+
+
+class _ShippedFormats(Mapping[str, DraftFormat]):
+    """The shipped catalog's ``formats:`` section, read on first use (importing this module parses no YAML)."""
+
+    def _table(self) -> dict[str, DraftFormat]:
+        return _shipped_formats()
+
+    def __getitem__(self, name: str) -> DraftFormat:
+        return self._table()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __repr__(self) -> str:
+        return f"FORMATS({', '.join(self)})"
+
+
+#: Draft checkpoint layouts by name: the ``formats:`` section of ``specops/data/catalog.yaml`` (only the
+#: shipped catalog's; entries of ``SPECOPS_CATALOG`` files name one of these).
+FORMATS: Mapping[str, DraftFormat] = _ShippedFormats()
+
+
+def _engine_name(engine: str) -> str:
+    """How messages name ``engine`` (the registered backend's :attr:`engine_name`, else ``engine`` itself)."""
+    from specops.plugins import get_registry
+
+    backend = get_registry().backends.get(engine)
+    return getattr(backend, "engine_name", engine) if backend is not None else engine
 
 
 def measurements(fmt: DraftFormat, cells: Iterable[Cell] | None = None) -> list[Cell]:
@@ -110,7 +133,7 @@ def format_evidence(entry: CatalogEntry, cells: Iterable[Cell] | None = None) ->
 
     def where(ms: list[Cell], outcome: bool = False) -> str:
         return ", ".join(
-            f"{ENGINE_NAMES.get(m.engine, m.engine)} {m.version}"
+            f"{_engine_name(m.engine)} {m.version}"
             + (f": {m.outcome}" + (f" ({m.level} level)" if m.level else "") if outcome else "")
             for m in ms
         )
@@ -161,7 +184,7 @@ class CatalogEntry:
     caveats: tuple[str, ...] = ()
     format: str | None = None  # a key of FORMATS
     known: str = "documented"  # one of KNOWN
-    #: engine → the oldest version that runs this draft as published (e.g. {"vllm": "0.19.0"})
+    #: engine → the oldest version that runs this draft as published (e.g. ``{vllm: 0.19.0}``)
     min_version: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
@@ -316,12 +339,33 @@ def _entry(raw: dict, where: str, default_backends: tuple[str, ...] = ()) -> Cat
     )
 
 
-def parse_catalog(text: str, origin: str, default_backends: tuple[str, ...] = ()) -> Catalog:
-    """A catalog file; entries without ``backends`` get its ``default_backends`` (else ``default_backends``)."""
+def _yaml(text: str, origin: str) -> dict:
     try:
-        data = yaml.safe_load(text) or {}
+        return yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise SpecopsError(f"{origin}: not valid YAML: {exc}") from None
+
+
+SHIPPED = "specops/data/catalog.yaml"
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_data() -> dict:
+    """The shipped catalog file, parsed once (its entries and its ``formats:`` section both come from it)."""
+    return _yaml(resources.files("specops").joinpath("data/catalog.yaml").read_text(encoding="utf-8"), SHIPPED)
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_formats() -> dict[str, DraftFormat]:
+    return _draft_formats(_shipped_data().get("formats") or {}, SHIPPED)
+
+
+def parse_catalog(text: str, origin: str, default_backends: tuple[str, ...] = ()) -> Catalog:
+    """A catalog file; entries without ``backends`` get its ``default_backends`` (else ``default_backends``)."""
+    return _catalog(_yaml(text, origin), origin, default_backends)
+
+
+def _catalog(data: dict, origin: str, default_backends: tuple[str, ...] = ()) -> Catalog:
     default_backends = tuple(str(b) for b in data.get("default_backends") or default_backends)
     entries = [
         _entry(raw, f"{origin}: entries[{i}]", default_backends) for i, raw in enumerate(data.get("entries") or [])
@@ -343,8 +387,7 @@ def parse_catalog(text: str, origin: str, default_backends: tuple[str, ...] = ()
 
 @functools.lru_cache(maxsize=4)
 def _load(extra: str) -> Catalog:
-    text = resources.files("specops").joinpath("data/catalog.yaml").read_text(encoding="utf-8")
-    base = parse_catalog(text, "specops/data/catalog.yaml")
+    base = _catalog(_shipped_data(), SHIPPED)
     for path in [p for p in extra.split(os.pathsep) if p]:
         try:
             more = parse_catalog(Path(path).expanduser().read_text(encoding="utf-8"), path, base.default_backends)
