@@ -31,3 +31,18 @@ def dev_engine_skipped(root: Path, program: Path, setting: str, devices) -> str:
         f"{DEV_ENGINE} {root} not used: it serves CPU profiles only (gpus.devices unset or []), and this "
         f"profile has gpus.devices {list(devices)}; to use it anyway, set {setting}: {program}"
     )
+
+
+def dev_engine_for(profile, pattern: str, setting: str, looked: list[str]) -> str | None:
+    """The newest development engine matching ``pattern`` when ``profile`` is a CPU profile, else None;
+    says in ``looked`` what was found or skipped, and why."""
+    dev = dev_engines(pattern)
+    if not dev:
+        looked.append(f"no CPU development engine in {engines_dir()}")
+        return None
+    root = dev[0].parent.parent
+    if profile.gpus.devices:
+        looked.append(dev_engine_skipped(root, dev[0], setting, profile.gpus.devices))
+        return None
+    looked.append(f"{DEV_ENGINE} {root} (a CPU profile)")
+    return str(dev[0])

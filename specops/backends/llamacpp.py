@@ -22,12 +22,11 @@ from specops.backends.base import (
     check_version_text,
     counter_total,
 )
-from specops.backends.devengines import DEV_ENGINE, dev_engine_skipped, dev_engines
+from specops.backends.devengines import DEV_ENGINE, dev_engine_for
 from specops.backends.versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
 from specops.errors import SpecopsError
 from specops.hookspecs import hookimpl
 from specops.methods import Method
-from specops.paths import engines_dir
 
 #: specops method → llama-server ``--spec-type`` value, per flag generation (absent: not supported).
 SPEC_TYPE = {
@@ -235,14 +234,7 @@ class LlamaCppBackend(Backend):
         if found:
             return found, [f"`llama-server` on PATH: {found}"]
         looked = ["no `llama-server` on PATH"]
-        dev = dev_engines(self.dev_engine_pattern)
-        if not dev:
-            looked.append(f"no CPU development build in {engines_dir()}")
-        elif profile.gpus.devices:
-            looked.append(dev_engine_skipped(dev[0].parent.parent, dev[0], "engine.executable", profile.gpus.devices))
-        else:
-            return str(dev[0]), [*looked, f"{DEV_ENGINE} {dev[0].parent.parent} (a CPU profile)"]
-        return None, looked
+        return dev_engine_for(profile, self.dev_engine_pattern, self.engine_setting, looked), looked
 
     def find_executable(self, profile) -> str | None:
         """The llama-server program (see :meth:`search`), or None."""

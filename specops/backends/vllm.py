@@ -24,7 +24,7 @@ from specops.backends.base import (
     check_version_text,
     counter_total,
 )
-from specops.backends.devengines import DEV_ENGINE, dev_engine_skipped, dev_engines
+from specops.backends.devengines import DEV_ENGINE, dev_engine_for
 from specops.backends.versions import (
     VLLM_LEGACY_METHODS,
     VLLM_METHOD_SINCE,
@@ -40,7 +40,6 @@ from specops.backends.versions import (
 from specops.errors import SpecopsError
 from specops.hookspecs import hookimpl
 from specops.methods import Method
-from specops.paths import engines_dir
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: Fields of the speculative config that specops renders from dedicated profile fields.
@@ -201,14 +200,7 @@ class VllmBackend(Backend):
                 return found, [f"`vllm` on PATH: {script}"]
             return None, [f"`vllm` on PATH: {script} is not a Python console script"]
         looked.append("no `vllm` on PATH")
-        dev = dev_engines(self.dev_engine_pattern)
-        if not dev:
-            looked.append(f"no CPU development engine in {engines_dir()}")
-        elif profile.gpus.devices:
-            looked.append(dev_engine_skipped(dev[0].parent.parent, dev[0], "engine.python", profile.gpus.devices))
-        else:
-            return str(dev[0]), [*looked, f"{DEV_ENGINE} {dev[0].parent.parent} (a CPU profile)"]
-        return None, looked
+        return dev_engine_for(profile, self.dev_engine_pattern, self.engine_setting, looked), looked
 
     def find_python(self, profile) -> str | None:
         """The interpreter that has vLLM (see :meth:`search`), or None."""
