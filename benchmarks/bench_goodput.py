@@ -132,12 +132,16 @@ def measure_surface(paths: dict, work: Path, args, say) -> dict:
     """``specops tune --dry-run --json`` on the static-speculation profile: the record's surface."""
     prof = work / "surface.yaml"
     prof.write_text(profile_yaml("static-spec", paths, free_port(), args, None))
+    prompts = work / "phase-prompts.jsonl"  # the phases' own greedy prompts
+    prompts.write_text("".join(json.dumps({"prompt": p, "max_tokens": args.tokens}) + "\n" for p in PROMPTS))
     cmd = [
         sys.executable,
         "-m",
         "specops.cli",
         "tune",
         str(prof),
+        "--workload",
+        str(prompts),
         "--k",
         str(args.k),
         "-c",
@@ -239,7 +243,7 @@ def main() -> None:
     ap.add_argument("--sustain", default="2s")
     ap.add_argument("--dwell", default="5s")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--surface-budget", default="3m")
+    ap.add_argument("--surface-budget", default="6m")
     ap.add_argument("--surface", help="a tune record with a surface to use instead of measuring one")
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=16)
