@@ -168,6 +168,19 @@ def test_refusal_level_from_the_traceback(tmp_path):
     level, at = ml.failure_level(stand_in, detail, source_root=src)
     assert level == "cpu-build" and "defined in vllm/utils/cpu_triton_utils.py" in at
     assert ml.failure_level(stand_in, detail)[0] == "runner"  # without the sources: the raise site only
+    # the executor re-raises the worker's error: placed by the worker's traceback
+    wrapped = [
+        *stand_in[:-3],
+        "Traceback (most recent call last):",
+        '  File "/v/site-packages/vllm/v1/executor/multiproc_executor.py", line 391, in get_response',
+        "RuntimeError: Worker failed with error '" + detail.split(": ", 1)[1] + "', please check the stack trace",
+    ]
+    level, at = ml.failure_level(wrapped, wrapped[-1], source_root=src)
+    assert level == "cpu-build" and at.startswith("vllm/v1/sample/rejection_sampler.py:10")
+    glibcxx = (
+        'WARNING [_custom_ops.py:21] Failed to import from vllm._C with ImportError("x.so.6: version `G\' not found")'
+    )
+    assert ml.machine_problem([glibcxx]) == "vllm._C did not load on this machine: x.so.6: version `G' not found"
     cpu = _tb(("vllm/platforms/cpu.py", "check_and_update_config"), exc="NotImplementedError: no spec on CPU")
     assert ml.failure_level(cpu, "NotImplementedError: no spec on CPU")[0] == "cpu-build"
     parser = ["usage: api_server.py [-h]", "api_server.py: error: unrecognized arguments: --speculative-config {}"]

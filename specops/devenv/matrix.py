@@ -654,6 +654,8 @@ def markdown_table(data: dict | None = None) -> str:
         detail = rec.get("detail") or ""
         if rec["outcome"] == "speculating":
             detail = ""
+        if rec.get("machine_problem"):
+            detail = f"{detail} [{rec['machine_problem']}]"
         check = rec.get("engine_check")
         if check:
             extra = f"engine with `{' '.join(check.get('args') or [])}`: {check['outcome']}"

@@ -110,6 +110,9 @@ async def run_engine(
             if out.get("outcome") == "engine-refused":
                 level, raised_at = failure_level(lines, out.get("detail", ""), backend.name, source_root)
                 out["level"], out["raised_at"] = level, raised_at
+                machine = machine_problem(lines)
+                if machine:
+                    out["machine_problem"] = machine
             return out
         before = await asyncio.to_thread(_counters, backend, plan.metrics_url, plan.model_name)
         timings: list[dict] = []
@@ -122,6 +125,9 @@ async def run_engine(
             await asyncio.sleep(0.3)
             level, raised_at = failure_level(lines, out.get("detail", ""), backend.name, source_root)
             out["level"], out["raised_at"] = level, raised_at
+            machine = machine_problem(lines)
+            if machine:
+                out["machine_problem"] = machine
         return out
     finally:
         try:
@@ -236,7 +242,8 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure))\b(?::\s*(.*))?$")
 #: Files only the CPU build runs: its platform, runner and worker, attention, kernels and their stand-ins.
 _CPU_FILE = re.compile(
-    r"(^|/)(cpu_\w*|\w*_cpu|cpu|ipex\w*|\w*_ipex)\.py$|/(cpu|ipex)/|/intel_extension_for_pytorch/|"
+    r"(^|/)(cpu_\w*|\w*_cpu|cpu|ipex\w*|\w*_ipex|_custom_ops|_ipex_ops)\.py$|/(cpu|ipex)/|"
+    r"/intel_extension_for_pytorch/|"
     r"vllm/(attention|v1/attention)/backends/(torch_sdpa|cpu)\w*\.py$"
 )
 #: Files where the command line and the engine config (SpeculativeConfig, ModelConfig, ...) are checked.
@@ -274,8 +281,17 @@ def tracebacks(lines: Iterable[str]) -> list[tuple[list[tuple[str, int, str]], s
 
 
 def _root_traceback(tbs, detail: str):
-    """The traceback that raised ``detail`` (else the first one that is not a wrapper with vLLM frames)."""
+    """The traceback that raised ``detail`` (else the first one that is not a wrapper with vLLM frames).
+
+    A detail that quotes another error (``Worker failed with error '<the worker's error>'``) is placed by
+    the traceback of the quoted error: the worker's, not the executor's that re-raised it.
+    """
     key = (detail or "")[:80]
+    for frames, exc in tbs:
+        msg = exc.split(":", 1)[-1].strip()
+        if len(msg) >= 20 and msg in (detail or "") and not (detail or "").endswith(exc):
+            if any("/vllm/" in f for f, _, _ in frames) and not _GENERIC.search(exc):
+                return frames, exc
     for frames, exc in tbs:
         if key and (key in exc or (exc.split(":", 1)[-1].strip()[:80] and exc.split(":", 1)[-1].strip()[:80] in key)):
             return frames, exc
@@ -298,6 +314,20 @@ def _defined_in(name: str, source_root: Path | None) -> list[str]:
         except OSError:
             continue
     return found
+
+
+_MACHINE = re.compile(r"Failed to import from vllm\._C with ImportError\((.*)\)")
+
+
+def machine_problem(lines: Iterable[str]) -> str | None:
+    """A problem of this machine rather than of the engine (vLLM's compiled ops did not load)."""
+    for raw in lines:
+        m = _MACHINE.search(raw)
+        if m:
+            why = m.group(1).strip("'\"")
+            why = re.sub(r"\(required by [^)]*\)", "", why).strip()
+            return f"vllm._C did not load on this machine: {why[:200]}"
+    return None
 
 
 def failure_level(

