@@ -182,6 +182,7 @@ async def phase_load(url: str, concurrency: int, seconds: float, temperature: fl
 
 
 def run_config(config: str, paths: dict, work: Path, args, surface: Path, phases, say) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
     prof = work / f"{config}.yaml"
     prof.write_text(profile_yaml(config, paths, free_port(), args, surface))
     up = Up(prof, work, f"goodput-{config}")
