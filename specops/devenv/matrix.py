@@ -475,9 +475,10 @@ def run(
     def keep(rec: dict) -> None:
         out.append(rec)
         have[cell_key(rec)] = rec
-        if save:
-            data["cells"] = list(have.values())
-            save_data(data, data_path)
+        if save:  # merged into the file as it is now: another run (another engine) may have written to it
+            current = {cell_key(r): r for r in load_data(data_path)["cells"]}
+            current[cell_key(rec)] = rec
+            save_data({"schema": SCHEMA, "cells": list(current.values())}, data_path)
 
     if setup:
         for rec in _setup_versions(engines, versions, methods, formats, have, force, say):
