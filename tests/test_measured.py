@@ -36,17 +36,20 @@ def test_the_shipped_matrix_measured_vllm_032():
 
 
 def test_vllm_version_gates_agree_with_the_matrix():
-    """A gate read in vLLM's source must not claim support where the engine refused the method on every
-    draft format (config or runner level), nor refuse a method the engine was seen speculating with."""
+    """A gate read in vLLM's source must not claim support where the engine's config refused the method on
+    every draft format (a refusal that holds on every platform), nor refuse a method the engine was seen
+    speculating with. Versions whose engine did not even serve the model without speculation say nothing."""
     wrong = []
     for (method, version), here in sorted(_method_verdicts("vllm").items()):
+        if not measured.baseline_served("vllm", version):
+            continue
         gate = vllm_method_problem(method, Version(version))
         if any(c.speculating for c in here) and gate:
             wrong.append(f"{method} on {version}: the engine speculated, the gate says: {gate}")
-        refused = [c for c in here if c.refused]
+        refused = [c for c in here if c.refused_for(cpu=False)]
         if refused and len(refused) == len(here) and not gate:
             lines = "; ".join(f"{c.format}: {c.detail[:300]}" for c in refused)
-            wrong.append(f"{method} on {version}: the gate allows it, the engine refused it ({lines})")
+            wrong.append(f"{method} on {version}: the gate allows it, the engine's config refused it ({lines})")
     assert wrong == []
 
 
@@ -82,12 +85,13 @@ def _cell(version, outcome, level=None, detail="", method="eagle3", fmt="EAGLE-3
 
 PROFILE = (
     "name: m\nbackend: vllm\nengine: {version: '%s'}\nmodel: {id: a/b}\nspeculative: {method: eagle3, draft: c/d}\n"
+    "gpus: {devices: %s}\n"
 )
 
 
-def _render(tmp_path, version: str):
+def _render(tmp_path, version: str, devices: str = "[]"):
     path = tmp_path / "p.yaml"
-    path.write_text(PROFILE % version, encoding="utf-8")
+    path.write_text(PROFILE % (version, devices), encoding="utf-8")
     return render_plan(load_profile(path, env={}), get_registry(), probe=False)
 
 
@@ -107,11 +111,35 @@ def test_a_measured_refusal_is_refused_with_the_engine_line_and_the_nearest_work
 
     ok = _render(tmp_path, "0.32.0")
     assert any("measured speculating" in n for n in ok.notes)
+    # measured on a CPU build: a runner-level refusal is not enforced on a GPU profile, only reported
+    gpu = _render(tmp_path, "0.31.0", devices="[0]")
+    assert any("CPU build refused it (runner level)" in n and "not enforced" in n for n in gpu.notes)
+
+
+def test_a_config_level_refusal_holds_for_every_profile(tmp_path, monkeypatch):
+    _fake(
+        monkeypatch,
+        _cell("0.31.0", "engine-refused", "config", "Value error, unknown method"),
+        _cell("0.32.0", "speculating"),
+    )
+    with pytest.raises(ProfileError, match="config level"):
+        _render(tmp_path, "0.31.0", devices="[0]")
+
+
+def test_no_refusal_when_the_engine_did_not_serve_at_all(tmp_path, monkeypatch):
+    """If the version could not even serve the model without speculation (a broken install, a tokenizer it
+    cannot load), its refusals are not about the method."""
+    _fake(
+        monkeypatch,
+        _cell("0.15.1", "engine-refused", None, "RuntimeError: Failed to load the tokenizer"),
+        _cell("0.15.1", "engine-refused", None, "RuntimeError: Failed to load the tokenizer", method="none", fmt="x"),
+    )
+    assert _render(tmp_path, "0.15.1").argv
 
 
 def test_a_cpu_build_failure_is_reported_not_enforced(tmp_path, monkeypatch):
     _fake(monkeypatch, _cell("0.24.0", "engine-refused", "cpu-build", "unexpected keyword argument 'USE_FP64_GUMBEL'"))
-    plan = _render(tmp_path, "0.24.0")
+    plan = _render(tmp_path, "0.24.0", devices="[0]")
     assert any("CPU build refused it" in n and "USE_FP64_GUMBEL" in n and "inferred" in n for n in plan.notes)
 
 

@@ -244,13 +244,14 @@ class Backend:
         near = [f"{name} ({what})" for name, what in self.engine_only_methods.items() if method.value in name]
         return text + (f"; {self.engine_name} itself has {', '.join(near)}" if near else "")
 
-    def method_problem(self, method: Method, version: str | None) -> str | None:
+    def method_problem(self, method: Method, version: str | None, *, cpu: bool = False) -> str | None:
         """Why engine ``version`` cannot run ``method``: its version gate (read in the engine's source), or a
-        refusal the support matrix measured on that version. None when it can, or when nothing is known."""
+        refusal the support matrix measured on that version (``cpu``: for a CPU profile, where refusals the
+        CPU build raised count too). None when it can, or when nothing is known."""
         if not version or method in (Method.NONE, Method.AUTO):
             return None
         return self.method_version_problem(method, version) or measured.refusal(
-            self.name, method.value, version, self.engine_name
+            self.name, method.value, version, self.engine_name, cpu=cpu
         )
 
     def support(self, method: Method, version: str | None) -> tuple[str, str] | None:

@@ -19,10 +19,12 @@ from importlib import resources
 from specops.backends.versions import Version
 
 DATA = "data/support_matrix.json"
-#: Where a refusal was raised (recorded per cell by the matrix runner from the engine's traceback).
-#: ``cpu-build`` failures (CPU kernels and stand-ins) are facts about the CPU wheel, not about the engine
-#: on a GPU, so they are reported, never enforced.
-PLATFORM_LEVELS = frozenset({"cpu-build"})
+#: Where a refusal was raised (recorded per cell by the matrix runner from the engine's traceback). Every
+#: cell was measured on a CPU build, so only a ``config`` refusal (the engine's parser: the same on every
+#: platform) is enforced for every profile; a ``runner`` or unclassified one is enforced for CPU profiles
+#: only (the CPU model runner has its own paths in shared files), and a ``cpu-build`` one (CPU kernels and
+#: stand-ins) likewise: each is reported to GPU profiles, never enforced on them.
+PLATFORM_INDEPENDENT = frozenset({"config"})
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,9 @@ class Cell:
     def speculating(self) -> bool:
         return self.outcome == "speculating"
 
-    @property
-    def refused(self) -> bool:
-        """The engine refused it at a level that holds on every platform."""
-        return self.outcome == "engine-refused" and self.level not in PLATFORM_LEVELS
+    def refused_for(self, cpu: bool) -> bool:
+        """The engine refused it, at a level that holds for a CPU (``cpu``) or any profile."""
+        return self.outcome == "engine-refused" and (cpu or self.level in PLATFORM_INDEPENDENT)
 
 
 @lru_cache(maxsize=1)
@@ -119,12 +120,20 @@ def _order(v: Version) -> int:
     return sum(x * 1000 ** (3 - i) for i, x in enumerate(v.release[:3]))
 
 
-def refusal(engine: str, method: str, version: str, display: str) -> str | None:
-    """Why specops refuses ``method`` on ``version``: every draft format of it was refused by the engine
-    itself there (not only by the CPU build), none speculated. None when it ran, or was never measured."""
+def baseline_served(engine: str, version: str) -> bool:
+    """Whether the engine served the tiny model without speculation on ``version`` (true when that cell
+    was not measured): if it did not, its refusals say nothing about the methods."""
+    base = method_cells(engine, "none", version)
+    return not base or any(c.outcome == "started-without-speculation" for c in base)
+
+
+def refusal(engine: str, method: str, version: str, display: str, *, cpu: bool = False) -> str | None:
+    """Why specops refuses ``method`` on ``version``: the engine refused every draft format of it there, at
+    a level that holds for this profile (``cpu``: a CPU profile, see :data:`PLATFORM_INDEPENDENT`), and it
+    served the model without speculation. None when it ran, was never measured, or cannot be told."""
     here = method_cells(engine, method, version)
     measured = [c for c in here if c.outcome not in ("not-measured", "rendered-refused")]
-    if not measured or any(not c.refused for c in measured):
+    if not measured or not baseline_served(engine, version) or any(not c.refused_for(cpu) for c in measured):
         return None
     first = measured[0]
     where = f" ({first.level} level)" if first.level else ""
@@ -141,11 +150,12 @@ def support(engine: str, method: str, version: str, display: str) -> tuple[str, 
         return "measured", f"{method} on {display} {version}: measured speculating with tiny checkpoints " + (
             f"({'; '.join(formats)})"
         )
-    cpu_only = [c for c in here if c.outcome == "engine-refused" and not c.refused]
+    cpu_only = [c for c in here if c.outcome == "engine-refused" and not c.refused_for(cpu=False)]
     if cpu_only:
+        level = f" ({cpu_only[0].level} level)" if cpu_only[0].level else ""
         return "inferred", (
-            f"{method} on {display} {version}: inferred, not measured: the CPU build refused it "
-            f"({_line(cpu_only[0].detail)}), a fact about that build only"
+            f"{method} on {display} {version}: inferred, not measured: the CPU build refused it{level} "
+            f"({_line(cpu_only[0].detail)}), not enforced for a GPU profile"
         )
     seen = sorted({c.version for c in method_cells(engine, method) if c.speculating})
     also = f" (measured speculating on {', '.join(seen)})" if seen else " (no version measured speculating)"

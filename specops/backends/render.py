@@ -53,7 +53,7 @@ def render_plan(
             hidden = redact_message(str(exc), "", texts, format_path)
             raise type(exc)(hidden) if type(exc).__init__ is SpecopsError.__init__ else SpecopsError(hidden) from None
     method = loaded.profile.speculative.method
-    problem = backend.method_problem(method, engine.version)
+    problem = backend.method_problem(method, engine.version, cpu=loaded.profile.gpus.devices == [])
     if problem:
         raise ProfileError([loaded.problem(("speculative", "method"), problem)])
     support = backend.support(method, engine.version)

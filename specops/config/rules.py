@@ -201,7 +201,7 @@ def _backend_problems(p: Profile, backend: Any) -> Findings:
     if method is not Method.AUTO and method not in backend.methods:
         yield ("speculative", "method"), backend.unsupported_method_text(method)
     elif p.engine.version:
-        problem = backend.method_problem(method, p.engine.version)
+        problem = backend.method_problem(method, p.engine.version, cpu=p.gpus.devices == [])
         if problem:
             yield ("speculative", "method"), problem
     yield from backend.check_profile(p)

@@ -59,7 +59,7 @@ def backend_findings(method: Method, profile, backend_obj) -> list[Finding]:
     version = profile.engine.version
     if not version or backend_obj is None:
         return out
-    problem = backend_obj.method_problem(method, version)
+    problem = backend_obj.method_problem(method, version, cpu=profile.gpus.devices == [])
     if problem:
         out.append(Finding("error", "backend", problem, METHOD))
     return out
