@@ -217,6 +217,54 @@ def run_config(config: str, paths: dict, work: Path, args, surface: Path, phases
         up.stop()
 
 
+def _decisions(up: Up, t0: float) -> list[dict]:
+    return [
+        {
+            "t": round(e["ts"] - t0, 1),
+            "from": e.get("from"),
+            "to": e.get("to"),
+            "rule": e.get("rule"),
+            "concurrency": round(e["numbers"].get("concurrency") or 0, 2),
+            "predicted": e["numbers"].get("predicted"),
+        }
+        for e in up.events()
+        if e["event"] == "decision" and e.get("action") == "switch"
+    ]
+
+
+def run_together(paths: dict, work: Path, args, surface: Path, phases, say) -> dict[str, dict]:
+    """All three deployments up at once, each with its own clients, every phase on all three at the same time:
+    drift and contention on the shared machine hit them alike (each llama-server runs one thread)."""
+    work.mkdir(parents=True, exist_ok=True)
+    ups = {}
+    try:
+        for config in CONFIGS:
+            prof = work / f"{config}.yaml"
+            prof.write_text(profile_yaml(config, paths, free_port(), args, surface))
+            ups[config] = Up(prof, work, f"goodput-{config}")
+        urls = {c: up.wait_ready()["url"] for c, up in ups.items()}
+        for url in urls.values():
+            asyncio.run(phase_load(url, 1, 1.0, 0.0, 8))  # warm-up
+        t0 = time.time()
+        out: dict[str, dict] = {c: {"phases": {}} for c in CONFIGS}
+
+        async def phase(conc: int, temp: float) -> list[dict]:
+            return await asyncio.gather(*(phase_load(urls[c], conc, args.phase, temp, args.tokens) for c in CONFIGS))
+
+        for name, conc, temp in phases:
+            start = round(time.time() - t0, 1)
+            for c, res in zip(CONFIGS, asyncio.run(phase(conc, temp))):
+                out[c]["phases"][name] = {**res, "start_s": start}
+        for c in CONFIGS:
+            out[c]["decisions"] = _decisions(ups[c], t0)
+            say(f"  {c}: " + ", ".join(f"{p} {v['tokens_per_s']:.1f}" for p, v in out[c]["phases"].items()))
+        say(f"  managed switched at {[d['t'] for d in out['managed']['decisions']]}")
+        return out
+    finally:
+        for up in ups.values():
+            up.stop()
+
+
 def print_surface(surface) -> None:
     print("Measured surface (tokens/s; specops tune, medians of its rounds):\n")
     levels = surface.levels()
@@ -256,6 +304,12 @@ def main() -> None:
         "at draft-layers/layers of its cost; 1 = the fixture's one-layer draft)",
     )
     ap.add_argument("--surface-only", action="store_true", help="measure and print the surface, then stop")
+    ap.add_argument(
+        "--together",
+        action="store_true",
+        help="run the three deployments at the same time, each with its own clients (default: one after the "
+        "other, the order rotating per round)",
+    )
     ap.add_argument("--llama-threads", type=int, default=1)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -289,6 +343,11 @@ def main() -> None:
             print_surface(surface)
             return
         for rnd in range(args.rounds):
+            if args.together:
+                say(f"round {rnd + 1}/{args.rounds}: the three deployments at once")
+                for config, res in run_together(paths, work / f"r{rnd}", args, record, phases, say).items():
+                    runs[config].append(res)
+                continue
             order = CONFIGS[rnd % 3 :] + CONFIGS[: rnd % 3]
             say(f"round {rnd + 1}/{args.rounds}: {', '.join(order)}")
             for config in order:
@@ -307,8 +366,10 @@ def main() -> None:
         f"Goodput policy, llama-server, layer-skip {args.hidden}x{args.layers}, draft_model k={args.k}, "
         f"server.parallel {args.parallel}; machine: {m['cpu']}, {m['cores']} cores; llama-server threads "
         f"{args.llama_threads or 'default'}; {args.tokens} tokens/request (ignore_eos); phases of {args.phase:g}s; "
-        f"managed: window {args.window}, sustain {args.sustain}, min_dwell {args.dwell}; deployments one after the "
-        f"other, order rotating; medians of {args.rounds} round(s); load average {load_before[0]:.1f} before, "
+        f"managed: window {args.window}, sustain {args.sustain}, min_dwell {args.dwell}; draft: layer-skip target "
+        f"with {args.draft_layers} layer(s); "
+        + ("the three deployments at once, " if args.together else "deployments one after the other, order rotating; ")
+        + f"medians of {args.rounds} round(s); load average {load_before[0]:.1f} before, "
         f"{load_after[0]:.1f} after\n"
     )
     print_surface(surface)
