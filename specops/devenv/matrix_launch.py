@@ -54,7 +54,7 @@ def last_error_line(lines: Iterable[str]) -> str | None:
     """The last line of an engine's output that names the error (vLLM prefixes and wrappers stripped)."""
     best = None
     for raw in lines:
-        line = _PREFIX.sub("", raw.rstrip()).strip()
+        line = _PREFIX.sub("", _ANSI.sub("", raw.rstrip())).strip()
         if not line or _GENERIC.search(line) or not _ERRORISH.search(line):
             continue
         best = line
@@ -259,12 +259,15 @@ _PARSER_LINE = re.compile(
 _UNEXPECTED_KW = re.compile(r"(\w+)\(\) (got an unexpected keyword argument|missing \d+ required|takes \d+)")
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def tracebacks(lines: Iterable[str]) -> list[tuple[list[tuple[str, int, str]], str]]:
     """Every Python traceback in an engine's output: (frames as (file, line, function), exception line)."""
     out: list[tuple[list[tuple[str, int, str]], str]] = []
     frames: list[tuple[str, int, str]] | None = None
     for raw in lines:
-        text = _PREFIX.sub("", raw.rstrip()).strip()
+        text = _PREFIX.sub("", _ANSI.sub("", raw.rstrip())).strip()
         if text.startswith("Traceback (most recent call last)"):
             frames = []
             continue
