@@ -217,7 +217,17 @@ def _watcher(up: _Instance, reader: AcceptanceReader, metrics: SpecopsMetrics) -
         metrics=metrics,
         on_tick=up.write_state,
         act=up.switch,
+        concurrency=lambda: _proxy_load(up),
     )
+
+
+def _proxy_load(up: _Instance) -> float | None:
+    """Requests on specops' proxy right now: in flight plus waiting (held during a switch, which the
+    engine's own running/waiting gauges miss). None without a proxy: the watcher then reads the engine's."""
+    if up.proxy is None:
+        return None
+    stats = up.proxy.stats()
+    return float(stats["in_flight"] + stats["queue_depth"])
 
 
 def _proxy(up: _Instance, live: LiveCounters | None, metrics: SpecopsMetrics):

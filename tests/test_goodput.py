@@ -305,7 +305,7 @@ def test_watcher_prefers_the_proxys_in_flight_over_engine_gauges():
             interval = 1.0
 
     w = Watcher(P(), reader=None, decider=None, say=print, concurrency=lambda: 7)
-    assert w.load(Reading(IDLE, 10.0, engine_load=5.0)) == Load(7, 10.0, "proxy in-flight")
+    assert w.load(Reading(IDLE, 10.0, engine_load=5.0)) == Load(7, 10.0, "proxy in flight + waiting")
     w.concurrency = lambda: None
     assert w.load(Reading(IDLE, 10.0, engine_load=5.0)) == Load(5.0, 10.0, "engine running + waiting")
 

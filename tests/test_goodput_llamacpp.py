@@ -97,7 +97,7 @@ def test_a_load_step_switches_to_none_and_back(tmp_path, tiny_models):
         down = [d for d in run.events("decision") if d.get("action") == "switch"][0]
         assert (down["from"], down["to"], down["rule"]) == ("draft_model", "none", "goodput")
         n = down["numbers"]
-        assert n["concurrency"] > 1.7 and n["concurrency_source"] == "engine running + waiting"
+        assert n["concurrency"] > 1.7 and n["concurrency_source"] == "proxy in flight + waiting"
         assert n["predicted"]["none"] > n["predicted"]["draft_model k=4"]
         assert n["sustained_s"] >= 1.5 and n["gain_tokens"] > n["cost_tokens"]
         # the load is gone: back to speculation once the dwell and the sustain time have passed

@@ -415,10 +415,10 @@ class Watcher:
         return self.handle(reading, now)
 
     def load(self, reading: Reading) -> Load:
-        """This tick's concurrency (the proxy's in-flight requests, else the engine's gauges) and tokens/s."""
+        """This tick's concurrency (the proxy's requests in flight and waiting, else the engine's gauges) and tokens/s."""
         conc, source = None, ""
         if self.concurrency is not None:
-            conc, source = self.concurrency(), "proxy in-flight"
+            conc, source = self.concurrency(), "proxy in flight + waiting"
         if conc is None and reading.engine_load is not None:
             conc, source = reading.engine_load, "engine running + waiting"
         return Load(conc, reading.tokens_per_s, source)
