@@ -44,7 +44,19 @@ CELLS: tuple[Cell, ...] = (
     Cell("vllm", "eagle3", "EAGLE-3 head, speculators layout", "hf-target", "hf-eagle3-speculators"),
     Cell("vllm", "medusa", "Medusa, vLLM layout", "hf-target", "hf-medusa"),
     Cell("vllm", "medusa", "Medusa, FasterDecoding layout", "hf-target", "hf-medusa-fd"),
-    Cell("vllm", "mlp_speculator", "MLP speculator", "hf-target", "hf-mlp-speculator"),
+    Cell(
+        "vllm",
+        "mlp_speculator",
+        "MLP speculator",
+        "hf-target",
+        "hf-mlp-speculator",
+        hand=(  # specops refuses it on V1-only versions: the engine's own answer is kept as the evidence
+            "--speculative-config",
+            json.dumps(
+                {"method": "mlp_speculator", "model": "{draft}", "num_speculative_tokens": K}, separators=(",", ":")
+            ),
+        ),
+    ),
     Cell("vllm", "mtp", "MTP layers in the target (tiny MiMo)", "hf-mimo-mtp", spec={"num_speculative_tokens": 1}),
     Cell(
         "vllm",
