@@ -157,8 +157,8 @@ def support(engine: str, method: str, version: str, display: str) -> tuple[str, 
             f"{method} on {display} {version}: inferred, not measured: the CPU build refused it{level} "
             f"({_line(cpu_only[0].detail)}), not enforced for a GPU profile"
         )
-    seen = sorted({c.version for c in method_cells(engine, method) if c.speculating})
-    also = f" (measured speculating on {', '.join(seen)})" if seen else " (no version measured speculating)"
+    near = nearest_working(engine, method, version)
+    also = f" (nearest version measured speculating: {near})" if near else " (no version measured speculating)"
     return "inferred", f"{method} on {display} {version}: inferred from the engine's source, not measured{also}"
 
 
