@@ -50,7 +50,7 @@ def test_committed_data_is_well_formed():
             assert rec["detail"], f"a cell that did not speculate must say why: {rec}"
         if rec["outcome"] == "engine-refused":
             assert rec.get("level") in ml.LEVELS, f"a refusal says where the engine raised it: {rec}"
-        else:
+        elif not rec.get("engine_detail"):  # a failure the baseline shares keeps where it was raised
             assert not rec.get("level"), rec
     assert json.loads(mx.DATA_FILE.read_text()) == {"schema": mx.SCHEMA, "cells": sorted(data["cells"], key=mx._order)}
 
@@ -295,6 +295,18 @@ def test_a_row_that_fails_everywhere_gets_a_baseline_and_is_freed(tmp_path, monk
     mx.run(engines=["vllm"], methods=["eagle"], data_path=path, free_after=True)
     assert measured == [("0.9.2", "eagle"), ("0.9.2", "none"), ("0.32.0", "eagle"), ("0.32.0", "none")]
     assert freed == ["0.9.2"]  # never the default
+
+
+def test_failures_the_baseline_shares_are_not_refusals():
+    why = "RuntimeError: Failed to infer device type"
+    row = [
+        _rec(outcome="engine-refused", detail=why, level="config"),
+        _rec(method="medusa", outcome="engine-refused", detail="Value error, Unrecognized model", level="config"),
+    ]
+    changed = mx.explain_by_baseline(row, _rec(method="none", outcome="engine-refused", detail=why))
+    assert len(changed) == 1 and changed[0]["outcome"] == "not-measured" and changed[0]["engine_detail"] == why
+    assert "even without speculation" in changed[0]["detail"]
+    assert mx.explain_by_baseline(row, _rec(method="none", outcome="started-without-speculation")) == []
 
 
 def test_a_failed_install_is_a_row(tmp_path, monkeypatch):

@@ -557,6 +557,8 @@ def run(
             rec = measure_cell(base, eng, ready_timeout=ready_timeout, say=say)
             say(f"[{eng.engine} {eng.version}] baseline: {summary_line(rec)}")
             keep(rec)
+            for cell_rec in explain_by_baseline(row, rec):
+                keep(cell_rec)
         say(f"[{eng.engine} {eng.version}] row done in {time.monotonic() - t_row:.0f} s")
         if free_after and eng.engine == "vllm" and not eng.default and eng.label:
             from specops.devenv.vllm_setup import remove_vllm
@@ -564,6 +566,23 @@ def run(
             freed = remove_vllm(eng.label)
             say(f"[{eng.engine} {eng.version}] --free-after: removed its venv ({freed / 1e9:.1f} GB)")
     return out
+
+
+def explain_by_baseline(row: list[dict], baseline: dict) -> list[dict]:
+    """When the engine fails the same way without speculation, its failures say nothing about speculation:
+    those cells become ``not-measured`` (the engine's error kept as ``engine_detail``, with its level), so a
+    version that cannot serve the model here is not read as refusing every method. Returns the changed
+    records."""
+    if baseline["outcome"] not in ("engine-refused", "engine-timeout"):
+        return []
+    why = baseline.get("detail") or ""
+    changed = []
+    for rec in row:
+        if rec["outcome"] in ("engine-refused", "engine-timeout") and (rec.get("detail") or "") == why:
+            rec = {**rec, "outcome": "not-measured", "engine_detail": why}
+            rec["detail"] = f"the engine does not serve the model here even without speculation: {why}"
+            changed.append(rec)
+    return changed
 
 
 def _row_all_failed(row: list[dict]) -> bool:
