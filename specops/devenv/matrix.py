@@ -578,7 +578,8 @@ def explain_by_baseline(row: list[dict], baseline: dict) -> list[dict]:
     why = baseline.get("detail") or ""
     changed = []
     for rec in row:
-        if rec["outcome"] in ("engine-refused", "engine-timeout") and (rec.get("detail") or "") == why:
+        # the same failure: the same first 100 characters (what follows may quote the model's random output)
+        if rec["outcome"] in ("engine-refused", "engine-timeout") and (rec.get("detail") or "")[:100] == why[:100]:
             rec = {**rec, "outcome": "not-measured", "engine_detail": why}
             rec["detail"] = f"the engine does not serve the model here even without speculation: {why}"
             changed.append(rec)
