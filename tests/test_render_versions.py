@@ -64,3 +64,17 @@ def test_llamacpp_multi_gpu_layout_renders_devices_and_split(tmp_path):
     assert argv[argv.index("-dev") + 1] == "CUDA0,CUDA1"
     assert argv[argv.index("-sm") + 1] == "layer" and argv[argv.index("-ts") + 1] == "3,1"
     assert argv[argv.index("-fit") + 1] == "off"  # explicit layout: llama-server must not re-fit it
+
+
+def test_llamacpp_spec_type_generation_enables_a_draft_model_with_md_alone(tmp_path):
+    """In the `--spec-type` generation that option names n-gram drafters only: llama-server 0.3.20's build
+    exits on `--spec-type draft` (the support matrix saw it), so a draft model is `-md` plus `--draft-max`."""
+    body = (
+        "name: m\nbackend: llamacpp\nmodel: {id: /m/x.gguf}\n"
+        "speculative: {method: draft_model, draft: /m/d.gguf, num_speculative_tokens: 5}\n"
+    )
+    argv = list(_plan(tmp_path, body, "spec-type").argv)
+    assert "--spec-type" not in argv
+    assert argv[argv.index("-md") + 1] == "/m/d.gguf" and argv[argv.index("--draft-max") + 1] == "5"
+    current = list(_plan(tmp_path, body, "current").argv)
+    assert current[current.index("--spec-type") + 1] == "draft-simple"

@@ -31,7 +31,10 @@ from specops.methods import Method
 #: specops method → llama-server ``--spec-type`` value, per flag generation (absent: not supported).
 SPEC_TYPE = {
     "legacy": {},
-    "spec-type": {Method.DRAFT_MODEL: "draft", Method.NGRAM: "ngram-simple"},
+    # --spec-type here names n-gram drafters only: a draft model is `-md` alone (llama-server from
+    # llama-cpp-python 0.3.20, commit f49e917, exits on `--spec-type draft`: "unknown speculative decoding
+    # type without draft model"; seen by the support matrix)
+    "spec-type": {Method.NGRAM: "ngram-simple"},
     "spec-draft": {Method.DRAFT_MODEL: "draft", Method.NGRAM: "ngram-mod"},
     "current": {
         Method.DRAFT_MODEL: "draft-simple",
@@ -46,12 +49,14 @@ def _generation_problem(method: Method, gen: str, version: str) -> str | None:
     """Why llama-server ``version`` of flag generation ``gen`` cannot run ``method`` (legacy builds run a draft
     model from ``-md`` alone, with no ``--spec-type``)."""
     types = SPEC_TYPE[gen]
-    if method in types or (gen == "legacy" and method is Method.DRAFT_MODEL):
+    if method in types or (gen in DRAFT_WITHOUT_SPEC_TYPE and method is Method.DRAFT_MODEL):
         return None
     supported = sorted({Method.DRAFT_MODEL.value} | {m.value for m in types})
     return f"llama-server {version} (flag generation {gen}) cannot run {method}; it supports {', '.join(supported)}"
 
 
+#: Generations whose draft model is enabled by ``-md`` alone, without a ``--spec-type``.
+DRAFT_WITHOUT_SPEC_TYPE = ("legacy", "spec-type")
 NGRAM_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 DEFAULT_DRAFT_QUANT = "Q4_K_M"
 
@@ -338,7 +343,7 @@ class LlamaCppBackend(Backend):
                 raise RenderError(("speculative", "ngram", "type"), "ngram-mod needs a newer llama-server")
             out += ["--spec-type", ngram_type]
             return out
-        if gen != "legacy":
+        if gen not in DRAFT_WITHOUT_SPEC_TYPE:
             out += ["--spec-type", types[method]]
         k = spec.k
         new_names = gen in ("spec-draft", "current")
