@@ -1081,6 +1081,11 @@ if pytest is not None:
         ):
             monkeypatch.delenv(var, raising=False)
         monkeypatch.setenv("SPECOPS_HUB_TIMEOUT", "3")
+        # huggingface_hub reads HF_HUB_OFFLINE once, when its constants module is first loaded (lazily, on
+        # first use): a test that ran with HF_HUB_OFFLINE=1 before that would leave it offline for good
+        import huggingface_hub.constants
+
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         try:
             yield hub
         finally:

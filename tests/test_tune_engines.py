@@ -58,12 +58,17 @@ def comment_lines(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if "#" in line and "specops tune" not in line]
 
 
+def swept(record: dict) -> list[dict]:
+    """The swept settings' results: without ``none``, measured only as the goodput surface's baseline."""
+    return [r for r in record["results"] if r["label"] not in record.get("reference_only", [])]
+
+
 def best_recorded(record: dict) -> str:
     """The label with the best median at the deciding concurrency, from the recorded table alone."""
     level = str(record["primary_concurrency"])
     rows = [
         r
-        for r in record["results"]
+        for r in swept(record)
         if r["status"] in ("measured", "pruned")
         and len(r["levels"].get(level, {}).get("rounds", [])) >= record["min_rounds"]
     ]
@@ -77,12 +82,13 @@ def test_sweep_writes_the_best_recorded_k_and_the_profile_still_validates_and_re
     res = run("tune", path, "--k", "1,2,4", "--budget", "90s", *FAST, env=env)
     assert res.code == 0, res.stdout + res.stderr
     record = json.loads((tmp_path / "tune-llama.tune.json").read_text())
-    assert [r["k"] for r in record["results"]][0] in (1, 2, 4) and {r["k"] for r in record["results"]} == {1, 2, 4}
+    assert [r["k"] for r in swept(record)][0] in (1, 2, 4) and {r["k"] for r in swept(record)} == {1, 2, 4}
+    assert record["reference_only"] == ["none"]  # the baseline is measured too, and never chosen
     assert record["levels"] == [2, 1] and record["elapsed_s"] <= 90
     chosen = record["chosen"]
     assert chosen["label"] == best_recorded(record)  # the choice matches the recorded table
     assert record["winner"] == chosen and chosen["k"] in (1, 2, 4)
-    measured = [r for r in record["results"] if r["status"] == "measured"]
+    measured = [r for r in swept(record) if r["status"] == "measured"]
     assert measured and all(r["levels"]["2"]["acceptance"] > 0.3 for r in measured)
     assert all(r["levels"]["2"]["mean_acceptance_length"] > 1.0 for r in measured)
 
@@ -163,7 +169,7 @@ def test_llama_ngram_is_swept_by_type_and_never_gets_a_k(tmp_path, models, env):
     res = run("tune", path, "--ngram-types", "ngram-simple,ngram-mod", "--budget", "60s", *FAST, env=env)
     assert res.code == 0, res.stderr
     record = json.loads((tmp_path / "ngram.tune.json").read_text())
-    assert {r["label"] for r in record["results"]} == {"ngram ngram-simple", "ngram ngram-mod"}
+    assert {r["label"] for r in swept(record)} == {"ngram ngram-simple", "ngram ngram-mod"}
     assert record["chosen"]["label"] == best_recorded(record)
     prof = load_profile(path).profile
     assert prof.speculative.num_speculative_tokens is None
@@ -223,9 +229,9 @@ def test_vllm_sweep_over_k_writes_the_best_recorded_k(tmp_path, env):
     )
     assert res.code == 0, res.stdout + res.stderr
     record = json.loads((tmp_path / "tune-vllm.tune.json").read_text())
-    assert {r["k"] for r in record["results"]} == {1, 2, 4} and record["levels"] == [2]
+    assert {r["k"] for r in swept(record)} == {1, 2, 4} and record["levels"] == [2]
     assert record["chosen"]["label"] == best_recorded(record)
-    assert all(r["levels"]["2"]["acceptance"] > 0.9 for r in record["results"] if r["status"] == "measured")
+    assert all(r["levels"]["2"]["acceptance"] > 0.9 for r in swept(record) if r["status"] == "measured")
     assert comment_lines(path.read_text()) == comment_lines(original)
     k = record["chosen"]["k"]
     assert load_profile(path).profile.speculative.k == k
