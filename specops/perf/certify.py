@@ -40,16 +40,19 @@ from specops import __version__
 from specops.config.profile import LoadedProfile
 from specops.errors import SpecopsError
 from specops.methods import Method
+from specops.perf.certify_compare import (  # noqa: F401 - re-exported: one answer and its comparison
+    Generation,
+    _parse_logprobs,
+    compare_outputs,
+    lossless_summary,
+)
+from specops.perf.certify_report import plot_certificate, summary_text  # noqa: F401 - re-exported
 from specops.perf.workload import BUILTIN_SETS, DEFAULT_TIMEOUT, Prompt, RequestResult, WorkloadResult
 
 SPEC, BASE = "spec", "none"
 ENDPOINTS = ("auto", "chat", "completions")
 #: Top log-probabilities asked for in the greedy pass (for the margin at a divergence).
 TOP_LOGPROBS = 5
-#: Divergences kept in the certificate (all are counted).
-KEEP_DIVERGENCES = 5
-#: Tokens of each continuation shown after a divergence.
-SHOW_TOKENS = 12
 
 Say = Callable[[str], None]
 
@@ -110,54 +113,6 @@ def messages_for(text: str) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------------
 # one request
-
-
-@dataclass
-class Generation:
-    """One request's answer: timing and counts (as a workload result), the text and the tokens."""
-
-    result: RequestResult
-    text: str = ""
-    tokens: list = field(default_factory=list)  # token ids where the engine gives them, else token texts
-    texts: list[str] = field(default_factory=list)  # token texts (for showing a divergence)
-    top: list[dict] = field(default_factory=list)  # per position: token (id or text) -> logprob
-    by_id: bool = False
-
-
-def _parse_logprobs(choice: dict, gen: Generation) -> None:
-    """Tokens and top log-probabilities from either shape engines answer in.
-
-    ``logprobs.content`` (chat, and llama-server's completions): a list of ``{id?, token, logprob,
-    top_logprobs: [{id?, token, logprob}]}``; the legacy completions shape (vLLM): ``{tokens, token_logprobs,
-    top_logprobs: [{token: logprob}]}``; ``token_ids`` on the choice (vLLM ``return_token_ids``).
-    """
-    lp = choice.get("logprobs")
-    ids = choice.get("token_ids")
-    if isinstance(lp, dict) and isinstance(lp.get("content"), list):
-        content = [c for c in lp["content"] if isinstance(c, dict)]
-        gen.texts = [str(c.get("token", "")) for c in content]
-        if content and all(isinstance(c.get("id"), int) for c in content):
-            gen.tokens, gen.by_id = [c["id"] for c in content], True
-        else:
-            gen.tokens = list(gen.texts)
-        for c in content:
-            top = {}
-            for t in c.get("top_logprobs") or ():
-                key = t.get("id") if gen.by_id and isinstance(t.get("id"), int) else t.get("token")
-                if key is not None and isinstance(t.get("logprob"), (int, float)):
-                    top[key] = float(t["logprob"])
-            gen.top.append(top)
-    elif isinstance(lp, dict) and isinstance(lp.get("tokens"), list):
-        gen.texts = [str(t) for t in lp["tokens"]]
-        gen.tokens = list(gen.texts)
-        gen.top = [
-            {k: float(v) for k, v in (d or {}).items() if isinstance(v, (int, float))}
-            for d in lp.get("top_logprobs") or []
-        ]
-    if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
-        if not gen.by_id:  # ids are better keys for the comparison; top log-probs stay keyed by text
-            gen.tokens, gen.by_id = list(ids), True
-            gen.top = [{("text", k): v for k, v in d.items()} for d in gen.top]
 
 
 @dataclass(frozen=True)
@@ -263,104 +218,6 @@ async def generate_all(
     results = [g.result for g in gens]
     wall = (max(r.end for r in results) - min(r.start for r in results)) if results else 0.0
     return list(gens), WorkloadResult(concurrency, results, wall)
-
-
-# ---------------------------------------------------------------------------------------------------
-# losslessness
-
-
-def compare_outputs(spec: Generation, base: Generation, tolerance: float = 0.0) -> dict:
-    """Token-by-token comparison of the same greedy request with speculation (``spec``) and without (``base``).
-
-    ``status``: ``identical``; ``tolerated`` (the first differing token was a near tie in the baseline:
-    ``margin`` = logprob of the baseline's token − logprob of the speculative token ≤ ``tolerance``);
-    ``diverged``; ``failed`` (a request failed). The comparison uses token ids when both sides have them,
-    else token texts, else the text itself.
-    """
-    out: dict[str, Any] = {"set": base.result.set}
-    if not (spec.result.ok and base.result.ok):
-        out.update(status="failed", error=spec.result.error or base.result.error)
-        return out
-    if spec.by_id == base.by_id and spec.tokens and base.tokens:
-        a, b, unit = spec.tokens, base.tokens, "token"
-    else:
-        a, b, unit = list(spec.text), list(base.text), "character"
-    pos = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-    if pos is None and len(a) == len(b):
-        out.update(status="identical", tokens=len(b), unit=unit)
-        return out
-    if pos is None:  # one is a prefix of the other: it stopped earlier
-        pos = min(len(a), len(b))
-    margin = _margin(spec, base, pos) if unit == "token" else None
-    status = "tolerated" if margin is not None and margin <= tolerance and tolerance > 0 else "diverged"
-    out.update(
-        status=status,
-        unit=unit,
-        position=pos,
-        tokens=len(b),
-        margin=margin,
-        spec_token=_shown(spec, pos, unit),
-        base_token=_shown(base, pos, unit),
-        common_prefix=_join(base, 0, pos, unit)[-80:],
-        spec_continuation=_join(spec, pos, pos + SHOW_TOKENS, unit),
-        base_continuation=_join(base, pos, pos + SHOW_TOKENS, unit),
-        spec_finish=spec.result.finish_reason,
-        base_finish=base.result.finish_reason,
-    )
-    return out
-
-
-def _margin(spec: Generation, base: Generation, pos: int) -> float | None:
-    """How much likelier the baseline's token was than the speculative one at ``pos`` (nats), from the
-    baseline's top log-probabilities; None when either token is missing there (a clear divergence)."""
-    if pos >= len(base.top) or pos >= len(spec.tokens) or pos >= len(base.tokens):
-        return None
-    top = base.top[pos]
-
-    def key(gen: Generation) -> Any:
-        if top and all(isinstance(k, tuple) for k in top):  # keyed by text while tokens are ids
-            return ("text", gen.texts[pos] if pos < len(gen.texts) else None)
-        return gen.tokens[pos]
-
-    mine, theirs = top.get(key(base)), top.get(key(spec))
-    if mine is None or theirs is None:
-        return None
-    return round(max(0.0, mine - theirs), 6)
-
-
-def _shown(gen: Generation, pos: int, unit: str) -> str | None:
-    if unit == "token":
-        return gen.texts[pos] if pos < len(gen.texts) else None  # None: this side stopped here
-    return gen.text[pos] if pos < len(gen.text) else None
-
-
-def _join(gen: Generation, start: int, end: int, unit: str) -> str:
-    if unit == "token" and gen.texts:
-        return "".join(gen.texts[start:end])
-    return gen.text[start:end]
-
-
-def lossless_summary(comparisons: list[dict], tolerance: float) -> dict:
-    """The losslessness verdict over every compared request."""
-    counts = {s: sum(c["status"] == s for c in comparisons) for s in ("identical", "tolerated", "diverged", "failed")}
-    if counts["diverged"] or counts["failed"]:
-        verdict = "diverged" if counts["diverged"] else "incomplete"
-    elif counts["tolerated"]:
-        verdict = "within-tolerance"
-    else:
-        verdict = "exact"
-    bad = [c for c in comparisons if c["status"] in ("diverged", "tolerated", "failed")]
-    margins = [c["margin"] for c in comparisons if c.get("margin") is not None]
-    return {
-        "verdict": verdict,
-        "lossless": verdict in ("exact", "within-tolerance"),
-        "requests": len(comparisons),
-        **counts,
-        "tolerance_nats": tolerance,
-        "largest_margin_nats": max(margins) if margins else None,
-        "compared_by": sorted({c.get("unit") for c in comparisons if c.get("unit")}),
-        "divergences": bad[:KEEP_DIVERGENCES],
-    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -702,120 +559,3 @@ def verdict(lossless: dict, sets: dict, throughput: dict, min_acceptance: float,
 
 def run_certify_blocking(loaded: LoadedProfile, registry, cfg: CertifyConfig, **kw) -> dict:
     return asyncio.run(run_certify(loaded, registry, cfg, **kw))
-
-
-# ---------------------------------------------------------------------------------------------------
-# output
-
-
-def _f(v, fmt: str = ".3f") -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def summary_text(cert: dict) -> str:
-    """What a person reads: identity, losslessness, acceptance per set and position, tokens/s, findings."""
-    ident, eng, s, lo = cert["identity"], cert["engine"], cert["settings"], cert["lossless"]
-    lines = [
-        f"certificate for {cert['profile']}: {eng['backend']} {eng['version']}, {s['method']} k={s['k']}, "
-        f"target {ident['target']} ({ident['target_revision'] or 'no revision'})"
-        + (f", draft {ident['draft']} ({ident['draft_revision'] or 'no revision'})" if ident.get("draft") else ""),
-        f"chat template: {cert['endpoint_note']}"
-        + (f" [{ident['chat_template_sha256']}]" if ident.get("chat_template_sha256") else ""),
-        "",
-    ]
-    tol = f" (tolerance {lo['tolerance_nats']:g} nats)" if lo["tolerance_nats"] else ""
-    lines.append(
-        f"lossless: {lo['verdict'].upper()}{tol}: {lo['identical']} identical, {lo['tolerated']} tolerated, "
-        f"{lo['diverged']} diverged, {lo['failed']} failed of {lo['requests']} greedy requests "
-        f"(compared by {', '.join(lo['compared_by']) or '-'})"
-    )
-    for d in lo["divergences"]:
-        if d["status"] == "failed":
-            lines.append(f"  {d['set']}: failed: {d.get('error')}")
-            continue
-        margin = (
-            f", margin {d['margin']:.4g} nats"
-            if d.get("margin") is not None
-            else ", not in the baseline's top log-probs"
-        )
-        lines += [
-            f"  {d['set']}: {d['status']} at {d['unit']} {d['position']}{margin}: after {d['common_prefix'][-40:]!r}",
-            f"    with speculation: {d['spec_continuation']!r}",
-            f"    without:          {d['base_continuation']!r}",
-        ]
-    levels = list(cert["throughput"])
-    lines += [
-        "",
-        "| set | temp | acceptance | mean acc. length | per position | greedy acc. | "
-        + " | ".join(f"c={lv} on/off tok/s" for lv in levels)
-        + " |",
-    ]
-    lines.append("|---" * (6 + len(levels)) + "|")
-    for name, r in cert["sets"].items():
-        per = " ".join(f"{x:.2f}" for x in (r.get("per_position") or [])) or "-"
-        cells = []
-        for lv in levels:
-            sp = r["speedup"][lv]
-            cells.append(
-                f"{_f(sp['spec_tokens_per_s'], '.1f')}/{_f(sp['base_tokens_per_s'], '.1f')} ({_f(sp['speedup'], '.2f')}x)"
-            )
-        temp = r["temperature"] if isinstance(r["temperature"], list) else f"{r['temperature']:g}"
-        lines.append(
-            f"| {name} | {temp} | {_f(r.get('acceptance'))} | {_f(r.get('mean_acceptance_length'), '.2f')} | {per} | "
-            f"{_f(r['greedy'].get('acceptance'))} | " + " | ".join(cells) + " |"
-        )
-    tp = " · ".join(
-        f"c={lv}: {_f(t['spec_tokens_per_s'], '.1f')} vs {_f(t['base_tokens_per_s'], '.1f')} tok/s ({_f(t['speedup'], '.2f')}x)"
-        for lv, t in cert["throughput"].items()
-    )
-    lines += ["", f"tokens/s with vs without speculation: {tp}"]
-    v = cert["verdict"]
-    lines.append("")
-    lines.append(
-        f"CERTIFIED: lossless, speculating, greedy acceptance {v['greedy_acceptance']:.3f}"
-        if v["certified"]
-        else "NOT CERTIFIED"
-    )
-    lines += [f"  - {f}" for f in v["findings"]]
-    return "\n".join(lines) + "\n"
-
-
-def plot_certificate(cert: dict, out_dir: Path) -> list[Path]:
-    """PNG: acceptance per draft position for each prompt set, with the fallback threshold. Needs matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in cert["sets"].items():
-        per = r.get("per_position") or []
-        if per:
-            ax.plot(range(1, len(per) + 1), per, marker="o", label=name)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("accepted per draft")
-    ax.set_ylim(0, 1.05)
-    ax.set_title("acceptance per position")
-    ax.legend(fontsize=8)
-    names = list(cert["sets"])
-    levels = list(cert["throughput"])
-    width = 0.8 / max(1, len(levels))
-    for j, lv in enumerate(levels):
-        vals = [cert["sets"][n]["speedup"][lv]["speedup"] or 0 for n in names]
-        bx.bar([i + j * width for i in range(len(names))], vals, width, label=f"c={lv}")
-    bx.axhline(1.0, color="#d62728", lw=1)
-    bx.set_xticks([i + width * (len(levels) - 1) / 2 for i in range(len(names))], names)
-    bx.set_ylabel("tokens/s on ÷ off")
-    bx.set_title("speedup")
-    bx.legend(fontsize=8)
-    eng, s = cert["engine"], cert["settings"]
-    fig.suptitle(
-        f"{cert['profile']} · {eng['backend']} {eng['version']} · {s['method']} k={s['k']} · lossless: {cert['lossless']['verdict']}"
-    )
-    fig.tight_layout()
-    path = out_dir / "certificate.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return [path]
