@@ -40,7 +40,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("proxy", ("specops.proxy",)),
     ("perf", ("specops.perf",)),
     ("k8s", ("specops.k8s",)),
-    ("app", ("specops.up", "specops.doctor", "specops.commands", "specops.cli", "specops.__main__")),
+    (
+        "app",
+        (
+            "specops.up",
+            "specops.doctor",
+            "specops.doctor_hub",
+            "specops.doctor_profile",
+            "specops.commands",
+            "specops.cli",
+            "specops.__main__",
+        ),
+    ),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 SIDE = {"devenv": ("specops.devenv",)}

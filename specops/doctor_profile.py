@@ -1,0 +1,153 @@
+"""``specops doctor`` for a profile: its lock, resolution, render and memory fit."""
+
+from __future__ import annotations
+
+from specops.doctor import ERROR, OK, WARNING, Check, _Context, _one_line
+from specops.errors import ProfileError, SpecopsError
+
+# -------------------------------------------------------------------------------- lock, resolve, render
+
+
+def _lock(ctx: _Context) -> list[Check]:
+    if ctx.loaded is None:
+        return []
+    from specops.resolve.lock import lock_path, read_lock, stale_reason
+    from specops.resolve.prelaunch import needs_resolution
+
+    path = lock_path(ctx.loaded.path)
+    needs = needs_resolution(ctx.loaded)
+    if not path.is_file():
+        if needs:
+            return [
+                Check(
+                    "lock",
+                    WARNING,
+                    f"the profile has `auto` and no {path.name}: each `up` resolves afresh (and may pick another draft)",
+                    f"`specops lock {ctx.loaded.path}` and commit {path.name}",
+                )
+            ]
+        return [Check("lock", OK, "nothing to lock (no `auto` in the profile)")]
+    try:
+        lock = read_lock(path)
+    except SpecopsError as exc:
+        return [Check("lock", ERROR, _one_line(str(exc)), f"`specops lock {ctx.loaded.path}` rewrites it")]
+    stale = stale_reason(lock, ctx.loaded.profile)
+    if stale:
+        return [
+            Check("lock", WARNING, f"{path.name} is stale: {_one_line(stale)}", f"`specops lock {ctx.loaded.path}`")
+        ]
+    return [Check("lock", OK, f"{path.name} is current")]
+
+
+def _resolve(ctx: _Context) -> list[Check]:
+    if ctx.loaded is None:
+        return []
+    from specops.config.profile import LoadedProfile
+    from specops.resolve import resolve_profile
+
+    offline = ctx.offline or not ctx.hub_ok
+    res = resolve_profile(ctx.loaded, offline=offline, use_lock=True, raise_errors=False)
+    ctx.resolution = res
+    ctx.resolved = LoadedProfile(res.profile, ctx.loaded.document, ctx.loaded.path)
+    spec = res.profile.speculative
+    what = spec.method.value + (f" {spec.draft}" if spec.draft else "")
+    out = []
+    errors = [f for f in res.findings if f.severity == "error"]
+    warnings = [f for f in res.findings if f.severity == "warning" and f.check != "memory"]
+    how = " (offline: lock, HF cache and catalog only)" if offline else ""
+    if errors:
+        out.append(
+            Check(
+                "resolve",
+                ERROR,
+                f"{what}: {_one_line(errors[0].message)}",
+                "`up` would start the next method of the fallback chain (checks: enforce); "
+                "`specops resolve` lists drafts that fit",
+                [_one_line(f.message) for f in errors[1:6]],
+            )
+        )
+    else:
+        out.append(Check("resolve", OK, f"{what}: the compatibility checks pass{how}"))
+    for f in warnings[:6]:
+        out.append(Check("resolve", WARNING, _one_line(f.message), _field_fix(f.path)))
+    return out
+
+
+def _field_fix(path: tuple) -> str:
+    return f"see {'.'.join(str(p) for p in path)} in the profile" if path else ""
+
+
+def _render(ctx: _Context) -> list[Check]:
+    if ctx.loaded is None:
+        return []
+    from specops.backends.render import render_plan
+
+    loaded = ctx.resolved or ctx.loaded
+    try:
+        plan = render_plan(loaded, ctx.registry)
+    except ProfileError as exc:
+        return [Check("render", ERROR, _one_line(str(exc.problems[0])), "fix the field named above")]
+    except SpecopsError as exc:
+        pinned = "" if loaded.profile.engine.version else " (or pin engine.version to render without an engine)"
+        return [Check("render", ERROR, f"cannot render: {_one_line(str(exc))}", "see the engine check above" + pinned)]
+    return [
+        Check(
+            "render",
+            OK,
+            f"{plan.backend} {plan.engine_version}, method {plan.method.value}",
+            details=[_one_line(plan.shell(), 1000), *[_one_line(n, 300) for n in plan.notes]],
+        )
+    ]
+
+
+def _memory(ctx: _Context) -> list[Check]:
+    res = ctx.resolution
+    if ctx.loaded is None or res is None:
+        return []
+    est = res.memory
+    if est is None:
+        from specops.resolve.memory import estimate
+
+        target = getattr(res.target, "weights", None) if res.target is not None else None
+        if target is None:
+            return [Check("memory", OK, "no weight sizes known (offline without the HF cache, or a local model)")]
+        est = estimate(res.profile, target, None, has_draft=False)
+    if est.per_gpu_bytes is None:
+        return [Check("memory", OK, "no weight sizes known (offline without the HF cache, or a local model)")]
+    line = est.line()
+    if res.profile.gpus.devices == []:
+        line = "CPU run: " + line.replace(" per GPU", " in memory")
+    if est.over_budget:
+        return [
+            Check(
+                "memory",
+                ERROR,
+                f"{line}: over gpus.memory_gb before any KV cache",
+                "more GPUs (TP), a smaller draft or a quantized model",
+            )
+        ]
+    devices = res.profile.gpus.devices or []
+    gpus = {g["index"]: g for g in ctx.gpus or []}
+    sizes = [gpus[d]["memory_mib"] * 1024 * 1024 for d in devices if d in gpus]
+    if sizes:
+        util = res.profile.gpus.memory_utilization or 0.9
+        room = min(sizes) * util
+        if est.per_gpu_bytes > room:
+            return [
+                Check(
+                    "memory",
+                    ERROR,
+                    f"{line}: more than {util:g} of the smallest GPU ({min(sizes) / 1024**3:.0f} GiB) before any KV cache",
+                    "more GPUs (tensor_parallel_size), a smaller draft or a quantized model",
+                )
+            ]
+        return [
+            Check(
+                "memory",
+                OK,
+                f"{line}; fits {util:g} × {min(sizes) / 1024**3:.0f} GiB with room for the KV cache"
+                if est.per_gpu_bytes < 0.8 * room
+                else f"{line}; tight: little room for the KV cache",
+            )
+        ]
+    return [Check("memory", OK, line)]
