@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,8 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _harness import Up  # noqa: E402 - benchmarks/ is the script's folder, first on sys.path
+
 from specops.perf.bench import machine  # noqa: E402
 from specops.perf.workload import Prompt, run_workload  # noqa: E402
+from specops.run.start import free_port  # noqa: E402
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog and",
@@ -47,12 +48,6 @@ PROMPTS = [
     "It is the and of to in that for on with as",
 ]
 CONFIGS = ("managed", "static-spec", "static-none")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def profile_yaml(config: str, paths: dict, port: int, args, surface: Path | None) -> str:
@@ -76,56 +71,6 @@ def profile_yaml(config: str, paths: dict, port: int, args, surface: Path | None
         + fallback
         + "monitor:\n  interval: 500ms\nsupervisor:\n  stop_timeout: 10\n"
     )
-
-
-class Up:
-    """``specops up PROFILE`` as a subprocess, stopped with SIGTERM like ``specops down``."""
-
-    def __init__(self, profile: Path, state: Path, name: str):
-        self.profile, self.state, self.name = profile, state, name
-        state.mkdir(parents=True, exist_ok=True)
-        self.log = open(state / f"{name}.up.log", "w")
-        env = {**os.environ, "SPECOPS_STATE": str(state)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specops.cli", "up", str(profile), "--quiet-engine"],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-
-    def st(self) -> dict:
-        try:
-            return json.loads((self.state / self.name / "state.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return {}
-
-    def events(self) -> list[dict]:
-        try:
-            return [json.loads(x) for x in (self.state / self.name / "events.jsonl").read_text().splitlines() if x]
-        except FileNotFoundError:
-            return []
-
-    def wait_ready(self, timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = self.st()
-            if st.get("state") == "ready":
-                return st
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"specops up exited: {(self.state / f'{self.name}.up.log').read_text()[-2000:]}")
-            time.sleep(0.2)
-        raise RuntimeError("specops up not ready in time")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
 
 
 def measure_surface(paths: dict, work: Path, args, say) -> dict:

@@ -1,6 +1,6 @@
 """`fallback.mode: goodput` on a real llama-server: a load step past the surface's crossover switches the
 deployment to `none`, and the load falling switches it back. The surface is given (the crossover's measurement
-belongs to benchmarks/bench_goodput.py); the concurrency is the engine's own gauge of requests in progress."""
+belongs to benchmarks/bench_goodput.py); the concurrency is the proxy's requests in flight and waiting."""
 
 from __future__ import annotations
 

@@ -1,0 +1,61 @@
+"""What the real-engine benchmarks share: `specops up` as a subprocess, stopped like `specops down`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class Up:
+    """``specops up PROFILE`` as a subprocess, stopped with SIGTERM like ``specops down``."""
+
+    def __init__(self, profile: Path, state: Path, name: str):
+        self.profile, self.state, self.name = profile, state, name
+        state.mkdir(parents=True, exist_ok=True)
+        self.log = open(state / f"{name}.up.log", "w")
+        env = {**os.environ, "SPECOPS_STATE": str(state)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specops.cli", "up", str(profile), "--quiet-engine"],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def st(self) -> dict:
+        try:
+            return json.loads((self.state / self.name / "state.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def events(self) -> list[dict]:
+        try:
+            return [json.loads(x) for x in (self.state / self.name / "events.jsonl").read_text().splitlines() if x]
+        except FileNotFoundError:
+            return []
+
+    def wait_ready(self, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.st()
+            if st.get("state") == "ready":
+                return st
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"specops up exited: {(self.state / f'{self.name}.up.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        raise RuntimeError("specops up not ready in time")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
