@@ -330,7 +330,8 @@ class Goodput(Section):
         min_length=1,
         max_length=4096,
         description="The measured goodput surface: a `specops tune` record (`<profile>.tune.json`, or a lock file "
-        "with a `tune` entry); a relative path is read from the folder specops runs in. Unset: learned online only.",
+        "with a `tune` entry); a relative path is read from the folder of the profile file that sets it. Unset: learned "
+        "online only.",
     )
     hysteresis: float = Field(
         0.05,

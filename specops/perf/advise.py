@@ -306,15 +306,16 @@ def _surface_advice(adv: Advice, surface, max_batch: int | None) -> None:
 
 
 def find_surface(profile_path: str | None, profile=None):
-    """The goodput surface recorded for a profile: ``fallback.goodput.surface``, else ``<profile>.tune.json``,
+    """The goodput surface recorded for a profile: ``fallback.goodput.surface`` (relative to the profile's
+    folder), else ``<profile>.tune.json``,
     else the lock file's ``tune`` entry; None when none holds one (a broken file raises SpecopsError)."""
     from pathlib import Path
 
-    from specops.watch.goodput import Surface, load_surface
+    from specops.watch.goodput import Surface, load_surface, surface_file
 
     named = getattr(getattr(getattr(profile, "fallback", None), "goodput", None), "surface", None)
-    if named:
-        return load_surface(named)
+    if named:  # a relative path is the profile's neighbour, as `specops up` reads it
+        return load_surface(surface_file(named, profile_path))
     if not profile_path:
         return None
     p = Path(profile_path)

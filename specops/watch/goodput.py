@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specops.errors import SpecopsError
+from specops.errors import ProfileError, SpecopsError
 from specops.methods import Method
 from specops.speedup import expected_tokens_per_step
 
@@ -195,24 +195,57 @@ class Surface:
         return {option_label(m, k): self.crossover(m, k) for m, k in self.options() if m is not Method.NONE}
 
 
-def load_surface(path: str | Path) -> Surface:
-    """The surface in a tune record (``<profile>.tune.json``) or lock file; raises SpecopsError saying why not."""
-    p = Path(path)
+def _read_surface(p: Path) -> Surface:
+    """The surface in the record at ``p``; raises ValueError saying why not (without the field's name)."""
     try:
         record = json.loads(p.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise SpecopsError(f"fallback.goodput.surface: cannot read {p}: {exc.strerror or exc}") from None
+        raise ValueError(f"cannot read {p}: {exc.strerror or exc}") from None
     except ValueError as exc:
-        raise SpecopsError(f"fallback.goodput.surface: {p} is not JSON: {exc}") from None
+        raise ValueError(f"{p} is not JSON: {exc}") from None
     try:
         surface = Surface.from_record(record) if isinstance(record, Mapping) else None
     except ValueError as exc:
-        raise SpecopsError(f"fallback.goodput.surface: {p}: {exc}") from None
+        raise ValueError(f"{p}: {exc}") from None
     if surface is None:
-        raise SpecopsError(
-            f"fallback.goodput.surface: {p} holds no measured surface (run `specops tune` on the profile first)"
-        )
+        raise ValueError(f"{p} holds no measured surface (run `specops tune` on the profile first)")
     return surface
+
+
+def load_surface(path: str | Path) -> Surface:
+    """The surface in a tune record (``<profile>.tune.json``) or lock file; raises SpecopsError saying why not."""
+    try:
+        return _read_surface(Path(path))
+    except ValueError as exc:
+        raise SpecopsError(f"fallback.goodput.surface: {exc}") from None
+
+
+SURFACE_FIELD = ("fallback", "goodput", "surface")
+
+
+def surface_file(value: str, profile_file: str | Path | None) -> Path:
+    """Where ``fallback.goodput.surface`` points: ``~`` expanded, a relative path taken from the folder of
+    ``profile_file`` (the profile that wrote it), so the deployment reads the same file from any folder."""
+    p = Path(value).expanduser()
+    if p.is_absolute() or profile_file is None:
+        return p
+    return Path(profile_file).parent / p
+
+
+def profile_surface(loaded: Any) -> Surface | None:
+    """The surface that a loaded profile's ``fallback.goodput.surface`` names (None when unset): a relative
+    path is read from the folder of the profile file that wrote it (the base file, for a value from
+    ``extends``); a missing or wrong file raises a ProfileError located at the field."""
+    value = loaded.profile.fallback.goodput.surface
+    if not value:
+        return None
+    where = loaded.document.locate(SURFACE_FIELD)
+    written_in = where.file if where is not None and Path(where.file).is_file() else loaded.path
+    try:
+        return _read_surface(surface_file(value, written_in))
+    except ValueError as exc:
+        relative = "" if Path(value).expanduser().is_absolute() else f" (relative to {Path(written_in).parent})"
+        raise ProfileError([loaded.problem(SURFACE_FIELD, f"{exc}{relative}")]) from None
 
 
 # ---------------------------------------------------------------------------------------------- schedule

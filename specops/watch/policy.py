@@ -56,7 +56,15 @@ from specops.watch.decision import (
     verdict_numbers,
     window_numbers,
 )
-from specops.watch.goodput import GoodputModel, GoodputPolicy, Load, Surface, load_surface, step_options
+from specops.watch.goodput import (
+    GoodputModel,
+    GoodputPolicy,
+    Load,
+    Surface,
+    load_surface,
+    profile_surface,
+    step_options,
+)
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
 
 FLAP_PERIOD_S = 3600.0
@@ -101,7 +109,13 @@ class Policy:
         cls, profile: Any, current: int | ChainStep | Method = 0, *, surface: Surface | None = None
     ) -> Policy:
         """The policy of ``profile``; mode goodput reads ``fallback.goodput.surface`` (once, here) unless ``surface``
-        is given (raises SpecopsError when that file holds no surface)."""
+        is given (raises SpecopsError when that file holds no surface). Given the loaded profile (``LoadedProfile``),
+        a relative surface path is read from the profile's folder and errors are located; given the bare model,
+        from the current folder."""
+        if hasattr(profile, "document"):  # a LoadedProfile
+            if profile.profile.fallback.mode == "goodput" and surface is None:
+                surface = profile_surface(profile)
+            profile = profile.profile
         fb = profile.fallback
         if fb.mode == "goodput" and surface is None and fb.goodput.surface:
             surface = load_surface(fb.goodput.surface)
