@@ -354,6 +354,13 @@ class Goodput(Section):
         description="Seconds without service per switch (drain + restart + warm-up) until one is measured. Unset: "
         "the engine's measured start time.",
     )
+    stale_half_life: Duration = Field(
+        600.0,
+        gt=0,
+        description="A method that no longer runs keeps its last live acceptance, weighing half after this long (the "
+        "surface's the rest), so the policy tries it again when the surface says it pays; a return it leaves within "
+        "`regime` doubles this for that method.",
+    )
 
 
 class Fallback(Section):

@@ -9,7 +9,10 @@ acceptance length each option had. :class:`GoodputModel` predicts every option's
 1. the surface, interpolated linearly in log2(concurrency) between the measured levels (held flat outside);
 2. scaled by live acceptance: a speculative option's tokens/s is proportional to its tokens per target pass,
    so the recorded number is multiplied by τ_live(k) / τ_recorded(k) (τ_live(k) from the α that the live
-   mean acceptance length gives at the k it was measured at; the method's last live window counts);
+   mean acceptance length gives at the k it was measured at; the method's last live window counts). A method
+   that no longer runs has no live window: what it last measured (perhaps the collapse that made the policy
+   leave it) ages, weighing half as much after each ``stale_half_life`` and the surface's τ the rest, so the
+   policy comes back to try it when the surface says it would pay, not never and not at once;
 3. corrected online: each tick that serves a known option at a known concurrency, the ratio of the live
    tokens/s to the prediction for it goes into a per-bucket (powers of two) moving average that multiplies
    every option in that bucket, so the surface stays true when the workload drifts.
@@ -17,7 +20,10 @@ acceptance length each option had. :class:`GoodputModel` predicts every option's
 :class:`GoodputPolicy` turns predictions into decisions with hysteresis (a relative margin), a sustain time (the
 better option must stay better), a minimum dwell after a switch, and a cost test: the predicted gain over the
 expected regime duration (at least as long as the regime has lasted) must exceed the tokens lost while
-switching (the measured drain + restart + warm-up time × the current tokens/s).
+switching (the measured drain + restart + warm-up time × the current tokens/s). A return to a method that aging
+lifted (its live τ was below the surface's) is a **probe**: if the policy leaves it again within ``regime``, that method's half-life doubles
+(the next return waits twice as long); a probe that lasts a regime resets it. So a collapse that persists
+costs a few ever rarer probes, not a flip-flop.
 
 :func:`per_batch_schedule` turns a surface into vLLM's ``num_speculative_tokens_per_batch_size`` ranges
 (k = 0 where speculation loses), so an engine that takes one follows load without restarts.
@@ -44,6 +50,10 @@ CORRECTION_WEIGHT = 0.3
 CORRECTION_BOUND = 4.0
 #: Seconds lost per switch before anything was measured or configured.
 DEFAULT_SWITCH_COST_S = 30.0
+#: Seconds after which a left method's last live acceptance weighs half (the surface's τ the other half).
+DEFAULT_STALE_HALF_LIFE_S = 600.0
+#: An acceptance weight at or above this (measured within ~1 % of a half-life) is fresh.
+FRESH_WEIGHT = 0.99
 #: The largest batch size a schedule is rendered for when the profile gives none.
 DEFAULT_MAX_BATCH = 256
 
@@ -322,45 +332,78 @@ class Option:
 class GoodputModel:
     """Predicts tokens/s per option at a concurrency from a surface, live acceptance and online correction."""
 
-    def __init__(self, surface: Surface | None):
+    def __init__(self, surface: Surface | None, stale_half_life_s: float = DEFAULT_STALE_HALF_LIFE_S):
         self.surface = surface
         self.correction: dict[int, float] = {}
         self.live_tau: dict[Method, tuple[float, float]] = {}  # method -> (mean acceptance length, k it ran at)
+        self.measured_at: dict[Method, float] = {}  # method -> when its live acceptance was last noted
+        self.stale_half_life_s = stale_half_life_s
+        self.backoff: dict[Method, float] = {}  # method -> half-life multiplier after failed probes
         self.learned: dict[tuple[str, int], float] = {}  # (option label, bucket) -> live tokens/s (no surface)
 
-    def note_acceptance(self, method: Method, tau: float, k: float) -> None:
+    def note_acceptance(self, method: Method, tau: float, k: float, now: float | None = None) -> None:
         self.live_tau[method] = (tau, k)
+        if now is not None:
+            self.measured_at[method] = now
 
-    def _acceptance_factor(self, method: Method, k: int) -> float:
-        if method is Method.NONE or self.surface is None or method not in self.live_tau:
+    def half_life(self, method: Method) -> float:
+        return self.stale_half_life_s * self.backoff.get(method, 1.0)
+
+    def acceptance_weight(self, method: Method, now: float | None) -> float:
+        """How much the method's last live acceptance still counts (1 fresh, → 0 with age) against the surface's."""
+        at = self.measured_at.get(method)
+        if now is None or at is None or method not in self.live_tau:
             return 1.0
-        rec = self.surface.tau(method, k)
+        return 0.5 ** (max(0.0, now - at) / self.half_life(method))
+
+    def expected_tau(self, method: Method, k: int, now: float | None = None) -> float | None:
+        """The mean acceptance length predicted for ``method`` at ``k``: the live one (translated to ``k``), aged
+        toward the surface's; None without a recorded τ."""
+        rec = self.surface.tau(method, k) if self.surface is not None and method is not Method.NONE else None
         if not rec:
-            return 1.0
-        tau, k_live = self.live_tau[method]
-        live_k = expected_tokens_per_step(alpha_from_length(tau, k_live), max(1, k)) if k != round(k_live) else tau
-        return live_k / rec
+            return None
+        live_k = self.live_tau_at(method, k)
+        return rec if live_k is None else rec + (live_k - rec) * self.acceptance_weight(method, now)
 
-    def raw(self, option: Option, concurrency: float) -> float | None:
-        """The prediction before the per-bucket correction."""
+    def live_tau_at(self, method: Method, k: int) -> float | None:
+        """The last live mean acceptance length of ``method``, translated to ``k`` drafted tokens."""
+        if method not in self.live_tau:
+            return None
+        tau, k_live = self.live_tau[method]
+        return expected_tokens_per_step(alpha_from_length(tau, k_live), max(1, k)) if k != round(k_live) else tau
+
+    def raised_by_age(self, option: Option, now: float) -> bool:
+        """Whether aging lifts the option's predicted τ above what it last measured (a return is then a probe)."""
+        live, aged = self.live_tau_at(option.method, option.k), self.expected_tau(option.method, option.k, now)
+        return live is not None and aged is not None and aged > live * 1.01
+
+    def _acceptance_factor(self, method: Method, k: int, now: float | None) -> float:
+        tau = self.expected_tau(method, k, now)
+        rec = self.surface.tau(method, k) if tau is not None and self.surface is not None else None
+        return tau / rec if tau is not None and rec else 1.0
+
+    def raw(self, option: Option, concurrency: float, now: float | None = None) -> float | None:
+        """The prediction before the per-bucket correction (``now`` ages a left method's acceptance)."""
         if option.per_batch:
             k = scheduled_k(option.per_batch, concurrency)
             k = option.k if k is None else k  # outside the ranges the engine drafts the step's k
-            return self.raw(Option(option.method if k else Method.NONE, k), concurrency)
+            return self.raw(Option(option.method if k else Method.NONE, k), concurrency, now)
         base = self.surface.tokens_per_s(option.method, option.k, concurrency) if self.surface else None
         if base is None:
             return self.learned.get((option.label, bucket(concurrency)))
-        return base * self._acceptance_factor(option.method, option.k)
+        return base * self._acceptance_factor(option.method, option.k, now)
 
-    def predict(self, option: Option, concurrency: float) -> float | None:
-        raw = self.raw(option, concurrency)
+    def predict(self, option: Option, concurrency: float, now: float | None = None) -> float | None:
+        raw = self.raw(option, concurrency, now)
         return None if raw is None else raw * self.correction.get(bucket(concurrency), 1.0)
 
-    def observe(self, option: Option, concurrency: float, tokens_per_s: float) -> float | None:
+    def observe(
+        self, option: Option, concurrency: float, tokens_per_s: float, now: float | None = None
+    ) -> float | None:
         """A live reading of ``option`` at ``concurrency``: update the bucket's correction (or, without a surface
         point, learn the option's tokens/s there). Returns the bucket's correction factor."""
         b = bucket(concurrency)
-        raw = self.raw(option, concurrency)
+        raw = self.raw(option, concurrency, now)
         if raw is None or self.surface is None or (option.label, b) in self.learned:
             old = self.learned.get((option.label, b))
             self.learned[(option.label, b)] = (
@@ -388,13 +431,15 @@ class GoodputConfig:
     regime_s: float = 300.0
     switch_cost_s: float | None = None
     surface: str | None = None
+    stale_half_life_s: float = DEFAULT_STALE_HALF_LIFE_S
 
     @classmethod
     def from_fallback(cls, fb: Any) -> GoodputConfig:
         g = getattr(fb, "goodput", None)
         if g is None:
             return cls()
-        return cls(g.hysteresis, g.sustain, g.min_dwell, g.regime, g.switch_cost, g.surface)
+        half_life = getattr(g, "stale_half_life", DEFAULT_STALE_HALF_LIFE_S)
+        return cls(g.hysteresis, g.sustain, g.min_dwell, g.regime, g.switch_cost, g.surface, half_life)
 
 
 @dataclass(frozen=True)
@@ -443,6 +488,9 @@ class GoodputPolicy:
         self.last_switch: float | None = None
         self.measured_cost_s: float | None = None
         self.start_cost_s: float | None = None
+        model.stale_half_life_s = config.stale_half_life_s
+        self.running: int | None = None  # the option choose() last saw running
+        self.probes: dict[int, float] = {}  # option -> when it was entered on aged acceptance
 
     # ---- inputs
     def note_switch_cost(self, seconds: float) -> None:
@@ -455,10 +503,28 @@ class GoodputPolicy:
         if self.start_cost_s is None:
             self.start_cost_s = seconds
 
-    def switched(self, now: float) -> None:
+    def switched(self, now: float, to: int | None = None) -> None:
+        """The engine now runs option ``to``. Leaving a probe within ``regime`` doubles its method's half-life;
+        entering a speculative option on aged acceptance starts a probe."""
+        left = self.running
+        if left is not None and left in self.probes and left != to:
+            method = self.options[left].method
+            if now - self.probes.pop(left) < self.config.regime_s:
+                self.model.backoff[method] = self.model.backoff.get(method, 1.0) * 2
+        if to is not None and 0 <= to < len(self.options):
+            if self.options[to].method is not Method.NONE and self.model.raised_by_age(self.options[to], now):
+                self.probes[to] = now
+        self.running = to
         self.last_switch = now
         self.candidate = self.candidate_since = None
         self.samples.clear()
+
+    def _probe_held(self, current: int, now: float) -> None:
+        """A probe that has lasted a regime succeeded: its method's half-life is the configured one again."""
+        since = self.probes.get(current)
+        if since is not None and now - since >= self.config.regime_s:
+            del self.probes[current]
+            self.model.backoff.pop(self.options[current].method, None)
 
     @property
     def switch_cost_s(self) -> tuple[float, str]:
@@ -486,12 +552,17 @@ class GoodputPolicy:
         if conc is None:
             return Choice(None, "goodput-no-load", "no concurrency reading yet: no goodput decision", numbers)
         cur = self.options[current]
+        self.running = current
+        self._probe_held(current, now)
         if load is not None and load.tokens_per_s is not None and conc >= 1:
-            numbers["correction"] = self.model.observe(cur, conc, load.tokens_per_s)
+            numbers["correction"] = self.model.observe(cur, conc, load.tokens_per_s, now)
             numbers["live_tokens_per_s"] = load.tokens_per_s
-        predicted = {i: self.model.predict(o, conc) for i, o in enumerate(self.options)}
+        predicted = {i: self.model.predict(o, conc, now) for i, o in enumerate(self.options)}
         numbers["predicted"] = {self.options[i].label: None if v is None else round(v, 2) for i, v in predicted.items()}
-        numbers["surface"] = self._surface_numbers(conc)
+        numbers["surface"] = self._surface_numbers(conc, now)
+        stale = self._stale_numbers(now)
+        if stale:
+            numbers["aged_acceptance"] = stale
         known = {i: v for i, v in predicted.items() if v is not None}
         if current not in known or len(known) < 2:
             self.candidate = None
@@ -558,23 +629,46 @@ class GoodputPolicy:
                 f"not more than the switch costs ({cost_s:g}s × {p_cur:.1f} tok/s = {cost_tokens:.0f} tokens)",
                 numbers,
             )
+        aged = stale.get(self.options[best].label)
+        probe = (
+            f"; its acceptance was measured {aged['age_s']:g}s ago and counts {aged['weight']:.2f} against the "
+            f"surface's (a probe)"
+            if aged
+            else ""
+        )
         return Choice(
             best,
             "goodput",
             f"at concurrency {conc:.2f} {self.options[best].label} predicts {p_best:.1f} tok/s against "
             f"{p_cur:.1f} for {cur.label} (sustained {sustained:g}s); the gain over {regime:g}s "
-            f"({gain_tokens:.0f} tokens) exceeds the switch cost ({cost_s:g}s, {cost_tokens:.0f} tokens)",
+            f"({gain_tokens:.0f} tokens) exceeds the switch cost ({cost_s:g}s, {cost_tokens:.0f} tokens){probe}",
             numbers,
         )
 
-    def _surface_numbers(self, conc: float) -> dict[str, float]:
+    def _stale_numbers(self, now: float) -> dict[str, dict[str, float]]:
+        """Options whose predicted τ aging lifted: the live one's age and weight, the half-life, the τ predicted."""
+        out = {}
+        for o in self.options:
+            w = self.model.acceptance_weight(o.method, now)
+            if o.method is Method.NONE or w >= FRESH_WEIGHT or not self.model.raised_by_age(o, now):
+                continue
+            tau = self.model.expected_tau(o.method, o.k, now)
+            out[o.label] = {
+                "age_s": round(now - self.model.measured_at[o.method], 1),
+                "weight": round(w, 3),
+                "half_life_s": self.model.half_life(o.method),
+                "expected_tau": None if tau is None else round(tau, 3),
+            }
+        return out
+
+    def _surface_numbers(self, conc: float, now: float | None = None) -> dict[str, float]:
         """Every option the surface measured, predicted at ``conc`` (each k, each method, none)."""
         s = self.model.surface
         if s is None:
             return {}
         out = {}
         for m, k in s.options():
-            v = self.model.predict(Option(m, k), conc)
+            v = self.model.predict(Option(m, k), conc, now)
             if v is not None:
                 out[option_label(m, k)] = round(v, 2)
         return out

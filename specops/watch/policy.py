@@ -243,7 +243,9 @@ class Policy:
             and stats.mean_acceptance_length is not None
             and (stats.draft_tokens or 0.0) >= cfg.min_draft_tokens
         ):
-            g.model.note_acceptance(cur.method, stats.mean_acceptance_length, stats.mean_draft_length or step_k(cur))
+            g.model.note_acceptance(
+                cur.method, stats.mean_acceptance_length, stats.mean_draft_length or step_k(cur), now
+            )
         choice = g.choose(self.index, load, now)
         numbers = dict(choice.numbers)
         if stats.status == OK:
@@ -524,7 +526,7 @@ class Policy:
         self.last_verdict_end = now  # only windows that start after the switch count
         self._warned.clear()
         if self.goodput is not None:  # goodput moves both ways by itself: no retry bookkeeping
-            self.goodput.switched(now)
+            self.goodput.switched(now, new)
             return
         cfg = self.config
         if new < old:  # moved up: a retry is running
