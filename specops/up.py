@@ -25,10 +25,12 @@ from specops.resolve.prelaunch import resolve_for_launch
 from specops.run.events import EngineLine, SwitchOrder
 from specops.run.instance import EventLog, InstancePaths, write_state
 from specops.run.lock import acquire, release
+from specops.run.reload import ProfileReloader, ReloadMetrics
 from specops.run.start import free_port
-from specops.run.supervise import Supervisor
+from specops.run.supervise import ReloadOrder, Supervisor
 from specops.urls import http_url
 from specops.watch.decide import FallbackDecider
+from specops.watch.policy import Policy
 from specops.watch.watcher import AcceptanceReader, LiveCounters, SpecopsMetrics, Watcher
 
 __all__ = ["Console", "UpOptions", "run_up", "up_blocking"]
@@ -99,7 +101,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     up.sup = _supervisor(up, _step_renderer(loaded, registry, engine, engine_host, engine_port), opts)
     if refused:
         up.sup.refuse_primary(refused)
-    return await _serve(up)
+    return await _serve(up, registry, opts)
 
 
 def _check_certificate(loaded: LoadedProfile, registry, engine_version: str, required: bool, say) -> None:
@@ -258,12 +260,15 @@ def _supervisor(up: _Instance, render_step, opts: UpOptions) -> Supervisor:
     )
 
 
-async def _serve(up: _Instance) -> int:
-    """Start the proxy and the watcher, supervise until stopped, then stop everything and release the lock."""
+async def _serve(up: _Instance, registry, opts: UpOptions) -> int:
+    """Start the proxy, the watcher and the profile reloader, supervise until stopped, then stop everything and
+    release the lock. SIGINT/SIGTERM drain and stop; SIGHUP reloads the profile."""
     profile, sup, engine = up.loaded.profile, up.sup, up.engine
     loop = asyncio.get_running_loop()
+    reloader = _reloader(up, registry, opts)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, _on_stop_signal, up, signal.Signals(sig).name)
+    loop.add_signal_handler(signal.SIGHUP, reloader.trigger)
     up.events.emit(
         "up",
         profile=os.path.abspath(up.loaded.path),
@@ -282,11 +287,13 @@ async def _serve(up: _Instance) -> int:
         if up.proxy is not None:
             await _start_proxy(up)
         up.watcher.start()
+        reloader.start()
         watching = True
         rc = await sup.run()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        await reloader.stop()
         if watching:
             await up.watcher.stop()
         if up.proxy is not None:
@@ -296,6 +303,47 @@ async def _serve(up: _Instance) -> int:
         release(up.paths)
     up.console.say("stopped" if rc == 0 else "gave up: no method of the chain could run")
     return rc
+
+
+def _reloader(up: _Instance, registry, opts: UpOptions) -> ProfileReloader:
+    """Reloads the profile on SIGHUP and when its file changes (a ConfigMap's symlink swap included)."""
+    metrics = up.watcher.metrics if up.watcher is not None else None
+
+    def show(snapshot: dict) -> None:
+        up.sup.show_profile(snapshot)
+        up.write_state()
+
+    reloader = ProfileReloader(
+        up.loaded,
+        up.loaded,
+        apply=lambda loaded, changes: _apply_reload(up, registry, loaded, changes),
+        events=up.events,
+        say=up.console.say,
+        offline=opts.offline,
+        registry=registry,
+        metrics=ReloadMetrics(metrics.registry) if metrics is not None else None,
+        on_status=show,
+    )
+    up.sup.show_profile(reloader.snapshot())
+    return reloader
+
+
+def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[str]) -> bool:
+    """Hand a valid reloaded profile to the supervisor (a zero-loss restart on its primary step) and point the
+    watcher at its policy and monitor settings. Raises SpecopsError, changing nothing, when it does not render
+    or its policy cannot be built; False when the supervisor cannot take it now."""
+    host, port = up.engine_at.rsplit(":", 1)
+    render = _step_renderer(loaded, registry, up.engine, host, int(port))
+    render(0)
+    policy = Policy.from_profile(loaded.profile)
+    reader = AcceptanceReader.for_profile(loaded.profile, up.backend, live=up.watcher.reader.live)
+    order = ReloadOrder(loaded.profile, render, "the profile file changed", tuple(changes))
+    if not up.sup.request_reload(order):
+        reader.close()
+        return False
+    up.watcher.repoint(loaded.profile, policy, reader)
+    up.loaded = loaded
+    return True
 
 
 def _on_stop_signal(up: _Instance, name: str) -> None:

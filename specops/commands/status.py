@@ -259,9 +259,24 @@ def _print(st: dict) -> None:
             f"  decision   {_text(d.get('action', 'switch'))} {_text(d.get('from', ''))}{to}: "
             f"{_text(d.get('reason'), 300)}"
         )
+    _print_reload(st.get("profile_reload"))
     if st.get("live_problem"):
         click.echo(f"  live       {_text(st['live_problem'], 300)}")
     click.echo(f"  logs       {_text(st.get('engine_log'), 400)}  events {_text(st.get('events'), 400)}")
+
+
+def _print_reload(rel) -> None:
+    """The running profile's hash and reloads; a rejected reload (SIGHUP or a changed file) with its error."""
+    if not isinstance(rel, dict):
+        return
+    click.echo(
+        f"  profile    sha256 {_text(rel.get('running_sha256'))[:16]}, {_text(rel.get('applied', 0))} reloads applied"
+    )
+    rejected = rel.get("rejected")
+    if isinstance(rejected, dict):
+        click.echo(
+            f"  reload     profile reload rejected, keeps running the old config: {_text(rejected.get('message'), 600)}"
+        )
 
 
 @click.command()

@@ -15,8 +15,9 @@ run it reports a :class:`~specops.run.events.StepFailed` (launch failed, crash l
 to the ``decider`` it was built with and runs the step the returned
 :class:`~specops.run.events.FallbackOrder` names (or goes FATAL). A switch asked for while serving
 (:meth:`Supervisor.request_switch`) goes: hold the proxy, drain in-flight requests, stop the engine
-gracefully, start the next plan, wait until ready, release the proxy. Everything it does goes to the event
-log with its reason, and as typed events to its ``listeners``.
+gracefully, start the next plan, wait until ready, release the proxy. A profile reload
+(:meth:`Supervisor.request_reload`) goes the same way to the new profile's primary step. Everything it does
+goes to the event log with its reason, and as typed events to its ``listeners``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -52,7 +54,7 @@ from specops.run.instance import EventLog
 from specops.run.process import EngineProcess, ExitInfo
 from specops.run.start import EngineStart, StartOutcome
 
-__all__ = ["IllegalTransition", "STABLE_AFTER_S", "ServeOutcome", "State", "Supervisor", "TRANSITIONS"]
+__all__ = ["IllegalTransition", "ReloadOrder", "STABLE_AFTER_S", "ServeOutcome", "State", "Supervisor", "TRANSITIONS"]
 
 STABLE_AFTER_S = 30.0  # ready this long → the restart back-off starts again from its first value
 
@@ -73,6 +75,16 @@ class IllegalTransition(RuntimeError):
     def __init__(self, current: State, wanted: State):
         super().__init__(f"illegal supervisor transition {current} → {wanted}")
         self.current, self.wanted = current, wanted
+
+
+@dataclass(frozen=True)
+class ReloadOrder:
+    """Run ``profile`` (rendered by ``render(step_index)``) from its primary step: a reloaded profile file."""
+
+    profile: Profile
+    render: Callable[[int], LaunchPlan]
+    reason: str
+    changes: tuple[str, ...] = ()
 
 
 class ServeOutcome(Enum):
@@ -133,6 +145,9 @@ class Supervisor:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._switch: SwitchOrder | None = None
+        self._reload: ReloadOrder | None = None
+        #: which profile runs and how its last reload went (the reloader's), for ``specops status``
+        self.profile_status: dict | None = None
         self._switch_marks: tuple[float, float, float] | None = None  # switch began, drained, old engine stopped
         self._ready_mono = 0.0
 
@@ -156,9 +171,25 @@ class Supervisor:
         """Ask to move to chain step ``order.index`` (the watcher's decision). False if not possible now."""
         if self.state is not State.READY or not (0 <= order.index < len(self.steps)) or order.index == self.index:
             return False
+        if self._reload is not None:
+            return False
         self._switch = order
         self._wake.set()
         return True
+
+    def request_reload(self, order: ReloadOrder) -> bool:
+        """Switch to a reloaded profile's primary step, the zero-loss way of :meth:`request_switch`. False when
+        the supervisor cannot take it now (not serving: starting, switching, backing off); ask again later."""
+        if self.state is not State.READY or self._stop.is_set() or self._reload is not None:
+            return False
+        self._reload = order
+        self._switch = None  # a decision about the old chain's steps means nothing in the new one
+        self._wake.set()
+        return True
+
+    def show_profile(self, status: dict | None) -> None:
+        """What :meth:`snapshot` shows as ``profile_reload`` (the running profile's hash, the last rejection)."""
+        self.profile_status = status
 
     def snapshot(self) -> dict:
         """What `specops status` shows about supervision (the decisions are the decider's to show)."""
@@ -175,6 +206,7 @@ class Supervisor:
             "ready_since": self.ready_since,
             "started_at": self.started_at,
             "last_switch_timing": self.last_switch_timing,
+            **({"profile_reload": self.profile_status} if self.profile_status is not None else {}),
         }
 
     # ------------------------------------------------------------------ the loop
@@ -315,6 +347,10 @@ class Supervisor:
                 self._wake.clear()
                 if self._stop.is_set():
                     return ServeOutcome.STOP
+                if self._reload is not None:
+                    await self._do_reload(self._reload)
+                    self._reload = None
+                    return ServeOutcome.SWITCHED
                 if self._switch is not None:
                     await self._do_switch(self._switch)
                     self._switch = None
@@ -322,7 +358,7 @@ class Supervisor:
                 wake_task = asyncio.create_task(self._wake.wait())
                 done, _ = await asyncio.wait({exit_task, wake_task}, return_when=asyncio.FIRST_COMPLETED)
                 wake_task.cancel()
-                if exit_task in done and not self._stop.is_set() and self._switch is None:
+                if exit_task in done and not self._stop.is_set() and self._switch is None and self._reload is None:
                     info: ExitInfo = exit_task.result()
                     self.exit_times.append(self.clock())
                     if self.proxy is not None:
@@ -343,14 +379,7 @@ class Supervisor:
         target = self.steps[order.index].method
         self._set(State.STOPPING)
         self.say(f"switching {old} → {target}: {order.reason}")
-        t0 = self.clock()
-        drained = None
-        if self.proxy is not None:
-            self.proxy.hold()
-            drained = await self.proxy.drain(self.profile.proxy.drain_timeout)
-        t1 = self.clock()
-        await self._stop_engine(f"switch to {target}")
-        t2 = self.clock()
+        t0, t1, t2, drained = await self._drain_and_stop(f"switch to {target}")
         self.events.emit(
             "switch",
             **{
@@ -364,6 +393,42 @@ class Supervisor:
             },
         )
         self._move_to(order.index, order.reason, requested=True, decision=order.decision)
+        self._switch_marks = (t0, t1, t2)
+
+    async def _drain_and_stop(self, why: str) -> tuple[float, float, float, Any]:
+        """Hold the proxy (new requests wait), let the requests in flight finish, stop the engine; the times
+        each part began and ended, and the proxy's drain result."""
+        t0 = self.clock()
+        drained = None
+        if self.proxy is not None:
+            self.proxy.hold()
+            drained = await self.proxy.drain(self.profile.proxy.drain_timeout)
+        t1 = self.clock()
+        await self._stop_engine(why)
+        return t0, t1, self.clock(), drained
+
+    async def _do_reload(self, order: ReloadOrder) -> None:
+        old = self.step.method
+        target = order.profile.steps[0].method
+        self._set(State.STOPPING)
+        self.say(f"reloading the profile ({old} → {target}): {order.reason}")
+        t0, t1, t2, drained = await self._drain_and_stop("profile reload")
+        self.events.emit(
+            "reload-switch",
+            **{
+                "from": old.value,
+                "to": target.value,
+                "reason": order.reason,
+                "changes": list(order.changes),
+                "drain_s": round(t1 - t0, 3),
+                "stop_s": round(t2 - t1, 3),
+                "drained": getattr(drained, "__dict__", drained),
+            },
+        )
+        self.profile, self.steps, self.render = order.profile, order.profile.steps, order.render
+        self.index = 0
+        self.exit_times = []
+        self.backoff = order.profile.supervisor.restart_backoff
         self._switch_marks = (t0, t1, t2)
 
     # ------------------------------------------------------------------ failures

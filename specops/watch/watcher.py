@@ -392,6 +392,19 @@ class Watcher:
             self.metrics.new_engine()
             self.metrics.set_method(event.method.value, [s.method.value for s in self.profile.steps])
 
+    def repoint(self, profile, policy: Policy, reader: AcceptanceReader) -> None:
+        """A reloaded profile (``specops up`` on SIGHUP): decide with its ``policy`` (the decider's from now on),
+        read with its monitor settings; the engine it restarts gets a fresh window when ready."""
+        old = self.reader
+        self.profile, self.reader = profile, reader
+        self.interval = watch_interval(profile.monitor.interval)
+        self.decider.policy = policy
+        self.attached = False
+        self.last_decision = None
+        self.decided_at.clear()
+        if old is not reader:
+            old.close()
+
     # ------------------------------------------------------------------ the loop
     def start(self) -> None:
         """Run :meth:`_loop` in the background (under ``specops up``) until :meth:`stop`."""

@@ -1,0 +1,319 @@
+"""Reloading the profile of a running ``specops up`` without restarting it (SIGHUP, or the file changed).
+
+GitOps deployments change a profile by replacing a file: a Kubernetes ConfigMap volume swaps its
+``..data`` symlink, so an inotify watch on the file itself misses the change. :class:`ProfileReloader`
+therefore polls: every ``interval`` it hashes the contents of the profile, its ``extends`` bases and its
+lock file (following symlinks); SIGHUP asks for the same check at once.
+
+A changed file is loaded with the same loader and rules as ``specops validate`` and resolved like a start
+(``resolve_for_launch``). Then either
+
+- it is **applied**: the caller's ``apply`` hands it to the supervisor, which switches to it the zero-loss
+  way (hold the proxy, drain, restart the engine with the new primary step, release);
+- it is **rejected**: specops keeps running the old config, logs the located error (file:line:column,
+  field), emits a ``reload-rejected`` event, counts it and shows it in ``specops status`` until the file
+  is valid again (or back to the running content). Fields that only a restart of ``specops up`` can
+  change (:data:`RESTART_FIELDS`) are rejected the same way, saying so;
+- or it is **unchanged** (same bytes, or only comments and layout changed): nothing happens.
+
+A file that does not load is reported one poll later (a half-written file gets a chance to complete), and
+each distinct content is reported once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from specops.config.profile import LoadedProfile, load_profile
+from specops.errors import Problem, ProfileError, SpecopsError
+from specops.resolve.lock import lock_path
+from specops.resolve.prelaunch import resolve_for_launch
+
+__all__ = ["RESTART_FIELDS", "Outcome", "ProfileReloader", "ReloadMetrics", "changed_fields", "fingerprint"]
+
+#: Fields a running ``specops up`` cannot take over: the address it serves, its proxy, its identity and state,
+#: the engine it probed at start. A change to one of them is rejected until ``specops up`` is restarted.
+RESTART_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("name",),
+    ("backend",),
+    ("server", "host"),
+    ("server", "port"),
+    ("server", "api_key"),
+    ("proxy",),
+    ("supervisor", "state_dir"),
+    ("engine", "version"),
+    ("engine", "executable"),
+    ("engine", "python"),
+)
+
+#: The shortest poll interval (a smaller one is raised to it).
+MIN_INTERVAL = 0.2
+
+
+def fingerprint(paths: list[str]) -> str:
+    """sha256 over the contents of ``paths`` (symlinks followed; a missing file counts as absent)."""
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(os.fsencode(p) + b"\0")
+        try:
+            with open(p, "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+        except OSError as exc:
+            h.update(f"<{type(exc).__name__}>".encode())
+    return h.hexdigest()
+
+
+def _dump(loaded: LoadedProfile) -> dict:
+    return loaded.profile.model_dump(mode="json")
+
+
+def _get(data: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def changed_fields(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted paths whose values differ between two profile dumps (values are never shown: they may be secret)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += changed_fields(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else str(key))
+        return out
+    return [] if old == new else [prefix or "(profile)"]
+
+
+@dataclass
+class Outcome:
+    """What one check did: ``applied``, ``rejected``, ``unchanged`` or ``pending`` (try again at the next poll)."""
+
+    result: str
+    message: str = ""
+    changes: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+
+class ReloadMetrics:
+    """``specops_profile_reload_total{result}`` and ``specops_profile_reload_failed`` on specops' /metrics."""
+
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.total = Counter(
+            "specops_profile_reload",
+            "Profile reloads by result: applied, rejected (the old config keeps running), unchanged",
+            ["result"],
+            registry=registry,
+        )
+        self.failed = Gauge(
+            "specops_profile_reload_failed",
+            "1 while the profile on disk differs from the running one because it was rejected",
+            registry=registry,
+        )
+        for result in ("applied", "rejected", "unchanged"):
+            self.total.labels(result)
+
+
+class ProfileReloader:
+    """Watches ``running`` (the profile as written) and reloads it; see the module docstring.
+
+    ``apply(resolved, changes) -> bool`` hands a valid profile to the supervisor (False: it cannot take it now,
+    e.g. during a switch: the next poll tries again); it raises SpecopsError when the profile cannot run (it
+    does not render, its policy cannot be built). ``on_status(snapshot)`` runs after every report.
+    """
+
+    def __init__(
+        self,
+        running: LoadedProfile,
+        resolved: LoadedProfile,
+        *,
+        apply: Callable[[LoadedProfile, list[str]], bool],
+        events: Any,
+        say: Callable[[str], None],
+        offline: bool = False,
+        registry: Any = None,
+        metrics: ReloadMetrics | None = None,
+        on_status: Callable[[dict], None] | None = None,
+        interval: float = 2.0,
+        load: Callable[[str], LoadedProfile] | None = None,
+    ):
+        self.path = running.path
+        self.running = running
+        self.resolved = resolved
+        self.apply = apply
+        self.events = events
+        self.say = say
+        self.offline = offline
+        self.metrics = metrics
+        self.on_status = on_status or (lambda snapshot: None)
+        self.interval = max(float(interval), MIN_INTERVAL)
+        self._load = load or (lambda path: load_profile(path, registry=registry))
+        self.files = self._files(running)
+        self.running_sha = fingerprint(self.files)
+        self.applied = 0
+        self.rejected: dict | None = None  # the last rejection, while the file on disk is still that content
+        self._reported: str | None = None  # the content last reported (applied, rejected or unchanged)
+        self._waited: str | None = None  # a content that failed to load once: reported at the next poll
+        self._wake = asyncio.Event()
+        self._forced = False
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def _files(self, loaded: LoadedProfile) -> list[str]:
+        files = [self.path, *(f for f in loaded.document.files if f != self.path)]
+        return [*files, str(lock_path(self.path))]
+
+    def snapshot(self) -> dict:
+        """For the state file and ``specops status``: the running content's hash, reloads, the last rejection."""
+        return {
+            "path": os.path.abspath(self.path),
+            "running_sha256": self.running_sha,
+            "applied": self.applied,
+            "rejected": self.rejected,
+        }
+
+    # ------------------------------------------------------------------ triggers
+    def trigger(self) -> None:
+        """SIGHUP: check now, and report a file that does not load without waiting for another poll."""
+        self._forced = True
+        self._wake.set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
+            except asyncio.TimeoutError:
+                pass
+            if self._stopping.is_set():
+                break
+            self._wake.clear()
+            forced, self._forced = self._forced, False
+            try:
+                self.check(forced=forced)
+            except Exception as exc:  # a bug here must never take the serving instance down
+                self.say(f"warning: profile reload check failed: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ one check
+    def check(self, forced: bool = False) -> Outcome | None:
+        """Look at the files once; None when there is nothing new to report."""
+        sha = fingerprint(self.files)
+        if sha == self.running_sha:
+            if self.rejected is not None:  # the file went back to what runs
+                self.say(f"profile {self.path} is back to the running config")
+                self._reported = None
+                self._clear_rejection()
+            if forced:
+                return self._report(Outcome("unchanged", "the profile is the running one"), sha)
+            return None
+        if sha == self._reported and not forced:
+            return None
+        try:
+            loaded = self._load(self.path)
+        except SpecopsError as exc:
+            if not forced and self._waited != sha:  # perhaps half-written: look again at the next poll
+                self._waited = sha
+                return Outcome("pending", "does not load yet")
+            problems = list(exc.problems) if isinstance(exc, ProfileError) else []
+            return self._report(Outcome("rejected", str(exc), problems=problems), sha)
+        self.files = self._files(loaded)
+        sha = fingerprint(self.files)  # the bases may have changed the list of files
+        try:
+            out = self._decide(loaded)
+        except SpecopsError as exc:  # resolving failed (e.g. the Hub cannot be reached)
+            out = Outcome("rejected", str(exc), problems=list(getattr(exc, "problems", [])))
+        return self._report(out, sha)
+
+    def _decide(self, loaded: LoadedProfile) -> Outcome:
+        problems = self._restart_problems(loaded)
+        if problems:
+            return Outcome("rejected", "\n".join(str(p) for p in problems), problems=problems)
+        resolved, refused = resolve_for_launch(loaded, self.offline, self.say)
+        if refused:
+            return Outcome("rejected", f"the draft was refused: {refused}")
+        changes = changed_fields(_dump(self.resolved), _dump(resolved))
+        if not changes:
+            self._accept(loaded, resolved)
+            return Outcome("unchanged", "only comments or layout changed")
+        try:
+            taken = self.apply(resolved, changes)
+        except ProfileError as exc:
+            return Outcome("rejected", str(exc), problems=list(exc.problems))
+        except SpecopsError as exc:
+            return Outcome("rejected", str(exc))
+        if not taken:
+            return Outcome("pending", "the supervisor is busy (starting or switching); trying again")
+        self._accept(loaded, resolved)
+        self.applied += 1
+        return Outcome("applied", "restarting the engine with the new profile", changes)
+
+    def _restart_problems(self, loaded: LoadedProfile) -> list[Problem]:
+        old, new = _dump(self.running), _dump(loaded)
+        out = []
+        for path in RESTART_FIELDS:
+            if _get(old, path) != _get(new, path):
+                name = ".".join(path)
+                out.append(
+                    loaded.problem(
+                        path,
+                        f"{name} changed: a running specops up cannot take this change; it keeps running the "
+                        f"old config until it is restarted",
+                    )
+                )
+        return out
+
+    def _accept(self, loaded: LoadedProfile, resolved: LoadedProfile) -> None:
+        self.running, self.resolved = loaded, resolved
+        self.running_sha = fingerprint(self.files)
+        self._clear_rejection()
+
+    def _clear_rejection(self) -> None:
+        self.rejected = None
+        self._waited = None
+        if self.metrics is not None:
+            self.metrics.failed.set(0)
+        self.on_status(self.snapshot())
+
+    def _report(self, out: Outcome, sha: str) -> Outcome:
+        if out.result == "pending":
+            return out
+        self._reported = sha
+        if self.metrics is not None:
+            self.metrics.total.labels(out.result).inc()
+        if out.result == "rejected":
+            self.rejected = {
+                "message": out.message,
+                "problems": [p.to_dict() for p in out.problems],
+                "sha256": sha,
+            }
+            if self.metrics is not None:
+                self.metrics.failed.set(1)
+            self.events.emit(
+                "reload-rejected",
+                profile=os.path.abspath(self.path),
+                message=out.message,
+                problems=self.rejected["problems"],
+            )
+            self.say(f"profile reload rejected, keeping the running config: {out.message}")
+        elif out.result == "applied":
+            self.events.emit("reload", profile=os.path.abspath(self.path), changes=out.changes)
+            self.say(f"profile reloaded ({', '.join(out.changes[:12])}): {out.message}")
+        else:
+            self.events.emit("reload-unchanged", profile=os.path.abspath(self.path), reason=out.message)
+            self.say(f"profile reload: nothing to change ({out.message})")
+        self.on_status(self.snapshot())
+        return out
