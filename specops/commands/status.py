@@ -259,10 +259,48 @@ def _print(st: dict) -> None:
             f"  decision   {_text(d.get('action', 'switch'))} {_text(d.get('from', ''))}{to}: "
             f"{_text(d.get('reason'), 300)}"
         )
+    print_goodput(st)
     _print_reload(st.get("profile_reload"))
     if st.get("live_problem"):
         click.echo(f"  live       {_text(st['live_problem'], 300)}")
     click.echo(f"  logs       {_text(st.get('engine_log'), 400)}  events {_text(st.get('events'), 400)}")
+
+
+def print_goodput(st: dict) -> None:
+    """``fallback.mode: goodput``: the live concurrency, the tokens/s predicted per option, the verdict and why,
+    the switch cost and the surface's crossovers (what ``--json`` has as ``last_goodput`` and ``policy.goodput``)."""
+    last = st.get("last_goodput") if isinstance(st.get("last_goodput"), dict) else None
+    policy = st.get("policy") if isinstance(st.get("policy"), dict) else {}
+    g = policy.get("goodput") if isinstance(policy.get("goodput"), dict) else None
+    if last is None and g is None:
+        return
+    last = last or {}
+    conc = _num(last.get("concurrency"))
+    live = _num(last.get("live_tokens_per_s"))
+    click.echo(
+        f"  goodput    concurrency {'no reading yet' if conc is None else f'{conc:.2f}'}"
+        + (f" ({_text(last.get('concurrency_source'), 60)})" if last.get("concurrency_source") else "")
+        + (f", live {live:.1f} tok/s" if live is not None else "")
+    )
+    pred = last.get("predicted") if isinstance(last.get("predicted"), dict) else {}
+    shown = [f"{_text(k, 60)} {v:.1f}" for k, v in list(pred.items())[:20] if _num(v) is not None]
+    if shown:
+        best = f" (best: {_text(last.get('best'), 60)})" if last.get("best") else ""
+        click.echo(f"  predicted  {', '.join(shown)} tok/s{best}")
+    if last.get("reason"):
+        click.echo(f"  why        [{_text(last.get('rule'), 40)}] {_text(last.get('reason'), 400)}")
+    cost = _num((g or {}).get("switch_cost_s"))
+    surface = (g or {}).get("surface") if isinstance((g or {}).get("surface"), dict) else None
+    cross = surface.get("crossover") if surface and isinstance(surface.get("crossover"), dict) else {}
+    parts = [f"switch cost {cost:g}s ({_text((g or {}).get('switch_cost_basis'), 30)})"] if cost is not None else []
+    parts += [f"{_text(k, 60)} stops paying at c={_text(v, 20)}" for k, v in list(cross.items())[:10] if v is not None]
+    parts += [f"{_text(k, 60)} pays at every measured level" for k, v in list(cross.items())[:10] if v is None]
+    if surface is not None:
+        parts.append(f"surface of {_text(surface.get('date') or 'an unknown date', 40)}")
+    elif g is not None:
+        parts.append("no surface: learned online")
+    if parts:
+        click.echo(f"  switching  {'; '.join(parts)}")
 
 
 def _print_reload(rel) -> None:
