@@ -10,6 +10,7 @@ import shlex
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,7 @@ def test_system_unit_runs_specops_up_with_absolute_paths(tmp_path):
     assert one(unit, "Service", "Restart") == "on-failure"
     assert one(unit, "Service", "Type") == "exec"
     assert one(unit, "Service", "User") == pwd.getpwuid(os.getuid()).pw_name
-    assert "ExecReload" not in svc  # `specops up` has no reload signal
+    assert one(unit, "Service", "ExecReload") == "/bin/kill -HUP $MAINPID"  # `specops up` reloads on SIGHUP
     # the proxy raises its own soft open-files limit up to the hard one; a LimitNOFILE would cap that
     assert "LimitNOFILE" not in svc
     assert one(unit, "Service", "EnvironmentFile") == "-/etc/specops/llamacpp-cpu-draft.env"
@@ -273,3 +274,33 @@ def test_every_shipped_profile_gets_a_unit_systemd_accepts(tmp_path, profile):
     if shutil.which("systemd-analyze"):
         checked = verify(out)
         assert checked.returncode == 0 and checked.stderr.strip() == "", checked.stderr
+
+
+def test_exec_reload_sends_sighup_to_the_main_pid(tmp_path):
+    """ExecReload, run the way systemd runs it ($MAINPID filled in, no shell), delivers SIGHUP: the signal
+    `specops up` reloads its profile on (tests/test_reload_llamacpp.py)."""
+    res = run("systemd", str(CPU_PROFILE))
+    assert res.code == 0, res.stderr
+    argv = exec_words(one(parse_unit(res.stdout), "Service", "ExecReload"))
+    assert argv[-1] == "$MAINPID"
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time\n"
+            "signal.signal(signal.SIGHUP, lambda *a: sys.exit(7))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(30)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        sent = subprocess.run([*argv[:-1], str(child.pid)], capture_output=True, text=True, timeout=10)
+        assert sent.returncode == 0, sent.stderr
+        assert child.wait(timeout=10) == 7
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)

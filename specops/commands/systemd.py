@@ -13,8 +13,10 @@ The unit follows how ``specops up`` itself stops (:mod:`specops.up`, :mod:`speco
   session included) and a ``TimeoutStopSec`` above that worst case.
 - Exit code 1 means no method of the fallback chain could run (or a profile error): ``Restart=on-failure``
   restarts it, bounded by the start limit. A crashing engine is restarted by specops itself.
-- ``specops up`` has no reload signal (only SIGINT/SIGTERM), so the unit has no ``ExecReload``: a profile
-  change takes ``systemctl restart``.
+- ``specops up`` reloads its profile on SIGHUP (and when the file changes): ``ExecReload`` sends SIGHUP, so
+  ``systemctl reload`` applies a profile change through the same zero-loss switch, or keeps the running config
+  and says why (``specops status``). Changing the address, the proxy, the name or the engine takes
+  ``systemctl restart``.
 - Secrets never enter the unit: specops reads the profile's ``${VAR}`` values from its environment, which
   systemd fills from ``EnvironmentFile=`` (a root-owned 0600 file). The unit names the variables, never
   their values.
@@ -182,7 +184,9 @@ def render_unit(
         f" + its workers {_fmt_s(b.engine_workers)} + SIGKILL {_fmt_s(b.kill_again)}"
         f" + last read {_fmt_s(b.last_read)} + proxy {_fmt_s(b.proxy_close)} = {_fmt_s(b.total)};",
         f"#   TimeoutStopSec adds {_fmt_s(MARGIN_S)}, then systemd SIGKILLs everything left in the unit.",
-        "# No ExecReload: `specops up` has no reload signal; apply a profile change with `systemctl restart`.",
+        "# Reload: `systemctl reload` sends SIGHUP; specops applies the changed profile with a zero-loss engine restart,",
+        "#   or keeps the running config and shows why in `specops status` (server address, proxy, name, engine:",
+        "#   `systemctl restart`).",
     ]
     if profile.engine.executable is None and profile.engine.python is None:
         lines.append(
@@ -206,6 +210,7 @@ def render_unit(
     lines += [
         f"ExecStart={exec_arg(specops)} up {exec_arg(profile_path)}",
         f"EnvironmentFile={'' if variables else '-'}{env_file}",
+        "ExecReload=/bin/kill -HUP $MAINPID",
         "KillMode=mixed",
         "KillSignal=SIGTERM",
         f"TimeoutStopSec={budget.timeout_stop_sec}",
@@ -273,8 +278,8 @@ def systemd(profile, user_unit, run_as, env_file, specops_path, output):
     ExecStart holds absolute paths (this specops, the profile); KillMode=mixed lets specops stop its
     engine's process group itself; TimeoutStopSec exceeds the profile's proxy.drain_timeout plus
     twice supervisor.stop_timeout (the worst case is spelled out in the unit); Restart=on-failure.
-    Secrets never enter the unit: put them in the EnvironmentFile (mode 0600). There is no ExecReload:
-    `specops up` has no reload signal, so a profile change takes `systemctl restart`.
+    Secrets never enter the unit: put them in the EnvironmentFile (mode 0600). ExecReload sends SIGHUP:
+    `systemctl reload` applies a profile change without restarting specops (see `specops up --help`).
 
     \b
     Examples:
