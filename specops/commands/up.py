@@ -33,6 +33,10 @@ def up(profile, backend_version, quiet_engine, offline, require_certificate):
     output is echoed with a prefix and appended to <state_dir>/<name>/engine.log; decisions go to
     events.jsonl beside it. Exit code 1 when no method of the fallback chain can start.
 
+    SIGHUP (`systemctl reload`), or a change of the profile file (polled every 2 s), reloads the profile:
+    a valid change restarts the engine with it, without losing a request; an invalid one keeps the
+    running config and shows its located error in `specops status`.
+
     \b
     Examples:
       specops up examples/llamacpp-cpu-draft.yaml
