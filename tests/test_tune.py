@@ -327,20 +327,50 @@ def vdm(k):
     return Setting(DM, k, draft="org/draft")
 
 
-def test_per_batch_size_proposal_when_speculation_only_helps_at_low_load():
+def test_per_batch_size_proposal_follows_the_measured_surface():
+    # levels 1 and 8, t = log2(b) / 3: k4 = 60 + 40t, k2 = 48 + 72t, none = 20 + 110t
+    # b=1: k4 60; b=2 (t 1/3): k4 73.3 > k2 72.0 > none 56.7; b=3 (t 0.528): k2 86.0 > k4 81.1 > none 78.1;
+    # b=4 (t 2/3): k2 96.0 > none 93.3; b=5 (t 0.774): none 105.1 > k2 103.7, and none gains faster up to 8 and
+    # holds flat past it (130 > k2 120): k 0 to the end. (Split at the geometric mean of the levels, as tune
+    # did before, gave [[1, 2, 4], [3, 8, 0]]: k 0 at 3 and 4, where k=2 measured faster than none.)
     none = Setting(Method.NONE)
-    res = result_with({8: {vdm(4): 100, vdm(2): 120, none: 130}, 1: {vdm(4): 60, vdm(2): 50, none: 20}})
+    res = result_with({8: {vdm(4): 100, vdm(2): 120, none: 130}, 1: {vdm(4): 60, vdm(2): 48, none: 20}})
     prop = res.per_batch_size("vllm", "0.32.0", 8)
-    assert prop["value"] == [[1, 2, 4], [3, 8, 0]] and prop["method"] == "draft_model"
-    assert "concurrency 8: best none" in prop["why"]
+    assert prop["value"] == [[1, 2, 4], [3, 4, 2], [5, 8, 0]]
+    assert (prop["method"], prop["k"]) == ("draft_model", 4)
+    assert (
+        "concurrency 8: best none (130.0 tok/s)" in prop["why"] and "concurrency 1: best draft_model k=4" in prop["why"]
+    )
+    assert res.per_batch_size("vllm", "0.32.0", 16)["value"] == [[1, 2, 4], [3, 4, 2], [5, 16, 0]]
+    # without none: levels 1, 4, 16. 1..4 (t = log2(b)/2): k4 60 + 39t ≥ k2 50 + 48t up to 4 (99 vs 98);
+    # 4..16 (t = (log2(b) − 2)/2): k2 98 + 22t > k4 99 + t once t > 1/21, b > 4.27: from 5 on
     res3 = result_with(
         {16: {vdm(4): 100, vdm(2): 120}, 4: {vdm(4): 99, vdm(2): 98}, 1: {vdm(4): 60, vdm(2): 50}}, levels=(16, 4, 1)
     )
-    assert res3.per_batch_size("vllm", "0.32.0", 16)["value"] == [[1, 8, 4], [9, 16, 2]]
+    assert res3.per_batch_size("vllm", "0.32.0", 16)["value"] == [[1, 4, 4], [5, 16, 2]]
     assert res.per_batch_size("vllm", "0.20.0", 8) is None  # the field arrived in 0.24
     assert res.per_batch_size("llamacpp", None, 8) is None
     same = result_with({8: {vdm(4): 100, vdm(2): 90}, 1: {vdm(4): 60, vdm(2): 50}})
     assert same.per_batch_size("vllm", "0.32.0", 8) is None  # the same k wins everywhere
+    loses = result_with({8: {vdm(4): 100, none: 130}, 1: {vdm(4): 19, none: 20}})
+    assert loses.per_batch_size("vllm", "0.32.0", 8) is None  # k 0 everywhere: no speculation, no schedule
+
+
+def test_per_batch_size_can_stop_and_resume_drafting_where_the_surface_says():
+    # levels 1, 4, 16 where none wins only around 4. 1..4 (t = log2(b)/2): k4 60 + 30t, k2 50 + 45t, none 20 + 80t:
+    # b=2 k4 75 (k2 72.5); b=3 (t 0.792) k2 85.7 > k4 83.8 > none 83.4; b=4 none 100 > k2 95 > k4 90.
+    # 4..16 (t = (log2(b) − 2)/2): none 100 + 50t, k2 95 + 65t: k2 wins once t > 1/3, b > 6.35: b=6 none 114.6 vs
+    # k2 114.0, b=7 k2 121.2 vs none 120.2
+    none = Setting(Method.NONE)
+    res = result_with(
+        {
+            1: {vdm(4): 60, vdm(2): 50, none: 20},
+            4: {vdm(4): 90, vdm(2): 95, none: 100},
+            16: {vdm(4): 140, vdm(2): 160, none: 150},
+        },
+        levels=(16, 4, 1),
+    )
+    assert res.per_batch_size("vllm", "0.32.0", 16)["value"] == [[1, 2, 4], [3, 3, 2], [4, 6, 0], [7, 16, 2]]
 
 
 def test_table_marks_the_winner_and_shows_every_setting():
@@ -698,7 +728,7 @@ def test_per_batch_size_is_written_with_the_low_load_best(tmp_path):
     path.write_text(vllm)
     loaded = load_profile(path)
     none = Setting(Method.NONE)
-    res = result_with({8: {vdm(4): 100, vdm(2): 120, none: 130}, 1: {vdm(4): 60, vdm(2): 50, none: 20}}, current=vdm(3))
+    res = result_with({8: {vdm(4): 100, vdm(2): 120, none: 130}, 1: {vdm(4): 60, vdm(2): 48, none: 20}}, current=vdm(3))
     prop = res.per_batch_size("vllm", "0.32.0", 8)
     out = write_back(
         loaded,
@@ -711,11 +741,11 @@ def test_per_batch_size_is_written_with_the_low_load_best(tmp_path):
         apply_per_batch=True,
     )
     spec = load_profile(path).profile.speculative
-    assert spec.method is DM and spec.k == 4 and spec.per_batch_size == [(1, 2, 4), (3, 8, 0)]
+    assert spec.method is DM and spec.k == 4 and spec.per_batch_size == [(1, 2, 4), (3, 4, 2), (5, 8, 0)]
     assert out.record["written"]["k"] == 4 and out.record["chosen"]["label"] == "none"
-    assert "  per_batch_size:\n  - [1, 2, 4]\n  - [3, 8, 0]\n" in path.read_text()
+    assert "  per_batch_size:\n  - [1, 2, 4]\n  - [3, 4, 2]\n  - [5, 8, 0]\n" in path.read_text()
     rendered = get_registry().backend("vllm").render(load_profile(path).profile, engine_for(loaded))
-    assert '"num_speculative_tokens_per_batch_size":[[1,2,4],[3,8,0]]' in " ".join(rendered.argv)
+    assert '"num_speculative_tokens_per_batch_size":[[1,2,4],[3,4,2],[5,8,0]]' in " ".join(rendered.argv)
 
 
 def test_method_choices_and_concurrency_levels(tmp_path):

@@ -204,7 +204,8 @@ Examples:
     "--per-batch-size",
     "apply_per_batch",
     is_flag=True,
-    help="Also write the proposed speculative.per_batch_size (vLLM) when the best k falls with load.",
+    help="Also write speculative.per_batch_size (vLLM): per batch size the k with the most measured tokens/s, "
+    "0 where no speculation is faster.",
 )
 @click.option(
     "--plot",

@@ -2,12 +2,11 @@
 
 :class:`TuneResult` holds medians per setting and concurrency, acceptance and mean acceptance length, the
 winner (best median at the profile's concurrency), the best per concurrency and, for engines that take
-it, a ``per_batch_size`` proposal when the best k differs with load.
+it, a ``per_batch_size`` proposal from the measured surface when the best k differs with load.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from specops.methods import Method
@@ -243,28 +242,54 @@ class TuneResult:
         return None
 
     def per_batch_size(self, backend, engine_version: str | None, parallel: int | None) -> dict | None:
-        """A ``num_speculative_tokens_per_batch_size`` proposal when the best k falls with load (vLLM).
+        """A ``num_speculative_tokens_per_batch_size`` proposal from the measured surface (vLLM).
 
         ``backend`` is a backend name or object; None unless it takes a k per batch size at
-        ``engine_version``. Only from measured facts: the best setting at each concurrency must be the
-        winner's method or ``none`` (k 0); the ranges split between measured concurrencies at their
-        geometric mean. Returns ``{"value": [[start, end, k], ...], "why": ...}`` or None.
+        ``engine_version``. Each batch size 1..max(parallel, the top level) gets the k of the speculative
+        method with the most tokens/s there on the surface (interpolated in log2 of the concurrency between
+        the measured levels, held flat past them), and k 0 where ``none`` measured faster than every k
+        (:func:`specops.watch.goodput.per_batch_schedule`). None when one k fits every batch size or the
+        method was measured at fewer than two levels. Returns ``{"value": [[start, end, k], ...], "method",
+        "k" (the largest), "why"}``.
         """
+        from specops.watch.goodput import Surface, per_batch_schedule
+
         if len(self.levels) < 2 or not backend_of(backend).takes_per_batch_size(engine_version):
             return None
-        levels = sorted(self.levels)
-        best = {c: self.best_at(c, reference=True) for c in levels}  # none (k 0) counts where it wins
-        method = _one_method(best)
-        if method is None:
+        method = self._schedule_method()
+        points = self.surface_points()
+        if method is None or len({p["concurrency"] for p in points if p["method"] == method.value}) < 2:
             return None
-        ks = [0 if best[c].setting.method is Method.NONE else best[c].setting.k for c in levels]
-        if len(set(ks)) == 1 or ks != sorted(ks, reverse=True):
-            return None  # the same k everywhere, or more drafting under more load: nothing to express
-        why = ", ".join(
-            f"concurrency {c}: best {best[c].setting.label} ({best[c].median(c):.1f} tok/s)" for c in levels
+        surface = Surface.from_dict({"points": points})
+        value = per_batch_schedule(surface, method, max_batch=max(parallel or 0, max(self.levels)))
+        ks = [r[2] for r in value]
+        if len(value) == 1 or max(ks) == 0:
+            return None  # one k (or none) at every batch size: the plain setting says it
+        opts = [(m, k) for m, k in surface.options() if m in (method, Method.NONE)]
+        best = []
+        for c in surface.levels():
+            m, k = max(opts, key=lambda o: surface.tokens_per_s(o[0], o[1], c) or 0.0)
+            label = "none" if m is Method.NONE else f"{m.value} k={k}"
+            best.append(f"concurrency {c}: best {label} ({surface.tokens_per_s(m, k, c) or 0.0:.1f} tok/s)")
+        why = (
+            ", ".join(best) + "; each batch size gets the k with the most tokens/s on the measured surface "
+            "(interpolated between levels), 0 where none is faster"
         )
-        value = _k_ranges(levels, ks, max(parallel or 0, levels[-1]))
         return {"value": value, "method": method.value, "k": max(ks), "why": why}
+
+    def _schedule_method(self) -> Method | None:
+        """The speculative method a schedule is rendered for: the winner's, else the best speculative setting's
+        at the lowest level; None for n-gram with several min/max pairs (one schedule cannot hold them)."""
+        w = self.winner
+        method = w.setting.method if w is not None and w.setting.method is not Method.NONE else None
+        if method is None:
+            low = [r for r in self.eligible(min(self.levels)) if r.setting.method is not Method.NONE]
+            method = low[0].setting.method if low else None
+        if method is Method.NGRAM:
+            pairs = {(r.setting.ngram_min, r.setting.ngram_max) for r in self.results if r.setting.method is method}
+            if len(pairs) != 1:
+                return None
+        return method
 
     def to_dict(self) -> dict:
         w = self.winner
@@ -285,34 +310,3 @@ class TuneResult:
             "k_range": self.k_edges(),
             "results": [r.to_dict() for r in self.results],
         }
-
-
-def _one_method(best: dict[int, SettingResult | None]) -> Method | None:
-    """The one speculative method the best settings of every level share (``none`` aside), else None."""
-    if any(b is None for b in best.values()):
-        return None
-    methods = {b.setting.method for b in best.values()} - {Method.NONE}
-    if len(methods) != 1:
-        return None
-    method = methods.pop()
-    if method is Method.NGRAM:  # ngram min/max would have to agree as well: keep it simple
-        pairs = {(b.setting.ngram_min, b.setting.ngram_max) for b in best.values() if b.setting.method is method}
-        if len(pairs) != 1:
-            return None
-    return method
-
-
-def _k_ranges(levels: list[int], ks: list[int], top: int) -> list[list[int]]:
-    """``[[start, end, k], ...]`` from the best k per measured level, split at geometric means, merged."""
-    ranges: list[list[int]] = []
-    for i, c in enumerate(levels):
-        start = 1 if i == 0 else ranges[-1][1] + 1
-        end = top if i == len(levels) - 1 else max(start, int(math.floor(math.sqrt(c * levels[i + 1]))))
-        ranges.append([start, end, ks[i]])
-    merged: list[list[int]] = []
-    for r in ranges:
-        if merged and merged[-1][2] == r[2]:
-            merged[-1][1] = r[1]
-        else:
-            merged.append(r)
-    return merged

@@ -250,12 +250,16 @@ def _write_files(out: WriteOutcome, profile_text: str | None, record_text: str) 
 
 
 def _setting_to_write(result: TuneResult, per_batch: dict | None, pbs, notes: list[str]) -> Setting:
-    """The winner; with a per-batch-size schedule ``pbs``, the method and the largest k (the best at the
-    lowest load), which the schedule's ranges lower."""
+    """The winner; with a per-batch-size schedule ``pbs``, the schedule's method at its largest k (the measured
+    setting, best at the lowest load among equals), which the schedule's ranges lower."""
     written = result.winner.setting
     if pbs is not None:
-        low = result.best_at(min(result.levels))
-        written = low.setting if low is not None and low.setting.k is not None else written
+        low = min(result.levels)
+        same = [
+            r for r in result.results if r.setting.method.value == per_batch["method"] and r.setting.k == per_batch["k"]
+        ]
+        if same:
+            written = max(same, key=lambda r: r.median(low) or 0.0).setting
         notes.append(f"speculative.per_batch_size {pbs} written with {written.label} ({per_batch['why']})")
     return written
 
