@@ -99,6 +99,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     up.watcher = _watcher(up, AcceptanceReader.for_profile(profile, backend, live=live), metrics)
     up.proxy = _proxy(up, live, metrics) if profile.proxy.enabled else None
     up.sup = _supervisor(up, _step_renderer(loaded, registry, engine, engine_host, engine_port), opts)
+    up.fleet = _fleet(up, metrics)
     if refused:
         up.sup.refuse_primary(refused)
     return await _serve(up, registry, opts)
@@ -170,6 +171,7 @@ class _Instance:
     proxy: object | None = None
     sup: Supervisor | None = None
     draining: asyncio.Task | None = None  # the shutdown drain, once a stop signal came
+    fleet: object | None = None  # FleetCoordinator: the fleet's switch slots (deploy.coordination), when on
 
     @property
     def public_url(self) -> str:
@@ -196,6 +198,7 @@ class _Instance:
                 "events": str(paths.events),
                 "updated_at": time.time(),
                 **self.status(),
+                **(self.fleet.snapshot() if self.fleet is not None else {}),  # fleet: waiting, slot, holders
             },
         )
 
@@ -203,11 +206,47 @@ class _Instance:
         if isinstance(event, EngineLine):
             self.console.engine(event.line)
         else:
+            if self.fleet is not None:  # a switch ends (ready, stopped, fatal): its slot goes back
+                self.fleet.on_event(event)
             self.write_state()
 
     def switch(self, decision) -> bool:
-        """The watcher's decision, as an order to the supervisor; False when it cannot switch now."""
-        return self.sup.request_switch(SwitchOrder(decision.to_index, decision.reason, decision.to_dict()))
+        """The watcher's decision, as an order to the supervisor; False when it cannot switch now. With fleet
+        coordination always False here: the order runs once a switch slot is ours (``FleetCoordinator``)."""
+        order = SwitchOrder(decision.to_index, decision.reason, decision.to_dict())
+        if self.fleet is not None:
+            return self.fleet.want(order)
+        return self.sup.request_switch(order)
+
+
+def _fleet(up: _Instance, metrics: SpecopsMetrics):
+    """At most ``deploy.max_switching`` replicas switch at once: the gate ``deploy.coordination`` names (Leases,
+    a shared directory), or None (off: the watcher's switches go straight to the supervisor)."""
+    from specops.k8s.lease import gate_for
+    from specops.run.switchgate import FleetCoordinator
+
+    profile = up.loaded.profile
+    gate = gate_for(profile, os.environ, up.console.say)
+    if gate is None:
+        return None
+    lease = profile.deploy.lease_duration
+
+    def executed(order: SwitchOrder) -> None:
+        d = order.decision
+        metrics.fallbacks.labels(d.get("from"), d.get("to"), d.get("rule")).inc()
+
+    return FleetCoordinator(
+        gate,
+        execute=up.sup.request_switch,
+        events=up.events,
+        say=up.console.say,
+        on_executed=executed,
+        registry=metrics.registry,
+        retry_interval=min(5.0, max(1.0, lease / 10)),
+        renew_interval=lease / 3,
+        # the watcher repeats a decision not executed at each fresh window; one not repeated is dropped
+        stale_after=max(30.0, 3 * profile.fallback.window + 2 * profile.monitor.interval),
+    )
 
 
 def _watcher(up: _Instance, reader: AcceptanceReader, metrics: SpecopsMetrics) -> Watcher:

@@ -53,7 +53,18 @@ def test_committed_render_is_current(tmp_path, monkeypatch):
 def test_overlays_build_and_validate(env, replicas, namespace):
     objs = kustomize(TREE / "overlays" / env)
     kinds = {o["kind"]: o for o in objs}
-    assert set(kinds) == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "PodMonitor", "NetworkPolicy"}
+    assert set(kinds) == {
+        "ConfigMap",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "PodMonitor",
+        "NetworkPolicy",
+        # the switch-slot Leases (deploy.coordination auto): at most max_switching replicas switch at once
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+    }
     for obj in objs:
         assert obj["metadata"]["namespace"] == namespace
         assert obj["metadata"]["labels"]["team"] == "llm-platform"

@@ -292,6 +292,13 @@ def _deploy_problems(p: Profile, backend: Any) -> Findings:
             f"{d.resources.gpus} GPUs per pod but tensor_parallel_size × pipeline_parallel_size = "
             f"{g.tensor_parallel_size * g.pipeline_parallel_size}",
         )
+    if d.coordination == "directory" and not d.coordination_dir:
+        yield ("deploy", "coordination"), "coordination directory needs deploy.coordination_dir (a shared directory)"
+    if d.coordination_dir and d.coordination in ("lease", "off"):
+        yield (
+            ("deploy", "coordination_dir"),
+            f"used only with deploy.coordination directory or auto, not {d.coordination}: remove it",
+        )
     if d.startup_timeout is not None and d.startup_timeout < p.engine.ready_timeout:
         yield (
             ("deploy", "startup_timeout"),

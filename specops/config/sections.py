@@ -607,7 +607,8 @@ class MultiNode(Section):
 
 
 class Deploy(Section):
-    """How `specops k8s render` deploys this profile on Kubernetes (ignored by `specops up` itself)."""
+    """How `specops k8s render` deploys this profile on Kubernetes, and how many of its replicas `specops up`
+    lets switch methods at once (`max_switching`, `coordination`)."""
 
     image: (
         Annotated[str, _pattern(IMAGE_REF, "a container image reference (registry/name:tag or @sha256:...)")] | None
@@ -637,6 +638,35 @@ class Deploy(Section):
         "podmonitor", description="Prometheus-operator object that scrapes specops' and the engine's metrics."
     )
     multi_node: MultiNode = Field(default_factory=MultiNode)
+    max_switching: int = Field(
+        1,
+        ge=1,
+        le=MAX_REPLICAS,
+        description="At most this many replicas switch methods at the same time; the others wait for a slot. "
+        "Only the watcher's switches wait: a fallback after the engine failed never does.",
+    )
+    coordination: Annotated[
+        Literal["auto", "lease", "directory", "off"],
+        BeforeValidator(lambda v: "off" if v is False else v),  # YAML 1.1 reads a bare `off` as false
+    ] = Field(
+        "auto",
+        description="Where the replicas share their switch slots: `lease` (Kubernetes Lease objects; the Role "
+        "`specops k8s render` writes allows it), `directory` (lock files in `coordination_dir`, for plain "
+        "servers) or `off`. `auto`: `lease` in a pod, `directory` when `coordination_dir` is set, else `off`.",
+    )
+    coordination_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="`directory`: a directory every replica of the deployment can lock files in (local, or a "
+        "file system with working `flock`).",
+    )
+    lease_duration: Duration = Field(
+        30.0,
+        ge=5,
+        le=3600,
+        description="A slot held this long without renewal is free again (a replica that died holding it); the "
+        "holder renews it every third of this while it switches.",
+    )
 
 
 class Profile(Section):

@@ -4,7 +4,7 @@ Pods run ``specops up`` (the engine is its child, on loopback; clients reach spe
 the policy and the pods hold the runtime state: Argo CD / Flux see no drift when a replica falls back.
 
 - single node: ConfigMap, Deployment, Service, PodDisruptionBudget, PodMonitor (or ServiceMonitor),
-  NetworkPolicy;
+  NetworkPolicy, and the ServiceAccount/Role/RoleBinding of the switch-slot Leases (:mod:`specops.k8s.rbac`);
 - several nodes per replica (``deploy.multi_node.nodes`` > 1): a LeaderWorkerSet instead of the Deployment
   (vLLM over Ray or with ``--nnodes/--headless``; llama.cpp with ``rpc-server`` workers); only the leader runs
   specops and serves HTTP and ``/metrics``.
@@ -23,6 +23,7 @@ from specops.config.profile import LoadedProfile
 from specops.config.rules import multi_node_mode
 from specops.config.sections import Profile
 from specops.errors import Problem, ProfileError
+from specops.k8s import rbac
 from specops.k8s.source import content_hash, dump, env_reference, merged_source
 from specops.methods import Method
 from specops.redact import looks_secret
@@ -339,7 +340,7 @@ def _server_container(p: Profile, key_var: str | None, args: list[str], *, lws: 
         "command": ["specops"],
         "args": args,
         "ports": ports,
-        "env": _env(p, key_var, lws=lws),
+        "env": _env(p, key_var, lws=lws) + rbac.downward_env(p),
         "resources": _resources(p, gpus),
         "volumeMounts": _mounts(p),
         # the engine may take long to download and load: only the startup probe waits for it
@@ -383,6 +384,8 @@ def _pod_spec(p: Profile, containers: list[dict], volumes: list[dict]) -> dict:
         # no {SERVICE}_PORT variables: a Service named like the engine (vllm) would set VLLM_PORT, which vLLM reads
         "enableServiceLinks": False,
     }
+    if rbac.service_account(p, k8s_name(p.name)) and any(c["name"] == CONTAINER for c in containers):
+        spec["serviceAccountName"] = rbac.service_account(p, k8s_name(p.name))  # it takes switch-slot Leases
     if d.node_selector:
         spec["nodeSelector"] = dict(sorted(d.node_selector.items()))
     if d.tolerations:
@@ -481,6 +484,7 @@ def render(loaded: LoadedProfile, lock_text: str | None = None, source_name: str
     elif p.deploy.monitor == "servicemonitor":
         out.objects.append(("servicemonitor.yaml", _servicemonitor(p, name)))
     out.objects.append(("networkpolicy.yaml", _networkpolicy(p, name, mode)))
+    out.objects += rbac.objects(p, name, _meta)
     if lock_text is None and (p.speculative.method is Method.AUTO or p.speculative.draft == "auto"):
         out.notes.append(
             f"{p.name}: `auto` without a lock file: every pod resolves the draft when it starts (Hub access "
