@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from specops.commands.status import _print_reload
-from specops.config.profile import load_profile
+from specops.config.profile import Profile, load_profile
 from specops.errors import SpecopsError
 from specops.run.instance import EventLog
 from specops.run.reload import ProfileReloader, ReloadMetrics, changed_fields, fingerprint
@@ -256,3 +257,55 @@ def test_changed_fields_never_shows_values():
     assert changed_fields(
         {"server": {"api_key": "s3cret", "port": 1}}, {"server": {"api_key": "other", "port": 1}}
     ) == ["server.api_key"]
+
+
+def test_supervisor_reload_restarts_on_the_new_profiles_primary_step():
+    """The supervisor's side, on the stand-in engine: refused unless serving, then hold → drain → stop → start
+    the new profile's step 0 → ready, with the old chain's pending switch dropped."""
+    from test_supervisor_unit import (
+        STANDIN,
+        EngineReady,
+        ScriptedDecider,
+        make_profile,
+        standin,
+        supervisor,
+        wait_until,
+    )
+
+    from specops.run.start import free_port
+    from specops.run.supervise import ReloadOrder
+
+    port = free_port()
+    log = EventLog(None)
+    data = make_profile(restart_backoff=0.1).model_dump(mode="json", exclude_defaults=True)
+    new = Profile.model_validate({**data, "fallback": {"chain": ["none"]}})
+
+    def render_new(i):
+        return standin(i, port, argv=[sys.executable, str(STANDIN), "--port", str(port), "--name", "reloaded"])
+
+    order = ReloadOrder(new, render_new, "the profile file changed", ("fallback.chain",))
+
+    async def main():
+        sup, rec = supervisor(lambda i: standin(i, port), ScriptedDecider(), events=log)
+        assert not sup.request_reload(order)  # not serving yet
+        task = asyncio.create_task(sup.run())
+        await wait_until(lambda: rec.of(EngineReady), what="ready")
+        from specops.run.events import SwitchOrder
+
+        assert sup.request_switch(SwitchOrder(1, "low acceptance"))
+        assert sup.request_reload(order)
+        assert not sup.request_reload(order) and not sup.request_switch(SwitchOrder(2, "another"))
+        await wait_until(lambda: len(rec.of(EngineReady)) == 2, what="ready after the reload")
+        sup.request_stop()
+        await task
+        return sup, rec
+
+    sup, rec = asyncio.run(asyncio.wait_for(main(), 60))
+    second = rec.of(EngineReady)[1]
+    assert second.index == 0 and "reloaded" in second.plan.argv
+    assert [s.method.value for s in sup.steps] == ["draft_model", "none"] and sup.profile is new
+    assert sup.backoff == 0.1
+    [switch] = [e for e in log.recent if e["event"] == "reload-switch"]
+    assert switch["changes"] == ["fallback.chain"] and switch["to"] == "draft_model"
+    assert [e for e in log.recent if e["event"] == "switch-complete"]
+    assert not [e for e in log.recent if e["event"] == "switch"]  # the old chain's switch was dropped
