@@ -20,6 +20,8 @@ from specops.run.lock import remove_stale_state
 
 #: The most of /specops/status read from a live instance.
 MAX_LIVE_BYTES = 4 << 20
+#: The pods' ``app.kubernetes.io/instance`` as Prometheus names it (the PodMonitor's ``podTargetLabels``).
+FLEET_INSTANCE_LABEL = "app_kubernetes_io_instance"
 
 
 def _profile_file(name: str | None):
@@ -102,18 +104,34 @@ def _row(inst: InstancePaths, api_key: str | None = None) -> dict:
 @click.command()
 @click.argument("name", required=False)
 @click.option("--state-dir", help="Where state files live (default: $SPECOPS_STATE or ~/.local/state/specops).")
+@click.option(
+    "--fleet",
+    "fleet_url",
+    metavar="PROMETHEUS_URL",
+    help="Show every replica of a deployment as this Prometheus sees it (method, acceptance, tokens/s, "
+    "queue, switches, up) and the fleet added up; NAME selects the pods `specops k8s render` labels.",
+)
+@click.option("--by", default="pod", show_default=True, help="With --fleet: the label that tells replicas apart.")
+@click.option("--selector", help="With --fleet: label matchers for the targets, e.g. 'namespace=\"llm\"'.")
+@click.option("--window", default="5m", show_default=True, help="With --fleet: the window for acceptance and switches.")
 @json_option
-def status(name, state_dir, as_json):
+def status(name, state_dir, as_json, fleet_url=None, by="pod", selector=None, window="5m"):
     """Show running instances: state, method, acceptance over the window, restarts, last decision.
 
     NAME is a profile name or a profile file; without it, every instance with a state file is shown.
     An instance whose state file cannot be read is listed with the reason (`problem` in --json).
+    With --fleet, the replicas come from Prometheus instead (any number of pods or servers).
 
     \b
     Examples:
       specops status
       specops status llamacpp-cpu-draft --json
+      specops status profiles/llama31-8b-eagle3.yaml --fleet http://prometheus:9090
+      specops status --fleet http://prometheus:9090 --selector 'namespace="llm"' --by pod --json
     """
+    if fleet_url is not None or selector is not None or (by, window) != ("pod", "5m"):
+        _fleet(name, fleet_url, by, selector, window, as_json)
+        return
     profile = _profile_file(name)
     api_key = profile.server.api_key if profile is not None else None
     rows = [_row(inst, api_key) for inst in _instances(name, state_dir, profile)]
@@ -128,6 +146,34 @@ def status(name, state_dir, as_json):
             _print(st)
         except Exception as exc:  # a state file of odd shape: one line for it, and on with the others
             click.echo(f"{st.get('name')}: unreadable ({type(exc).__name__} while showing its state)")
+
+
+def _fleet(name, url, by, selector, window, as_json) -> None:
+    """``status --fleet``: the replicas of NAME's deployment (or of --selector) from Prometheus."""
+    from specops.config.durations import parse_duration
+    from specops.k8s.manifests import k8s_name
+    from specops.watch.fleet import check_label, fleet_text, parse_selector, read_fleet
+
+    if url is None:
+        raise click.UsageError("--by, --selector and --window go with --fleet PROMETHEUS_URL")
+    if not url.startswith(("http://", "https://")):
+        raise click.BadParameter(f"{url!r} is not an http(s) URL", param_hint="--fleet")
+    try:
+        window_s = parse_duration(window)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--window") from None
+    if window_s <= 0:
+        raise click.BadParameter("the window must be longer than 0s", param_hint="--window")
+    matchers = parse_selector(selector)
+    if name:  # the pods' app.kubernetes.io/instance, which the PodMonitor copies onto every series
+        profile = _profile_file(name)
+        matchers.append(f'{FLEET_INSTANCE_LABEL}="{k8s_name(profile.name if profile is not None else name)}"')
+    view = read_fleet(url, check_label(by), matchers, window_s)
+    if as_json:
+        echo_json(view)
+    else:
+        for line in fleet_text(view):
+            click.echo(line)
 
 
 def _num(value) -> float | None:
@@ -261,6 +307,7 @@ def _print(st: dict) -> None:
         )
     print_goodput(st)
     _print_reload(st.get("profile_reload"))
+    _print_spot(st.get("spot_check"))
     if st.get("live_problem"):
         click.echo(f"  live       {_text(st['live_problem'], 300)}")
     click.echo(f"  logs       {_text(st.get('engine_log'), 400)}  events {_text(st.get('events'), 400)}")
@@ -314,6 +361,29 @@ def _print_reload(rel) -> None:
     if isinstance(rejected, dict):
         click.echo(
             f"  reload     profile reload rejected, keeps running the old config: {_text(rejected.get('message'), 600)}"
+        )
+
+
+def _print_spot(spot) -> None:
+    """Live spot checks (``certify.spot_check``): the last check's verdict, the last divergence."""
+    if not isinstance(spot, dict):
+        return
+    last = spot.get("last") if isinstance(spot.get("last"), dict) else None
+    if last is None:
+        seen = f"no check yet ({_text(spot.get('waiting') or 'waiting for the first interval', 300)})"
+    else:
+        seen = f"last {_text(last.get('verdict'))}: " + ", ".join(
+            f"{_text(last.get(k, 0))} {k}" for k in ("identical", "tolerated", "diverged", "failed")
+        )
+    click.echo(
+        f"  spot       {seen}; {_text(spot.get('checks', 0))} checks, {_text(spot.get('skipped', 0))} skipped "
+        f"(vs {_text(spot.get('reference'), 200)})"
+    )
+    div = spot.get("last_divergence")
+    if isinstance(div, dict):
+        click.echo(
+            f"  diverged   {_text(div.get('source'))} at {_text(div.get('unit'))} {_text(div.get('position'))}: "
+            f"{_text(div.get('spec_continuation'), 80)!r} vs reference {_text(div.get('base_continuation'), 80)!r}"
         )
 
 

@@ -271,6 +271,11 @@ class SpecopsMetrics:
         self.source_up = Gauge(
             "specops_source_up", "1 when the acceptance source could be read at the last tick", registry=r
         )
+        self.tokens_per_s = Gauge(  # per replica in `specops status --fleet` (the engine's own names differ)
+            "specops_tokens_per_second",
+            "Generated tokens per second over the window, from the engine's counter (NaN: not exposed)",
+            registry=r,
+        )
         self._last: SpecCounters | None = None
 
     def observe(self, reading: Reading) -> None:
@@ -279,6 +284,7 @@ class SpecopsMetrics:
         self.acceptance.set(s.acceptance if s.acceptance is not None else math.nan)
         self.length.set(s.mean_acceptance_length if s.mean_acceptance_length is not None else math.nan)
         self.window_tokens.set(s.draft_tokens or 0)
+        self.tokens_per_s.set(reading.tokens_per_s if reading.tokens_per_s is not None else math.nan)
         c = reading.counters
         if c is not None and not c.coarse:
             last = self._last
