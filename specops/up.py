@@ -98,6 +98,19 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     live = LiveCounters() if (profile.proxy.enabled and backend.live_timings) else None
     up.watcher = _watcher(up, AcceptanceReader.for_profile(profile, backend, live=live), metrics)
     up.proxy = _proxy(up, live, metrics) if profile.proxy.enabled else None
+    if profile.certify.spot_check.enabled:  # live spot checks (specops.perf.certify_spot)
+        from specops.perf.certify_spot import LiveSpotChecks
+
+        up.spot = LiveSpotChecks(
+            profile,
+            backend,
+            up.proxy,
+            up.public_url,
+            events=events,
+            registry=metrics.registry,
+            say=console.say,
+            on_check=up.write_state,
+        )
     up.sup = _supervisor(up, _step_renderer(loaded, registry, engine, engine_host, engine_port), opts)
     up.fleet = _fleet(up, metrics)
     if refused:
@@ -170,6 +183,7 @@ class _Instance:
     watcher: Watcher | None = None
     proxy: object | None = None
     sup: Supervisor | None = None
+    spot: object | None = None  # LiveSpotChecks when certify.spot_check is enabled
     draining: asyncio.Task | None = None  # the shutdown drain, once a stop signal came
     fleet: object | None = None  # FleetCoordinator: the fleet's switch slots (deploy.coordination), when on
 
@@ -180,7 +194,8 @@ class _Instance:
 
     def status(self) -> dict:
         """Supervision, decisions and the watcher's window: the state file's core and ``/specops/status``."""
-        return {**self.sup.snapshot(), **self.decider.snapshot(), **self.watcher.snapshot()}
+        spot = self.spot.snapshot() if self.spot is not None else {}
+        return {**self.sup.snapshot(), **self.decider.snapshot(), **self.watcher.snapshot(), **spot}
 
     def write_state(self) -> None:
         profile, paths = self.loaded.profile, self.paths
@@ -328,11 +343,15 @@ async def _serve(up: _Instance, registry, opts: UpOptions) -> int:
         up.watcher.start()
         reloader.start()
         watching = True
+        if up.spot is not None:
+            up.spot.start()
         rc = await sup.run()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await reloader.stop()
+        if up.spot is not None:
+            await up.spot.stop()
         if watching:
             await up.watcher.stop()
         if up.proxy is not None:

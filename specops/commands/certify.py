@@ -103,7 +103,8 @@ Examples:
     metavar="URL",
     help="Live spot checks instead of a certification: compare greedy probes sent to the running deployment "
     "(server.host:port of PROFILE) with this instance of the same model without speculation, every --every, "
-    "recording spot_check / spot_divergence events in the deployment's events.jsonl.",
+    "recording spot_check / spot_divergence events in the deployment's events.jsonl. To check the clients' own "
+    "greedy requests, enable certify.spot_check in the profile: `specops up` runs the checks itself.",
 )
 @click.option(
     "--every",
@@ -219,6 +220,7 @@ def _spot_checks(
 ):
     """``--spot-reference``: live spot checks against the running deployment until interrupted (or --checks)."""
     import asyncio
+    import os
 
     from specops.perf.certify import Endpoint, load_sets
     from specops.perf.certify_file import chat_template
@@ -230,6 +232,8 @@ def _spot_checks(
     profile = loaded.profile
     live_url = http_url(profile.server.host, profile.server.port)
     key = profile.server.api_key
+    env_name = profile.certify.spot_check.api_key_env  # the reference's key (else the deployment's)
+    ref_key = os.environ.get(env_name) if env_name else key
     if endpoint == "auto":
         chat = chat_template(profile, get_registry().backend(profile.backend)).sha256 is not None
     else:
@@ -240,7 +244,7 @@ def _spot_checks(
 
     async def main():
         live = Endpoint(live_url, await model_name_of(live_url, key), key)
-        ref = Endpoint(reference.rstrip("/"), await model_name_of(reference, key), key)
+        ref = Endpoint(reference.rstrip("/"), await model_name_of(reference, ref_key), ref_key)
         paths = InstancePaths.for_profile(profile.name, profile.supervisor.state_dir)
         checker = SpotChecker(live, ref, prompts, cfg, events=EventLog(paths.events), metrics=metrics, say=say)
         say(f"spot checks: {live_url} (speculation) vs {reference} (reference), {sample} probes every {every:g}s")

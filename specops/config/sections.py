@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from specops.config.durations import MAX_DURATION, parse_duration
+from specops.config.spotcheck import Certify
 from specops.methods import DEFAULT_K, NEEDS_DRAFT, Method, default_chain
 from specops.reponames import repo_file_problem
 
@@ -607,7 +608,8 @@ class MultiNode(Section):
 
 
 class Deploy(Section):
-    """How `specops k8s render` deploys this profile, and how many replicas `specops up` lets switch at once."""
+    """How `specops k8s render` deploys this profile on Kubernetes, and how many of its replicas `specops up`
+    lets switch methods at once (`max_switching`, `coordination`)."""
 
     image: (
         Annotated[str, _pattern(IMAGE_REF, "a container image reference (registry/name:tag or @sha256:...)")] | None
@@ -688,6 +690,7 @@ class Profile(Section):
     supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
     proxy: ProxySettings = Field(default_factory=ProxySettings)
     deploy: Deploy = Field(default_factory=Deploy)
+    certify: Certify = Field(default_factory=Certify)
 
     @property
     def chain(self) -> list[ChainStep]:

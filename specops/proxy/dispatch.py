@@ -197,6 +197,8 @@ class RequestPath:
                 c["completed"] += 1
                 if retried:
                     c["retried_ok"] += 1
+                if self.sampler is not None and type(resp) is web.Response:  # live spot checks (sample.py)
+                    self.sampler.offer(request.method, request.raw_path, request.headers, body, resp.status, resp.body)
                 return resp
             alive = None
             if (

@@ -41,6 +41,7 @@ from .limits import (
 )
 from .metrics import metrics_text
 from .options import ProxyOptions
+from .sample import LiveSampler
 from .states import WAITING_STATES, ProxyState, check_transition
 
 log = logging.getLogger("specops.proxy")
@@ -107,7 +108,8 @@ class Proxy(RequestPath):
     client set ``timings_per_token``, else the final one). It runs inside the event loop: keep it quick.
     ``status_provider()`` returns a dict merged into ``/specops/status``. ``metrics_registry`` (a
     prometheus_client ``CollectorRegistry``) is exposed on ``/specops/metrics`` together with the proxy's
-    own metrics. The client-facing limits are described in :mod:`specops.proxy.limits`.
+    own metrics. ``sampler`` (a :class:`~specops.proxy.sample.LiveSampler`) is offered every completed
+    non-streamed answer, for live spot checks. The client-facing limits are described in :mod:`specops.proxy.limits`.
     """
 
     def __init__(
@@ -118,11 +120,13 @@ class Proxy(RequestPath):
         on_timings: Callable[[int, int], Any] | None = None,
         status_provider: Callable[[], dict] | None = None,
         metrics_registry=None,
+        sampler: LiveSampler | None = None,
         **options,
     ):
         """``options`` are the keywords of :class:`~specops.proxy.options.ProxyOptions` (checked there)."""
         opts = ProxyOptions(**options)
         self.host, self.port = host, port
+        self.sampler = sampler  # keeps a few greedy requests for live spot checks (None: off)
         self.admin_host, self.admin_port = opts.admin_host, opts.admin_port
         self.queue_size = opts.queue_size
         self.queue_timeout = float(opts.queue_timeout)
@@ -209,6 +213,9 @@ class Proxy(RequestPath):
             header_timeout=p.header_timeout,
             body_timeout=p.body_timeout,
         )
+        spot = profile.certify.spot_check
+        if spot.enabled and spot.source != "probes":
+            opts["sampler"] = LiveSampler(max_entries=2 * spot.sample)
         opts.update(kwargs)
         return cls(server.host, server.port, **opts)
 
