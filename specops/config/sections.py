@@ -608,8 +608,7 @@ class MultiNode(Section):
 
 
 class Deploy(Section):
-    """How `specops k8s render` deploys this profile on Kubernetes, and how many of its replicas `specops up`
-    lets switch methods at once (`max_switching`, `coordination`)."""
+    """How `specops k8s render` deploys this profile, and how many replicas `specops up` lets switch at once."""
 
     image: (
         Annotated[str, _pattern(IMAGE_REF, "a container image reference (registry/name:tag or @sha256:...)")] | None
