@@ -374,7 +374,7 @@ def _reloader(up: _Instance, registry, opts: UpOptions) -> ProfileReloader:
     reloader = ProfileReloader(
         up.loaded,
         up.loaded,
-        apply=lambda loaded, changes: _apply_reload(up, registry, loaded, changes),
+        apply=lambda loaded, changes: _apply_reload(up, registry, loaded, changes, reloader.rolled_back),
         events=up.events,
         say=up.console.say,
         offline=opts.offline,
@@ -386,16 +386,27 @@ def _reloader(up: _Instance, registry, opts: UpOptions) -> ProfileReloader:
     return reloader
 
 
-def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[str]) -> bool:
+def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[str], rolled_back) -> bool:
     """Hand a valid reloaded profile to the supervisor (a zero-loss restart on its primary step) and point the
     watcher at its policy and monitor settings. Raises SpecopsError, changing nothing, when it does not render
-    or its policy cannot be built; False when the supervisor cannot take it now."""
+    or its policy cannot be built; False when the supervisor cannot take it now. When its engine does not
+    start, the supervisor runs the previous profile again and the watcher goes back to it too."""
     host, port = up.engine_at.rsplit(":", 1)
     render = _step_renderer(loaded, registry, up.engine, host, int(port))
     render(0)
     policy = Policy.from_profile(loaded.profile)
     reader = AcceptanceReader.for_profile(loaded.profile, up.backend, live=up.watcher.reader.live)
-    order = ReloadOrder(loaded.profile, render, "the profile file changed", tuple(changes))
+    before, before_policy = up.loaded, up.decider.policy
+
+    def failed(why: str) -> None:
+        live = up.watcher.reader.live
+        up.watcher.repoint(
+            before.profile, before_policy, AcceptanceReader.for_profile(before.profile, up.backend, live=live)
+        )
+        up.loaded = before
+        rolled_back(why)
+
+    order = ReloadOrder(loaded.profile, render, "the profile file changed", tuple(changes), on_failed=failed)
     if not up.sup.request_reload(order):
         reader.close()
         return False

@@ -309,3 +309,59 @@ def test_supervisor_reload_restarts_on_the_new_profiles_primary_step():
     assert switch["changes"] == ["fallback.chain"] and switch["to"] == "draft_model"
     assert [e for e in log.recent if e["event"] == "switch-complete"]
     assert not [e for e in log.recent if e["event"] == "switch"]  # the old chain's switch was dropped
+
+
+def test_a_reloaded_profile_that_does_not_start_gives_way_to_the_previous_one():
+    """The new primary step exits at once: the supervisor runs the old profile again, at the step it was on,
+    says so (``reload-failed``) and calls the order's ``on_failed``."""
+    from test_supervisor_unit import (
+        EngineReady,
+        ScriptedDecider,
+        exits_at_once,
+        make_profile,
+        standin,
+        supervisor,
+        wait_until,
+    )
+
+    from specops.run.start import free_port
+    from specops.run.supervise import ReloadOrder
+
+    port = free_port()
+    log = EventLog(None)
+    old = make_profile()
+    data = old.model_dump(mode="json", exclude_defaults=True)
+    new = Profile.model_validate({**data, "fallback": {"chain": ["none"]}})
+    told: list[str] = []
+    order = ReloadOrder(new, lambda i: standin(i, port, argv=exits_at_once()), "edit", on_failed=told.append)
+
+    async def main():
+        sup, rec = supervisor(lambda i: standin(i, port), ScriptedDecider(), profile=old, events=log)
+        task = asyncio.create_task(sup.run())
+        await wait_until(lambda: rec.of(EngineReady), what="ready")
+        assert sup.request_reload(order)
+        await wait_until(lambda: len(rec.of(EngineReady)) == 2, what="the old profile ready again")
+        sup.request_stop()
+        await task
+        return sup, rec
+
+    sup, rec = asyncio.run(asyncio.wait_for(main(), 60))
+    assert sup.profile is old and [s.method.value for s in sup.steps] == ["draft_model", "ngram", "none"]
+    assert rec.of(EngineReady)[1].index == 0 and "step0" in rec.of(EngineReady)[1].plan.argv
+    [failed] = [e for e in log.recent if e["event"] == "reload-failed"]
+    assert failed["back_to"] == "draft_model" and "exit" in failed["reason"]
+    assert len(told) == 1 and told[0] == failed["reason"]
+
+
+def test_rolled_back_reload_is_reported_as_rejected_once(tmp_path):
+    rig = Rig(tmp_path)
+    first_sha = rig.reloader.running_sha
+    dump(rig.path, edit(BASE, "speculative", num_speculative_tokens=2))
+    assert rig.reloader.check().result == "applied"
+    rig.reloader.rolled_back("engine exited with code 3 before it was ready")
+    assert rig.reloader.running_sha == first_sha and rig.reloader.running.profile.speculative.k == 4
+    assert "did not start (engine exited with code 3" in rig.status["rejected"]["message"]
+    assert rig.metric("specops_profile_reload_failed") == 1
+    assert rig.reloader.check() is None  # the same file is not tried again
+    dump(rig.path, BASE)
+    assert rig.reloader.check() is None and rig.status["rejected"] is None

@@ -163,6 +163,7 @@ class ProfileReloader:
         self._forced = False
         self._stopping = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._previous: tuple[LoadedProfile, LoadedProfile, str] | None = None  # before the last applied reload
 
     def _files(self, loaded: LoadedProfile) -> list[str]:
         files = [self.path, *(f for f in loaded.document.files if f != self.path)]
@@ -176,6 +177,21 @@ class ProfileReloader:
             "applied": self.applied,
             "rejected": self.rejected,
         }
+
+    def rolled_back(self, why: str) -> None:
+        """The applied profile's engine did not start and the supervisor runs the previous one again: report it
+        as rejected (the file on disk stays what it is, reported once)."""
+        if self._previous is None:
+            return
+        self.running, self.resolved, sha = self._previous
+        self._previous = None
+        reported, self.running_sha = self._reported, sha
+        self._report(
+            Outcome(
+                "rejected", f"{self.path}: the reloaded profile's engine did not start ({why}); running the old config"
+            ),
+            reported or fingerprint(self.files),
+        )
 
     # ------------------------------------------------------------------ triggers
     def trigger(self) -> None:
@@ -257,6 +273,7 @@ class ProfileReloader:
             return Outcome("rejected", str(exc))
         if not taken:
             return Outcome("pending", "the supervisor is busy (starting or switching); trying again")
+        self._previous = (self.running, self.resolved, self.running_sha)
         self._accept(loaded, resolved)
         self.applied += 1
         return Outcome("applied", "restarting the engine with the new profile", changes)

@@ -85,6 +85,9 @@ class ReloadOrder:
     render: Callable[[int], LaunchPlan]
     reason: str
     changes: tuple[str, ...] = ()
+    #: called with the reason when the new primary step does not start: the supervisor then runs the previous
+    #: profile again, at the step it was on (a profile that cannot start never replaces one that runs)
+    on_failed: Callable[[str], None] | None = None
 
 
 class ServeOutcome(Enum):
@@ -146,6 +149,7 @@ class Supervisor:
         self._wake = asyncio.Event()
         self._switch: SwitchOrder | None = None
         self._reload: ReloadOrder | None = None
+        self._rollback: tuple[Profile, Callable[[int], LaunchPlan], int, ReloadOrder] | None = None
         #: which profile runs and how its last reload went (the reloader's), for ``specops status``
         self.profile_status: dict | None = None
         self._switch_marks: tuple[float, float, float] | None = None  # switch began, drained, old engine stopped
@@ -220,6 +224,9 @@ class Supervisor:
                 if started is StartOutcome.STOPPED:
                     break
                 if isinstance(started, LaunchFailed):
+                    if self._rollback is not None:
+                        self._roll_back(started.reason)
+                        continue
                     if not self._after_failure(started):
                         return 1
                     continue
@@ -315,6 +322,7 @@ class Supervisor:
         assert plan is not None
         self.ready_since = time.time()
         self._ready_mono = self.clock()
+        self._rollback = None
         self.events.emit("ready", method=step.method.value, seconds=round(seconds, 3), url=plan.base_url)
         self._set(State.READY)
         self.say(
@@ -425,11 +433,27 @@ class Supervisor:
                 "drained": getattr(drained, "__dict__", drained),
             },
         )
+        self._rollback = (self.profile, self.render, self.index, order)
         self.profile, self.steps, self.render = order.profile, order.profile.steps, order.render
         self.index = 0
         self.exit_times = []
         self.backoff = order.profile.supervisor.restart_backoff
         self._switch_marks = (t0, t1, t2)
+
+    def _roll_back(self, why: str) -> None:
+        """The reloaded profile's primary step did not start: run the previous profile again (the proxy still
+        holds the requests), at the step it was on, and tell whoever ordered the reload."""
+        assert self._rollback is not None
+        profile, render, index, order = self._rollback
+        self._rollback = None
+        failed = self.step.method
+        self.profile, self.steps, self.render, self.index = profile, profile.steps, render, index
+        self.exit_times = []
+        self.backoff = profile.supervisor.restart_backoff
+        self.events.emit("reload-failed", method=failed.value, reason=why, back_to=self.step.method.value)
+        self.say(f"the reloaded profile's {failed} did not start ({why}); running the previous profile again")
+        if order.on_failed is not None:
+            order.on_failed(why)
 
     # ------------------------------------------------------------------ failures
     def _crash_loop(self) -> CrashLoop | None:
