@@ -48,14 +48,18 @@ PROMPTS = [
     "It is the and of to in that for on with as",
 ]
 CONFIGS = ("managed", "static-spec", "static-none")
+#: The model name requests carry (vLLM checks it against the served name; llama-server ignores it).
+MODEL = {"name": "x"}
 
 
-def profile_yaml(config: str, paths: dict, port: int, args, surface: Path | None) -> str:
+def profile_yaml(config: str, paths: dict, port: int, args, surface: Path | None, schedule=None) -> str:
     spec = (
         "speculative:\n  method: none\n"
         if config == "static-none"
         else f"speculative:\n  method: draft_model\n  draft: {paths['draft']}\n  num_speculative_tokens: {args.k}\n"
     )
+    if config == "managed" and schedule:  # vLLM: the engine follows load by itself, goodput handles the rest
+        spec += f"  per_batch_size: {json.dumps(schedule)}\n"
     if config == "managed":
         fallback = (
             f"fallback:\n  mode: goodput\n  window: {args.window}\n  min_draft_tokens: 50\n  chain: [none]\n"
@@ -64,6 +68,14 @@ def profile_yaml(config: str, paths: dict, port: int, args, surface: Path | None
         )
     else:
         fallback = "fallback:\n  enabled: false\n"
+    if args.engine == "vllm":
+        return (
+            f"name: goodput-{config}\nbackend: vllm\nmodel:\n  id: {paths['target']}\n  dtype: float32\n"
+            f"  max_model_len: 1024\n{spec}server:\n  port: {port}\n  parallel: {args.parallel}\n  env:\n"
+            f"    VLLM_CPU_KVCACHE_SPACE: '1'\n"
+            + fallback
+            + "monitor:\n  interval: 1s\nengine:\n  ready_timeout: 900\nsupervisor:\n  stop_timeout: 20\n"
+        )
     return (
         f"name: goodput-{config}\nbackend: llamacpp\nmodel:\n  id: {paths['target']}\n  max_model_len: 4096\n{spec}"
         f"gpus:\n  devices: []\nserver:\n  port: {port}\n  parallel: {args.parallel}\n"
@@ -115,7 +127,7 @@ def measure_surface(paths: dict, work: Path, args, say) -> dict:
 async def phase_load(url: str, concurrency: int, seconds: float, temperature: float, tokens: int) -> dict:
     prompts = [Prompt(p, tokens, temperature, "phase") for p in PROMPTS]
     res = await run_workload(
-        url, "x", prompts, concurrency=concurrency, duration=seconds, extra_body={"ignore_eos": True}
+        url, MODEL["name"], prompts, concurrency=concurrency, duration=seconds, extra_body={"ignore_eos": True}
     )
     return {
         "tokens": res.output_tokens,
@@ -129,10 +141,10 @@ async def phase_load(url: str, concurrency: int, seconds: float, temperature: fl
 def run_config(config: str, paths: dict, work: Path, args, surface: Path, phases, say) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     prof = work / f"{config}.yaml"
-    prof.write_text(profile_yaml(config, paths, free_port(), args, surface))
+    prof.write_text(profile_yaml(config, paths, free_port(), args, surface, args.schedule))
     up = Up(prof, work, f"goodput-{config}")
     try:
-        st = up.wait_ready()
+        st = up.wait_ready(timeout=900 if args.engine == "vllm" else 120)
         asyncio.run(phase_load(st["url"], 1, 1.0, 0.0, 8))  # warm-up
         t0 = time.time()
         out: dict = {"phases": {}}
@@ -185,9 +197,9 @@ def run_together(paths: dict, work: Path, args, surface: Path, phases, say) -> d
     try:
         for config in CONFIGS:
             prof = work / f"{config}.yaml"
-            prof.write_text(profile_yaml(config, paths, free_port(), args, surface))
+            prof.write_text(profile_yaml(config, paths, free_port(), args, surface, args.schedule))
             ups[config] = Up(prof, work, f"goodput-{config}")
-        urls = {c: up.wait_ready()["url"] for c, up in ups.items()}
+        urls = {c: up.wait_ready(timeout=900 if args.engine == "vllm" else 120)["url"] for c, up in ups.items()}
         for url in urls.values():
             asyncio.run(phase_load(url, 1, 1.0, 0.0, 8))  # warm-up
         t0 = time.time()
@@ -256,15 +268,25 @@ def main() -> None:
         "other, the order rotating per round)",
     )
     ap.add_argument("--llama-threads", type=int, default=1)
+    ap.add_argument(
+        "--engine",
+        choices=("llamacpp", "vllm"),
+        default="llamacpp",
+        help="vllm: the layer-skip fixture on vLLM-CPU; the managed deployment also runs the k per batch size "
+        "rendered from the surface (speculative.per_batch_size), so load changes need no restart",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
     from specops.devenv.testmodels import ensure_layerskip
     from specops.watch.goodput import Surface
 
-    paths = dict(ensure_layerskip("gguf", args.hidden, args.layers))
+    kind = "hf" if args.engine == "vllm" else "gguf"
+    paths = {k: str(v) for k, v in ensure_layerskip(kind, args.hidden, args.layers).items()}
     if args.draft_layers > 1:  # layer 0 and the embeddings come first from one seed: the same function, costlier
-        paths["draft"] = ensure_layerskip("gguf", args.hidden, args.draft_layers)["target"]
+        paths["draft"] = str(ensure_layerskip(kind, args.hidden, args.draft_layers)["target"])
+    if args.engine == "vllm":
+        MODEL["name"] = paths["target"]
     phases = [
         ("1 greedy c=1", 1, 0.0),
         (f"2 greedy c={args.high}", args.high, 0.0),
@@ -284,6 +306,13 @@ def main() -> None:
                 Path(args.json).with_suffix(".surface.json").write_text(json.dumps({"surface": surface_d}, indent=2))
         record.write_text(json.dumps({"surface": surface_d}))
         surface = Surface.from_dict(surface_d)
+        args.schedule = None
+        if args.engine == "vllm":
+            from specops.methods import Method
+            from specops.watch.goodput import per_batch_schedule
+
+            args.schedule = per_batch_schedule(surface, Method.DRAFT_MODEL, max_batch=args.parallel, ks=[args.k])
+            say(f"managed: per_batch_size {args.schedule} (from the surface, k {args.k})")
         if args.surface_only:
             print_surface(surface)
             return
@@ -308,9 +337,11 @@ def main() -> None:
     }
     m = machine()
     print(
-        f"Goodput policy, llama-server, layer-skip {args.hidden}x{args.layers}, draft_model k={args.k}, "
-        f"server.parallel {args.parallel}; machine: {m['cpu']}, {m['cores']} cores; llama-server threads "
-        f"{args.llama_threads or 'default'}; {args.tokens} tokens/request (ignore_eos); phases of {args.phase:g}s; "
+        f"Goodput policy, {'vLLM-CPU' if args.engine == 'vllm' else 'llama-server'}, layer-skip {args.hidden}x{args.layers}, draft_model k={args.k}, "
+        f"server.parallel {args.parallel}; machine: {m['cpu']}, {m['cores']} cores; "
+        + (f"llama-server threads {args.llama_threads or 'default'}; " if args.engine == "llamacpp" else "")
+        + (f"managed per_batch_size {args.schedule}; " if args.schedule else "")
+        + f"{args.tokens} tokens/request (ignore_eos); phases of {args.phase:g}s; "
         f"managed: window {args.window}, sustain {args.sustain}, min_dwell {args.dwell}; draft: layer-skip target "
         f"with {args.draft_layers} layer(s); "
         + ("the three deployments at once, " if args.together else "deployments one after the other, order rotating; ")

