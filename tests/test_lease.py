@@ -5,6 +5,7 @@ real ``kubernetes`` client (tests/fakekube.py), the shared-directory lock, the a
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -444,3 +445,85 @@ def test_no_rbac_without_leases(tmp_path):
     kinds = [o["kind"] for o in yaml.safe_load_all(res.stdout) if o]
     assert "Role" not in kinds and "ServiceAccount" not in kinds
     assert "POD_NAME" not in res.stdout and "serviceAccountName" not in res.stdout
+
+
+# ------------------------------------------------------------------------------------------- specops up
+
+
+def test_up_waits_for_the_slot_but_a_crash_fallback_does_not(tmp_path):
+    """`specops up` (the stand-in engine, directory coordination): the watcher's switch waits while another
+    replica holds the slot, and says so; the engine crashing moves down the chain at once, slot or not."""
+    import json
+    import signal
+    import time
+
+    from support_up import free_port, http_text, write_profile
+
+    state_dir, slots = tmp_path / "state", tmp_path / "slots"
+    port = free_port()
+    profile = write_profile(
+        tmp_path / "standin.yaml",
+        {
+            "name": "standin",
+            "backend": "llamacpp",
+            "model": {"id": str(tmp_path / "target.gguf")},
+            "speculative": {"method": "ngram"},  # the stand-in's ngram accepts 0.2: the watcher wants `none`
+            "gpus": {"devices": []},
+            "server": {"port": port},
+            "fallback": {"chain": ["none"], "window": 1, "min_draft_tokens": 20, "consecutive_windows": 2},
+            "monitor": {"interval": 0.1, "timeout": 1},
+            "supervisor": {"state_dir": str(state_dir), "stop_timeout": 5, "crash_loop_exits": 1},
+            "deploy": {"coordination": "directory", "coordination_dir": str(slots), "lease_duration": "5s"},
+        },
+    )
+    other = DirectoryGate(slots, "standin", 1, "other-replica")
+    assert other.try_enter()[0] is not None
+    log = open(tmp_path / "up.log", "w")
+    script = str(Path(__file__).resolve().parent / "support_standin.py")
+    proc = subprocess.Popen([sys.executable, script, str(profile)], stdout=log, stderr=subprocess.STDOUT)
+
+    def state() -> dict:
+        try:
+            return json.loads((state_dir / "standin" / "state.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def wait(predicate, what: str, timeout: float = 30) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = state()
+            if predicate(st):
+                return st
+            assert proc.poll() is None, f"specops up exited: {(tmp_path / 'up.log').read_text()[-3000:]}"
+            try:  # traffic, so that the watcher has drafts to count
+                run_request(port)
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}: {state()}")
+
+    try:
+        wait(lambda s: s.get("state") == "ready", "ready")
+        st = wait(lambda s: (s.get("fleet") or {}).get("waiting_since"), "the watcher's switch to wait")
+        assert st["fleet"]["holders"] == ["other-replica"] and st["fleet"]["coordination"] == "directory"
+        assert st["method"] == "ngram" and st["state"] == "ready"
+        assert "specops_switch_waiting 1.0" in http_text(f"http://127.0.0.1:{port}/specops/metrics")
+        os.kill(st["engine_pid"], signal.SIGKILL)  # the engine dies: a crash loop at the first exit
+        st = wait(lambda s: s.get("method") == "none" and s.get("state") == "ready", "the crash fallback")
+        lines = [json.loads(x) for x in (state_dir / "standin" / "events.jsonl").read_text().splitlines()]
+        assert not [e for e in lines if e["event"] == "switch-slot"]  # it never took the slot ...
+        assert other.try_enter()[0] is not None  # ... which the other replica still holds
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(15)
+        log.close()
+        other.close()
+
+
+def run_request(port: int) -> None:
+    from support_up import http_json
+
+    http_json(f"http://127.0.0.1:{port}/v1/completions", {"prompt": "x", "max_tokens": 20}, timeout=10)
