@@ -356,6 +356,20 @@ def test_per_batch_size_proposal_follows_the_measured_surface():
     assert loses.per_batch_size("vllm", "0.32.0", 8) is None  # k 0 everywhere: no speculation, no schedule
 
 
+def test_an_option_pruned_after_one_level_is_not_extrapolated_to_the_others():
+    # k=2 was measured at 8 only (the race pruned it there): it says nothing about 1..4. Held flat down to 1 it
+    # would read 90 there and win the low batch sizes over k=4's measured 60. Without it, k4 60 + 40t vs none
+    # 20 + 110t (t = log2(b)/3): b=3 (t 0.528) k4 81.1 > none 78.1; b=4 (t 2/3) none 93.3 > 86.7
+    none = Setting(Method.NONE)
+    res = result_with({8: {vdm(4): 100, vdm(2): 90, none: 130}, 1: {vdm(4): 60, none: 20}})
+    assert res.per_batch_size("vllm", "0.32.0", 8)["value"] == [[1, 3, 4], [4, 8, 0]]
+    from specops.watch.goodput import Surface
+
+    surface = Surface.from_dict({"points": res.surface_points()})
+    assert surface.tokens_per_s(DM, 2, 1) is None and surface.tokens_per_s(DM, 2, 4) is None
+    assert surface.tokens_per_s(DM, 2, 16) == 90  # past the surface's top level: held flat, as every option
+
+
 def test_per_batch_size_can_stop_and_resume_drafting_where_the_surface_says():
     # levels 1, 4, 16 where none wins only around 4. 1..4 (t = log2(b)/2): k4 60 + 30t, k2 50 + 45t, none 20 + 80t:
     # b=2 k4 75 (k2 72.5); b=3 (t 0.792) k2 85.7 > k4 83.8 > none 83.4; b=4 none 100 > k2 95 > k4 90.

@@ -172,11 +172,19 @@ class Surface:
         return (method, 0 if method is Method.NONE else k) in self._by
 
     def tokens_per_s(self, method: Method, k: int | None, concurrency: float) -> float | None:
-        """Interpolated tokens/s of ``method`` at ``k`` (ignored for none) and ``concurrency``; None if unmeasured."""
+        """Interpolated tokens/s of ``method`` at ``k`` (ignored for none) and ``concurrency``; None if unmeasured
+        there: outside the option's own measured levels it is held flat only past the surface's lowest or highest
+        level (an option that tune pruned after one level says nothing about the others)."""
         pts = self._by.get((method, 0 if method is Method.NONE else int(k or 0)))
         if not pts:
             return None
-        return _interp_log2([p.concurrency for p in pts], [p.tokens_per_s for p in pts], max(1.0, concurrency))
+        c = max(1.0, concurrency)
+        levels = self.levels()
+        if (c < pts[0].concurrency and pts[0].concurrency > levels[0]) or (
+            c > pts[-1].concurrency and pts[-1].concurrency < levels[-1]
+        ):
+            return None
+        return _interp_log2([p.concurrency for p in pts], [p.tokens_per_s for p in pts], c)
 
     def tau(self, method: Method, k: int | None) -> float | None:
         """The mean acceptance length the option had when measured (the median over its levels)."""
