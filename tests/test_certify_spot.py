@@ -174,6 +174,22 @@ def profile_file(tmp_path: Path, name: str, target: str, draft: str | None, port
     return p
 
 
+def drafted_tokens(base_url: str) -> dict:
+    """llama-server's drafted tokens (``timings.draft_n``) for one greedy request, plain and with a
+    per-request ``speculative.n_max: 0``."""
+    import urllib.request
+
+    out = {}
+    for name, extra in (("plain", {}), ("n_max_0", {"speculative.n_max": 0})):
+        body = {"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0, **extra}
+        req = urllib.request.Request(
+            base_url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            out[name] = json.loads(resp.read())["timings"]["draft_n"]
+    return out
+
+
 def sample(metrics: SpotMetrics, result: str) -> float:
     return metrics.registry.get_sample_value("specops_spot_check_requests_total", {"result": result})
 
@@ -213,6 +229,7 @@ def test_spot_checks_on_llama_server(tmp_path):
                 events=events,
             )
             first, second = await good.check_once(), await good.check_once()
+            drafted = await asyncio.to_thread(drafted_tokens, live.base_url)
             bad = SpotChecker(
                 Endpoint(live.base_url, live.model_name), Endpoint(wrong.base_url, wrong.model_name), prompts, cfg
             )
@@ -243,9 +260,12 @@ def test_spot_checks_on_llama_server(tmp_path):
                 env=env,
             )
             out, err = await asyncio.wait_for(proc.communicate(), 60)
-            return good, first, second, bad, broken, proc.returncode, out.decode(), err.decode()
+            return good, first, second, bad, broken, proc.returncode, out.decode(), err.decode(), drafted
 
-    good, first, second, bad, broken, rc, out, err = asyncio.run(main())
+    good, first, second, bad, broken, rc, out, err, drafted = asyncio.run(main())
+    # why the reference must be a second instance: llama-server drafts as much with a per-request
+    # `speculative.n_max: 0` as without it (speculation cannot be turned off for one request)
+    assert drafted["plain"] > 0 and drafted["n_max_0"] == drafted["plain"], drafted
     # a lossless deployment checks clean, probe after probe (the sample moves through the set)
     assert first["verdict"] == second["verdict"] == "exact" and first["identical"] == second["identical"] == 2
     assert sample(good.metrics, "identical") == 4 and sample(good.metrics, "diverged") == 0

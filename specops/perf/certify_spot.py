@@ -28,7 +28,7 @@ metrics:
 Client requests are never delayed or changed. Why a second instance, not the chain's ``none`` step on the
 same engine during an idle period: reaching it means restarting the engine, which holds client requests
 for the restart; and the engines specops knows cannot turn speculation off for a single request
-(llama-server 0.3.36 ignores a per-request ``speculative.n_max: 0``).
+(llama-server 0.3.36 ignores a per-request ``speculative.n_max: 0``: it drafts as much as without it).
 """
 
 from __future__ import annotations
