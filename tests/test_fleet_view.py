@@ -344,3 +344,37 @@ def _queued_request(address: str) -> None:
             resp.read()
     except OSError:
         pass
+
+
+def test_the_watcher_moves_the_active_method_gauge_on_a_switch_and_exports_tokens_per_s():
+    """What the fleet view reads per replica: specops_active_method follows every new engine, and
+    specops_tokens_per_second is the watcher's reading (NaN, so filtered out, when the engine has no counter)."""
+    import math
+
+    from support_upstream import Upstream
+    from test_watcher_unit import PROFILE, FakeClock, backend, make_watcher, plan_for
+
+    from specops.methods import Method
+    from specops.run.events import EngineReady
+    from specops.run.instance import EventLog
+    from specops.watch.watcher import AcceptanceReader, Reading
+    from specops.watch.window import OK, WindowStats
+
+    reader = AcceptanceReader.for_profile(PROFILE, backend())
+    watcher, _, _ = make_watcher(reader, FakeClock(10.0), lambda d: True, EventLog(None), [])
+    m = watcher.metrics.registry
+
+    def active() -> dict:
+        return {s.value: m.get_sample_value("specops_active_method", {"method": s.value}) for s in Method}
+
+    with Upstream.start("engine") as up:
+        watcher.on_event(EngineReady(0, Method.DRAFT_MODEL, plan_for(up), 1.0))
+        assert {k for k, v in active().items() if v == 1.0} == {"draft_model"}
+        watcher.on_event(EngineReady(1, Method.NGRAM, plan_for(up), 1.0))  # the switch's new engine
+        assert {k for k, v in active().items() if v == 1.0} == {"ngram"}
+        assert active()["draft_model"] == 0.0
+    stats = WindowStats(OK, window_s=60.0, acceptance=0.5, draft_tokens=100)
+    watcher.metrics.observe(Reading(stats, 41.5))
+    assert m.get_sample_value("specops_tokens_per_second") == 41.5
+    watcher.metrics.observe(Reading(stats, None))
+    assert math.isnan(m.get_sample_value("specops_tokens_per_second"))
