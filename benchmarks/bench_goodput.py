@@ -16,7 +16,8 @@ one against the best static configuration of that phase, the whole run, and the 
 (time into the run, from → to, concurrency, predicted tokens/s).
 
     .venv/bin/python benchmarks/bench_goodput.py
-    .venv/bin/python benchmarks/bench_goodput.py --phase 40 --rounds 2 --json out.json
+    .venv/bin/python benchmarks/bench_goodput.py --phase 120 --together --json out.json
+    .venv/bin/python benchmarks/bench_goodput.py --engine vllm --surface vllm.surface.json --together
 """
 
 from __future__ import annotations
@@ -152,18 +153,7 @@ def run_config(config: str, paths: dict, work: Path, args, surface: Path, phases
             start = round(time.time() - t0, 1)
             out["phases"][name] = asyncio.run(phase_load(st["url"], conc, args.phase, temp, args.tokens))
             out["phases"][name]["start_s"] = start
-        out["decisions"] = [
-            {
-                "t": round(e["ts"] - t0, 1),
-                "from": e.get("from"),
-                "to": e.get("to"),
-                "rule": e.get("rule"),
-                "concurrency": round(e["numbers"].get("concurrency") or 0, 2),
-                "predicted": e["numbers"].get("predicted"),
-            }
-            for e in up.events()
-            if e["event"] == "decision" and e.get("action") == "switch"
-        ]
+        out["decisions"] = _decisions(up, t0)
         say(
             f"  {config}: "
             + ", ".join(f"{p} {v['tokens_per_s']:.1f}" for p, v in out["phases"].items())
@@ -175,18 +165,27 @@ def run_config(config: str, paths: dict, work: Path, args, surface: Path, phases
 
 
 def _decisions(up: Up, t0: float) -> list[dict]:
-    return [
-        {
-            "t": round(e["ts"] - t0, 1),
-            "from": e.get("from"),
-            "to": e.get("to"),
-            "rule": e.get("rule"),
-            "concurrency": round(e["numbers"].get("concurrency") or 0, 2),
-            "predicted": e["numbers"].get("predicted"),
-        }
-        for e in up.events()
-        if e["event"] == "decision" and e.get("action") == "switch"
-    ]
+    """The managed deployment's switches: when (seconds into the run), why, the numbers it decided on, and how long
+    the switch took (drain, stop, start to ready: the next ``switch-complete`` event)."""
+    events = up.events()
+    out = []
+    for i, e in enumerate(events):
+        if e["event"] != "decision" or e.get("action") != "switch":
+            continue
+        done = next((x for x in events[i + 1 :] if x["event"] == "switch-complete"), {})
+        out.append(
+            {
+                "t": round(e["ts"] - t0, 1),
+                "from": e.get("from"),
+                "to": e.get("to"),
+                "rule": e.get("rule"),
+                "concurrency": round(e["numbers"].get("concurrency") or 0, 2),
+                "predicted": e["numbers"].get("predicted"),
+                "mean_acceptance_length": e["numbers"].get("mean_acceptance_length"),
+                "switch": {k: done.get(k) for k in ("drain_s", "stop_s", "start_to_ready_s", "total_s") if k in done},
+            }
+        )
+    return out
 
 
 def run_together(paths: dict, work: Path, args, surface: Path, phases, say) -> dict[str, dict]:
@@ -232,7 +231,7 @@ def print_surface(surface) -> None:
         tau = surface.tau(meth, k)
         print(
             f"| {meth.value if k == 0 else f'{meth.value} k={k}'} | "
-            + " | ".join(f"{v:.1f}" for v in row)
+            + " | ".join("-" if v is None else f"{v:.1f}" for v in row)
             + f" | {'' if tau is None else f'{tau:.2f}'} |"
         )
     print(f"\ncrossover concurrency: {surface.crossovers()} (None: speculation wins at every measured level)\n")
@@ -240,7 +239,13 @@ def print_surface(surface) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--phase", type=float, default=40.0, help="seconds per phase")
+    ap.add_argument(
+        "--phase",
+        type=float,
+        default=120.0,
+        help="seconds per phase (at least twice the managed regime of 1m: a switch costs the window, the sustain, "
+        "the drain of the requests in flight and a restart, ~5-10 s here, and must be paid back inside the phase)",
+    )
     ap.add_argument("--high", type=int, default=4, help="the high concurrency of phase 2")
     ap.add_argument("--parallel", type=int, default=4, help="server.parallel of every deployment")
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
@@ -371,7 +376,8 @@ def main() -> None:
         for d in r["decisions"]:
             print(
                 f"  round {i + 1}: t={d['t']}s {d['from']} → {d['to']} [{d['rule']}] concurrency {d['concurrency']}, "
-                f"predicted {d['predicted']}"
+                f"mean acceptance length {d.get('mean_acceptance_length')}, predicted {d['predicted']}; switch took "
+                f"{d.get('switch') or '?'}"
             )
     if args.json:
         Path(args.json).write_text(

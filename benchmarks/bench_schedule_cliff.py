@@ -139,7 +139,7 @@ def main() -> None:
             vals = [surface.tokens_per_s(m, k, c) for c in surface.levels()]
             print(
                 f"| {'none' if m is Method.NONE else f'{m.value} k={k}'} | "
-                + " | ".join(f"{v:.1f}" for v in vals)
+                + " | ".join("-" if v is None else f"{v:.1f}" for v in vals)
                 + " |"
             )
         schedule = args.schedule or per_batch_schedule(surface, Method.DRAFT_MODEL, max_batch=args.parallel)
