@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import unavailable
 from fakekube import FakeKube, parse_micro
 from support_cli import ROOT, run
 
@@ -22,12 +23,15 @@ from specops.methods import Method
 from specops.run.events import EngineReady, State, StateChanged, SwitchOrder
 from specops.run.switchgate import DirectoryGate, FleetCoordinator, GateError, Slot
 
-pytest.importorskip("kubernetes")
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def kube(tmp_path):
+    try:
+        import kubernetes  # noqa: F401
+    except ImportError:
+        unavailable("the kubernetes client is not installed (pip install -e '.[test]')")
     with FakeKube() as fake:
         fake.config = fake.kubeconfig(tmp_path / "kubeconfig", namespace="fleet")
         yield fake

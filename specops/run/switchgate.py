@@ -88,7 +88,8 @@ class DirectoryGate:
         return self.directory / f"{self.name}.switch-{index}.lock"
 
     def try_enter(self) -> tuple[Slot | None, list[str]]:
-        for index, _fd in self._held.items():
+        if self._held:  # already ours
+            index = next(iter(self._held))
             return Slot(index, str(self.path(index))), []
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
