@@ -365,3 +365,21 @@ def test_rolled_back_reload_is_reported_as_rejected_once(tmp_path):
     assert rig.reloader.check() is None  # the same file is not tried again
     dump(rig.path, BASE)
     assert rig.reloader.check() is None and rig.status["rejected"] is None
+
+
+def test_loading_and_resolving_run_off_the_event_loop(tmp_path):
+    """The proxy shares the event loop: reading, validating and resolving (which may ask the Hub) run in a
+    thread, applying on the loop."""
+    import threading
+
+    rig = Rig(tmp_path)
+    seen: dict[str, int] = {}
+    rig.reloader._load = lambda path: seen.setdefault("load", threading.get_ident()) and load_profile(path)
+    apply = rig.apply
+    rig.reloader.apply = lambda loaded, changes: (
+        seen.setdefault("apply", threading.get_ident()) and apply(loaded, changes)
+    )
+    dump(rig.path, edit(BASE, "speculative", num_speculative_tokens=2))
+    out = asyncio.run(rig.reloader.check_async(forced=True))
+    assert out is not None and out.result == "applied"
+    assert seen["apply"] == threading.get_ident() != seen["load"]

@@ -98,6 +98,19 @@ class Outcome:
     problems: list[Problem] = field(default_factory=list)
 
 
+@dataclass
+class _Step:
+    """What a check found (in a thread), for the event loop to act on: ``report`` an outcome, ``revert`` (the
+    file is back to the running content), ``same`` (a comment-only edit) or ``apply`` a changed profile."""
+
+    kind: str
+    sha: str
+    outcome: Outcome | None = None
+    loaded: LoadedProfile | None = None
+    resolved: LoadedProfile | None = None
+    changes: list[str] = field(default_factory=list)
+
+
 class ReloadMetrics:
     """``specops_profile_reload_total{result}`` and ``specops_profile_reload_failed`` on specops' /metrics."""
 
@@ -220,22 +233,27 @@ class ProfileReloader:
             self._wake.clear()
             forced, self._forced = self._forced, False
             try:
-                self.check(forced=forced)
+                await self.check_async(forced=forced)
             except Exception as exc:  # a bug here must never take the serving instance down
                 self.say(f"warning: profile reload check failed: {type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ one check
     def check(self, forced: bool = False) -> Outcome | None:
         """Look at the files once; None when there is nothing new to report."""
+        return self._conclude(self._prepare(forced))
+
+    async def check_async(self, forced: bool = False) -> Outcome | None:
+        """:meth:`check` with the file reads, validation and resolution (which may ask the Hub) in a thread, so
+        the proxy's event loop never waits on them; applying and reporting stay on the loop."""
+        return self._conclude(await asyncio.to_thread(self._prepare, forced))
+
+    def _prepare(self, forced: bool) -> _Step | None:
+        """Everything that reads or resolves, changing nothing that the loop reads."""
         sha = fingerprint(self.files)
         if sha == self.running_sha:
             if self.rejected is not None:  # the file went back to what runs
-                self.say(f"profile {self.path} is back to the running config")
-                self._reported = None
-                self._clear_rejection()
-            if forced:
-                return self._report(Outcome("unchanged", "the profile is the running one"), sha)
-            return None
+                return _Step("revert", sha)
+            return _Step("report", sha, Outcome("unchanged", "the profile is the running one")) if forced else None
         if sha == self._reported and not forced:
             return None
         try:
@@ -243,40 +261,50 @@ class ProfileReloader:
         except SpecopsError as exc:
             if not forced and self._waited != sha:  # perhaps half-written: look again at the next poll
                 self._waited = sha
-                return Outcome("pending", "does not load yet")
+                return _Step("report", sha, Outcome("pending", "does not load yet"))
             problems = list(exc.problems) if isinstance(exc, ProfileError) else []
-            return self._report(Outcome("rejected", str(exc), problems=problems), sha)
+            return _Step("report", sha, Outcome("rejected", str(exc), problems=problems))
         self.files = self._files(loaded)
         sha = fingerprint(self.files)  # the bases may have changed the list of files
-        try:
-            out = self._decide(loaded)
-        except SpecopsError as exc:  # resolving failed (e.g. the Hub cannot be reached)
-            out = Outcome("rejected", str(exc), problems=list(getattr(exc, "problems", [])))
-        return self._report(out, sha)
-
-    def _decide(self, loaded: LoadedProfile) -> Outcome:
         problems = self._restart_problems(loaded)
         if problems:
-            return Outcome("rejected", "\n".join(str(p) for p in problems), problems=problems)
-        resolved, refused = resolve_for_launch(loaded, self.offline, self.say)
-        if refused:
-            return Outcome("rejected", f"the draft was refused: {refused}")
-        changes = changed_fields(_dump(self.resolved), _dump(resolved))
-        if not changes:
-            self._accept(loaded, resolved)
-            return Outcome("unchanged", "only comments or layout changed")
+            return _Step("report", sha, Outcome("rejected", "\n".join(str(p) for p in problems), problems=problems))
         try:
-            taken = self.apply(resolved, changes)
-        except ProfileError as exc:
-            return Outcome("rejected", str(exc), problems=list(exc.problems))
+            resolved, refused = resolve_for_launch(loaded, self.offline, self.say)
+        except SpecopsError as exc:  # resolving failed (e.g. the Hub cannot be reached)
+            return _Step("report", sha, Outcome("rejected", str(exc), problems=list(getattr(exc, "problems", []))))
+        if refused:
+            return _Step("report", sha, Outcome("rejected", f"the draft was refused: {refused}"))
+        changes = changed_fields(_dump(self.resolved), _dump(resolved))
+        return _Step("apply" if changes else "same", sha, None, loaded, resolved, changes)
+
+    def _conclude(self, step: _Step | None) -> Outcome | None:
+        """Apply and report what :meth:`_prepare` found (on the event loop)."""
+        if step is None:
+            return None
+        if step.kind == "revert":
+            self.say(f"profile {self.path} is back to the running config")
+            self._reported = None
+            self._clear_rejection()
+            return None
+        if step.kind == "report":
+            assert step.outcome is not None
+            return self._report(step.outcome, step.sha)
+        assert step.loaded is not None and step.resolved is not None
+        if step.kind == "same":
+            self._accept(step.loaded, step.resolved, step.sha)
+            return self._report(Outcome("unchanged", "only comments or layout changed"), step.sha)
+        try:
+            taken = self.apply(step.resolved, step.changes)
         except SpecopsError as exc:
-            return Outcome("rejected", str(exc))
+            problems = list(exc.problems) if isinstance(exc, ProfileError) else []
+            return self._report(Outcome("rejected", str(exc), problems=problems), step.sha)
         if not taken:
             return Outcome("pending", "the supervisor is busy (starting or switching); trying again")
         self._previous = (self.running, self.resolved, self.running_sha)
-        self._accept(loaded, resolved)
+        self._accept(step.loaded, step.resolved, step.sha)
         self.applied += 1
-        return Outcome("applied", "restarting the engine with the new profile", changes)
+        return self._report(Outcome("applied", "restarting the engine with the new profile", step.changes), step.sha)
 
     def _restart_problems(self, loaded: LoadedProfile) -> list[Problem]:
         old, new = _dump(self.running), _dump(loaded)
@@ -293,9 +321,9 @@ class ProfileReloader:
                 )
         return out
 
-    def _accept(self, loaded: LoadedProfile, resolved: LoadedProfile) -> None:
+    def _accept(self, loaded: LoadedProfile, resolved: LoadedProfile, sha: str) -> None:
         self.running, self.resolved = loaded, resolved
-        self.running_sha = fingerprint(self.files)
+        self.running_sha = sha
         self._clear_rejection()
 
     def _clear_rejection(self) -> None:
