@@ -101,6 +101,11 @@ def at_concurrency(st: dict, model: str, c: int, args) -> dict:
         "requests": len(res.requests),
         "errors": len(res.errors),
         "drafted_k": (after["num_draft_tokens"] - before["num_draft_tokens"]) / drafts if drafts else 0.0,
+        # k 0 drafts nothing: draft tokens per output token tell a k-0 range from a drafting one (drafted_k only
+        # averages the steps that drafted, e.g. a moment with fewer requests in the batch)
+        "draft_tokens_per_token": (after["num_draft_tokens"] - before["num_draft_tokens"]) / res.output_tokens
+        if res.output_tokens
+        else 0.0,
     }
 
 
@@ -168,7 +173,8 @@ def main() -> None:
                 rows[c] = at_concurrency(st, paths["target"], c, args)
                 rows[c]["scheduled_k"] = scheduled_k(schedule, c)
                 say(
-                    f"c={c}: {rows[c]['tokens_per_s']:.1f} tok/s, drafted k {rows[c]['drafted_k']:.2f} "
+                    f"c={c}: {rows[c]['tokens_per_s']:.1f} tok/s, drafted k {rows[c]['drafted_k']:.2f}, "
+                    f"{rows[c]['draft_tokens_per_token']:.2f} draft tokens per output token "
                     f"(scheduled {rows[c]['scheduled_k']})"
                 )
         finally:
@@ -184,12 +190,15 @@ def main() -> None:
         f"{args.parallel}, {args.tokens} tokens/request, {args.seconds:g}s per concurrency; machine: {m['cpu']}, "
         f"{m['cores']} cores; load average {os.getloadavg()[0]:.1f}\n"
     )
-    print("| concurrency | scheduled k | drafted k | tok/s | surface tok/s |")
-    print("|---|---|---|---|---|")
+    print(
+        "| concurrency | scheduled k | drafted k (steps that drafted) | draft tokens per output token | tok/s | surface tok/s |"
+    )
+    print("|---|---|---|---|---|---|")
     for c, r in rows.items():
         p = predicted(c)
         print(
-            f"| {c} | {r['scheduled_k']} | {r['drafted_k']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"| {c} | {r['scheduled_k']} | {r['drafted_k']:.2f} | {r['draft_tokens_per_token']:.2f} | "
+            f"{r['tokens_per_s']:.1f} | "
             f"{'' if p is None else f'{p:.1f}'} |"
         )
     steps = []
