@@ -59,6 +59,7 @@ def test_status_text_shows_the_goodput_block(tmp_path):
     assert "concurrency 16.00 (proxy in flight + waiting), live 100.0 tok/s" in lines["goodput"]
     # corrected by 100/120: k=4 100.0, none 166.7
     assert "draft_model k=4 100.0, none 166.7 tok/s (best: none)" in lines["predicted"]
+    assert "verdict" not in lines  # no acceptance-threshold verdict in mode goodput
     assert "[goodput-sustain]" in lines["why"] and "none is better at concurrency 16.00" in lines["why"]
     # crossover of k=4 against none: 4.76 (hand-computed in test_goodput.py)
     assert lines["switching"].startswith("  switching  switch cost 0.4s (measured); draft_model k=4 stops paying")

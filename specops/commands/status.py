@@ -225,6 +225,8 @@ def verdict_line(st: dict) -> str | None:
         return None
     if policy.get("method") == "none":
         return "no speculation: nothing to judge"
+    if policy.get("mode") == "goodput":
+        return None  # no acceptance verdict: the goodput lines say what it decides and why
     streak = round(_num(policy.get("streak")) or 0)
     need = round(_num(policy.get("consecutive_windows")) or 1)
     thr = _num(policy.get("min_acceptance"))
