@@ -368,6 +368,10 @@ def test_an_option_pruned_after_one_level_is_not_extrapolated_to_the_others():
     surface = Surface.from_dict({"points": res.surface_points()})
     assert surface.tokens_per_s(DM, 2, 1) is None and surface.tokens_per_s(DM, 2, 4) is None
     assert surface.tokens_per_s(DM, 2, 16) == 90  # past the surface's top level: held flat, as every option
+    # crossovers only where both were measured: k=2 loses at its one level (90 < 130); k=4 where 60 + 40t = 20 +
+    # 110t, t = 4/7, log2 c = 12/7 = 1.714 → the grid's next 1/8 octave 1.75, c = 2^1.75 = 3.36
+    assert surface.crossover(DM, 2) == 8.0
+    assert surface.crossover(DM, 4) == pytest.approx(3.36, abs=0.01)
 
 
 def test_per_batch_size_can_stop_and_resume_drafting_where_the_surface_says():

@@ -196,11 +196,10 @@ class Surface:
         return vals[len(vals) // 2] if vals else None
 
     def crossover(self, method: Method, k: int, *, max_concurrency: float | None = None) -> float | None:
-        """The lowest concurrency (on a grid of 1/8 octaves) where ``method`` at ``k`` stops beating ``none``;
-        1.0 when it never wins; None when it wins everywhere measured (or ``none`` was not measured)."""
+        """The lowest concurrency (on a grid of 1/8 octaves, where both were measured) at which ``method`` at
+        ``k`` stops beating ``none``: 1.0 when it never wins; None when it wins everywhere both were measured
+        (or ``none`` was not measured)."""
         top = max_concurrency or max(self.levels())
-        if self.tokens_per_s(Method.NONE, 0, 1) is None or self.tokens_per_s(method, k, 1) is None:
-            return None
         steps = int(math.ceil(math.log2(max(top, 1.0)) * 8)) + 1
         for i in range(steps):
             c = 2 ** (i / 8)
