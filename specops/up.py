@@ -92,7 +92,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
         events,
         console,
         f"{engine_host}:{engine_port}",
-        decider=FallbackDecider.from_profile(profile, events=events, say=console.say),
+        decider=FallbackDecider.from_profile(loaded, events=events, say=console.say),  # surface: profile's folder
     )
     metrics = SpecopsMetrics()
     live = LiveCounters() if (profile.proxy.enabled and backend.live_timings) else None
@@ -195,7 +195,8 @@ class _Instance:
     def status(self) -> dict:
         """Supervision, decisions and the watcher's window: the state file's core and ``/specops/status``."""
         spot = self.spot.snapshot() if self.spot is not None else {}
-        return {**self.sup.snapshot(), **self.decider.snapshot(), **self.watcher.snapshot(), **spot}
+        fleet = self.fleet.snapshot() if self.fleet is not None else {}  # fleet: waiting, slot, holders
+        return {**self.sup.snapshot(), **self.decider.snapshot(), **self.watcher.snapshot(), **spot, **fleet}
 
     def write_state(self) -> None:
         profile, paths = self.loaded.profile, self.paths
@@ -213,7 +214,6 @@ class _Instance:
                 "events": str(paths.events),
                 "updated_at": time.time(),
                 **self.status(),
-                **(self.fleet.snapshot() if self.fleet is not None else {}),  # fleet: waiting, slot, holders
             },
         )
 
@@ -291,7 +291,7 @@ def _proxy(up: _Instance, live: LiveCounters | None, metrics: SpecopsMetrics):
 
     return Proxy.from_profile(
         up.loaded.profile,
-        status_provider=lambda: {**up.sup.snapshot(), **up.decider.snapshot()},
+        status_provider=up.status,
         on_timings=live.add if live is not None else None,
         metrics_registry=metrics.registry,
     )
@@ -394,7 +394,7 @@ def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[
     host, port = up.engine_at.rsplit(":", 1)
     render = _step_renderer(loaded, registry, up.engine, host, int(port))
     render(0)
-    policy = Policy.from_profile(loaded.profile)
+    policy = Policy.from_profile(loaded)  # a relative surface: from the reloaded profile's folder
     reader = AcceptanceReader.for_profile(loaded.profile, up.backend, live=up.watcher.reader.live)
     before, before_policy = up.loaded, up.decider.policy
 

@@ -77,7 +77,7 @@ def test_a_load_step_switches_to_none_and_back(tmp_path, tiny_models):
                 "window": "3s",
                 "chain": ["none"],
                 "goodput": {
-                    "surface": str(surface),
+                    "surface": surface.name,  # relative: read from the profile's folder, not the cwd
                     "sustain": "1500ms",
                     "min_dwell": "3s",
                     "regime": "1m",

@@ -75,6 +75,9 @@ def test_image_matches_the_manifests(backend):
     # specops in its own virtualenv (never into the engine's interpreter), on PATH for the probes
     assert "python3 -m venv /opt/specops" in setup and "ln -s /opt/specops/bin/specops /usr/local/bin/specops" in setup
     assert f"--uid {UID}" in setup and "chown 1000:1000 /data/hf /var/lib/specops" in setup
+    # the rendered pods coordinate switches through Leases (deploy.coordination auto): the client must be there
+    coordination = {e["name"] for e in c["env"]} >= {"POD_NAME", "POD_NAMESPACE"}
+    assert coordination and '"/tmp/specops-src[k8s]"' in setup
 
 
 def test_llamacpp_image_keeps_the_engine_on_loopback():

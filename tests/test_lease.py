@@ -461,6 +461,7 @@ def test_up_waits_for_the_slot_but_a_crash_fallback_does_not(tmp_path):
     import signal
     import time
 
+    from support_cli import run as cli
     from support_up import free_port, http_text, write_profile
 
     state_dir, slots = tmp_path / "state", tmp_path / "slots"
@@ -512,6 +513,11 @@ def test_up_waits_for_the_slot_but_a_crash_fallback_does_not(tmp_path):
         assert st["fleet"]["holders"] == ["other-replica"] and st["fleet"]["coordination"] == "directory"
         assert st["method"] == "ngram" and st["state"] == "ready"
         assert "specops_switch_waiting 1.0" in http_text(f"http://127.0.0.1:{port}/specops/metrics")
+        live = json.loads(http_text(f"http://127.0.0.1:{port}/specops/status"))  # the proxy's status says it too
+        assert live["fleet"]["holders"] == ["other-replica"] and live["fleet"]["wants"] == "none"
+        shown = cli("status", "standin", "--state-dir", str(state_dir))
+        assert shown.code == 0, shown.stderr
+        assert "for a switch slot to go to none" in shown.stdout and "held by other-replica" in shown.stdout
         os.kill(st["engine_pid"], signal.SIGKILL)  # the engine dies: a crash loop at the first exit
         st = wait(lambda s: s.get("method") == "none" and s.get("state") == "ready", "the crash fallback")
         lines = [json.loads(x) for x in (state_dir / "standin" / "events.jsonl").read_text().splitlines()]

@@ -310,6 +310,7 @@ def _print(st: dict) -> None:
     print_goodput(st)
     _print_reload(st.get("profile_reload"))
     _print_spot(st.get("spot_check"))
+    _print_fleet_slot(st.get("fleet"))
     if st.get("live_problem"):
         click.echo(f"  live       {_text(st['live_problem'], 300)}")
     click.echo(f"  logs       {_text(st.get('engine_log'), 400)}  events {_text(st.get('events'), 400)}")
@@ -364,6 +365,27 @@ def _print_reload(rel) -> None:
         click.echo(
             f"  reload     profile reload rejected, keeps running the old config: {_text(rejected.get('message'), 600)}"
         )
+
+
+def _print_fleet_slot(fleet) -> None:
+    """Fleet-safe switching (``deploy.coordination``): the slot this replica holds or waits for, and who holds them."""
+    if not isinstance(fleet, dict):
+        return
+    since = _num(fleet.get("waiting_since"))
+    if fleet.get("slot"):
+        now = f"holds {_text(fleet['slot'], 120)}" + (" (switching)" if fleet.get("switching") else "")
+    elif since is not None:
+        wait = format_duration(max(0, round(time.time() - since)))
+        now = f"waiting {wait} for a switch slot to go to {_text(fleet.get('wants'), 60)}"
+    else:
+        now = "no switch pending"
+    holders = fleet.get("holders") if isinstance(fleet.get("holders"), list) else []
+    held = f"; held by {', '.join(_text(h, 80) for h in holders[:10])}" if holders else ""
+    error = f"; error: {_text(fleet.get('error'), 300)}" if fleet.get("error") else ""
+    click.echo(
+        f"  fleet      {now} ({_text(fleet.get('coordination'))}, at most {_text(fleet.get('max_switching'))} "
+        f"switching, as {_text(fleet.get('identity'), 80)}){held}{error}"
+    )
 
 
 def _print_spot(spot) -> None:
