@@ -160,6 +160,18 @@ def test_a_valid_spot_check_section_loads(tmp_path):
     assert load_profile(spot_profile(tmp_path, "    sample: 3\n")).profile.certify.spot_check.enabled is False
 
 
+def test_validate_refuses_spot_checks_without_the_proxy(tmp_path):
+    from support_cli import run
+
+    p = spot_profile(tmp_path, "    enabled: true\n    reference: http://127.0.0.1:9/\n")
+    p.write_text(p.read_text() + "proxy:\n  enabled: false\n")
+    res = run("validate", str(p))
+    assert res.code == 1, res.stdout + res.stderr
+    assert f"{p}:7:" in res.stdout + res.stderr and "need specops' proxy" in res.stdout + res.stderr
+    p.write_text(p.read_text().replace("enabled: false", "enabled: true"))
+    assert run("validate", str(p)).code == 0
+
+
 def profile_file(tmp_path: Path, name: str, target: str, draft: str | None, port: int | None = None) -> Path:
     spec = (
         f"speculative:\n  method: draft_model\n  draft: {draft}\n  num_speculative_tokens: 4\n"

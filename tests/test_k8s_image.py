@@ -48,7 +48,7 @@ def deployment(profile: str) -> dict:
 
 @pytest.mark.parametrize("backend", sorted(IMAGES))
 def test_image_matches_the_manifests(backend):
-    from specops.config.sections import HfCache
+    from specops.config.deploy import HfCache
     from specops.k8s.manifests import PROFILE_PATH, STATE_DIR, UID
 
     dockerfile, profile, base = IMAGES[backend]

@@ -102,9 +102,12 @@ def profile_reference() -> str:
     while sections:
         path, model = sections.pop(0)
         doc = (model.__doc__ or "").strip().splitlines()[0]
-        lines += ["", f"**`{path}`** — {doc}", "", "| field | type | default | meaning |", "|---|---|---|---|"]
+        rows: list[str] = []
         nested: list[tuple[str, type[BaseModel]]] = []
-        _rows(model, f"{path}.", lines, nested)
+        _rows(model, f"{path}.", rows, nested)
+        lines += ["", f"**`{path}`** — {doc}"]
+        if rows:  # a section of subsections only has no table of its own
+            lines += ["", "| field | type | default | meaning |", "|---|---|---|---|", *rows]
         sections = nested + sections
     return "\n".join(lines) + "\n"
 

@@ -12,11 +12,10 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from specops.config.deploy import K8S_LABEL_KEY, K8S_LABEL_VALUE
 from specops.config.located import quote_value
 from specops.config.sections import (
     ENV_NAME,
-    K8S_LABEL_KEY,
-    K8S_LABEL_VALUE,
     LABEL_NAME,
     MAX_K,
     MAX_SEQUENCES,
@@ -193,6 +192,12 @@ def _monitor_and_port_problems(p: Profile) -> Findings:
         yield ("proxy", "engine_port"), f"the engine port must differ from the public port {p.server.port}"
     if p.proxy.admin_port is not None and p.proxy.admin_port in (p.server.port, p.proxy.engine_port):
         yield ("proxy", "admin_port"), "the admin port must differ from the public and the engine port"
+    if p.certify.spot_check.enabled and not p.proxy.enabled:
+        yield (
+            ("certify", "spot_check", "enabled"),
+            "live spot checks need specops' proxy (it samples the requests and keeps checks to idle moments): "
+            "set proxy.enabled: true or turn spot checks off",
+        )
 
 
 def _backend_problems(p: Profile, backend: Any) -> Findings:

@@ -1,8 +1,8 @@
 """The profile's ``certify`` section: live spot checks while ``specops up`` serves (opt-in).
 
-Kept apart from :mod:`specops.config.sections` (which imports it) so that module stays small; it repeats
-the two building blocks it needs (the strict section base and the duration type) instead of importing them
-back, which would make the two modules import each other.
+Kept apart from :mod:`specops.config.sections` (which imports it) so that module stays small; the strict
+section base comes from :mod:`specops.config.fields`. ``every`` has its own duration type: its schema's
+minimum is the rate limit.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import re
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema, model_validator
 
 from specops.config.durations import MAX_DURATION, parse_duration
+from specops.config.fields import Section
 from specops.urls import url_problem
 
 #: Spot checks never run more often than this (seconds): a rate limit, whatever ``every`` says.
@@ -37,10 +38,6 @@ _Duration = Annotated[
 ]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
-
-
 def _reference(value: str | None) -> str | None:
     if value is not None:
         problem = url_problem(value)
@@ -59,7 +56,7 @@ def _env_name(value: str | None) -> str | None:
     return value
 
 
-class SpotCheck(_Section):
+class SpotCheck(Section):
     """Live spot checks: a few greedy answers compared, now and then, with a reference without speculation."""
 
     enabled: bool = Field(False, description="Run spot checks while `specops up` serves (needs `reference`).")
@@ -107,7 +104,7 @@ class SpotCheck(_Section):
         return self
 
 
-class Certify(_Section):
+class Certify(Section):
     """What `specops up` checks about losslessness while it serves (`specops certify` checks it before)."""
 
     spot_check: SpotCheck = Field(default_factory=SpotCheck)
