@@ -439,6 +439,12 @@ def test_deploy_section_errors_are_located(tmp_path, text, where, message):
         ("server: {env: {HF_TOKEN: hf_literal}}\n", "server.env.HF_TOKEN", "ConfigMap"),
         ("proxy: {enabled: false}\n", "proxy.enabled", "proxy.enabled: true"),
         ("proxy: {admin_port: 9100}\n", "proxy.admin_port", "loopback"),
+        (
+            "certify: {spot_check: {enabled: true, reference: 'http://ref:8000', api_key_env: REF_KEY}}\n",
+            "certify.spot_check.api_key_env",
+            "no $REF_KEY",
+        ),
+        ("deploy: {secrets: {spot_reference_key: {name: s, key: k}}}\n", "deploy.secrets.spot_reference_key", "unset"),
     ],
 )
 def test_render_refuses_what_cannot_run_in_a_pod(tmp_path, text, where, message):
@@ -647,3 +653,16 @@ def test_a_deployment_without_an_api_key_is_pointed_out():
     note = render(CASES["llama31-8b-chat-prod"])[1]
     assert "reads ${SPECOPS_API_KEY} but no deploy.secrets.api_key provides it" in note
     assert "anyone" not in render(CASES["llama31-405b-ray"])[1]
+
+
+def test_the_spot_check_reference_key_reaches_the_pod_by_reference(tmp_path):
+    text = (
+        "speculative: {method: ngram}\n"
+        "certify: {spot_check: {enabled: true, reference: 'http://ref:8000', api_key_env: REF_KEY}}\n"
+        "deploy: {secrets: {spot_reference_key: {name: ref-secret, key: token}}}\n"
+    )
+    res = run("k8s", "render", _profile(tmp_path, text), env=ENV)
+    assert res.code == 0, res.stderr
+    pod = next(o for o in objects(res.stdout) if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["REF_KEY"] == {"name": "REF_KEY", "valueFrom": {"secretKeyRef": {"name": "ref-secret", "key": "token"}}}

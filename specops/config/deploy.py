@@ -60,6 +60,11 @@ class DeploySecrets(Section):
         description="Secret key holding the API key; the pods get it in the variable that `server.api_key` names "
         "(`${VAR}`), and the PodMonitor sends it as a Bearer token.",
     )
+    spot_reference_key: SecretRef | None = Field(
+        None,
+        description="Secret key holding the spot-check reference's API key; the pods get it in the variable "
+        "`certify.spot_check.api_key_env` names.",
+    )
 
 
 class Toleration(Section):

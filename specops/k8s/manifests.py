@@ -107,6 +107,8 @@ def pod_variables(loaded: LoadedProfile) -> set[str]:
         out.add(key_var)
     if p.deploy.secrets.hf_token is not None:
         out.add("HF_TOKEN")
+    if p.deploy.secrets.spot_reference_key is not None and p.certify.spot_check.api_key_env:
+        out.add(p.certify.spot_check.api_key_env)
     if multi_node_mode(p, _backend(p)) is not None:
         out.update((*LWS_VARS, RPC_WORKERS_VAR))
     return out
@@ -148,6 +150,12 @@ def _problems(loaded: LoadedProfile, source: dict) -> list[Problem]:
                 f"reads ${{{key_var}}}, which the pods do not have: set deploy.secrets.api_key",
             )
         )
+    spot_var = p.certify.spot_check.api_key_env
+    if bool(spot_var) != (p.deploy.secrets.spot_reference_key is not None):
+        where, what = ("certify", "spot_check", "api_key_env"), f"the pods get no ${spot_var}"
+        if not spot_var:
+            where, what = ("deploy", "secrets", "spot_reference_key"), "certify.spot_check.api_key_env is unset"
+        out.append(loaded.problem(where, f"{what}: set both (the Secret and the variable it goes into)"))
     for name, value in ((source.get("server") or {}).get("env") or {}).items():
         if (looks_secret(str(name)) or str(name) == "HF_TOKEN") and env_reference(value) is None:
             out.append(
@@ -229,6 +237,9 @@ def _env(p: Profile, key_var: str | None, *, lws: bool) -> list[dict]:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": _secret(d.secrets.hf_token)}})
     if d.secrets.api_key is not None and key_var is not None:
         env.append({"name": key_var, "valueFrom": {"secretKeyRef": _secret(d.secrets.api_key)}})
+    spot_var = p.certify.spot_check.api_key_env
+    if d.secrets.spot_reference_key is not None and spot_var:
+        env.append({"name": spot_var, "valueFrom": {"secretKeyRef": _secret(d.secrets.spot_reference_key)}})
     return env
 
 
