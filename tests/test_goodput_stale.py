@@ -156,3 +156,33 @@ def test_a_method_left_for_load_comes_back_when_load_falls_not_later(half_life):
     p.on_switched(0, t + 1.0)
     assert p.goodput.probes == {}
     assert t == 59
+
+
+def test_the_switch_cost_counts_the_restart_and_half_the_drain():
+    # the decider notes the new engine's start (1 s) before the watcher notes the switch (9 s from the decision):
+    # 8 s of drain and stop, half of it lost (requests in flight are still served), + 1 s with nothing served
+    p = policy()
+    p.note_engine_start(1.0)
+    p.note_switch_cost(9.0)
+    assert p.goodput.switch_cost_s == (5.0, "measured")
+    p.note_engine_start(2.0)
+    p.note_switch_cost(4.0)  # 2 + 2/2 = 3: the moving average of 5 and 3
+    assert p.goodput.switch_cost_s == (4.0, "measured")
+
+    # on none at c = 2^(31/15) ≈ 4.19 (t = (log2 c − 2)/2 = 1/30): k4 110 + 10t = 110.33 vs none 100 + 100t = 103.33, gain 7
+    # (> 5 % of 103.33); over the regime (100 s) 700 tokens: more than 5 s × 103.33 = 517, less than the 9 s the
+    # switch took (930), which would hold it
+    def run(start_s):
+        q = policy()
+        q.on_switched(1, -100.0)
+        if start_s is not None:
+            q.note_engine_start(start_s)
+        q.note_switch_cost(9.0)
+        q.observe(IDLE, 0.0, Load(2 ** (31 / 15), None, "test"))
+        return q.observe(IDLE, 10.0, Load(2 ** (31 / 15), None, "test"))
+
+    d = run(1.0)
+    assert (d.action, d.to_index, d.numbers["switch_cost_s"]) == (SWITCH, 0, 5.0)
+    assert d.numbers["gain_tokens"] == pytest.approx(700, abs=1)
+    d = run(None)  # no start noted: the whole 9 s count
+    assert (d.rule, d.numbers["cost_tokens"]) == ("goodput-switch-cost", pytest.approx(930, abs=1))

@@ -20,10 +20,10 @@ acceptance length each option had. :class:`GoodputModel` predicts every option's
 :class:`GoodputPolicy` turns predictions into decisions with hysteresis (a relative margin), a sustain time (the
 better option must stay better), a minimum dwell after a switch, and a cost test: the predicted gain over the
 expected regime duration (at least as long as the regime has lasted) must exceed the tokens lost while
-switching (the measured drain + restart + warm-up time × the current tokens/s). A return to a method that aging
-lifted (its live τ was below the surface's) is a **probe**: if the policy leaves it again within ``regime``, that method's half-life doubles
-(the next return waits twice as long); a probe that lasts a regime resets it. So a collapse that persists
-costs a few ever rarer probes, not a flip-flop.
+switching (the measured restart, and half the drain before it, × the current tokens/s). A return to a
+method that aging lifted (its live τ was below the surface's) is a **probe**: if the policy leaves it again
+within ``regime``, that method's half-life doubles (the next return waits twice as long); a probe that lasts
+a regime resets it. So a collapse that persists costs a few ever rarer probes, not a flip-flop.
 
 :func:`per_batch_schedule` turns a surface into vLLM's ``num_speculative_tokens_per_batch_size`` ranges
 (k = 0 where speculation loses), so an engine that takes one follows load without restarts.
@@ -495,20 +495,27 @@ class GoodputPolicy:
         self.last_switch: float | None = None
         self.measured_cost_s: float | None = None
         self.start_cost_s: float | None = None
+        self.last_start_s: float | None = None  # the latest engine start (the decider notes it before the cost)
         model.stale_half_life_s = config.stale_half_life_s
         self.running: int | None = None  # the option choose() last saw running
         self.probes: dict[int, float] = {}  # option -> when it was entered on aged acceptance
 
     # ---- inputs
     def note_switch_cost(self, seconds: float) -> None:
-        """A switch took ``seconds`` from the decision until the new engine was ready (a moving average)."""
+        """A switch took ``seconds`` from the decision until the new engine was ready. The service it cost (a
+        moving average): the new engine's start in full (nothing is served) and half of the drain and stop
+        before it (the requests in flight are still served while they finish; new ones wait), not the
+        whole: a slow drain at low load made small gains look unable to pay for a switch."""
+        start = self.last_start_s if self.last_start_s is not None and self.last_start_s <= seconds else None
+        lost = seconds if start is None else start + (seconds - start) / 2
         old = self.measured_cost_s
-        self.measured_cost_s = seconds if old is None else (old + seconds) / 2
+        self.measured_cost_s = lost if old is None else (old + lost) / 2
 
     def note_start(self, seconds: float) -> None:
         """An engine start took ``seconds`` (the cost estimate until a switch is measured)."""
         if self.start_cost_s is None:
             self.start_cost_s = seconds
+        self.last_start_s = seconds
 
     def switched(self, now: float, to: int | None = None) -> None:
         """The engine now runs option ``to``. Leaving a probe within ``regime`` doubles its method's half-life;
