@@ -154,6 +154,7 @@ def run_config(config: str, paths: dict, work: Path, args, surface: Path, phases
             out["phases"][name] = asyncio.run(phase_load(st["url"], conc, args.phase, temp, args.tokens))
             out["phases"][name]["start_s"] = start
         out["decisions"] = _decisions(up, t0)
+        out["verdicts"] = _verdicts(up, t0)
         say(
             f"  {config}: "
             + ", ".join(f"{p} {v['tokens_per_s']:.1f}" for p, v in out["phases"].items())
@@ -162,6 +163,15 @@ def run_config(config: str, paths: dict, work: Path, args, surface: Path, phases
         return out
     finally:
         up.stop()
+
+
+def _verdicts(up: Up, t0: float) -> list[str]:
+    """Each change of the managed policy's verdict (the ``goodput`` events): time, rule, the best option."""
+    return [
+        f"{e['ts'] - t0:.1f}s {e.get('rule')} (best {e['numbers'].get('best')})"
+        for e in up.events()
+        if e["event"] == "goodput" and e["ts"] >= t0
+    ]
 
 
 def _decisions(up: Up, t0: float) -> list[dict]:
@@ -182,6 +192,10 @@ def _decisions(up: Up, t0: float) -> list[dict]:
                 "concurrency": round(e["numbers"].get("concurrency") or 0, 2),
                 "predicted": e["numbers"].get("predicted"),
                 "mean_acceptance_length": e["numbers"].get("mean_acceptance_length"),
+                **{
+                    k: e["numbers"].get(k)
+                    for k in ("sustained_s", "switch_cost_s", "switch_cost_basis", "gain_tokens", "cost_tokens")
+                },
                 "switch": {k: done.get(k) for k in ("drain_s", "stop_s", "start_to_ready_s", "total_s") if k in done},
             }
         )
@@ -213,6 +227,7 @@ def run_together(paths: dict, work: Path, args, surface: Path, phases, say) -> d
                 out[c]["phases"][name] = {**res, "start_s": start}
         for c in CONFIGS:
             out[c]["decisions"] = _decisions(ups[c], t0)
+            out[c]["verdicts"] = _verdicts(ups[c], t0)
             say(f"  {c}: " + ", ".join(f"{p} {v['tokens_per_s']:.1f}" for p, v in out[c]["phases"].items()))
         say(f"  managed switched at {[d['t'] for d in out['managed']['decisions']]}")
         return out
@@ -376,9 +391,12 @@ def main() -> None:
         for d in r["decisions"]:
             print(
                 f"  round {i + 1}: t={d['t']}s {d['from']} → {d['to']} [{d['rule']}] concurrency {d['concurrency']}, "
-                f"mean acceptance length {d.get('mean_acceptance_length')}, predicted {d['predicted']}; switch took "
+                f"mean acceptance length {d.get('mean_acceptance_length')}, predicted {d['predicted']}, sustained "
+                f"{d.get('sustained_s')}s, cost {d.get('switch_cost_s')}s ({d.get('switch_cost_basis')}); switch took "
                 f"{d.get('switch') or '?'}"
             )
+    for i, r in enumerate(runs["managed"]):
+        print(f"  round {i + 1} verdicts: " + "; ".join(r.get("verdicts", [])))
     if args.json:
         Path(args.json).write_text(
             json.dumps(
