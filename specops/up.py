@@ -407,8 +407,15 @@ def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[
         rolled_back(why)
 
     order = ReloadOrder(loaded.profile, render, "the profile file changed", tuple(changes), on_failed=failed)
+    # a changed ConfigMap reaches every replica at about the same time: a reload restarts the engine, so it
+    # takes a fleet switch slot like a switch does (False: asked for or waiting; the reloader asks again)
+    if up.fleet is not None and not up.fleet.admit("reload"):
+        reader.close()
+        return False
     if not up.sup.request_reload(order):
         reader.close()
+        if up.fleet is not None:
+            up.fleet.abandon("the supervisor could not reload now")
         return False
     up.watcher.repoint(loaded.profile, policy, reader)
     up.loaded = loaded

@@ -56,6 +56,7 @@ class StandinBackend(LlamaCppBackend):
 class StandinRegistry:
     def __init__(self):
         self._backend = StandinBackend()
+        self.backends = {"llamacpp": self._backend}  # what validation (a profile reload's too) looks up
 
     def backend(self, name: str):
         return self._backend

@@ -454,62 +454,94 @@ def test_no_rbac_without_leases(tmp_path):
 # ------------------------------------------------------------------------------------------- specops up
 
 
+class StandinUp:
+    """`specops up` on the stand-in engine (tests/support_standin.py) with directory coordination in ``slots``;
+    ``wait`` sends traffic while it polls the state file, so that the watcher has drafts to count."""
+
+    def __init__(self, tmp_path: Path, slots: Path, fallback: dict):
+        from support_up import free_port, write_profile
+
+        self.state_dir, self.port = tmp_path / "state", free_port()
+        self.doc = {
+            "name": "standin",
+            "backend": "llamacpp",
+            "model": {"id": str(tmp_path / "target.gguf")},
+            "speculative": {"method": "ngram"},  # the stand-in's ngram accepts 0.2
+            "gpus": {"devices": []},
+            "server": {"port": self.port},
+            "fallback": fallback,
+            "monitor": {"interval": 0.1, "timeout": 1},
+            "supervisor": {"state_dir": str(self.state_dir), "stop_timeout": 5, "crash_loop_exits": 1},
+            "deploy": {"coordination": "directory", "coordination_dir": str(slots), "lease_duration": "5s"},
+        }
+        self.path = write_profile(tmp_path / "standin.yaml", self.doc)
+        self.log_path = tmp_path / "up.log"
+        self.log = open(self.log_path, "w")
+        script = str(Path(__file__).resolve().parent / "support_standin.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, script, str(self.path)], stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    def state(self) -> dict:
+        import json
+
+        try:
+            return json.loads((self.state_dir / "standin" / "state.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def events(self) -> list[dict]:
+        import json
+
+        return [json.loads(x) for x in (self.state_dir / "standin" / "events.jsonl").read_text().splitlines()]
+
+    def wait(self, predicate, what: str, timeout: float = 30) -> dict:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.state()
+            if predicate(st):
+                return st
+            assert self.proc.poll() is None, f"specops up exited: {self.log_path.read_text()[-3000:]}"
+            try:
+                run_request(self.port)
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}: {self.state()}")
+
+    def stop(self) -> int:
+        import signal
+
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(15)
+        self.log.close()
+
+
 def test_up_waits_for_the_slot_but_a_crash_fallback_does_not(tmp_path):
     """`specops up` (the stand-in engine, directory coordination): the watcher's switch waits while another
     replica holds the slot, and says so; the engine crashing moves down the chain at once, slot or not."""
     import json
     import signal
-    import time
 
     from support_cli import run as cli
-    from support_up import free_port, http_text, write_profile
+    from support_up import http_text
 
-    state_dir, slots = tmp_path / "state", tmp_path / "slots"
-    port = free_port()
-    profile = write_profile(
-        tmp_path / "standin.yaml",
-        {
-            "name": "standin",
-            "backend": "llamacpp",
-            "model": {"id": str(tmp_path / "target.gguf")},
-            "speculative": {"method": "ngram"},  # the stand-in's ngram accepts 0.2: the watcher wants `none`
-            "gpus": {"devices": []},
-            "server": {"port": port},
-            "fallback": {"chain": ["none"], "window": 1, "min_draft_tokens": 20, "consecutive_windows": 2},
-            "monitor": {"interval": 0.1, "timeout": 1},
-            "supervisor": {"state_dir": str(state_dir), "stop_timeout": 5, "crash_loop_exits": 1},
-            "deploy": {"coordination": "directory", "coordination_dir": str(slots), "lease_duration": "5s"},
-        },
-    )
+    slots = tmp_path / "slots"
     other = DirectoryGate(slots, "standin", 1, "other-replica")
     assert other.try_enter()[0] is not None
-    log = open(tmp_path / "up.log", "w")
-    script = str(Path(__file__).resolve().parent / "support_standin.py")
-    proc = subprocess.Popen([sys.executable, script, str(profile)], stdout=log, stderr=subprocess.STDOUT)
-
-    def state() -> dict:
-        try:
-            return json.loads((state_dir / "standin" / "state.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return {}
-
-    def wait(predicate, what: str, timeout: float = 30) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = state()
-            if predicate(st):
-                return st
-            assert proc.poll() is None, f"specops up exited: {(tmp_path / 'up.log').read_text()[-3000:]}"
-            try:  # traffic, so that the watcher has drafts to count
-                run_request(port)
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}: {state()}")
-
+    fallback = {"chain": ["none"], "window": 1, "min_draft_tokens": 20, "consecutive_windows": 2}
+    up = StandinUp(tmp_path, slots, fallback)
+    port, state_dir = up.port, up.state_dir
     try:
-        wait(lambda s: s.get("state") == "ready", "ready")
-        st = wait(lambda s: (s.get("fleet") or {}).get("waiting_since"), "the watcher's switch to wait")
+        up.wait(lambda s: s.get("state") == "ready", "ready")
+        st = up.wait(lambda s: (s.get("fleet") or {}).get("waiting_since"), "the watcher's switch to wait")
         assert st["fleet"]["holders"] == ["other-replica"] and st["fleet"]["coordination"] == "directory"
         assert st["method"] == "ngram" and st["state"] == "ready"
         assert "specops_switch_waiting 1.0" in http_text(f"http://127.0.0.1:{port}/specops/metrics")
@@ -519,17 +551,45 @@ def test_up_waits_for_the_slot_but_a_crash_fallback_does_not(tmp_path):
         assert shown.code == 0, shown.stderr
         assert "for a switch slot to go to none" in shown.stdout and "held by other-replica" in shown.stdout
         os.kill(st["engine_pid"], signal.SIGKILL)  # the engine dies: a crash loop at the first exit
-        st = wait(lambda s: s.get("method") == "none" and s.get("state") == "ready", "the crash fallback")
-        lines = [json.loads(x) for x in (state_dir / "standin" / "events.jsonl").read_text().splitlines()]
-        assert not [e for e in lines if e["event"] == "switch-slot"]  # it never took the slot ...
+        up.wait(lambda s: s.get("method") == "none" and s.get("state") == "ready", "the crash fallback")
+        assert not [e for e in up.events() if e["event"] == "switch-slot"]  # it never took the slot ...
         assert other.try_enter()[0] is not None  # ... which the other replica still holds
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert up.stop() == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(15)
-        log.close()
+        up.close()
+        other.close()
+
+
+def test_a_profile_reload_waits_for_a_switch_slot(tmp_path):
+    """A changed profile restarts the engine: with another replica holding the only slot, the reload waits
+    (the engine keeps serving the old profile); once the slot is free it is taken, the engine restarts on the
+    new profile and the slot goes back."""
+    from support_up import write_profile
+
+    slots = tmp_path / "slots"
+    other = DirectoryGate(slots, "standin", 1, "other-replica")
+    up = StandinUp(tmp_path, slots, {"chain": ["none"], "min_draft_tokens": 1_000_000})  # no watcher switch
+    try:
+        st = up.wait(lambda s: s.get("state") == "ready", "ready")
+        engine_pid = st["engine_pid"]
+        assert other.try_enter()[0] is not None
+        up.doc["monitor"]["interval"] = 0.2  # a valid change: the reloader restarts the engine with it
+        write_profile(up.path, up.doc)
+        st = up.wait(lambda s: (s.get("fleet") or {}).get("wants") == "reload", "the reload to wait for the slot")
+        assert st["fleet"]["holders"] == ["other-replica"] and st["engine_pid"] == engine_pid
+        assert not [e for e in up.events() if e["event"] in ("reload-applied", "switch-slot")]
+        other.close()  # the other replica is done: the slot is free
+        st = up.wait(
+            lambda s: s.get("engine_pid") not in (None, engine_pid) and s.get("state") == "ready", "the reload"
+        )
+        up.wait(lambda s: not (s.get("fleet") or {}).get("slot"), "the slot to go back")
+        kinds = [e["event"] for e in up.events()]
+        taken = kinds.index("switch-slot")
+        assert [e for e in up.events() if e["event"] == "switch-slot"][0]["to"] == "reload"
+        assert "switch-released" in kinds[taken:]
+        assert up.stop() == 0
+    finally:
+        up.close()
         other.close()
 
 

@@ -300,7 +300,10 @@ class ProfileReloader:
             problems = list(exc.problems) if isinstance(exc, ProfileError) else []
             return self._report(Outcome("rejected", str(exc), problems=problems), step.sha)
         if not taken:
-            return Outcome("pending", "the supervisor is busy (starting or switching); trying again")
+            return Outcome(
+                "pending",
+                "the supervisor is busy (starting or switching) or waits for a fleet switch slot; trying again",
+            )
         self._previous = (self.running, self.resolved, self.running_sha)
         self._accept(step.loaded, step.resolved, step.sha)
         self.applied += 1

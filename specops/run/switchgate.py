@@ -13,8 +13,9 @@ A :class:`SwitchGate` is where the slots live; its calls block (files, HTTP) and
 - :class:`specops.k8s.lease.LeaseGate`: Kubernetes Lease objects; an expired lease covers a dead holder.
 
 :class:`FleetCoordinator` is the asynchronous side under ``specops up``: it asks the gate without blocking
-the event loop, renews the slot while the switch runs and releases it when it ends. Only watcher-driven
-switches go through it: a fallback after the engine failed does not wait (the replica is down anyway).
+the event loop, renews the slot while the switch runs and releases it when it ends. Watcher-driven
+switches and profile reloads (:meth:`FleetCoordinator.admit`: a ConfigMap change reaches every pod at about
+the same time) go through it; a fallback after the engine failed does not wait (the replica is down anyway).
 """
 
 from __future__ import annotations
@@ -186,18 +187,48 @@ class FleetCoordinator:
         self._acquiring: asyncio.Task | None = None
         self._renewing: asyncio.Task | None = None
         self._leaving: set[asyncio.Task] = set()
+        self._parked: asyncio.Task | None = None  # a slot taken for admit(), until it asks again (or gives up)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="specops-switchgate")
         self._gauges = _gauges(registry) if registry is not None else None
 
     # ------------------------------------------------------------------ the watcher's side
     def want(self, order: SwitchOrder) -> bool:
         """The watcher wants ``order`` executed: False now (it is executed once a slot is ours)."""
-        if self.switching:
+        if self.switching or self._parked is not None:  # a slot kept for a reload: that goes first
             return False
         self._pending = (order, self.clock())
         if self._acquiring is None:
             self._acquiring = asyncio.get_running_loop().create_task(self._acquire())
         return False
+
+    def admit(self, what: str) -> bool:
+        """A restart outside the watcher (``what``: a profile reload) asks for a slot without blocking: True once
+        one is ours (the caller restarts now; the slot goes back when the engine is ready, or with
+        :meth:`abandon`), False while one is being taken or waited for (ask again later)."""
+        if self.switching:
+            return False
+        if self._parked is not None and self.slot is not None:
+            self._parked.cancel()
+            self._parked = None
+            self.switching = True
+            self._renewing = asyncio.get_running_loop().create_task(self._renew())
+            self._show()
+            return True
+        if self._parked is None:
+            self._pending = (_Admission(what), self.clock())
+            if self._acquiring is None:
+                self._acquiring = asyncio.get_running_loop().create_task(self._acquire())
+        return False
+
+    def abandon(self, why: str) -> None:
+        """The admitted restart did not happen: the slot goes back."""
+        if self.switching or self._parked is not None:
+            self._release(why)
+
+    async def _unpark(self) -> None:
+        await asyncio.sleep(self.stale_after)  # admitted but never asked for again: give the slot back
+        self._parked = None
+        self._release("the restart it was taken for did not come")
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -233,6 +264,10 @@ class FleetCoordinator:
         self._set_waiting(None)
         self.slot, self._held_at = slot, self.clock()
         self.events.emit("switch-slot", slot=slot.name, to=order.decision.get("to"), waited_s=waited)
+        if isinstance(order, _Admission):  # kept for admit(), which asks again at its next poll
+            self._parked = asyncio.get_running_loop().create_task(self._unpark())
+            self._show()
+            return
         if not self.execute(order):  # the supervisor cannot switch now (not ready any more)
             self._release("the supervisor could not switch")
             return
@@ -273,6 +308,9 @@ class FleetCoordinator:
 
     def _release(self, why: str) -> None:
         slot, self.slot, self.switching = self.slot, None, False
+        if self._parked is not None:
+            self._parked.cancel()
+            self._parked = None
         if self._renewing is not None:
             self._renewing.cancel()
             self._renewing = None
@@ -345,6 +383,17 @@ class FleetCoordinator:
                 "error": self.error,
             }
         }
+
+
+@dataclass(frozen=True)
+class _Admission:
+    """What :meth:`FleetCoordinator.admit` waits for a slot for (shown as ``wants`` like a switch's target)."""
+
+    what: str
+
+    @property
+    def decision(self) -> dict:
+        return {"to": self.what}
 
 
 def _gauges(registry: Any) -> tuple[Any, Any, Any]:
