@@ -167,6 +167,8 @@ def test_broken_yaml_on_sighup_is_reported_at_once(tmp_path):
         ("server", {"port": 18081}, "server.port"),
         ("proxy", {"queue_size": 3}, "proxy"),
         ("supervisor", {"state_dir": "/tmp/elsewhere"}, "supervisor.state_dir"),
+        ("deploy", {"max_switching": 2}, "deploy.max_switching"),
+        ("certify", {"spot_check": {"every": "20m"}}, "certify"),
     ],
 )
 def test_fields_that_need_a_restart_are_rejected_saying_so(tmp_path, section, values, field):

@@ -37,7 +37,8 @@ from specops.resolve.prelaunch import resolve_for_launch
 __all__ = ["RESTART_FIELDS", "Outcome", "ProfileReloader", "ReloadMetrics", "changed_fields", "fingerprint"]
 
 #: Fields a running ``specops up`` cannot take over: the address it serves, its proxy, its identity and state,
-#: the engine it probed at start. A change to one of them is rejected until ``specops up`` is restarted.
+#: the engine it probed at start, the fleet coordination and the spot checker it built at start. A change to
+#: one of them is rejected until ``specops up`` is restarted.
 RESTART_FIELDS: tuple[tuple[str, ...], ...] = (
     ("name",),
     ("backend",),
@@ -49,6 +50,11 @@ RESTART_FIELDS: tuple[tuple[str, ...], ...] = (
     ("engine", "version"),
     ("engine", "executable"),
     ("engine", "python"),
+    ("deploy", "max_switching"),
+    ("deploy", "coordination"),
+    ("deploy", "coordination_dir"),
+    ("deploy", "lease_duration"),
+    ("certify",),
 )
 
 #: The shortest poll interval (a smaller one is raised to it).
