@@ -12,6 +12,7 @@ Both are context managers; nothing outlives the test that starts them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -328,3 +329,49 @@ def llamacpp_text(drafts: float, draft_tokens: float, accepted: float, per_pos: 
         "llamacpp:prompt_tokens_total 1234",
     ]
     return "\n".join(lines) + "\n"
+
+
+class InProcessSpecops:
+    """specops' real front proxy in a background event loop, with the watcher's real metrics registry and
+    an engine stand-in (a static /metrics exporter) behind it."""
+
+    def __init__(self, engine_text: str, *, queue_size: int = 16, queue_timeout: float = 5):
+        from specops.proxy import Proxy
+        from specops.watch.watcher import SpecopsMetrics
+
+        self.metrics = SpecopsMetrics()
+        self.engine = StaticExporter(engine_text)
+        self.proxy = Proxy(
+            "127.0.0.1",
+            0,
+            queue_size=queue_size,
+            queue_timeout=queue_timeout,
+            drain_timeout=5,
+            metrics_registry=self.metrics.registry,
+        )
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> InProcessSpecops:
+        self.engine.start()
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.proxy.set_upstream, f"http://{self.engine.address}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.proxy.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+        self.engine.stop()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.proxy.port}"
+
+    def get(self, path: str) -> str:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"http://{self.address}{path}", timeout=10
+        ) as resp:
+            return resp.read().decode("utf-8")

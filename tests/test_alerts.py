@@ -5,7 +5,6 @@ in-process specops proxy with the config."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shutil
@@ -19,6 +18,7 @@ import pytest
 import yaml
 from conftest import ROOT, unavailable
 from prometheus_client.parser import text_string_to_metric_families
+from support_prometheus import InProcessSpecops
 
 CONTRIB = ROOT / "contrib" / "prometheus"
 SCRAPE, ALERTS, ALERT_TESTS = CONTRIB / "scrape.yml", CONTRIB / "alerts.yml", CONTRIB / "alerts_test.yml"
@@ -124,47 +124,6 @@ def metric_names(expr: str) -> set[str]:
 def test_metric_names_are_read_from_the_expressions():
     expr = 'sum by (job, instance) (rate(vllm:x_total{a="b"}[1m])) / on (job) y offset 5m > 0.6 and time() - z < 900'
     assert metric_names(expr) == {"vllm:x_total", "y", "z"}
-
-
-class InProcessSpecops:
-    """specops' real front proxy in a background event loop, with the watcher's real metrics registry and
-    an engine stand-in (a static /metrics exporter) behind it."""
-
-    def __init__(self, engine_text: str):
-        from support_prometheus import StaticExporter
-
-        from specops.proxy import Proxy
-        from specops.watch.watcher import SpecopsMetrics
-
-        self.metrics = SpecopsMetrics()
-        self.engine = StaticExporter(engine_text)
-        self.proxy = Proxy(
-            "127.0.0.1", 0, queue_size=16, queue_timeout=5, drain_timeout=5, metrics_registry=self.metrics.registry
-        )
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    def __enter__(self) -> InProcessSpecops:
-        self.engine.start()
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.proxy.set_upstream, f"http://{self.engine.address}")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        asyncio.run_coroutine_threadsafe(self.proxy.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-        self.engine.stop()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.proxy.port}"
-
-    def get(self, path: str) -> str:
-        with NO_PROXY.open(f"http://{self.address}{path}", timeout=10) as resp:
-            return resp.read().decode("utf-8")
 
 
 def sample_names(text: str) -> set[str]:

@@ -8,7 +8,6 @@ target that is down, each with its own ``pod`` label, then runs the command.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import threading
@@ -17,6 +16,7 @@ import urllib.request
 
 import pytest
 from support_cli import run as run_cli
+from support_prometheus import InProcessSpecops, llamacpp_text
 
 from specops.watch.fleet import FleetError, FleetQueries, aggregate, fleet_text, parse_selector, read_fleet
 
@@ -170,42 +170,13 @@ def test_the_profile_selects_the_label_the_podmonitor_copies():
 # a real Prometheus scraping replicas
 
 
-class Replica:
+class Replica(InProcessSpecops):
     """specops' real proxy in a background loop serving the watcher's real metrics, an engine stand-in behind."""
 
     def __init__(self, method: str):
-        from support_prometheus import StaticExporter, llamacpp_text
-
-        from specops.proxy import Proxy
-        from specops.watch.watcher import SpecopsMetrics
-
-        self.metrics = SpecopsMetrics()
+        super().__init__(llamacpp_text(10, 40, 30), queue_size=4, queue_timeout=60)
         self.metrics.set_method(method, ["eagle3", "ngram", "none"])
         self.metrics.set_state("ready")
-        self.engine = StaticExporter(llamacpp_text(10, 40, 30))
-        self.proxy = Proxy(
-            "127.0.0.1", 0, queue_size=4, queue_timeout=60, drain_timeout=5, metrics_registry=self.metrics.registry
-        )
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    def __enter__(self) -> Replica:
-        self.engine.start()
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.proxy.set_upstream, f"http://{self.engine.address}")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        asyncio.run_coroutine_threadsafe(self.proxy.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-        self.engine.stop()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.proxy.port}"
 
     def observe(self, acceptance, draft_tokens, length, tps, counters=None) -> None:
         """What the watcher records each tick (Watcher.handle → SpecopsMetrics.observe)."""
