@@ -191,14 +191,21 @@ def test_sigterm_lets_the_requests_in_flight_finish(tmp_path, models):
     import json
     import threading
 
-    profile = llama_profile(tmp_path, models, "llama-drain", proxy={"drain_timeout": 60})
+    # long answers (ignore_eos, a 2048-token slot): still on the engine when SIGTERM arrives, however fast it is
+    model = {"id": str(models / "gguf-target.gguf"), "max_model_len": 4096}
+    profile = llama_profile(tmp_path, models, "llama-drain", proxy={"drain_timeout": 60}, model=model)
     results: list[tuple[int, object]] = []
     with UpRun(profile, tmp_path / "state", profile.stem) as run:
         st = run.wait_ready(timeout=120)
         url = st["url"]
 
         def one(i: int) -> None:
-            body = {"prompt": f"request {i} the quick brown fox", "max_tokens": 160, "temperature": 0}
+            body = {
+                "prompt": f"request {i} the quick brown fox",
+                "max_tokens": 1500,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             results.append(http_json(url + "/v1/completions", body, timeout=120))
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
