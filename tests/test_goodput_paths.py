@@ -88,3 +88,14 @@ def test_a_surface_set_in_a_base_profile_is_relative_to_that_file(tmp_path, else
     loaded = load_profile(prof, env={})
     assert loaded.profile.fallback.goodput.surface == "surface.tune.json"
     assert Policy.from_profile(loaded).goodput.model.surface.levels() == [1]
+
+
+def test_watch_reads_a_relative_surface_beside_the_profile(tmp_path, elsewhere):
+    """`specops watch PROFILE` builds its policy as `specops up` does: the surface beside the profile, located."""
+    from support_cli import run
+
+    deploy = tmp_path / "deploy"
+    prof = _write(deploy, "p.yaml", HEAD + "fallback:\n  mode: goodput\n  goodput:\n    surface: gone.tune.json\n")
+    res = run("watch", str(prof), "--once")
+    assert res.code == 1, res.stdout + res.stderr
+    assert f"{prof}:8:14" in res.stderr and f"relative to {deploy}" in res.stderr, res.stderr

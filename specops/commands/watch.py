@@ -300,12 +300,16 @@ def watch(
         base = target.rstrip("/")
         backend = backend or _detect_backend(base + "/metrics", 5.0)
         profile = _profile_for_url(base, backend, model_name, method, overrides)
+        surface = None
     else:
-        profile = _with_overrides(load(target).profile, overrides)
+        loaded = load(target)
+        surface = _surface(loaded)
+        profile = _with_overrides(loaded.profile, overrides)
         base = (engine_url or http_url(profile.server.host, profile.server.port)).rstrip("/")
     profile = _check_bounds(profile, say=lambda msg: click.echo(msg, err=True))
+    served = model_name or profile.model.served_name
     try:
-        asyncio.run(_watch(profile, base, model_name or profile.model.served_name, command, webhook, once, as_json))
+        asyncio.run(_watch(profile, base, served, command, webhook, once, as_json, surface=surface))
     except KeyboardInterrupt:
         pass
 
@@ -324,7 +328,31 @@ def _with_overrides(profile: Profile, overrides: dict) -> Profile:
     )
 
 
-async def _watch(profile: Profile, base: str, model_name: str | None, command, webhook, once: bool, as_json: bool):
+def _surface(loaded):
+    """Mode goodput's surface, a relative ``fallback.goodput.surface`` read from the profile's folder (located
+    errors), as ``specops up`` reads it."""
+    if loaded.profile.fallback.mode != "goodput":
+        return None
+    from specops.errors import SpecopsError
+    from specops.watch.goodput import profile_surface
+
+    try:
+        return profile_surface(loaded)
+    except SpecopsError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+async def _watch(
+    profile: Profile,
+    base: str,
+    model_name: str | None,
+    command,
+    webhook,
+    once: bool,
+    as_json: bool,
+    *,
+    surface=None,
+):
     from specops.watch.decide import FallbackDecider
     from specops.watch.watcher import AcceptanceReader, Watcher, notify
 
@@ -342,7 +370,7 @@ async def _watch(profile: Profile, base: str, model_name: str | None, command, w
         if command or webhook:
             notify(decision, stats, command=command, webhook=webhook, say=say)
 
-    decider = FallbackDecider(Policy.from_profile(profile), events=EventLog(None), say=say)
+    decider = FallbackDecider(Policy.from_profile(profile, surface=surface), events=EventLog(None), say=say)
     watcher = Watcher(profile, reader, decider, say=say, on_recommend=on_decision)
     if once:
         now = time.monotonic()
