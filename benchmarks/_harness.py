@@ -10,6 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+#: The prompts the phased benchmarks cycle through (short, mixed: prose, code, function words).
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog and",
+    "Once upon a time in a land far away",
+    "def hello world return print self import",
+    "It is the and of to in that for on with as",
+]
+
 
 class Up:
     """``specops up PROFILE`` as a subprocess, stopped with SIGTERM like ``specops down``."""

@@ -36,18 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _harness import Up  # noqa: E402 - benchmarks/ is the script's folder, first on sys.path
+from _harness import PROMPTS, Up  # noqa: E402 - benchmarks/ is the script's folder, first on sys.path
 
 from specops.perf.bench import machine  # noqa: E402
 from specops.perf.workload import Prompt, run_workload  # noqa: E402
 from specops.run.start import free_port  # noqa: E402
 
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog and",
-    "Once upon a time in a land far away",
-    "def hello world return print self import",
-    "It is the and of to in that for on with as",
-]
 CONFIGS = ("managed", "static-spec", "static-none")
 #: The model name requests carry (vLLM checks it against the served name; llama-server ignores it).
 MODEL = {"name": "x"}

@@ -34,20 +34,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _harness import Up  # noqa: E402 - benchmarks/ is the script's folder, first on sys.path
+from _harness import PROMPTS, Up  # noqa: E402 - benchmarks/ is the script's folder, first on sys.path
 
 from specops.methods import Method  # noqa: E402
 from specops.perf.bench import machine  # noqa: E402
 from specops.perf.workload import Prompt, run_workload  # noqa: E402
 from specops.run.start import free_port  # noqa: E402
 from specops.watch.goodput import Surface, per_batch_schedule, scheduled_k  # noqa: E402
-
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog and",
-    "Once upon a time in a land far away",
-    "def hello world return print self import",
-    "It is the and of to in that for on with as",
-]
 
 
 def profile_yaml(paths: dict, port: int, args, k: int, schedule: list | None) -> str:
