@@ -157,3 +157,36 @@ class UpRun:
         )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
+
+
+def llama_profile(
+    tmp_path,
+    models,
+    name,
+    *,
+    method="draft_model",
+    draft="gguf-draft-same.gguf",
+    target="gguf-target.gguf",
+    chain=None,
+    **extra,
+):
+    """A llama-server profile on the tiny GGUF models in ``models`` (CPU, 2 slots of 256 tokens); ``extra``
+    sections replace the defaults."""
+    spec = {"method": method}
+    if method == "draft_model":
+        spec["draft"] = draft if os.path.isabs(draft) else str(models / draft)
+        spec["num_speculative_tokens"] = 4
+    data = {
+        "name": name,
+        "backend": "llamacpp",
+        "model": {"id": str(models / target), "max_model_len": 512},
+        "speculative": spec,
+        "gpus": {"devices": []},
+        "server": {"port": free_port(), "parallel": 2},
+        "supervisor": {"restart_backoff": 0.2, "stop_timeout": 10},
+        "engine": {"ready_timeout": 60},
+        **extra,
+    }
+    if chain is not None:
+        data["fallback"] = {"chain": chain}
+    return write_profile(tmp_path / f"{name}.yaml", data)

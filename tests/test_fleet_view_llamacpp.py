@@ -13,9 +13,8 @@ import time
 import pytest
 from support_cli import run as run_cli
 from support_prometheus import require_prometheus, wait_until
-from support_up import UpRun, http_json
+from support_up import UpRun, http_json, llama_profile
 from test_fleet_view import labelled_prometheus
-from test_up_llamacpp import llama_profile
 
 pytestmark = [pytest.mark.engines, pytest.mark.prometheus]
 

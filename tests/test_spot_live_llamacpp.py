@@ -9,30 +9,16 @@ import subprocess
 import time
 
 import pytest
-from support_up import SPECOPS, UpRun, free_port, http_json, http_text, write_profile
+from support_up import SPECOPS, UpRun, http_json, http_text, llama_profile
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(240)]
 
 
 def profile(tmp_path, models, name, target, draft=None, spot=None):
-    spec = (
-        {"method": "draft_model", "draft": str(models / draft), "num_speculative_tokens": 4}
-        if draft
-        else {"method": "none"}
-    )
-    data = {
-        "name": name,
-        "backend": "llamacpp",
-        "model": {"id": str(models / target), "max_model_len": 512},
-        "speculative": spec,
-        "gpus": {"devices": []},
-        "server": {"port": free_port(), "parallel": 2},
-        "supervisor": {"restart_backoff": 0.2, "stop_timeout": 10},
-        "engine": {"ready_timeout": 60},
-    }
-    if spot:
-        data["certify"] = {"spot_check": spot}
-    return write_profile(tmp_path / f"{name}.yaml", data)
+    """The deployment (``draft``: speculation with it, else none) and its spot checks (``spot``)."""
+    method = "draft_model" if draft else "none"
+    extra = {"certify": {"spot_check": spot}} if spot else {}
+    return llama_profile(tmp_path, models, name, method=method, draft=draft or "", target=target, **extra)
 
 
 def metric(text: str, line_start: str) -> float:

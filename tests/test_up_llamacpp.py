@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from support_up import UpRun, free_port, http_json, http_text, write_profile
+from support_up import UpRun, http_json, http_text, llama_profile
 
 from specops.run.process import group_members
 
@@ -18,37 +18,6 @@ pytestmark = pytest.mark.engines
 @pytest.fixture(scope="module")
 def models(tiny_models):
     return tiny_models
-
-
-def llama_profile(
-    tmp_path,
-    models,
-    name,
-    *,
-    method="draft_model",
-    draft="gguf-draft-same.gguf",
-    target="gguf-target.gguf",
-    chain=None,
-    **extra,
-):
-    spec = {"method": method}
-    if method == "draft_model":
-        spec["draft"] = draft if os.path.isabs(draft) else str(models / draft)
-        spec["num_speculative_tokens"] = 4
-    data = {
-        "name": name,
-        "backend": "llamacpp",
-        "model": {"id": str(models / target), "max_model_len": 512},
-        "speculative": spec,
-        "gpus": {"devices": []},
-        "server": {"port": free_port(), "parallel": 2},
-        "supervisor": {"restart_backoff": 0.2, "stop_timeout": 10},
-        "engine": {"ready_timeout": 60},
-        **extra,
-    }
-    if chain is not None:
-        data["fallback"] = {"chain": chain}
-    return write_profile(tmp_path / f"{name}.yaml", data)
 
 
 def complete(url: str, prompt: str = "the quick brown fox", n: int = 24) -> dict:
