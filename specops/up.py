@@ -184,6 +184,7 @@ class _Instance:
     proxy: object | None = None
     sup: Supervisor | None = None
     spot: object | None = None  # LiveSpotChecks when certify.spot_check is enabled
+    reloader: ProfileReloader | None = None  # the profile file's reloads (SIGHUP, a changed file)
     draining: asyncio.Task | None = None  # the shutdown drain, once a stop signal came
     fleet: object | None = None  # FleetCoordinator: the fleet's switch slots (deploy.coordination), when on
 
@@ -196,7 +197,15 @@ class _Instance:
         """Supervision, decisions and the watcher's window: the state file's core and ``/specops/status``."""
         spot = self.spot.snapshot() if self.spot is not None else {}
         fleet = self.fleet.snapshot() if self.fleet is not None else {}  # fleet: waiting, slot, holders
-        return {**self.sup.snapshot(), **self.decider.snapshot(), **self.watcher.snapshot(), **spot, **fleet}
+        reload = {"profile_reload": self.reloader.snapshot()} if self.reloader is not None else {}
+        return {
+            **self.sup.snapshot(),
+            **self.decider.snapshot(),
+            **self.watcher.snapshot(),
+            **spot,
+            **fleet,
+            **reload,
+        }
 
     def write_state(self) -> None:
         profile, paths = self.loaded.profile, self.paths
@@ -319,7 +328,7 @@ async def _serve(up: _Instance, registry, opts: UpOptions) -> int:
     release the lock. SIGINT/SIGTERM drain and stop; SIGHUP reloads the profile."""
     profile, sup, engine = up.loaded.profile, up.sup, up.engine
     loop = asyncio.get_running_loop()
-    reloader = _reloader(up, registry, opts)
+    reloader = up.reloader = _reloader(up, registry, opts)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, _on_stop_signal, up, signal.Signals(sig).name)
     loop.add_signal_handler(signal.SIGHUP, reloader.trigger)
@@ -367,10 +376,6 @@ def _reloader(up: _Instance, registry, opts: UpOptions) -> ProfileReloader:
     """Reloads the profile on SIGHUP and when its file changes (a ConfigMap's symlink swap included)."""
     metrics = up.watcher.metrics if up.watcher is not None else None
 
-    def show(snapshot: dict) -> None:
-        up.sup.show_profile(snapshot)
-        up.write_state()
-
     reloader = ProfileReloader(
         up.loaded,
         up.loaded,
@@ -380,9 +385,8 @@ def _reloader(up: _Instance, registry, opts: UpOptions) -> ProfileReloader:
         offline=opts.offline,
         registry=registry,
         metrics=ReloadMetrics(metrics.registry) if metrics is not None else None,
-        on_status=show,
+        on_status=lambda snapshot: up.write_state(),  # status() reads the reloader's snapshot
     )
-    up.sup.show_profile(reloader.snapshot())
     return reloader
 
 

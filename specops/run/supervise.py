@@ -150,8 +150,6 @@ class Supervisor:
         self._switch: SwitchOrder | None = None
         self._reload: ReloadOrder | None = None
         self._rollback: tuple[Profile, Callable[[int], LaunchPlan], int, ReloadOrder] | None = None
-        #: which profile runs and how its last reload went (the reloader's), for ``specops status``
-        self.profile_status: dict | None = None
         self._switch_marks: tuple[float, float, float] | None = None  # switch began, drained, old engine stopped
         self._ready_mono = 0.0
 
@@ -191,10 +189,6 @@ class Supervisor:
         self._wake.set()
         return True
 
-    def show_profile(self, status: dict | None) -> None:
-        """What :meth:`snapshot` shows as ``profile_reload`` (the running profile's hash, the last rejection)."""
-        self.profile_status = status
-
     def snapshot(self) -> dict:
         """What `specops status` shows about supervision (the decisions are the decider's to show)."""
         plan = self.plan
@@ -210,7 +204,6 @@ class Supervisor:
             "ready_since": self.ready_since,
             "started_at": self.started_at,
             "last_switch_timing": self.last_switch_timing,
-            **({"profile_reload": self.profile_status} if self.profile_status is not None else {}),
         }
 
     # ------------------------------------------------------------------ the loop
