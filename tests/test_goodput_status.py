@@ -14,7 +14,7 @@ from specops.watch.decide import FallbackDecider
 from specops.watch.decision import PolicyConfig
 from specops.watch.goodput import GoodputConfig, Load, Surface
 from specops.watch.policy import Policy
-from specops.watch.window import NO_DATA, WindowStats
+from specops.watch.window import NO_DATA, OK, WindowStats
 
 SURFACE = {
     "date": "2026-12-01",
@@ -77,3 +77,44 @@ def test_status_text_without_goodput_shows_no_block(tmp_path):
     write_state(InstancePaths(tmp_path / "t"), {"name": "t", "state": "ready", "method": "ngram"})
     res = run("status", "t", "--state-dir", tmp_path)
     assert res.code == 0 and "goodput" not in res.stdout and "predicted" not in res.stdout
+
+
+def test_status_shows_a_left_methods_aged_acceptance(tmp_path):
+    # the collapse of test_goodput_stale.py: τ 1.2 at c=1 → switch to none at 30; at 50 the live τ is 20 s old,
+    # weight 0.5^(20/100) = 0.8706, expected τ 5 − 3.8 × 0.8706 = 1.692
+    g = GoodputConfig(
+        hysteresis=0.05, sustain_s=10.0, min_dwell_s=30.0, regime_s=100.0, switch_cost_s=5.0, stale_half_life_s=100.0
+    )
+    policy = Policy(
+        PolicyConfig(mode="goodput", window_s=20.0, min_draft_tokens=100, goodput=g),
+        [ChainStep(method=Method.DRAFT_MODEL, draft="d.gguf", num_speculative_tokens=4), ChainStep(method=Method.NONE)],
+        surface=Surface.from_dict(SURFACE),
+    )
+    now = {"t": 0.0}
+    decider = FallbackDecider(policy, events=_Events(), say=lambda m: None, clock=lambda: now["t"], wall=lambda: 1e9)
+    collapsed = WindowStats(
+        OK,
+        window_s=20.0,
+        start=0.0,
+        end=20.0,
+        acceptance=0.05,
+        mean_acceptance_length=1.2,
+        draft_tokens=400,
+        accepted=20,
+        drafts=100,
+        full=True,
+    )
+    one = Load(1, None, "proxy in flight + waiting")
+    decider.observe(collapsed, 20.0, one)
+    assert decider.observe(collapsed, 30.0, one).to_index == 1
+    policy.on_switched(1, 32.0)
+    decider.observe(IDLE, 50.0, one)
+    paths = InstancePaths(tmp_path / "g")
+    write_state(paths, {"name": "g", "state": "ready", "method": "none", **decider.snapshot(50.0)})
+    res = run("status", "g", "--state-dir", tmp_path)
+    assert res.code == 0, res.stderr
+    aged = [ln for ln in res.stdout.splitlines() if ln.startswith("  aged")]
+    assert aged == [
+        "  aged       draft_model k=4: live acceptance 20.0s old (weight 0.871, half-life 100.0s), expected mean "
+        "acceptance length 1.692"
+    ]

@@ -339,6 +339,14 @@ def print_goodput(st: dict) -> None:
         click.echo(f"  predicted  {', '.join(shown)} tok/s{best}")
     if last.get("reason"):
         click.echo(f"  why        [{_text(last.get('rule'), 40)}] {_text(last.get('reason'), 400)}")
+    aged = last.get("aged_acceptance") if isinstance(last.get("aged_acceptance"), dict) else {}
+    for label, a in list(aged.items())[:10]:
+        if isinstance(a, dict):
+            click.echo(
+                f"  aged       {_text(label, 60)}: live acceptance {_text(a.get('age_s'), 20)}s old (weight "
+                f"{_text(a.get('weight'), 20)}, half-life {_text(a.get('half_life_s'), 20)}s), expected mean "
+                f"acceptance length {_text(a.get('expected_tau'), 20)}"
+            )
     cost = _num((g or {}).get("switch_cost_s"))
     surface = (g or {}).get("surface") if isinstance((g or {}).get("surface"), dict) else None
     cross = surface.get("crossover") if surface and isinstance(surface.get("crossover"), dict) else {}

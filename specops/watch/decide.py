@@ -133,6 +133,7 @@ class FallbackDecider:
                     "cost_tokens",
                     "regime_s",
                     "sustained_s",
+                    "aged_acceptance",
                 )
                 if k in n
             },
