@@ -1,8 +1,9 @@
 """Speculation that follows the load: ``fallback.mode: goodput`` against static deployments on a phased workload.
 
 1. **The surface**: ``specops tune --dry-run --json`` measures the deployment (the layer-skip fixture on
-   llama-server) at concurrency 1, 2 and 4 with speculation (k) and without (the baseline tune adds), and its
-   record's ``surface`` gives the crossover concurrency. The script prints the measured curve.
+   llama-server or vLLM-CPU) at concurrency 1, 2, ``--high`` and ``--levels`` with speculation (k) and without
+   (the baseline tune adds), and its record's ``surface`` gives the crossover concurrency. The script prints
+   the measured curve.
 2. **The phased workload**, the same for three deployments run by ``specops up`` one after the other (the order
    rotates per round; medians over rounds): greedy at concurrency 1, greedy at ``--high`` (past the crossover),
    greedy at 1 again, then temperature 1.5 at 1 (the draft is rarely accepted):
@@ -17,6 +18,7 @@ one against the best static configuration of that phase, the whole run, and the 
 
     .venv/bin/python benchmarks/bench_goodput.py
     .venv/bin/python benchmarks/bench_goodput.py --phase 120 --together --json out.json
+    .venv/bin/python benchmarks/bench_goodput.py --surface-only --high 16 --levels 8 --parallel 16 --draft-layers 6
     .venv/bin/python benchmarks/bench_goodput.py --engine vllm --surface vllm.surface.json --together
 """
 
@@ -97,7 +99,7 @@ def measure_surface(paths: dict, work: Path, args, say) -> dict:
         "--k",
         str(args.k),
         "-c",
-        ",".join(str(c) for c in sorted({args.high, 2, 1}, reverse=True)),
+        ",".join(str(c) for c in sorted({args.high, 2, 1, *args.levels}, reverse=True)),
         "--budget",
         args.surface_budget,
         "--max-tokens",
@@ -264,6 +266,12 @@ def main() -> None:
     ap.add_argument("--dwell", default="5s")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--surface-budget", default="6m")
+    ap.add_argument(
+        "--levels",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="more concurrency levels for the surface besides 1, 2 and --high (comma-separated)",
+    )
     ap.add_argument("--surface", help="a tune record with a surface to use instead of measuring one")
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=16)
