@@ -245,7 +245,12 @@ def print_surface(surface) -> None:
             + " | ".join("-" if v is None else f"{v:.1f}" for v in row)
             + f" | {'' if tau is None else f'{tau:.2f}'} |"
         )
-    print(f"\ncrossover concurrency: {surface.crossovers()} (None: speculation wins at every measured level)\n")
+    cross = surface.crossovers()
+    print(
+        f"\ncrossover concurrency: {cross} (None: speculation wins at every measured level)\n"
+        if cross
+        else "\nno crossover known: the surface has no baseline (none); give tune a larger --surface-budget\n"
+    )
 
 
 def main() -> None:

@@ -575,6 +575,26 @@ def test_layerskip_hf_small(cache):
     assert cfg["draft"]["vocab_size"] == cfg["target"]["vocab_size"] == TINY_VOCAB_HF
     marker = json.loads((p["target"].parent / ".specops-ready").read_text())
     assert marker["summary"]["argmax_equal"] is True
+    # a shallower target of the same width is the same function at less depth: a costlier draft that agrees
+    shallow = fixtures.ensure_layerskip("hf", hidden=64, layers=2, heads=2, ffn=128, python=python)
+    check = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM as M\n"
+        "a, b = (M.from_pretrained(p).eval() for p in sys.argv[1:3])\n"
+        "ids = torch.randint(3, a.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5))\n"
+        "with torch.no_grad():\n"
+        "    x, y = a(ids).logits, b(ids).logits\n"
+        "print(bool((x.argmax(-1) == y.argmax(-1)).all()), float((x - y).abs().max()))\n"
+    )
+    out = subprocess.run(
+        [str(python), "-c", check, str(p["target"]), str(shallow["target"])],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    equal, diff = out.stdout.split()[-2:]
+    assert equal == "True" and float(diff) < 1e-3, out.stdout
 
 
 # ------------------------------------------------------------------------------------ fixtures in llama-server

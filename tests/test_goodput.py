@@ -97,6 +97,15 @@ def test_crossover_concurrency_per_option():
     assert s.crossovers() == {"draft_model k=2": s.crossover(DM, 2), "draft_model k=4": s.crossover(DM, 4)}
 
 
+def test_without_a_baseline_the_crossover_is_unknown_not_never():
+    # a tune whose budget ran out before `none`: no crossover is claimed (None would read "pays everywhere")
+    only = Surface.from_dict(
+        {"points": [{"method": "draft_model", "k": 4, "concurrency": c, "tokens_per_s": 10.0 * c} for c in (1, 8)]}
+    )
+    assert only.crossover(DM, 4) is None and only.crossovers() == {}
+    assert only.to_dict()["crossover"] == {}
+
+
 def test_schedule_from_the_surface():
     # b=1: k4 80 best; b=2: k4 95 > k2 90; b=3 (t=0.79): k2 107.5 > k4 103.8 > none 85.5; b=5: k2 124.8 > none
     # 116.1; b=6 (t=0.29): none 129.25 > k2 128.8 → k 0 up to 16

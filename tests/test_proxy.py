@@ -11,6 +11,8 @@ import aiohttp
 import pytest
 from support_upstream import Upstream, check_completion, check_stream, free_port, parse_sse, running_proxy, stream_error
 
+from specops.proxy.forward import ask_timings_per_token
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -225,10 +227,20 @@ def test_timings_from_final_chunk_json_body_and_chat(engine):
             aiohttp.ClientSession() as s,
         ):
             async with s.post(
-                proxy.url + "/v1/completions", json={"prompt": "p", "max_tokens": 6, "stream": True}
+                proxy.url + "/v1/completions",
+                json={"prompt": "p", "max_tokens": 6, "stream": True, "timings_per_token": False},
             ) as r:
                 check_stream(parse_sse(await r.text()), 6)
-            assert calls == [(12, 9)]  # only the final chunk carries timings
+            assert calls == [(12, 9)]  # the client said no: only the final chunk carries timings
+            calls.clear()
+            # a streamed request that does not name the field is sent with it: acceptance chunk by chunk
+            async with s.post(
+                proxy.url + "/v1/completions", json={"prompt": "p", "max_tokens": 6, "stream": True}
+            ) as r:
+                events = parse_sse(await r.text())
+            check_stream(events, 6)
+            assert len(calls) == 6 and sum(n for n, _ in calls) == 12 and sum(a for _, a in calls) == 9
+            assert all("timings" in e for e in events[:-1])
             calls.clear()
             async with s.post(proxy.url + "/v1/completions", json={"prompt": "p", "max_tokens": 4}) as r:
                 check_completion(await r.json(), 4)
@@ -247,6 +259,26 @@ def test_timings_from_final_chunk_json_body_and_chat(engine):
             assert calls == [(2, 1), (2, 2), (2, 1)]
 
     run(body())
+
+
+@pytest.mark.parametrize(
+    "body, sent",
+    [
+        (b'{"prompt":"p","stream":true}', b'{"timings_per_token":true,"prompt":"p","stream":true}'),
+        (b' \n{ "stream" : true}', b' \n{"timings_per_token":true, "stream" : true}'),
+        (b'{"prompt":"p","stream":false}', None),  # not streamed: the final answer carries timings anyway
+        (b'{"prompt":"p"}', None),
+        (b'{"stream":true,"timings_per_token":false}', None),  # the client's choice stands
+        (b'{"prompt":"say \\"stream\\": true"}', None),  # only inside a string
+        (b'[{"stream":true}]', None),  # not an object: the engine answers it as it is
+        (b"", None),
+    ],
+)
+def test_streamed_requests_ask_for_per_token_timings(body, sent):
+    out = ask_timings_per_token(body)
+    assert out == (body if sent is None else sent)
+    if sent is not None:
+        assert json.loads(out)["timings_per_token"] is True
 
 
 def test_no_timings_without_callback_or_without_speculation():
@@ -272,6 +304,12 @@ def test_no_timings_without_callback_or_without_speculation():
                 ) as r:
                     check_stream(parse_sse(await r.text()), 3)
                 assert proxy.stats()["timings_draft_n"] == 0  # on_timings unset: nothing parsed
+                async with s.post(
+                    proxy.url + "/v1/completions", json={"prompt": "p", "max_tokens": 3, "stream": True}
+                ) as r:
+                    events = parse_sse(await r.text())
+                check_stream(events, 3)
+                assert "timings" not in events[0]  # nobody reads them: the request is sent as it came
 
     run(body())
 

@@ -271,3 +271,31 @@ def test_real_engine_sees_the_client_disconnect(tmp_path):
     waited, st = asyncio.run(asyncio.wait_for(body(), 90))
     assert waited < 1.0, f"the engine kept generating for {waited:.2f}s after the client left"
     assert st["client_disconnects"] == 1
+
+
+def test_real_llama_server_reports_acceptance_per_chunk_when_the_proxy_asks(tmp_path):
+    # the client does not ask for timings_per_token; the proxy (reading timings) does, so the acceptance of a
+    # streamed request reaches on_timings chunk by chunk, not once when the request ends
+    target, draft = tiny_model("gguf-target.gguf"), tiny_model("gguf-draft-same.gguf")
+    args = ["-m", str(target), "-c", "2048", "-np", "1", "-md", str(draft), "--spec-type", "draft-simple"]
+    calls: list[tuple[int, int]] = []
+
+    async def body():
+        server = LlamaServer([*args, "--spec-draft-n-max", "4"], tmp_path / "llama.log")
+        try:
+            async with _session() as s:
+                await server.ready(s)
+                async with running_proxy(server.url, on_timings=lambda n, a: calls.append((n, a))) as proxy:
+                    payload = {"prompt": "the", "max_tokens": 32, "temperature": 0, "ignore_eos": True, "stream": True}
+                    async with s.post(proxy.url + "/v1/completions", json=payload) as r:
+                        assert r.status == 200
+                        return await r.text()
+        finally:
+            server.stop()
+
+    text = asyncio.run(asyncio.wait_for(body(), 120))
+    final, events = _check_stream(text, 32), parse_sse(text)
+    with_timings = [e for e in events[:-1] if "timings" in e]
+    assert len(with_timings) > 1 and len(calls) > 1, (len(with_timings), calls)
+    assert sum(n for n, _ in calls) == final["draft_n"] > 0
+    assert sum(a for _, a in calls) == final["draft_n_accepted"]

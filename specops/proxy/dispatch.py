@@ -33,7 +33,7 @@ from aiohttp import web
 from yarl import URL
 
 from .errors import ClientError, Rejected, Unstarted, error_body, shown
-from .forward import Flight, Generation, request_headers
+from .forward import Flight, Generation, ask_timings_per_token, request_headers
 from .limits import (
     UNAUTHENTICATED,
     cancel_header_deadline,
@@ -180,6 +180,8 @@ class RequestPath:
         failure before any byte (see the module docstring)."""
         c = self._c
         loop = asyncio.get_running_loop()
+        if self.on_timings is not None:
+            body = ask_timings_per_token(body)
         headers = request_headers(request, body)
         retried = reconnected = False
         deadline = loop.time() + self.queue_timeout

@@ -1,7 +1,8 @@
 """One exchange with the engine: a client request sent on, its answer passed back.
 
 Paths, methods, query strings, bodies, status codes and headers pass through unchanged (minus hop-by-hop
-headers); SSE streams are forwarded chunk by chunk as they arrive; a client that disconnects cancels its
+headers; with ``on_timings`` set, a streamed request also asks llama-server for per-token timings:
+:func:`ask_timings_per_token`); SSE streams are forwarded chunk by chunk as they arrive; a client that disconnects cancels its
 request on the engine (the upstream connection is closed, which vLLM and llama-server treat as an abort).
 
 - The engine URL is built from its parts (:func:`upstream_url`): the engine's scheme and host:port, then
@@ -84,6 +85,7 @@ _STREAM_KEY = b'"stream"'
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 _TIMINGS = b'"timings"'
+_TIMINGS_PER_TOKEN = b'"timings_per_token"'
 _SSE_TAIL_LIMIT = 1 << 20
 
 
@@ -178,6 +180,20 @@ def request_headers(request: web.BaseRequest, body: bytes) -> CIMultiDict:
         out["X-Forwarded-Host"] = host
     out["X-Forwarded-Proto"] = request.scheme
     return out
+
+
+def ask_timings_per_token(body: bytes) -> bytes:
+    """A streamed request (a JSON object with ``"stream": true``) that does not name ``timings_per_token``
+    gets ``"timings_per_token": true`` (a llama-server request field), so every chunk carries ``timings`` and
+    a collapse of draft acceptance is seen while the request runs, not one request late when it ends. The
+    chunks then hold a ``timings`` object, as llama-server's last chunk always does. Any other body is sent
+    as it came."""
+    if _TIMINGS_PER_TOKEN in body or _STREAM_KEY not in body or not _STREAM_TRUE.search(body):
+        return body
+    start = len(body) - len(body.lstrip())
+    if body[start : start + 1] != b"{":
+        return body
+    return body[: start + 1] + _TIMINGS_PER_TOKEN + b":true," + body[start + 1 :]
 
 
 def _response_headers(up: aiohttp.ClientResponse) -> CIMultiDict:

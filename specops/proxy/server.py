@@ -104,8 +104,9 @@ class Proxy(RequestPath):
     """Reverse proxy in front of the engine; see :mod:`specops.proxy.states` for the switch protocol.
 
     ``on_timings(draft_n, draft_n_accepted)`` is called with the *delta* since the previous call for the
-    same request, from llama-server ``timings`` in JSON bodies and in SSE chunks (every chunk when the
-    client set ``timings_per_token``, else the final one). It runs inside the event loop: keep it quick.
+    same request, from llama-server ``timings`` in JSON bodies and in SSE chunks (every chunk: with it set, a
+    streamed request that does not name ``timings_per_token`` is sent with it). It runs inside the event
+    loop: keep it quick.
     ``status_provider()`` returns a dict merged into ``/specops/status``. ``metrics_registry`` (a
     prometheus_client ``CollectorRegistry``) is exposed on ``/specops/metrics`` together with the proxy's
     own metrics. ``sampler`` (a :class:`~specops.proxy.sample.LiveSampler`) is offered every completed

@@ -209,7 +209,12 @@ class Surface:
         return None
 
     def crossovers(self) -> dict[str, float | None]:
-        return {option_label(m, k): self.crossover(m, k) for m, k in self.options() if m is not Method.NONE}
+        """Each speculating option's :meth:`crossover`; empty when ``none`` was not measured (unknown, not
+        "pays everywhere": a tune whose budget ran out before its baseline)."""
+        options = self.options()
+        if (Method.NONE, 0) not in options:
+            return {}
+        return {option_label(m, k): self.crossover(m, k) for m, k in options if m is not Method.NONE}
 
 
 def _read_surface(p: Path) -> Surface:
