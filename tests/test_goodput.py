@@ -221,6 +221,19 @@ def test_a_measured_switch_replaces_the_configured_cost():
     assert p.goodput.switch_cost_s == (3.0, "measured")
 
 
+def test_a_window_without_a_count_of_drafts_still_shows_the_collapse():
+    # llama-server's per-request timings give drafted and accepted tokens, not drafts: acceptance 0.05 at k=4
+    # → τ = 1 + 0.05 × 4 = 1.2, the same prediction as a window with drafts: 80 × 1.2 / 5 = 19.2 < none 30
+    p = policy()
+    live = WindowStats(
+        OK, window_s=20.0, start=0.0, end=20.0, acceptance=0.05, draft_tokens=400, accepted=20, full=True
+    )
+    d = p.observe(live, 20.0, at(1))
+    assert d.numbers["predicted"]["draft_model k=4"] == pytest.approx(19.2)
+    assert d.numbers["mean_acceptance_length"] == pytest.approx(1.2) and d.rule == "goodput-sustain"
+    assert "no count of drafts" in d.numbers["mean_acceptance_length_basis"]
+
+
 def test_live_acceptance_collapse_makes_none_the_best_at_low_load():
     p = policy()
     # live mean acceptance length 1.2 at k=4 (recorded 5.0): k4 predicts 80 × 1.2 / 5 = 19.2 < none 30

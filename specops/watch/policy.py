@@ -235,21 +235,25 @@ class Policy:
         g, cfg = self.goodput, self.config
         assert g is not None
         cur = self.current
+        tau = stats.mean_acceptance_length
+        if tau is None and stats.acceptance is not None and step_k(cur):
+            # no count of drafts (llama-server's per-request timings): full drafts of k, τ = 1 + acceptance·k
+            tau = 1.0 + stats.acceptance * step_k(cur)
         if (
             cur.method is not Method.NONE
             and stats.status == OK
             and stats.full
             and not stats.coarse
-            and stats.mean_acceptance_length is not None
+            and tau is not None
             and (stats.draft_tokens or 0.0) >= cfg.min_draft_tokens
         ):
-            g.model.note_acceptance(
-                cur.method, stats.mean_acceptance_length, stats.mean_draft_length or step_k(cur), now
-            )
+            g.model.note_acceptance(cur.method, tau, stats.mean_draft_length or step_k(cur), now)
         choice = g.choose(self.index, load, now)
         numbers = dict(choice.numbers)
         if stats.status == OK:
-            numbers.update(acceptance=stats.acceptance, mean_acceptance_length=stats.mean_acceptance_length)
+            numbers.update(acceptance=stats.acceptance, mean_acceptance_length=tau)
+            if stats.mean_acceptance_length is None and tau is not None:
+                numbers["mean_acceptance_length_basis"] = "1 + acceptance × k (no count of drafts)"
         if choice.target is None:
             return self._decision(KEEP, choice.rule, choice.reason, now, numbers)
         target = choice.target
