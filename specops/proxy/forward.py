@@ -2,8 +2,9 @@
 
 Paths, methods, query strings, bodies, status codes and headers pass through unchanged (minus hop-by-hop
 headers; with ``on_timings`` set, a streamed request also asks llama-server for per-token timings:
-:func:`ask_timings_per_token`); SSE streams are forwarded chunk by chunk as they arrive; a client that disconnects cancels its
-request on the engine (the upstream connection is closed, which vLLM and llama-server treat as an abort).
+:func:`ask_timings_per_token`); SSE streams are forwarded chunk by chunk as they arrive; a client that
+disconnects cancels its request on the engine (the upstream connection is closed, which vLLM and
+llama-server treat as an abort).
 
 - The engine URL is built from its parts (:func:`upstream_url`): the engine's scheme and host:port, then
   the client's path and query, never the client's target pasted after the engine's address.
