@@ -90,8 +90,7 @@ def test_status_shows_a_left_methods_aged_acceptance(tmp_path):
         [ChainStep(method=Method.DRAFT_MODEL, draft="d.gguf", num_speculative_tokens=4), ChainStep(method=Method.NONE)],
         surface=Surface.from_dict(SURFACE),
     )
-    now = {"t": 0.0}
-    decider = FallbackDecider(policy, events=_Events(), say=lambda m: None, clock=lambda: now["t"], wall=lambda: 1e9)
+    decider = FallbackDecider(policy, events=_Events(), say=lambda m: None, clock=lambda: 0.0, wall=lambda: 1e9)
     collapsed = WindowStats(
         OK,
         window_s=20.0,
