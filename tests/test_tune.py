@@ -955,6 +955,20 @@ def test_the_reference_none_is_measured_for_the_surface_but_never_wins():
     assert pts[("none", 0, 2)] == 90 and pts[("draft_model", 4, 1)] == 60 and len(pts) == 6
 
 
+def test_the_sweep_leaves_the_baseline_its_share_of_a_tight_budget():
+    # 12 s: each setting costs about 1 + 0.1 + 3 rounds x 2 levels x 0.5 + 0.2 = 4.3 s, so two fit but not
+    # three; the sweep comes first, so without a reserve k=4 took the time and none was skipped
+    clock = Clock()
+    speeds = {"draft_model k=2": [50] * 5, "draft_model k=4": [60] * 5, "none": [90] * 5}
+    drv = FakeDriver(clock, speeds)
+    o = TuneOptions(budget_s=12.0, levels=(2, 1), min_rounds=3, max_rounds=5)
+    res = asyncio.run(Tuner([dm(2), dm(4)], drv, o, current=dm(2), clock=clock, reference=[Setting(Method.NONE)]).run())
+    none = res.result_for(Setting(Method.NONE))
+    assert none.status == "measured" and min(none.rounds(2), none.rounds(1)) >= 3  # its minimum at both levels
+    assert res.result_for(dm(4)).status == "skipped"  # the sweep gave way
+    assert res.winner.setting == dm(2) and res.elapsed_s <= 12.0
+
+
 def test_write_back_records_the_surface_with_where_it_was_measured(tmp_path):
     from specops.watch.goodput import load_surface
 

@@ -144,15 +144,21 @@ class Tuner:
         self._refuse_a_small_budget()
         n = len(self.settings)
         for i, res in enumerate(result.results):
-            remaining = deadline - self.clock()
-            if any(r.status == "measured" for r in result.results) and remaining < self.min_cost():
-                for rest in result.results[i:]:
-                    rest.status, rest.reason = "skipped", "the budget ran out"
-                    self.emit("skipped", result=rest)
-                break
-            rounds = self._rounds_for(remaining / (n - i))
+            # the baseline still to come keeps its share: the sweep stops short of it, not the other way round
+            # (but the first setting always gets its own minimum)
+            until = deadline - self._reserve(result.results[i + 1 :])
+            measured = any(r.status == "measured" for r in result.results)
+            if not measured:
+                until = min(deadline, max(until, self.clock() + self.min_cost()))
+            remaining = until - self.clock()
+            if measured and remaining < self.min_cost():
+                res.status, res.reason = "skipped", "the budget ran out"
+                self.emit("skipped", result=res)
+                continue
+            alike = [r for r in result.results[i:] if self._is_reference(r) == self._is_reference(res)]
+            rounds = self._rounds_for(remaining / len(alike))
             self.emit("setting", index=i, total=n, setting=res.setting, rounds=rounds)
-            await self._measure(res, rounds, deadline, result)
+            await self._measure(res, rounds, until, result)
             self.emit("done", index=i, total=n, result=res)
             self._stop_early_if_hopeless(i, res, result)
         if self.o.widen:
@@ -216,6 +222,13 @@ class Tuner:
             )
             return None
         return candidate
+
+    def _is_reference(self, res: SettingResult) -> bool:
+        return res.setting in self.reference
+
+    def _reserve(self, rest: Sequence[SettingResult]) -> float:
+        """Seconds held back for the reference settings in ``rest``: one setting's minimum cost each."""
+        return sum(self.min_cost() for r in rest if self._is_reference(r))
 
     def _rounds_for(self, share: float) -> int:
         """Rounds per level for a setting given ``share`` seconds of the budget (within min/max rounds)."""
@@ -358,7 +371,7 @@ class Tuner:
                 tokens_per_s=rnd.tokens_per_s,
             )
             # the surface's baseline is measured in full, never pruned
-            why = None if res.setting in self.reference else self._clearly_worse(lr, best)
+            why = None if self._is_reference(res) else self._clearly_worse(lr, best)
             if why:
                 res.status, res.reason = "pruned", why
                 return
