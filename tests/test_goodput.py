@@ -19,6 +19,7 @@ import json
 import math
 
 import pytest
+from support_goodput import IDLE, window
 
 from specops.config.profile import ChainStep, load_profile
 from specops.errors import ProfileError, SpecopsError
@@ -38,7 +39,6 @@ from specops.watch.goodput import (
 )
 from specops.watch.policy import Policy
 from specops.watch.watcher import Reading, Watcher, engine_load
-from specops.watch.window import NO_DATA, OK, WindowStats
 
 DM = Method.DRAFT_MODEL
 SURFACE = {
@@ -59,7 +59,6 @@ SURFACE = {
 }
 PRIMARY = ChainStep(method=DM, draft="d.gguf", num_speculative_tokens=4)
 NONE = ChainStep(method=Method.NONE)
-IDLE = WindowStats(NO_DATA, window_s=20.0, reason="idle")
 
 
 def surface() -> Surface:
@@ -225,9 +224,7 @@ def test_a_window_without_a_count_of_drafts_still_shows_the_collapse():
     # llama-server's per-request timings give drafted and accepted tokens, not drafts: acceptance 0.05 at k=4
     # → τ = 1 + 0.05 × 4 = 1.2, the same prediction as a window with drafts: 80 × 1.2 / 5 = 19.2 < none 30
     p = policy()
-    live = WindowStats(
-        OK, window_s=20.0, start=0.0, end=20.0, acceptance=0.05, draft_tokens=400, accepted=20, full=True
-    )
+    live = window(1.2, drafts=False)
     d = p.observe(live, 20.0, at(1))
     assert d.numbers["predicted"]["draft_model k=4"] == pytest.approx(19.2)
     assert d.numbers["mean_acceptance_length"] == pytest.approx(1.2) and d.rule == "goodput-sustain"
@@ -237,18 +234,7 @@ def test_a_window_without_a_count_of_drafts_still_shows_the_collapse():
 def test_live_acceptance_collapse_makes_none_the_best_at_low_load():
     p = policy()
     # live mean acceptance length 1.2 at k=4 (recorded 5.0): k4 predicts 80 × 1.2 / 5 = 19.2 < none 30
-    low = WindowStats(
-        OK,
-        window_s=20.0,
-        start=0.0,
-        end=20.0,
-        acceptance=0.05,
-        mean_acceptance_length=1.2,
-        draft_tokens=400,
-        accepted=20,
-        drafts=100,
-        full=True,
-    )
+    low = window(1.2)
     d = p.observe(low, 20.0, at(1))
     assert d.numbers["predicted"]["draft_model k=4"] == pytest.approx(19.2)
     assert d.rule == "goodput-sustain"

@@ -11,13 +11,13 @@ w < 48.5/60.8 = 0.79770, i.e. t − t0 > H·log2(1/0.79770) = 0.32609·H.
 from __future__ import annotations
 
 import pytest
+from support_goodput import IDLE, window
 
 from specops.config.profile import ChainStep
 from specops.methods import Method
 from specops.watch.decision import KEEP, SWITCH, PolicyConfig
 from specops.watch.goodput import GoodputConfig, GoodputModel, Load, Surface
 from specops.watch.policy import Policy
-from specops.watch.window import NO_DATA, OK, WindowStats
 
 DM = Method.DRAFT_MODEL
 SURFACE = {
@@ -31,23 +31,6 @@ SURFACE = {
 }
 PRIMARY = ChainStep(method=DM, draft="d.gguf", num_speculative_tokens=4)
 NONE = ChainStep(method=Method.NONE)
-IDLE = WindowStats(NO_DATA, window_s=20.0, reason="idle")
-
-
-def window(tau: float) -> WindowStats:
-    """A full window of the running draft with mean acceptance length ``tau`` at k=4."""
-    return WindowStats(
-        OK,
-        window_s=20.0,
-        start=0.0,
-        end=20.0,
-        acceptance=(tau - 1) / 4,
-        mean_acceptance_length=tau,
-        draft_tokens=400,
-        accepted=int(100 * (tau - 1)),
-        drafts=100,
-        full=True,
-    )
 
 
 def policy(half_life: float = 100.0) -> Policy:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from support_cli import run
+from support_goodput import IDLE, window
 
 from specops.config.profile import ChainStep
 from specops.methods import Method
@@ -14,7 +15,6 @@ from specops.watch.decide import FallbackDecider
 from specops.watch.decision import PolicyConfig
 from specops.watch.goodput import GoodputConfig, Load, Surface
 from specops.watch.policy import Policy
-from specops.watch.window import NO_DATA, OK, WindowStats
 
 SURFACE = {
     "date": "2026-12-01",
@@ -26,7 +26,6 @@ SURFACE = {
         for c, v in ((1, 80), (4, 110), (16, 120))
     ],
 }
-IDLE = WindowStats(NO_DATA, window_s=20.0, reason="idle")
 
 
 class _Events:
@@ -91,18 +90,7 @@ def test_status_shows_a_left_methods_aged_acceptance(tmp_path):
         surface=Surface.from_dict(SURFACE),
     )
     decider = FallbackDecider(policy, events=_Events(), say=lambda m: None, clock=lambda: 0.0, wall=lambda: 1e9)
-    collapsed = WindowStats(
-        OK,
-        window_s=20.0,
-        start=0.0,
-        end=20.0,
-        acceptance=0.05,
-        mean_acceptance_length=1.2,
-        draft_tokens=400,
-        accepted=20,
-        drafts=100,
-        full=True,
-    )
+    collapsed = window(1.2)
     one = Load(1, None, "proxy in flight + waiting")
     decider.observe(collapsed, 20.0, one)
     assert decider.observe(collapsed, 30.0, one).to_index == 1
