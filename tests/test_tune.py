@@ -942,12 +942,18 @@ def test_a_k_the_engine_refuses_ends_the_widening():
     assert "k=12 could not be measured (failed: draft_model k=12 did not start)" in edge["why"]
 
 
-def test_the_reference_none_is_measured_for_the_surface_but_never_wins():
+def race_with_baseline(budget_s: float, max_rounds: int):
+    """k=2 and k=4 (50 and 60 tok/s) with none (90) as the surface's baseline; levels 2 and 1, 3 rounds min."""
     clock = Clock()
     speeds = {"draft_model k=2": [50] * 5, "draft_model k=4": [60] * 5, "none": [90] * 5}
     drv = FakeDriver(clock, speeds)
-    o = TuneOptions(budget_s=100.0, levels=(2, 1), min_rounds=3, max_rounds=3)
-    res = asyncio.run(Tuner([dm(2), dm(4)], drv, o, current=dm(2), clock=clock, reference=[Setting(Method.NONE)]).run())
+    o = TuneOptions(budget_s=budget_s, levels=(2, 1), min_rounds=3, max_rounds=max_rounds)
+    tuner = Tuner([dm(2), dm(4)], drv, o, current=dm(2), clock=clock, reference=[Setting(Method.NONE)])
+    return asyncio.run(tuner.run()), drv
+
+
+def test_the_reference_none_is_measured_for_the_surface_but_never_wins():
+    res, drv = race_with_baseline(100.0, max_rounds=3)
     assert drv.launched == [dm(2), dm(4), Setting(Method.NONE)]
     assert res.winner.setting == dm(4)  # none measured 90 but is only the baseline
     assert res.result_for(Setting(Method.NONE)).rounds(1) == 3  # not pruned: both levels
@@ -958,14 +964,10 @@ def test_the_reference_none_is_measured_for_the_surface_but_never_wins():
 def test_the_sweep_leaves_the_baseline_its_share_of_a_tight_budget():
     # 12 s: each setting costs about 1 + 0.1 + 3 rounds x 2 levels x 0.5 + 0.2 = 4.3 s, so two fit but not
     # three; the sweep comes first, so without a reserve k=4 took the time and none was skipped
-    clock = Clock()
-    speeds = {"draft_model k=2": [50] * 5, "draft_model k=4": [60] * 5, "none": [90] * 5}
-    drv = FakeDriver(clock, speeds)
-    o = TuneOptions(budget_s=12.0, levels=(2, 1), min_rounds=3, max_rounds=5)
-    res = asyncio.run(Tuner([dm(2), dm(4)], drv, o, current=dm(2), clock=clock, reference=[Setting(Method.NONE)]).run())
+    res, drv = race_with_baseline(12.0, max_rounds=5)
     none = res.result_for(Setting(Method.NONE))
     assert none.status == "measured" and min(none.rounds(2), none.rounds(1)) >= 3  # its minimum at both levels
-    assert res.result_for(dm(4)).status == "skipped"  # the sweep gave way
+    assert res.result_for(dm(4)).status == "skipped" and drv.launched == [dm(2), Setting(Method.NONE)]
     assert res.winner.setting == dm(2) and res.elapsed_s <= 12.0
 
 
