@@ -292,7 +292,8 @@ def main() -> None:
         "--together",
         action="store_true",
         help="run the three deployments at the same time, each with its own clients (default: one after the "
-        "other, the order rotating per round)",
+        "other, the order rotating per round); not with --engine vllm on a small machine: three vLLM-CPU "
+        "servers oversubscribe its cores and the scheduler, not the configuration, sets their shares",
     )
     ap.add_argument("--llama-threads", type=int, default=1)
     ap.add_argument(
