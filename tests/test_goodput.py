@@ -29,7 +29,9 @@ from specops.watch.decide import FallbackDecider
 from specops.watch.decision import HOLD, KEEP, SWITCH, PolicyConfig
 from specops.watch.goodput import (
     GoodputConfig,
+    GoodputModel,
     Load,
+    Option,
     Surface,
     alpha_from_length,
     bucket,
@@ -257,6 +259,22 @@ def test_a_per_batch_schedule_follows_load_without_restarts():
     d = p.observe(IDLE, 0.0, at(16))
     assert (d.rule, d.numbers["predicted"]["draft_model k=4 per batch size"]) == ("goodput-best", 200.0)
     assert p.observe(IDLE, 60.0, at(16)).action == KEEP
+
+
+def test_a_schedule_s_k_0_range_is_predicted_from_the_idle_draft_when_measured():
+    # vLLM still runs the draft's forward pass at k 0: with the idle draft measured (115 at 16, below none's 200)
+    # the schedule at c=16 predicts 115, so restarting to none gains 85 tok/s: goodput-sustain, then a switch
+    idle = [{"method": "draft_model", "k": 0, "concurrency": c, "tokens_per_s": v} for c, v in ((1, 25), (16, 115))]
+    s = Surface.from_dict({**SURFACE, "points": SURFACE["points"] + idle})
+    assert s.crossovers().keys() == {"draft_model k=2", "draft_model k=4"}  # k 0 drafts nothing: no crossover
+    assert per_batch_schedule(s, DM, max_batch=16, ks=[4]) == [[1, 16, 4]]  # k4 120 > 115 at 16: no k 0
+    g = dict(hysteresis=0.05, sustain_s=10.0, min_dwell_s=30.0, regime_s=100.0, switch_cost_s=5.0)
+    config = PolicyConfig(mode="goodput", window_s=20.0, min_draft_tokens=100, goodput=GoodputConfig(**g))
+    p = Policy(config, [PRIMARY, NONE], surface=s, per_batch=[[1, 2, 4], [3, 16, 0]])
+    d = p.observe(IDLE, 0.0, at(16))
+    assert d.rule == "goodput-sustain" and d.numbers["predicted"]["draft_model k=4 per batch size"] == 115.0
+    assert p.observe(IDLE, 11.0, at(16)).action == SWITCH
+    assert GoodputModel(s).raw(Option(DM, 4, per_batch=((1, 16, 0),)), 1) == 25.0  # the idle draft at 1 too
 
 
 def test_without_a_load_reading_nothing_is_decided():

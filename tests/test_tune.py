@@ -391,6 +391,58 @@ def test_per_batch_size_can_stop_and_resume_drafting_where_the_surface_says():
     assert res.per_batch_size("vllm", "0.32.0", 16)["value"] == [[1, 2, 4], [3, 3, 2], [4, 6, 0], [7, 16, 2]]
 
 
+def test_a_schedule_gives_k_0_only_where_the_idle_draft_measured_faster_not_where_none_did():
+    # levels 1 and 16, t = log2(b) / 4: k4 = 41 + 100t, none = 22 + 150t, the draft idle at k 0 = 20 + 126t.
+    # As none: k4 = none at t = 0.38 (b = 2.87): k 0 from 3. As measured: k4 = idle at t = 21/26, log2 b =
+    # 3.23: b=9 (t 0.7925) k4 120.25 > idle 119.85; b=10 (t 0.8305) idle 124.64 > k4 124.05
+    none, idle = Setting(Method.NONE), vdm(0)
+    low, high = {vdm(4): 41, none: 22}, {vdm(4): 141, none: 172}
+    res = result_with({16: dict(high), 1: dict(low)}, levels=(16, 1), current=vdm(4))
+    prop = res.per_batch_size("vllm", "0.32.0", 16)
+    assert prop["value"] == [[1, 2, 4], [3, 16, 0]] and "k 0 with the draft loaded was not measured" in prop["why"]
+    res = result_with({16: {**high, idle: 146}, 1: {**low, idle: 20}}, levels=(16, 1), current=vdm(4))
+    res.reference_only = frozenset({none, idle})
+    prop = res.per_batch_size("vllm", "0.32.0", 16)
+    assert prop["value"] == [[1, 9, 4], [10, 16, 0]] and "drafting nothing (measured at k 0)" in prop["why"]
+    pts = [p for p in res.surface_points() if p["k"] == 0 and p["method"] == "draft_model"]
+    assert [(p["concurrency"], p["mean_acceptance_length"]) for p in pts] == [(1, None), (16, None)]
+    # the idle draft slower than k4 everywhere: one k at every batch size, no schedule
+    res = result_with({16: {**high, idle: 111}, 1: {**low, idle: 20}}, levels=(16, 1), current=vdm(4))
+    assert res.per_batch_size("vllm", "0.32.0", 16) is None
+    res.reference_only = frozenset({none, idle})
+    assert res.winner.setting == vdm(4)  # measured only for the schedule: never written
+
+
+def test_the_idle_draft_is_measured_where_a_schedule_could_use_it_and_runs_a_k_0_range(tmp_path):
+    from specops.perf.tune.plan import _idle_setting
+
+    vllm = get_registry().backend("vllm")
+    choices = [MethodChoice(DM, "org/draft"), MethodChoice(Method.NGRAM)]
+
+    class Engine:
+        version = "0.32.0"
+
+    assert _idle_setting(vdm(4), choices, vllm, Engine, (8, 1)) == vdm(0)
+    assert _idle_setting(vdm(4), choices, vllm, Engine, (8,)) is None  # one level: no schedule to render
+    Engine.version = "0.20.0"
+    assert _idle_setting(vdm(4), choices, vllm, Engine, (8, 1)) is None  # no per_batch_size before 0.24
+    assert _idle_setting(dm(4), choices, get_registry().backend("llamacpp"), Engine, (8, 1)) is None
+    assert vdm(0).label == "draft_model k=0" and vdm(0).idle and not vdm(4).idle and not Setting(Method.NONE).idle
+
+    path = tmp_path / "v.yaml"
+    path.write_text(
+        "name: chat\nbackend: vllm\nengine:\n  version: 0.32.0\nmodel:\n  id: org/target\nspeculative:\n"
+        "  method: draft_model\n  draft: org/draft\n  num_speculative_tokens: 3\n"
+        "  per_batch_size: [[1, 4, 3], [5, 8, 1]]\nserver:\n  parallel: 8\n"
+    )
+    loaded = load_profile(path)
+    profile = vdm(0).apply(loaded.profile)
+    assert (profile.speculative.k, profile.speculative.per_batch_size) == (1, [(1, 65536, 0)])
+    rendered = " ".join(vllm.render(profile, engine_for(loaded)).argv)
+    assert '"num_speculative_tokens":1,"num_speculative_tokens_per_batch_size":[[1,65536,0]]' in rendered
+    assert vdm(4).apply(loaded.profile).speculative.per_batch_size is None  # a swept k runs without the schedule
+
+
 def test_table_marks_the_winner_and_shows_every_setting():
     res = result_with({8: {vdm(4): 100.0, vdm(2): 120.0}, 1: {vdm(4): 60.0, vdm(2): 50.0}}, current=vdm(4))
     text = format_table(res)

@@ -214,7 +214,7 @@ class Surface:
         options = self.options()
         if (Method.NONE, 0) not in options:
             return {}
-        return {option_label(m, k): self.crossover(m, k) for m, k in options if m is not Method.NONE}
+        return {option_label(m, k): self.crossover(m, k) for m, k in options if m is not Method.NONE and k > 0}
 
 
 def _read_surface(p: Path) -> Surface:
@@ -278,16 +278,22 @@ def per_batch_schedule(
 ) -> list[list[int]]:
     """vLLM ``num_speculative_tokens_per_batch_size`` from the surface: ``[[start, end, k], ...]`` covering
     batch sizes 1..``max_batch`` (default: the largest measured level, at least 1), each size getting the k of
-    ``method`` with the most tokens/s there, or 0 where ``none`` beats every k. Ranges with the same k merge.
-    Raises ValueError when the surface has no point of ``method``."""
+    ``method`` with the most tokens/s there, or 0 where drafting nothing beats every k. Ranges with the same k
+    merge. Raises ValueError when the surface has no point of ``method``.
+
+    What k 0 yields is the surface's ``method`` at k 0 where it was measured (the draft loaded, drafting
+    nothing), else ``none``'s tokens/s. The two differ: at k 0 vLLM still runs the draft's forward pass over
+    each step's tokens to keep the draft's KV cache in step (``llm_base_proposer.py``: "No draft tokens
+    requested (e.g. Dynamic SD decided K=0)"), which a draft model pays in full."""
     candidates = sorted(set(ks) if ks is not None else set(surface.ks(method)))
-    candidates = [k for k in candidates if surface.has(method, k)]
+    candidates = [k for k in candidates if k > 0 and surface.has(method, k)]
     if not candidates:
         raise ValueError(f"the surface has no measurement of {method.value}")
     top = max(1, int(max_batch or max(surface.levels())))
+    idle = method if surface.has(method, 0) else Method.NONE
     out: list[list[int]] = []
     for b in range(1, top + 1):
-        best_k, best = 0, surface.tokens_per_s(Method.NONE, 0, b)
+        best_k, best = 0, surface.tokens_per_s(idle, 0, b)
         for k in candidates:
             v = surface.tokens_per_s(method, k, b)
             if v is not None and (best is None or v > best):
@@ -390,6 +396,8 @@ class GoodputModel:
         return live is not None and aged is not None and aged > live * 1.01
 
     def _acceptance_factor(self, method: Method, k: int, now: float | None) -> float:
+        if not k:  # nothing drafted (none; a draft idle at k 0): acceptance does not enter
+            return 1.0
         tau = self.expected_tau(method, k, now)
         rec = self.surface.tau(method, k) if tau is not None and self.surface is not None else None
         return tau / rec if tau is not None and rec else 1.0
@@ -399,7 +407,8 @@ class GoodputModel:
         if option.per_batch:
             k = scheduled_k(option.per_batch, concurrency)
             k = option.k if k is None else k  # outside the ranges the engine drafts the step's k
-            return self.raw(Option(option.method if k else Method.NONE, k), concurrency, now)
+            idle = k or (self.surface is not None and self.surface.has(option.method, 0))
+            return self.raw(Option(option.method if idle else Method.NONE, k), concurrency, now)
         base = self.surface.tokens_per_s(option.method, option.k, concurrency) if self.surface else None
         if base is None:
             return self.learned.get((option.label, bucket(concurrency)))

@@ -96,10 +96,29 @@ def prepare(loaded, registry, cfg: TuneConfig) -> TunePlan:
     if Method.NONE in backend.methods and Setting(Method.NONE) not in settings:
         reference.append(Setting(Method.NONE))
         notes.append("none (no speculation) is measured last as the goodput surface's baseline; it is never written")
+    idle = _idle_setting(current, choices, backend, engine, levels)
+    if idle is not None:
+        reference.append(idle)
+        notes.append(
+            f"{idle.label} (the draft loaded, drafting nothing) is measured last as what a per_batch_size range "
+            "of k 0 yields; it is never written"
+        )
     widen = not cfg.k_values and any(backend.k_applies(c.method) for c in choices)
     if widen:
         notes.append("k is widened past the grid while the best k is at its edge (the curve has not turned down)")
     return TunePlan(resolved, engine, current, choices, settings, levels, prompts, workload, notes, reference, widen)
+
+
+def _idle_setting(current: Setting, choices: list[MethodChoice], backend, engine, levels) -> Setting | None:
+    """The speculative method at k 0 (:attr:`Setting.idle`) where the engine takes a k per batch size and the
+    surface has two levels or more: what a schedule's k 0 range costs is measured, not assumed to be ``none``'s
+    (vLLM still runs the draft's forward pass at k 0)."""
+    if len(levels) < 2 or not backend.takes_per_batch_size(getattr(engine, "version", None)):
+        return None
+    for c in sorted(choices, key=lambda c: c.method is not current.method):
+        if c.method is not Method.NONE and backend.k_applies(c.method):
+            return Setting(c.method, 0, draft=c.draft)
+    return None
 
 
 def _check_options(cfg: TuneConfig, backend, choices: list[MethodChoice], notes: list[str]) -> None:

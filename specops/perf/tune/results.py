@@ -204,7 +204,7 @@ class TuneResult:
     # ---- the goodput surface
     def surface_points(self) -> list[dict]:
         """Every measured (method, k) at every level with ``min_rounds`` rounds: the median tokens/s and mean
-        acceptance length (``none`` as k 0; settings without a k, such as llama.cpp n-gram types, are left out;
+        acceptance length (``none`` as k 0, a draft idle at k 0 as its method's k 0; settings without a k, such as llama.cpp n-gram types, are left out;
         of several settings with one method and k, e.g. n-gram min/max pairs, the best)."""
         best: dict[tuple[str, int, int], dict] = {}
         for r in self.results:
@@ -222,7 +222,7 @@ class TuneResult:
                         "k": k,
                         "concurrency": c,
                         "tokens_per_s": round(lr.median, 3),
-                        "mean_acceptance_length": rounded(lr.mean_acceptance_length),
+                        "mean_acceptance_length": None if st.idle else rounded(lr.mean_acceptance_length),
                     }
         return [best[key] for key in sorted(best)]
 
@@ -248,7 +248,8 @@ class TuneResult:
         ``engine_version``. Each batch size 1..max(parallel, the top level) gets the k of the speculative
         method with the most tokens/s there on the surface (interpolated in log2 of the concurrency between
         the measured levels, held flat past them), and k 0 where ``none`` measured faster than every k
-        (:func:`specops.watch.goodput.per_batch_schedule`). None when one k fits every batch size or the
+        (measured with the draft idle at k 0 where tune measured that, else as ``none``:
+        :func:`specops.watch.goodput.per_batch_schedule`). None when one k fits every batch size or the
         method was measured at fewer than two levels. Returns ``{"value": [[start, end, k], ...], "method",
         "k" (the largest), "why"}``.
         """
@@ -258,7 +259,7 @@ class TuneResult:
             return None
         method = self._schedule_method()
         points = self.surface_points()
-        if method is None or len({p["concurrency"] for p in points if p["method"] == method.value}) < 2:
+        if method is None or len({p["concurrency"] for p in points if p["method"] == method.value and p["k"]}) < 2:
             return None
         surface = Surface.from_dict({"points": points})
         value = per_batch_schedule(surface, method, max_batch=max(parallel or 0, max(self.levels)))
@@ -271,9 +272,14 @@ class TuneResult:
             m, k = max(opts, key=lambda o: surface.tokens_per_s(o[0], o[1], c) or 0.0)
             label = "none" if m is Method.NONE else f"{m.value} k={k}"
             best.append(f"concurrency {c}: best {label} ({surface.tokens_per_s(m, k, c) or 0.0:.1f} tok/s)")
+        zero = (
+            f"0 where {method.value} drafting nothing (measured at k 0) is faster"
+            if surface.has(method, 0)
+            else "0 where none is faster (k 0 with the draft loaded was not measured: vLLM still runs the draft there)"
+        )
         why = (
             ", ".join(best) + "; each batch size gets the k with the most tokens/s on the measured surface "
-            "(interpolated between levels), 0 where none is faster"
+            f"(interpolated between levels), {zero}"
         )
         return {"value": value, "method": method.value, "k": max(ks), "why": why}
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specops.config.fields import MAX_SEQUENCES
 from specops.errors import SpecopsError
 from specops.methods import NEEDS_DRAFT, Method
 
@@ -80,13 +81,21 @@ class Setting:
             out += f" n={self.ngram_min}..{self.ngram_max}"
         return out
 
+    @property
+    def idle(self) -> bool:
+        """The draft loaded but drafting nothing (k 0: a ``per_batch_size`` range of k 0 at every batch size)."""
+        return self.method is not Method.NONE and self.k == 0
+
     def apply(self, profile):
         """``profile`` running this setting (the rest of the deployment unchanged).
 
-        ``per_batch_size`` is cleared: it would override k for some batch sizes and blur what is measured.
+        ``per_batch_size`` is cleared: it would override k for some batch sizes and blur what is measured. An
+        :attr:`idle` setting runs k 1 with one range of k 0 over every batch size instead.
         """
         spec = profile.speculative
         update: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.k, "per_batch_size": None}
+        if self.idle:
+            update.update(num_speculative_tokens=1, per_batch_size=[(1, MAX_SEQUENCES, 0)])
         if self.method in NEEDS_DRAFT:
             update["draft"] = self.draft
             if self.draft != spec.draft:
