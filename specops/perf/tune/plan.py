@@ -52,7 +52,8 @@ class TunePlan:
     prompts: list
     workload: dict
     notes: list[str] = field(default_factory=list)
-    #: measured as the goodput surface's baseline only (``none`` when the sweep has no such setting)
+    #: measured for the goodput surface only, never written: ``none`` as its baseline (when the sweep has no
+    #: such setting) and, on an engine that takes a k per batch size, the draft idle at k 0
     reference: list[Setting] = field(default_factory=list)
     widen: bool = False
 

@@ -106,7 +106,7 @@ class Tuner:
         options.check()
         if not settings:
             raise SpecopsError("nothing to tune: the sweep is empty")
-        #: measured after the sweep as the goodput surface's baseline (never pruned, never the winner)
+        #: measured after the sweep for the goodput surface: its baseline, the idle draft (never pruned or the winner)
         self.reference = [r for r in reference if r not in settings]
         self.settings = list(settings) + self.reference
         self.driver = driver

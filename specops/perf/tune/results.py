@@ -138,7 +138,8 @@ class TuneResult:
     min_rounds: int
     budget_s: float
     elapsed_s: float = 0.0
-    #: settings measured only as the surface's baseline (``none`` when it was not asked for): never the winner
+    #: settings measured only for the surface (``none`` when it was not asked for, the draft idle at k 0): never
+    #: the winner
     reference_only: frozenset = frozenset()
     #: per method, why the k range ended where it did (filled by the race's widening)
     widening: dict = field(default_factory=dict)
