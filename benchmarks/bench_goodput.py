@@ -71,7 +71,7 @@ def profile_yaml(config: str, paths: dict, port: int, args, surface: Path | None
             f"  max_model_len: 1024\n{spec}server:\n  port: {port}\n  parallel: {args.parallel}\n  env:\n"
             f"    VLLM_CPU_KVCACHE_SPACE: '1'\n"
             # vLLM 0.32.0 cannot load its AOT compile cache and compiles again at every start; the older cache
-            # loads (a start 53 s instead of 99 s here, the same tokens/s): switches cost half as much
+            # loads (a start 53 s instead of 86-95 s here, the same tokens/s; bench_vllm_start.py): cheaper switches
             f"    VLLM_USE_AOT_COMPILE: '0'\n"
             + fallback
             + "monitor:\n  interval: 1s\nengine:\n  ready_timeout: 900\nsupervisor:\n  stop_timeout: 20\n"

@@ -56,7 +56,7 @@ async def tokens_per_s(url: str, model: str, concurrency: int, seconds: float) -
 def one_start(paths: dict, work: Path, args, name: str, env: dict) -> dict:
     prof = work / f"{name}.yaml"
     prof.write_text(profile_yaml(paths, free_port(), args, env))
-    up = Up(prof, work / "state", "vstart")
+    up = Up(prof, work / name, "vstart")  # a state folder per start: its events are that start's alone
     try:
         st = up.wait_ready(timeout=900)
         ready = next(e for e in up.events() if e.get("event") == "ready")

@@ -407,8 +407,9 @@ class GoodputModel:
         if option.per_batch:
             k = scheduled_k(option.per_batch, concurrency)
             k = option.k if k is None else k  # outside the ranges the engine drafts the step's k
-            idle = k or (self.surface is not None and self.surface.has(option.method, 0))
-            return self.raw(Option(option.method if idle else Method.NONE, k), concurrency, now)
+            if k == 0 and not (self.surface is not None and self.surface.has(option.method, 0)):
+                return self.raw(Option(Method.NONE, 0), concurrency, now)  # the idle draft unmeasured: as none
+            return self.raw(Option(option.method, k), concurrency, now)
         base = self.surface.tokens_per_s(option.method, option.k, concurrency) if self.surface else None
         if base is None:
             return self.learned.get((option.label, bucket(concurrency)))

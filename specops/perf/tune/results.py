@@ -205,8 +205,9 @@ class TuneResult:
     # ---- the goodput surface
     def surface_points(self) -> list[dict]:
         """Every measured (method, k) at every level with ``min_rounds`` rounds: the median tokens/s and mean
-        acceptance length (``none`` as k 0, a draft idle at k 0 as its method's k 0; settings without a k, such as llama.cpp n-gram types, are left out;
-        of several settings with one method and k, e.g. n-gram min/max pairs, the best)."""
+        acceptance length (``none`` as k 0, a draft idle at k 0 as its method's k 0; settings without a k, such
+        as llama.cpp n-gram types, are left out; of several settings with one method and k, e.g. n-gram min/max
+        pairs, the best)."""
         best: dict[tuple[str, int, int], dict] = {}
         for r in self.results:
             st = r.setting
