@@ -236,7 +236,7 @@ def run_together(paths: dict, work: Path, args, surface: Path, phases, say) -> d
 
 
 def print_surface(surface) -> None:
-    from specops.watch.goodput import option_label
+    from specops.watch.surface import option_label
 
     print("Measured surface (tokens/s; specops tune, medians of its rounds):\n")
     levels = surface.levels()
@@ -312,7 +312,7 @@ def main() -> None:
     args = ap.parse_args()
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
     from specops.devenv.testmodels import ensure_layerskip
-    from specops.watch.goodput import Surface
+    from specops.watch.surface import Surface
 
     kind = "hf" if args.engine == "vllm" else "gguf"
     paths = {k: str(v) for k, v in ensure_layerskip(kind, args.hidden, args.layers).items()}
@@ -342,7 +342,7 @@ def main() -> None:
         args.schedule = None
         if args.engine == "vllm":
             from specops.methods import Method
-            from specops.watch.goodput import per_batch_schedule
+            from specops.watch.surface import per_batch_schedule
 
             args.schedule = per_batch_schedule(surface, Method.DRAFT_MODEL, max_batch=args.parallel, ks=[args.k])
             say(f"managed: per_batch_size {args.schedule} (from the surface, k {args.k})")

@@ -3,7 +3,7 @@ schedule's thresholds? (A reported vLLM bug has throughput collapse at a schedul
 
 1. **The surface**: ``--surface FILE`` (a tune record), else ``specops tune --dry-run --json`` on the layer-skip
    fixture on vLLM-CPU (draft_model at each ``--k``, and none) at ``--levels``.
-2. **The schedule**: :func:`specops.watch.goodput.per_batch_schedule` renders it from the surface (what
+2. **The schedule**: :func:`specops.watch.surface.per_batch_schedule` renders it from the surface (what
    ``specops tune --per-batch-size`` writes); ``--schedule '[[1,2,4],[3,8,0]]'`` checks a given one instead.
    A schedule with a single range has no threshold: the script says so and stops.
 3. **The run**: one ``specops up`` with the schedule. At each threshold (the last batch size of a range, e, and
@@ -40,7 +40,7 @@ from specops.methods import Method  # noqa: E402
 from specops.perf.bench import machine  # noqa: E402
 from specops.perf.workload import Prompt, run_workload  # noqa: E402
 from specops.run.start import free_port  # noqa: E402
-from specops.watch.goodput import Surface, per_batch_schedule, scheduled_k  # noqa: E402
+from specops.watch.surface import Surface, per_batch_schedule, scheduled_k  # noqa: E402
 
 
 def profile_yaml(paths: dict, port: int, args, k: int, schedule: list | None) -> str:

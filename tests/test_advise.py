@@ -386,7 +386,7 @@ def test_advise_prints_the_measured_crossover_of_a_recorded_surface(tmp_path):
 
 
 def test_a_surface_where_speculation_always_wins_or_never_does():
-    from specops.watch.goodput import Surface
+    from specops.watch.surface import Surface
 
     s = Surface.from_dict(SURFACE)
     adv = A.advise(A.from_alpha(0.8), k=4, backend="llamacpp", surface=s)

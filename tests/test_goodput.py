@@ -27,19 +27,9 @@ from specops.methods import Method
 from specops.speedup import expected_tokens_per_step
 from specops.watch.decide import FallbackDecider
 from specops.watch.decision import HOLD, KEEP, SWITCH, PolicyConfig
-from specops.watch.goodput import (
-    GoodputConfig,
-    GoodputModel,
-    Load,
-    Option,
-    Surface,
-    alpha_from_length,
-    bucket,
-    load_surface,
-    per_batch_schedule,
-    scheduled_k,
-)
+from specops.watch.goodput import GoodputConfig, GoodputModel, Load, Option, alpha_from_length, bucket
 from specops.watch.policy import Policy
+from specops.watch.surface import Surface, load_surface, per_batch_schedule, scheduled_k
 from specops.watch.watcher import Reading, Watcher, engine_load
 
 DM = Method.DRAFT_MODEL

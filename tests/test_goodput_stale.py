@@ -16,8 +16,9 @@ from support_goodput import IDLE, window
 from specops.config.profile import ChainStep
 from specops.methods import Method
 from specops.watch.decision import KEEP, SWITCH, PolicyConfig
-from specops.watch.goodput import GoodputConfig, GoodputModel, Load, Surface
+from specops.watch.goodput import GoodputConfig, GoodputModel, Load
 from specops.watch.policy import Policy
+from specops.watch.surface import Surface
 
 DM = Method.DRAFT_MODEL
 SURFACE = {

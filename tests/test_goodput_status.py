@@ -13,8 +13,9 @@ from specops.methods import Method
 from specops.run.instance import InstancePaths, write_state
 from specops.watch.decide import FallbackDecider
 from specops.watch.decision import PolicyConfig
-from specops.watch.goodput import GoodputConfig, Load, Surface
+from specops.watch.goodput import GoodputConfig, Load
 from specops.watch.policy import Policy
+from specops.watch.surface import Surface
 
 SURFACE = {
     "date": "2026-12-01",

@@ -363,7 +363,7 @@ def test_an_option_pruned_after_one_level_is_not_extrapolated_to_the_others():
     none = Setting(Method.NONE)
     res = result_with({8: {vdm(4): 100, vdm(2): 90, none: 130}, 1: {vdm(4): 60, none: 20}})
     assert res.per_batch_size("vllm", "0.32.0", 8)["value"] == [[1, 3, 4], [4, 8, 0]]
-    from specops.watch.goodput import Surface
+    from specops.watch.surface import Surface
 
     surface = Surface.from_dict({"points": res.surface_points()})
     assert surface.tokens_per_s(DM, 2, 1) is None and surface.tokens_per_s(DM, 2, 4) is None
@@ -1024,7 +1024,7 @@ def test_the_sweep_leaves_the_baseline_its_share_of_a_tight_budget():
 
 
 def test_write_back_records_the_surface_with_where_it_was_measured(tmp_path):
-    from specops.watch.goodput import load_surface
+    from specops.watch.surface import load_surface
 
     path = tmp_path / "chat.yaml"
     path.write_text(LLAMA)

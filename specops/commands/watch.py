@@ -334,7 +334,7 @@ def _surface(loaded):
     if loaded.profile.fallback.mode != "goodput":
         return None
     from specops.errors import SpecopsError
-    from specops.watch.goodput import profile_surface
+    from specops.watch.surface import profile_surface
 
     try:
         return profile_surface(loaded)

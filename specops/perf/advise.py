@@ -258,7 +258,7 @@ def advise(
     with ``batch_size`` it decides whether the batch caveat comes with a per-batch-size schedule.
     ``min_acceptance`` (the profile's fallback threshold, on the acceptance *rate*) adds a note when
     the threshold watcher would act against the model. ``surface`` (a measured
-    :class:`specops.watch.goodput.Surface`) adds the measured crossover concurrency of every option and, for
+    :class:`specops.watch.surface.Surface`) adds the measured crossover concurrency of every option and, for
     engines that take it, a per-batch-size schedule rendered from the measurements instead of the published shape.
     """
     k = _check_k(k)
@@ -275,7 +275,7 @@ def advise(
 def _surface_advice(adv: Advice, surface, max_batch: int | None) -> None:
     """The measured crossovers, and the schedule from the measured surface (replacing the published shape)."""
     from specops.methods import Method
-    from specops.watch.goodput import per_batch_schedule
+    from specops.watch.surface import per_batch_schedule
 
     adv.crossover = surface.crossovers()
     adv.surface = {
@@ -311,7 +311,7 @@ def find_surface(profile_path: str | None, profile=None):
     else the lock file's ``tune`` entry; None when none holds one (a broken file raises SpecopsError)."""
     from pathlib import Path
 
-    from specops.watch.goodput import Surface, load_surface, surface_file
+    from specops.watch.surface import Surface, load_surface, surface_file
 
     named = getattr(getattr(getattr(profile, "fallback", None), "goodput", None), "surface", None)
     if named:  # a relative path is the profile's neighbour, as `specops up` reads it

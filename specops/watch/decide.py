@@ -23,8 +23,9 @@ from typing import Any
 
 from specops.run.events import EngineReady, FallbackOrder, StepChanged, StepFailed, SupervisorEvent
 from specops.watch.decision import Decision
-from specops.watch.goodput import Load, Surface
+from specops.watch.goodput import Load
 from specops.watch.policy import Policy
+from specops.watch.surface import Surface
 from specops.watch.window import WindowStats
 
 #: The ``rule`` of a failure decision that leaves no step to run.

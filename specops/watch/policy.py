@@ -56,15 +56,8 @@ from specops.watch.decision import (
     verdict_numbers,
     window_numbers,
 )
-from specops.watch.goodput import (
-    GoodputModel,
-    GoodputPolicy,
-    Load,
-    Surface,
-    load_surface,
-    profile_surface,
-    step_options,
-)
+from specops.watch.goodput import GoodputModel, GoodputPolicy, Load, step_options
+from specops.watch.surface import Surface, load_surface, profile_surface
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
 
 FLAP_PERIOD_S = 3600.0

@@ -251,11 +251,11 @@ class TuneResult:
         method with the most tokens/s there on the surface (interpolated in log2 of the concurrency between
         the measured levels, held flat past them), and k 0 where ``none`` measured faster than every k
         (measured with the draft idle at k 0 where tune measured that, else as ``none``:
-        :func:`specops.watch.goodput.per_batch_schedule`). None when one k fits every batch size or the
+        :func:`specops.watch.surface.per_batch_schedule`). None when one k fits every batch size or the
         method was measured at fewer than two levels. Returns ``{"value": [[start, end, k], ...], "method",
         "k" (the largest), "why"}``.
         """
-        from specops.watch.goodput import Surface, per_batch_schedule
+        from specops.watch.surface import Surface, per_batch_schedule
 
         if len(self.levels) < 2 or not backend_of(backend).takes_per_batch_size(engine_version):
             return None

@@ -153,9 +153,9 @@ def draft_sha(profile) -> str | None:
 
 
 def surface_record(result: TuneResult, *, backend: str, engine_version: str | None, date: str, draft: str | None):
-    """The goodput surface of ``result`` (:class:`specops.watch.goodput.Surface` as a dict, with its crossovers and
+    """The goodput surface of ``result`` (:class:`specops.watch.surface.Surface` as a dict, with its crossovers and
     where it was measured), or None when nothing reached ``min_rounds``."""
-    from specops.watch.goodput import Surface
+    from specops.watch.surface import Surface
 
     points = result.surface_points()
     if not points:
