@@ -249,13 +249,13 @@ class TuneResult:
         ``backend`` is a backend name or object; None unless it takes a k per batch size at
         ``engine_version``. Each batch size 1..max(parallel, the top level) gets the k of the speculative
         method with the most tokens/s there on the surface (interpolated in log2 of the concurrency between
-        the measured levels, held flat past them), and k 0 where ``none`` measured faster than every k
-        (measured with the draft idle at k 0 where tune measured that, else as ``none``:
+        the measured levels, held flat past them), and k 0 where drafting nothing measured faster than every k
+        (the draft idle at k 0 where tune measured it, else ``none``:
         :func:`specops.watch.surface.per_batch_schedule`). None when one k fits every batch size or the
         method was measured at fewer than two levels. Returns ``{"value": [[start, end, k], ...], "method",
         "k" (the largest), "why"}``.
         """
-        from specops.watch.surface import Surface, per_batch_schedule
+        from specops.watch.surface import Surface, option_label, per_batch_schedule
 
         if len(self.levels) < 2 or not backend_of(backend).takes_per_batch_size(engine_version):
             return None
@@ -272,8 +272,9 @@ class TuneResult:
         best = []
         for c in surface.levels():
             m, k = max(opts, key=lambda o: surface.tokens_per_s(o[0], o[1], c) or 0.0)
-            label = "none" if m is Method.NONE else f"{m.value} k={k}"
-            best.append(f"concurrency {c}: best {label} ({surface.tokens_per_s(m, k, c) or 0.0:.1f} tok/s)")
+            best.append(
+                f"concurrency {c}: best {option_label(m, k)} ({surface.tokens_per_s(m, k, c) or 0.0:.1f} tok/s)"
+            )
         zero = (
             f"0 where {method.value} drafting nothing (measured at k 0) is faster"
             if surface.has(method, 0)
