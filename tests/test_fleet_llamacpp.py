@@ -112,7 +112,9 @@ def test_three_replicas_switch_one_at_a_time_under_load(tmp_path, tiny_models):
         )
         for i in range(REPLICAS)
     ]
-    operator = LeaseGate.from_environment(NAME, 1, 10, {"KUBECONFIG": str(config), "POD_NAME": "operator"})
+    # the stand-in holder does not renew its Lease: it lasts long enough for every replica to decide (a 10 s one
+    # expired on a loaded machine before the third replica waited, and a replica took the slot)
+    operator = LeaseGate.from_environment(NAME, 1, 300, {"KUBECONFIG": str(config), "POD_NAME": "operator"})
     t0 = time.time()
     try:
         for run in runs:
