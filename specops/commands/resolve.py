@@ -192,7 +192,7 @@ def _candidate_table(res, show_all: bool) -> list[str]:
             lines.append(f"       {c.note}")
         if c.entry is not None:
             lines.append(f"       source   {c.entry.source}")
-            lines.append(f"       known    {format_evidence(c.entry)}")
+            lines.append(f"       known    {format_evidence(c.entry, engine=res.profile.backend)}")
         if c is res.choice or show_all:
             for cav in c.caveats:
                 lines.append(f"       caveat   {cav}")

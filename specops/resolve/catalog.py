@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -124,12 +124,18 @@ def measurements(fmt: DraftFormat, cells: Iterable[Cell] | None = None) -> list[
     ]
 
 
-def format_evidence(entry: CatalogEntry, cells: Iterable[Cell] | None = None) -> str:
+def format_evidence(entry: CatalogEntry, cells: Iterable[Cell] | None = None, engine: str | None = None) -> str:
     """One line on how ``entry`` is known: its format's tiny checkpoint as measured on the entry's engines
-    (``cells``: the support matrix's; default the shipped one), or "documented only"."""
+    (``cells``: the support matrix's; default the shipped one), or "documented only". With ``engine`` (the
+    backend a resolution asked for) the line speaks of that engine only, and says so when the catalog lists
+    the pair for other engines, so a vLLM resolution never reads as a llama.cpp measurement."""
     fmt = FORMATS.get(entry.format or "")
     if fmt is None:
         return "documented only (no draft format named)"
+    if engine is not None and entry.backends and engine not in entry.backends:
+        return _elsewhere_evidence(entry, fmt, engine, measured_cells() if cells is None else tuple(cells))
+    if engine is not None:
+        entry = replace(entry, backends=(engine,)) if entry.backends else entry
 
     def where(ms: list[Cell], outcome: bool = False) -> str:
         return ", ".join(
@@ -158,7 +164,24 @@ def format_evidence(entry: CatalogEntry, cells: Iterable[Cell] | None = None) ->
         )
     if found:
         return f"documented only; format {fmt.name} measured not speculating ({where(found, True)}, tiny checkpoint)"
-    return f"documented only (format {fmt.name} not measured on {', '.join(engines) or 'any engine'})"
+    named = ", ".join(_engine_name(e) for e in engines)
+    return f"documented only (format {fmt.name} not measured on {named or 'any engine'})"
+
+
+def _elsewhere_evidence(entry: CatalogEntry, fmt: DraftFormat, engine: str, cells: tuple[Cell, ...]) -> str:
+    """How a pair listed for other engines is known on ``engine``: not documented there, and what the matrix
+    measured of its format on ``engine`` (the engine a resolution asked for)."""
+    asked = _engine_name(engine)
+    listed = ", ".join(_engine_name(e) for e in entry.backends)
+    found = [m for m in measurements(fmt, cells) if m.engine == engine and m.outcome not in UNMEASURED]
+    good = [m for m in found if m.speculating]
+    head = f"not documented on {asked} (the catalog lists the pair for {listed})"
+    if good:
+        versions = ", ".join(f"{asked} {m.version}" for m in good)
+        return f"{head}; format {fmt.name} measured speculating on {versions} (tiny checkpoint: {good[0].format})"
+    if found:
+        return f"{head}; format {fmt.name} measured not speculating on {asked}"
+    return f"{head}; format {fmt.name} not measured on {asked}"
 
 
 def measured_speculating(entry: CatalogEntry, cells: Iterable[Cell] | None = None) -> list[Cell]:

@@ -66,7 +66,7 @@ class Resolution:
             },
             "choice": self.choice.to_dict() if self.choice else None,
             "candidates": [
-                dict(rank=i + 1, **c.to_dict(), **({"catalog": catalog_dict(c.entry)} if c.entry else {}))
+                dict(rank=i + 1, **c.to_dict(), **({"catalog": catalog_dict(c.entry, self.profile.backend)} if c.entry else {}))
                 for i, c in enumerate(self.candidates)
             ],
             "findings": [f.to_dict() for f in self.findings],
@@ -428,13 +428,13 @@ def catalog_findings(entry: CatalogEntry, profile) -> list[Finding]:
     return out
 
 
-def catalog_dict(entry: CatalogEntry) -> dict:
-    """The catalog's word on a candidate, for ``--json``."""
+def catalog_dict(entry: CatalogEntry, backend: str | None = None) -> dict:
+    """The catalog's word on a candidate, for ``--json`` (its evidence on ``backend``, the engine asked for)."""
     return {
         "source": entry.source,
         "format": entry.format,
         "known": entry.known,
-        "evidence": format_evidence(entry),
+        "evidence": format_evidence(entry, engine=backend),
         "backends": list(entry.backends),
         "min_version": dict(entry.min_version),
     }
