@@ -224,15 +224,14 @@ class _Bench:
     async def fit(self, eng) -> None:
         """Fit every prompt set to the context one request gets on the first engine (its own tokenizer counts),
         once, so both modes and every round send the same prompts; say what was trimmed."""
-        from specops.perf.workload import fit_to_engine
+        from specops.perf.workload import fit_workload
 
         self.fitted = True
-        for name, prompts in self.sets.items():
-            fit = await fit_to_engine(eng, prompts, fallback_context=self.profiles[SPEC].model.max_model_len)
-            self.sets[name] = fit.prompts
-            for note in fit.notes:
-                self.say(note)
-                self.fit_notes.append(note)
+        fit = await fit_workload([eng], self.sets, fallback_context=self.profiles[SPEC].model.max_model_len)
+        self.sets = fit.sets
+        for note in fit.notes:
+            self.say(note)
+            self.fit_notes.append(note)
 
     async def ready(self, eng, mode: str, rnd: int) -> None:
         self.say(f"ready in {eng.ready_s:.1f}s on {eng.base_url}")

@@ -293,15 +293,32 @@ async def run_certify(loaded: LoadedProfile, registry, cfg: CertifyConfig, *, sa
         argv = ["<port>" if a == port else eng.plan.redact(a) for a in eng.plan.argv]
         launches.append({"mode": mode, "ready_s": round(eng.ready_s, 2), "argv": argv})
 
+    fitted: dict[str, Any] = {}
+
+    async def fit(engines) -> None:
+        """The sets fitted once, to the first launch (or both at once): both modes get the same prompts."""
+        nonlocal sets
+        if fitted:
+            return
+        from specops.perf.workload import fit_workload
+
+        fit = await fit_workload(engines, sets, fallback_context=spec.model.max_model_len)
+        sets = fit.sets
+        fitted.update(context_per_request=fit.context, counted_by=fit.counted_by, notes=fit.notes)
+        for note in fit.notes:
+            say(note)
+
     runs: dict[str, dict] = {}
     if cfg.both_at_once:
         async with _both(launch, ready) as engines:
+            await fit([engines[SPEC], engines[BASE]])
             for mode in (SPEC, BASE):
                 runs[mode] = await _passes(engines[mode], sets, level, chat, cfg, say)
     else:
         for mode in (SPEC, BASE):
             async with launch(mode) as eng:
                 ready(mode, eng)
+                await fit([eng])
                 runs[mode] = await _passes(eng, sets, level, chat, cfg, say)
     launches.sort(key=lambda x: x["mode"] != SPEC)
     report = {
@@ -326,6 +343,7 @@ async def run_certify(loaded: LoadedProfile, registry, cfg: CertifyConfig, *, sa
             "method": spec.speculative.method.value,
             "k": spec.speculative.k,
             "min_acceptance": spec.fallback.min_acceptance,
+            "fitted": fitted,
         },
         "machine": machine(),
     }

@@ -216,6 +216,7 @@ class SpotChecker:
         self.live = _Probe(live.base_url, live.model_name, live.api_key) if live is not None else None
         self.reference, self.cfg = reference, cfg
         self.prompts = [Prompt(p.text, cfg.max_tokens, 0.0, p.set) for p in prompts]
+        self._fitted = False  # the probes are fitted to the deployment and the reference before the first one
         self.events, self.metrics, self.say = events, metrics or SpotMetrics(), say
         self.sampler, self.gate, self.on_check = sampler, gate, on_check  # on_check: after each check or skip
         self._next = 0
@@ -224,6 +225,17 @@ class SpotChecker:
         self.last_divergence: dict | None = None
         self.last_skip: dict | None = None
         self.skipped = 0
+
+    async def _fit(self) -> None:
+        """The probes fitted (once) to the smaller context of the deployment and the reference, so a probe is
+        never refused for its length (:func:`specops.perf.workload.fit_workload`, as bench and certify do)."""
+        from specops.perf.workload import fit_workload
+
+        assert self.live is not None
+        fit = await fit_workload([self.live, self.reference], {"probes": self.prompts})
+        self.prompts, self._fitted = fit.sets["probes"], True
+        for note in fit.notes:
+            self.say(f"spot checks: {note}")
 
     def _pick(self) -> list[Prompt]:
         picked = [self.prompts[(self._next + i) % len(self.prompts)] for i in range(self.cfg.sample)]
@@ -284,6 +296,8 @@ class SpotChecker:
             for sample in samples:
                 comparisons.append(await self._replay(session, sample))
             if self.cfg.probes:
+                if not self._fitted:
+                    await self._fit()
                 for prompt in self._pick():
                     comparisons.append(await self._probe(session, prompt))
         if not comparisons:  # no greedy request since the last check: nothing compared, nothing recorded

@@ -31,7 +31,7 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -611,17 +611,52 @@ def engine_tokenizer(base_url: str, model_name: str, api_key: str | None = None,
     return count
 
 
-async def fit_to_engine(engine, prompts: Sequence[Prompt], fallback_context: int | None = None) -> Fit:
-    """:func:`fit_prompts` against a running engine (``base_url``, ``model_name``, ``api_key``): its reported
-    context per request (else ``fallback_context``) and its tokenizer (else the estimate)."""
-    context = await engine_context(engine.base_url, engine.api_key) or fallback_context
+@dataclass
+class FittedWorkload:
+    """What :func:`fit_workload` did to named prompt sets: the sets, one line per change, the context they fit."""
+
+    sets: dict[str, list[Prompt]]
+    notes: list[str]
+    context: int
+    counted_by: str
+
+
+async def fit_workload(engines, sets: Mapping[str, Sequence[Prompt]], fallback_context: int | None = None):
+    """Fit built-in workloads to the deployment they run against: the one fitting ``bench``, ``tune``,
+    ``certify`` and spot checks use, so no measurement request is refused for its length.
+
+    ``engines`` (one, or several that get the same prompts, e.g. a deployment and its reference): each has
+    ``base_url``, ``model_name`` and ``api_key``. The context is the smallest one a request gets on any of them
+    (:func:`engine_context`; else ``fallback_context``); tokens are counted by the first engine whose
+    ``/tokenize`` answers (else :func:`estimate_tokens`). Each set is fitted by :func:`fit_prompts`."""
+    engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+    contexts = [await engine_context(e.base_url, getattr(e, "api_key", None)) for e in engines]
+    known = [c for c in contexts if c]
+    context = min(known) if known else fallback_context
     if context is None:
-        return Fit(list(prompts), [], 0, "")
-    count = engine_tokenizer(engine.base_url, engine.model_name, engine.api_key)
-    probe = await count(prompts[0].text) if prompts else None
-    if probe is None:
-        return await fit_prompts(prompts, context, None)
-    return await fit_prompts(prompts, context, count, counted_by="the engine's /tokenize")
+        return FittedWorkload({k: list(v) for k, v in sets.items()}, [], 0, "")
+    count, counted_by = None, "an estimate"
+    first = next((p for ps in sets.values() for p in ps), None)
+    for e in engines if first is not None else ():
+        candidate = engine_tokenizer(e.base_url, e.model_name, getattr(e, "api_key", None))
+        if await candidate(first.text) is not None:
+            count, counted_by = candidate, "the engine's /tokenize"
+            break
+    out: dict[str, list[Prompt]] = {}
+    notes: list[str] = []
+    for name, prompts in sets.items():
+        fit = await fit_prompts(prompts, context, count, counted_by=counted_by)
+        out[name] = fit.prompts
+        notes.extend(fit.notes)
+    return FittedWorkload(out, notes, context, counted_by)
+
+
+async def fit_to_engine(engine, prompts: Sequence[Prompt], fallback_context: int | None = None) -> Fit:
+    """:func:`fit_workload` for one prompt list on one running engine (``base_url``, ``model_name``,
+    ``api_key``): its reported context per request (else ``fallback_context``) and its tokenizer (else the
+    estimate)."""
+    fitted = await fit_workload([engine], {"prompts": prompts}, fallback_context)
+    return Fit(fitted.sets["prompts"], fitted.notes, fitted.context, fitted.counted_by)
 
 
 async def _get_json(base_url: str, path: str, api_key: str | None, timeout: float):

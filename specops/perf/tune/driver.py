@@ -87,10 +87,10 @@ class EngineDriver:
     async def fit(self, eng) -> None:
         """Fit the prompts to the context one request gets on the first engine (its tokenizer counts), once:
         every setting then sees the same prompts."""
-        from specops.perf.workload import fit_to_engine
+        from specops.perf.workload import fit_workload
 
-        fit = await fit_to_engine(eng, self.prompts, fallback_context=self.resolved.model.max_model_len)
-        self.prompts, self.fitted = fit.prompts, True
+        fit = await fit_workload([eng], {"tune": self.prompts}, fallback_context=self.resolved.model.max_model_len)
+        self.prompts, self.fitted = fit.sets["tune"], True
         if fit.notes and self.workload is not None:
             self.workload["fitted"] = {"context_per_request": fit.context, "counted_by": fit.counted_by}
             self.workload.setdefault("notes", []).extend(fit.notes)
