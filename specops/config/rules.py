@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from specops.config.deploy import K8S_LABEL_KEY, K8S_LABEL_VALUE
 from specops.config.located import quote_value
+from specops.config.routing import routing_problems
 from specops.config.sections import (
     ENV_NAME,
     LABEL_NAME,
@@ -52,6 +53,7 @@ def semantic_problems(loaded: LoadedProfile, registry: Registry) -> list[Problem
         _monitor_and_port_problems(p),
         _backend_problems(p, backend) if backend is not None else iter(()),
         _deploy_problems(p, backend),
+        routing_problems(p),
     ):
         out += [loaded.problem(path, msg) for path, msg in findings]
     out += _node_selector_problems(loaded)

@@ -26,6 +26,7 @@ from specops.config.fields import (  # noqa: F401  (re-exported: the profile's b
     Duration,
     Section,
 )
+from specops.config.routing import Routing
 from specops.config.spotcheck import Certify
 from specops.methods import DEFAULT_K, NEEDS_DRAFT, Method, default_chain
 from specops.reponames import repo_file_problem
@@ -488,6 +489,7 @@ class Profile(Section):
     proxy: ProxySettings = Field(default_factory=ProxySettings)
     deploy: Deploy = Field(default_factory=Deploy)
     certify: Certify = Field(default_factory=Certify)
+    routing: Routing = Field(default_factory=Routing)
 
     @property
     def chain(self) -> list[ChainStep]:

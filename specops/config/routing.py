@@ -1,0 +1,203 @@
+"""The profile's ``routing`` section: engines kept warm beside the primary (twins) and where each request goes.
+
+A twin is a step of the fallback chain run as its own engine beside the primary, behind the same proxy, so a
+switch to it is a route change instead of a restart, and each request can be sent to the engine that pays for
+it: the client's ``X-Specops-Speculation`` header (when the operator allows it), route rules (by path, ``model``,
+header or a pattern on the system prompt), then the choice learned per request class, then the step in effect.
+
+Kept apart from :mod:`specops.config.sections` (which declares it as one field); the rules that need the rest of
+the profile (a twin must be a chain step, twins need the proxy) are :func:`routing_problems`, which
+:mod:`specops.config.rules` runs with the other cross-field rules.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+
+from specops.config.fields import Duration, Section
+from specops.methods import Method
+
+if TYPE_CHECKING:
+    from specops.config.sections import Profile
+
+#: The request header a client may use to ask for or against speculation (when ``routing.client_choice: allow``).
+SPECULATION_HEADER = "X-Specops-Speculation"
+#: What a request may ask for: ``on`` (a speculating engine), ``off`` (an engine without speculation), ``auto``.
+SPECULATION_VALUES = ("on", "off", "auto")
+#: Upper bound of ``routing.classes.max_classes``: each class holds a window and a metrics series.
+MAX_CLASSES = 4096
+#: Longest system-prompt pattern (a regex runs on every request that a rule with it is tried on).
+MAX_PATTERN = 1024
+
+
+
+def _on_off(value: object) -> object:
+    """YAML reads a bare ``on``/``off`` as a boolean: take it back as the word that was written."""
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    return value
+
+
+Speculation = Annotated[Literal["on", "off", "auto"], BeforeValidator(_on_off)]
+#: HTTP header names (RFC 9110 tokens).
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$")
+
+
+def _header_name(value: str | None) -> str | None:
+    if value is not None and not _HEADER_NAME.match(value):
+        raise ValueError("not an HTTP header name: letters, digits and -_. (at most 64 characters)")
+    return value
+
+
+def _pattern(value: str | None) -> str | None:
+    if value is None:
+        return value
+    if len(value) > MAX_PATTERN:
+        raise ValueError(f"a pattern of at most {MAX_PATTERN} characters")
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"not a regular expression: {exc}") from None
+    return value
+
+
+def _path(value: str | None) -> str | None:
+    if value is not None and not value.startswith("/"):
+        raise ValueError("a request path starts with / (a trailing * matches every path under it)")
+    return value
+
+
+HeaderName = Annotated[str, AfterValidator(_header_name)]
+
+
+class RouteMatch(Section):
+    """What a route rule matches; every condition given must hold (none given: every request)."""
+
+    path: Annotated[str, AfterValidator(_path)] | None = Field(
+        None, description="Request path, e.g. `/v1/completions`; a trailing `*` matches every path under it."
+    )
+    model: str | None = Field(None, min_length=1, description="The request body's `model`, exactly.")
+    header: HeaderName | None = Field(None, description="A request header that must be present (see `value`).")
+    value: str | None = Field(None, description="With `header`: its value, exactly (unset: any value).")
+    system: Annotated[str, AfterValidator(_pattern)] | None = Field(
+        None, description="A regular expression searched in the system prompt (chat `messages` with role system)."
+    )
+
+    @model_validator(mode="after")
+    def _value_needs_header(self) -> RouteMatch:
+        if self.value is not None and self.header is None:
+            raise ValueError("`value` needs `header` (the header whose value it is)")
+        return self
+
+
+class RouteRule(Section):
+    """A route rule: requests it matches get its `speculation`; the first matching rule wins."""
+
+    match: RouteMatch = Field(default_factory=RouteMatch)
+    speculation: Speculation = Field(
+        ..., description="`on`: a speculating engine; `off`: an engine without speculation; `auto`: learned."
+    )
+
+
+class RequestClasses(Section):
+    """Learned routing: requests grouped into classes, each with its own acceptance window and engine."""
+
+    key: Literal["none", "header", "model", "system", "route"] = Field(
+        "none",
+        description="What makes a class: `header` (the value of `header`), `model`, `system` (a hash of the system "
+        "prompt), `route` (the path); `none`: no learned routing.",
+    )
+    header: HeaderName | None = Field(None, description="With `key: header`: the request header naming the class.")
+    max_classes: int = Field(
+        64,
+        ge=1,
+        le=MAX_CLASSES,
+        description="Classes kept at once; past it the least recently seen one is forgotten.",
+    )
+    explore: float = Field(
+        0.05,
+        ge=0,
+        le=0.5,
+        description="Share of a class's requests sent to the other engine, so a class that changes is seen.",
+    )
+    window: Duration = Field(
+        300.0, gt=0, description="A class's acceptance is measured over this sliding window (like `fallback.window`)."
+    )
+    min_draft_tokens: int = Field(
+        100, ge=1, le=1_000_000_000, description="Decide a class only once its window holds this many drafted tokens."
+    )
+
+    @model_validator(mode="after")
+    def _header_key(self) -> RequestClasses:
+        if self.key == "header" and self.header is None:
+            raise ValueError("`key: header` needs `header`: the request header naming the class")
+        if self.key != "header" and self.header is not None:
+            raise ValueError(f"`header` is used only with `key: header`, not `key: {self.key}`")
+        return self
+
+
+class Routing(Section):
+    """Engines kept warm beside the primary (twins) and per-request routing between them (needs the proxy)."""
+
+    twins: list[Method] = Field(
+        default_factory=list,
+        description="Chain steps run as engines of their own beside the primary (e.g. `[none]`): a switch to one is "
+        "a route change, not a restart, and requests can be routed per request. Empty: one engine, as without routing.",
+    )
+    client_choice: Literal["allow", "forbid"] = Field(
+        "allow",
+        description="Whether clients may choose with the `X-Specops-Speculation: on|off|auto` header (`forbid`: a "
+        "request that sends it gets 403).",
+    )
+    rules: list[RouteRule] = Field(
+        default_factory=list, description="Route rules, tried in order after the client's header."
+    )
+    classes: RequestClasses = Field(default_factory=RequestClasses)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether requests are routed between engines at all (a profile without twins runs as it always did)."""
+        return bool(self.twins)
+
+
+def routing_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
+    """The ``routing`` section against the rest of the profile: each problem with the path of the field to fix."""
+    r = p.routing
+    chain = [s.method for s in p.chain]
+    seen: set[Method] = set()
+    for i, method in enumerate(r.twins):
+        path = ("routing", "twins", i)
+        if method is Method.AUTO:
+            yield path, "`auto` cannot be a twin; name a step of fallback.chain"
+        elif method is p.speculative.method:
+            yield path, f"{method} is the primary method: a twin runs a step of the fallback chain beside it"
+        elif method not in chain:
+            yield (
+                path,
+                f"{method} is not a step of the fallback chain ({', '.join(m.value for m in chain) or 'empty'}): a twin "
+                "runs a chain step",
+            )
+        elif method in seen:
+            yield path, f"{method} is listed twice"
+        seen.add(method)
+    if r.twins and not p.proxy.enabled:
+        yield (
+            ("routing", "twins"),
+            "twins are served through specops' proxy (it routes each request): set proxy.enabled: true or remove twins",
+        )
+    if r.twins and p.proxy.engine_port is not None:
+        yield (
+            ("proxy", "engine_port"),
+            "with twins every engine gets a free loopback port of its own: remove proxy.engine_port",
+        )
+    if not r.twins:
+        if r.rules:
+            yield ("routing", "rules"), "route rules need an engine to route to: add routing.twins (e.g. [none])"
+        if r.classes.key != "none":
+            yield ("routing", "classes", "key"), "learned routing needs an engine to route to: add routing.twins"
