@@ -11,7 +11,13 @@ status codes of kube-apiserver (pkg/registry/coordination/lease, apimachinery's 
   stale; a PUT never creates (404);
 - every write bumps a cluster-wide ``resourceVersion``; ``acquireTime``/``renewTime`` must be RFC 3339
   MicroTimes (422 otherwise) and come back as ``2006-01-02T15:04:05.000000Z``; unknown fields are dropped;
-- 401 ``Unauthorized`` without the token; ``forbidden = True`` answers 403 ``Forbidden`` (missing RBAC).
+- 401 ``Unauthorized`` without the token; ``forbidden = True`` answers 403 ``Forbidden`` (missing RBAC);
+  ``forbid_create = True`` only refuses creates (a Role with get/update on named Leases and no create).
+
+Misbehaving servers, for the client's defences: ``answer`` (a JSON value) is what a GET of a Lease gets
+with 200 instead of the object (``{}``, ``{"metadata": None}``); ``trickle`` (seconds) sends every response
+a byte at a time with that pause, which never trips a per-read timeout. A trickled response the client
+gave up on counts in :attr:`FakeKube.trickle_cut`; a trickle stops when the server stops.
 
 No watch. :attr:`FakeKube.writes` records every successful write (time, verb, lease, holder), so a test can
 rebuild who held which slot when.
@@ -70,6 +76,10 @@ class FakeKube:
         self.writes: list[dict] = []
         self.requests: list[tuple[str, str, int]] = []  # (verb, path, status)
         self.forbidden = False
+        self.forbid_create = False
+        self.answer: Any = None  # not None: what a GET of a Lease answers with 200, instead of the object
+        self.trickle: float | None = None  # seconds between the bytes of every response
+        self.trickle_cut = 0  # trickled responses the client hung up on
         self.version = 100
         self.lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -168,14 +178,33 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # keep test output clean
         pass
 
-    def _send(self, code: int, doc: dict) -> None:
+    def _send(self, code: int, doc: Any) -> None:
         body = json.dumps(doc).encode()
         self.kube.requests.append((self.command, urlsplit(self.path).path, code))  # before the client can see it
+        if self.kube.trickle is not None:
+            return self._trickle(code, body)
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def _trickle(self, code: int, body: bytes) -> None:
+        head = (
+            f"HTTP/1.1 {code} {self.responses.get(code, ('',))[0]}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        for i in range(len(head) + len(body)):
+            if self.kube._server is None:  # stopped: no thread outlives the test
+                break
+            try:
+                self.wfile.write((head + body)[i : i + 1])
+                self.wfile.flush()
+            except OSError:
+                self.kube.trickle_cut += 1
+                break
+            time.sleep(self.kube.trickle)
+        self.close_connection = True
 
     def _body(self) -> dict | None:
         n = int(self.headers.get("Content-Length") or 0)
@@ -195,7 +224,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._body()
             self._send(404, _status(404, "NotFound", "the server could not find the requested resource"))
             return None
-        if self.kube.forbidden:
+        if self.kube.forbidden or (self.kube.forbid_create and self.command == "POST"):
             self._body()
             message = (
                 f'leases.coordination.k8s.io is forbidden: User "system:serviceaccount:{m.group(1)}:default" '
@@ -225,6 +254,8 @@ class _Handler(BaseHTTPRequestHandler):
                 }
                 return self._send(200, doc)
             obj = self.kube.objects.get((ns, name))
+        if self.kube.answer is not None:
+            return self._send(200, self.kube.answer)
         if obj is None:
             return self._not_found(name)
         self._send(200, obj)
