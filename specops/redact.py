@@ -74,6 +74,14 @@ def looks_secret(name: str) -> bool:
     return bool(_SECRET_NAME.search(name))
 
 
+def secret_field(path: tuple[str | int, ...]) -> bool:
+    """Profile fields whose value is a secret: ``server.api_key`` and secret-named ``server.env`` entries."""
+    path = tuple(path)
+    if path == ("server", "api_key"):
+        return True
+    return len(path) == 3 and path[:2] == ("server", "env") and looks_secret(str(path[2]))
+
+
 def _secret_word_name(name: str) -> bool:
     """A ``NAME`` in free text whose value is secret: a secret word of its own (``HF_TOKEN``, ``api_key``,
     not ``max_tokens``), or ``*PASSWORD*``/``*PASSWD*``/``*SECRET*`` anywhere in it."""

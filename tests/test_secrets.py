@@ -207,13 +207,16 @@ def test_validate_json_hides_a_name_from_the_environment(tmp_path):
 
 
 def test_url_passwords_and_secret_assignments_are_redacted(tmp_path):
+    # a URL password written in the profile is refused (tests/test_security_config.py); one from a variable
+    # listed as public (so not hidden whole) is still hidden where it stands
     path = _write(
         tmp_path,
         VLLM + "model: {id: a/b}\nserver:\n  extra_args: [--kv-events-config, "
-        '"postgres://user:pw-SECRETS-url@db:5432/x", --middleware, "DB_PASSWORD=SECRETS-pw"]\n'
+        '"${EVENTS_URL}", --middleware, "DB_PASSWORD=SECRETS-pw"]\n'
         '  env:\n    DATABASE_URL: "https://tok-SECRETS@example.com/x"\n',
     )
-    for fmt, out in _render_all(path, {}).items():
+    env = {"SPECOPS_PUBLIC_VARS": "EVENTS_URL", "EVENTS_URL": "postgres://user:pw-SECRETS-url@db:5432/x"}
+    for fmt, out in _render_all(path, env).items():
         assert "SECRETS" not in out, (fmt, out)
         assert "postgres://user:***@db:5432/x" in out and "DB_PASSWORD=***" in out, fmt
         assert "https://***@example.com/x" in out

@@ -4,8 +4,9 @@ Profiles are kept in git and reviewed by people, so an error must point at the e
 column: :func:`parse` turns one YAML document into a :class:`Document` (data plus a map from field path to
 source location), interpolates ``${ENV}``, and never lets a parser exception escape as anything but a
 located :class:`ProfileError`. Text that ``${VAR}`` put into a value is remembered
-(:class:`~specops.redact.EnvText`) so every printed form can hide it. Reading files and ``extends`` are
-:mod:`specops.config.yamlsource`.
+(:class:`~specops.redact.EnvText`) so every printed form can hide it, and so is every string as written
+(:class:`RawText`), for :mod:`specops.config.credentials` to refuse secrets written into a profile. Reading
+files and ``extends`` are :mod:`specops.config.yamlsource`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,24 @@ from specops.redact import EnvText, public_vars, redact_message
 
 Path_ = tuple  # a field path: ("speculative", "ngram", "min") or ("fallback", "chain", 1)
 
-_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$\$")
+#: ``${VAR}``, ``${VAR:-default}`` (groups: name, default) or ``$$`` (a literal ``$``, no groups).
+ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$\$")
 #: A profile is a few dozen values; these bounds stop hostile YAML (deep nesting, "billion laughs" alias
 #: bombs, self-referencing aliases) from exhausting the stack or the CPU of a CI runner.
 MAX_DEPTH = 32
 MAX_VALUES = 10_000
 _PLAIN_COLLECTION_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
+
+
+@dataclass(frozen=True)
+class RawText:
+    """A string of a profile as written, before ``${VAR}`` was filled in (only strings with ``$`` or ``@``)."""
+
+    path: Path_
+    location: Location
+    text: str
+    #: the variables it reads that are not on the public allow-list (:func:`specops.redact.public_vars`)
+    private_vars: tuple[str, ...] = ()
 
 
 @dataclass
@@ -41,6 +54,8 @@ class Document:
     files: list[str] = field(default_factory=list)
     #: values that ``${VAR}`` filled from the environment (variables on the public allow-list excluded)
     env_texts: list[EnvText] = field(default_factory=list)
+    #: strings with ``$`` or ``@`` as written, of every file merged in (overridden values included)
+    raw_texts: list[RawText] = field(default_factory=list)
 
     def locate(self, path: Path_, *, key: bool = False) -> Location | None:
         """The most precise known location for ``path``: the value itself, else its nearest parent."""
@@ -104,6 +119,7 @@ class _Builder:
         self.env = env
         self.public = public_vars(env)
         self.env_texts: list[EnvText] = []
+        self.raw_texts: list[RawText] = []
         self.values: dict[Path_, Location] = {}
         self.keys: dict[Path_, Location] = {}
         self.problems: list[Problem] = []
@@ -174,6 +190,10 @@ class _Builder:
         except Exception:  # PyYAML's scalar constructors fail in many ways (`!!int ''` raises IndexError)
             self._problem(path, node, f"{quote_value(node.value)} is not a valid {node.tag.rsplit(':', 1)[-1]}")
             return None
+        if isinstance(value, str) and ("$" in value or "@" in value):
+            names = [m.group(1) for m in ENV_REFERENCE.finditer(value) if m.group(1)]
+            private = tuple(dict.fromkeys(n for n in names if n not in self.public))
+            self.raw_texts.append(RawText(path, location(self.file, node.start_mark), value, private))
         if isinstance(value, str) and "$" in value:
             return self._interpolate(value, node, path)
         if not isinstance(value, (str, int, float, bool, type(None))):
@@ -192,7 +212,7 @@ class _Builder:
         out: list[str] = []
         spans: list[tuple[int, int, str]] = []
         length, pos = 0, 0
-        for m in _ENV.finditer(text):
+        for m in ENV_REFERENCE.finditer(text):
             out.append(text[pos : m.start()])
             length += m.start() - pos
             pos = m.end()
@@ -260,7 +280,7 @@ def build_document(node: yaml.Node, file: str, env: Mapping[str, str] | None) ->
                 )
             ]
         )
-    return Document(data, builder.values, builder.keys, [file], builder.env_texts)
+    return Document(data, builder.values, builder.keys, [file], builder.env_texts, builder.raw_texts)
 
 
 def parse(text: str, file: str, env: Mapping[str, str] | None = None) -> Document:

@@ -12,13 +12,15 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
+from specops.config.credentials import credential_problems
 from specops.config.located import Document, format_path, redact_problems
 from specops.config.sections import Profile
 from specops.errors import Problem, ProfileError
 
 
 def validate_document(doc: Document) -> Profile:
-    """Pydantic validation with every error mapped back to the YAML node that caused it."""
+    """Pydantic validation with every error mapped back to the YAML node that caused it, and no secret
+    written into the profile's text (:mod:`specops.config.credentials`)."""
     problems = _boolean_number_problems(doc)
     profile = None
     try:
@@ -26,6 +28,8 @@ def validate_document(doc: Document) -> Profile:
     except ValidationError as exc:
         said = {p.field for p in problems}  # `port: false` is a boolean first, not a port below 1
         problems += [p for p in (_problem_from_pydantic(doc, err) for err in exc.errors()) if p.field not in said]
+    said = {p.field for p in problems}  # a field pydantic refused already (spot_check.reference's password)
+    problems = [p for p in credential_problems(doc.raw_texts) if p.field not in said] + problems
     if problems:
         raise ProfileError(redact_problems(problems, doc.env_texts))
     return profile

@@ -317,4 +317,5 @@ def merge(base: Document, overlay: Document) -> Document:
         keys,
         base.files + [f for f in overlay.files if f not in base.files],
         base.env_texts + overlay.env_texts,
+        base.raw_texts + overlay.raw_texts,
     )
