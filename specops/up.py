@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from specops.backends.render import render_plan
 from specops.config.profile import LoadedProfile
 from specops.errors import SpecopsError
-from specops.resolve.prelaunch import resolve_for_launch
+from specops.resolve.prelaunch import Address, check_before_launch, resolve_for_launch
 from specops.run.events import EngineLine, SwitchOrder
 from specops.run.instance import EventLog, InstancePaths, write_state
 from specops.run.lock import acquire, release
@@ -71,6 +71,9 @@ class Console:
 async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Console | None = None) -> int:
     """Run one deployment until SIGINT/SIGTERM (exit 0) or until no method of the chain can run (1)."""
     console = console or Console(loaded.profile.backend, opts.show_engine_output)
+    engine_host, engine_port = _engine_address(loaded.profile)
+    # what no method can fix (the target model, a taken port) stops here, before anything is launched
+    check_before_launch(loaded, _addresses(loaded.profile, engine_host, engine_port))
     as_written = loaded
     loaded, refused = resolve_for_launch(loaded, opts.offline, console.say)
     profile = loaded.profile
@@ -79,7 +82,6 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     backend = registry.backend(profile.backend)
     engine = backend.engine_info(profile, opts.backend_version, probe=True)
     _check_certificate(as_written, registry, engine.version, opts.require_certificate, console.say)
-    engine_host, engine_port = _engine_address(profile)
 
     paths = InstancePaths.for_profile(profile.name, profile.supervisor.state_dir)
     acquire(paths)
@@ -147,6 +149,17 @@ def _engine_address(profile) -> tuple[str, int]:
     if profile.proxy.enabled:
         return "127.0.0.1", profile.proxy.engine_port or free_port()
     return profile.server.host, profile.server.port
+
+
+def _addresses(profile, engine_host: str, engine_port: int) -> list[Address]:
+    """What ``up`` binds, each with the profile field that sets it: the engine's address, and the proxy's."""
+    if not profile.proxy.enabled:
+        return [Address(engine_host, engine_port, ("server", "port"))]
+    engine_field = ("proxy", "engine_port") if profile.proxy.engine_port else None
+    return [
+        Address(profile.server.host, profile.server.port, ("server", "port")),
+        Address(engine_host, engine_port, engine_field),
+    ]
 
 
 def _step_renderer(loaded: LoadedProfile, registry, engine, host: str, port: int):
@@ -320,6 +333,7 @@ def _supervisor(up: _Instance, render_step, opts: UpOptions) -> Supervisor:
         proxy=up.proxy,
         health_interval=opts.health_interval,
         launch_problem=up.backend.launch_problem,
+        bind_failure=up.backend.bind_failure,
     )
 
 
@@ -368,7 +382,10 @@ async def _serve(up: _Instance, registry, opts: UpOptions) -> int:
         up.write_state()
         up.events.emit("down", state=sup.state.value, exit_code=rc)
         release(up.paths)
-    up.console.say("stopped" if rc == 0 else "gave up: no method of the chain could run")
+    if rc == 0:
+        up.console.say("stopped")
+    else:
+        up.console.say(f"gave up: {sup.fatal_reason or 'no method of the chain could run'}")
     return rc
 
 

@@ -340,6 +340,16 @@ class Backend:
         """
         return None
 
+    #: Output lines by which the engine says it cannot bind its HTTP address (the port is taken, or not
+    #: allowed): Python's and uvicorn's wording (vLLM); a backend adds its engine's own.
+    BIND_FAILED = re.compile(r"address already in use|\[Errno 98\]|error while attempting to bind", re.I)
+
+    def bind_failure(self, line: str) -> str | None:
+        """The engine's words when ``line`` says it could not bind its address, else None. No speculative
+        method fixes that: ``up`` stops the instance instead of restarting it or falling back."""
+        m = self.BIND_FAILED.search(line)
+        return line[m.start() :].strip()[:200] if m else None
+
     def launch_problem(self, line: str) -> str | None:
         """Why an engine output line shows the speculative method did not take effect, else None.
 

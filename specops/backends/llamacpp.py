@@ -118,6 +118,9 @@ class LlamaCppBackend(Backend):
         r"|draft model vocab type must match|failed to load draft model"
     )
 
+    #: llama-server's own words when it cannot listen (then it exits), besides Python's and uvicorn's.
+    BIND_FAILED = re.compile(r"couldn't bind HTTP server socket|" + Backend.BIND_FAILED.pattern, re.I)
+
     def method_version_problem(self, method, version):
         """Judged only for a pinned version (a flag generation or a release build such as b9100): a probed
         binary's own version text carries an unreliable build number (a source build says "build 1"), so

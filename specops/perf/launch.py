@@ -28,7 +28,7 @@ from specops.backends.counters import SpecCounters
 from specops.config.profile import ChainStep, LoadedProfile, Profile
 from specops.errors import SpecopsError
 from specops.methods import Method
-from specops.resolve.prelaunch import resolve_for_launch
+from specops.resolve.prelaunch import Address, check_before_launch, resolve_for_launch
 from specops.run.process import EngineProcess
 from specops.run.start import EngineStart, free_port
 from specops.watch.window import Sample, WindowStats, window_stats
@@ -152,15 +152,18 @@ async def launched(
 ) -> AsyncIterator[LaunchedEngine]:
     """Start the engine for ``loaded`` (chain step ``step_index``, or ``profile`` instead) and yield it ready.
 
-    An ``auto`` method or draft is resolved first (``say`` gets the notes); the plan is rendered (probing the
-    installed engine unless ``engine`` is given) on ``host:port`` (default: loopback, a free port); the
-    health URL is awaited (default: ``engine.ready_timeout``); the process group is stopped on exit, whatever
-    happens. Raises :class:`SpecopsError` with the engine's last lines when it never becomes ready, or when
-    it starts without the speculation asked for (llama-server keeps serving without a bad draft).
+    What no method can fix is checked first, as ``up`` does (the target model, a taken ``port``: raises
+    :class:`~specops.resolve.prelaunch.CannotLaunch`, nothing launched). An ``auto`` method or draft is
+    resolved (``say`` gets the notes); the plan is rendered (probing the installed engine unless ``engine``
+    is given) on ``host:port`` (default: loopback, a free port); the health URL is awaited (default:
+    ``engine.ready_timeout``); the process group is stopped on exit, whatever happens. Raises
+    :class:`SpecopsError` with the engine's last lines when it never becomes ready, or when it starts
+    without the speculation asked for (llama-server keeps serving without a bad draft).
     """
     from specops.backends.render import render_plan
 
     prof = profile if profile is not None else profile_for_step(loaded.profile, step_index)
+    check_before_launch(LoadedProfile(prof, loaded.document, loaded.path), [Address(host, port)] if port else [])
     prof = _resolved(LoadedProfile(prof, loaded.document, loaded.path), offline, say)
     backend = registry.backend(prof.backend)
     port = port or free_port(host)
@@ -172,6 +175,7 @@ async def launched(
         the_plan,
         on_line=_keep_last(lines, on_line),
         launch_problem=backend.launch_problem,
+        bind_failure=backend.bind_failure,
         log_path=Path(log_path) if log_path else None,
     )
     proc = start.process

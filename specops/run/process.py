@@ -23,6 +23,7 @@ import aiohttp
 
 from specops.backends.base import LaunchPlan
 from specops.errors import SpecopsError
+from specops.resolve.ports import describe, holders, listening_inodes, socket_inodes
 from specops.run.identity import proc_starttime, proc_state
 from specops.run.instance import open_log
 
@@ -106,6 +107,10 @@ class EngineProcess:
         self._waiter: asyncio.Task | None = None
         self._log = None
         self._leader_start: int | None = None
+        #: the sockets listening on the engine's port before the launch (another process's, when any)
+        self._listeners_before: frozenset[int] = frozenset()
+        #: who answered the health URL instead of the engine (another process holds its port), if anyone did
+        self.other_answer: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -126,6 +131,7 @@ class EngineProcess:
                 raise SpecopsError(f"cannot write the engine log {self.log_path}: {exc.strerror or exc}") from None
             self._log.write(f"\n===== {time.strftime('%Y-%m-%dT%H:%M:%S')} start: {self.plan.shell()}\n")
             self._log.flush()
+        self._listeners_before = listening_inodes(self.plan.port)
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.plan.argv,
@@ -196,7 +202,8 @@ class EngineProcess:
     async def wait_ready(
         self, timeout: float, interval: float = 0.25, progress: Callable[[float], None] | None = None
     ) -> bool:
-        """Poll the health URL until 200; False when the process exits first or ``timeout`` passes."""
+        """Poll the health URL until the engine answers 200; False when the process exits first or ``timeout``
+        passes. A 200 from another process that holds the port (:meth:`answered_by_another`) is no answer."""
         deadline = time.monotonic() + timeout
         delay = 0.02
         client_timeout = aiohttp.ClientTimeout(total=max(1.0, interval * 4))
@@ -206,9 +213,13 @@ class EngineProcess:
                     return False
                 try:
                     async with session.get(self.plan.health_url) as resp:
-                        if resp.status == 200:
+                        status = resp.status
+                    if status == 200:
+                        other = self.answered_by_another()
+                        if other is None and self.running:
                             self.ready_at = time.monotonic()
                             return True
+                        self.other_answer = other or self.other_answer
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                     pass
                 if progress:
@@ -219,6 +230,18 @@ class EngineProcess:
                 if done:
                     return False
         return False
+
+    def answered_by_another(self) -> str | None:
+        """Who listens on the engine's port when it is not the engine: the port's listening sockets are all
+        older than the launch and none is held by the engine's process group. None when the engine (or a
+        socket bound since the launch: a helper outside the group) listens, or when /proc cannot tell: the
+        health check is then trusted."""
+        listening = listening_inodes(self.plan.port)
+        if not listening or listening - self._listeners_before or self.proc is None:
+            return None
+        if any(socket_inodes(pid) & listening for pid in group_members(self.proc.pid)):
+            return None
+        return describe(holders(listening)) or "another process (this user cannot see which)"
 
     async def stop(self, timeout: float) -> ExitInfo | None:
         """SIGTERM the group, SIGKILL it after ``timeout``, and wait until no member is left."""

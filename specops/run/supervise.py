@@ -6,14 +6,16 @@ States use the vocabulary operators know from supervisord::
                  │          │
                  │          └─(engine died)→ backoff → starting          (restart, same method)
                  └─(never ready / exit before ready / crash loop)→ starting (the step the decider names)
-    no step left → fatal
+    no step left, or a failure no method can fix (the engine's port is taken) → fatal
 
 Only the transitions in :data:`TRANSITIONS` are allowed; any other raises :class:`IllegalTransition`.
 
 The supervisor reports facts and executes orders; it decides nothing about the chain. When a step cannot
 run it reports a :class:`~specops.run.events.StepFailed` (launch failed, crash loop, refused before launch)
 to the ``decider`` it was built with and runs the step the returned
-:class:`~specops.run.events.FallbackOrder` names (or goes FATAL). A switch asked for while serving
+:class:`~specops.run.events.FallbackOrder` names (or goes FATAL). A start that fails for a reason no method
+can fix (the engine cannot bind its address; another process answers on its port) is no step's failure: the
+supervisor goes FATAL at once, without a restart or a fallback (:attr:`Supervisor.fatal_reason` says why). A switch asked for while serving
 (:meth:`Supervisor.request_switch`) goes: hold the proxy, drain in-flight requests, stop the engine
 gracefully, start the next plan, wait until ready, release the proxy. A profile reload
 (:meth:`Supervisor.request_reload`) goes the same way to the new profile's primary step. Everything it does
@@ -33,6 +35,7 @@ from specops.backends.base import LaunchPlan
 from specops.config.durations import format_duration
 from specops.config.profile import ChainStep, Profile
 from specops.errors import SpecopsError
+from specops.methods import Method
 from specops.run.events import (
     CrashLoop,
     EngineExited,
@@ -90,6 +93,16 @@ class ReloadOrder:
     on_failed: Callable[[str], None] | None = None
 
 
+@dataclass(frozen=True)
+class CannotRun:
+    """A start failed for a reason no method of the chain can fix (the engine's address is taken): the
+    instance stops. Not a :class:`~specops.run.events.StepFailed`: the decider has nothing to decide."""
+
+    index: int
+    method: Method
+    reason: str
+
+
 class ServeOutcome(Enum):
     """How serving a ready engine ended."""
 
@@ -120,6 +133,7 @@ class Supervisor:
         proxy: Any = None,
         health_interval: float = 0.25,
         launch_problem: Callable[[str], str | None] | None = None,
+        bind_failure: Callable[[str], str | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.profile = profile
@@ -133,7 +147,10 @@ class Supervisor:
         self.proxy = proxy
         self.health_interval = health_interval
         self.launch_problem = launch_problem or (lambda line: None)
+        self.bind_failure = bind_failure or (lambda line: None)
         self.clock = clock
+        #: why the supervisor stopped for a failure no method can fix (None: it did not)
+        self.fatal_reason: str | None = None
 
         self.state = State.STOPPED
         self.index = 0
@@ -216,6 +233,12 @@ class Supervisor:
                 started = await self._start_current()
                 if started is StartOutcome.STOPPED:
                     break
+                if isinstance(started, CannotRun):
+                    if self._rollback is not None:  # the reloaded profile's doing: run the previous one again
+                        self._roll_back(started.reason)
+                        continue
+                    self._cannot_run(started)
+                    return 1
                 if isinstance(started, LaunchFailed):
                     if self._rollback is not None:
                         self._roll_back(started.reason)
@@ -270,7 +293,7 @@ class Supervisor:
         self._emit(EngineLine(line))
 
     # ------------------------------------------------------------------ starting
-    async def _start_current(self) -> StartOutcome | LaunchFailed:
+    async def _start_current(self) -> StartOutcome | LaunchFailed | CannotRun:
         step = self.step
         try:
             self.plan = self.render(self.index)
@@ -280,7 +303,11 @@ class Supervisor:
             self.events.emit("render-failed", method=step.method.value, reason=str(exc))
             return LaunchFailed(self.index, step.method, why)
         start = EngineStart(
-            self.plan, on_line=self._on_engine_line, launch_problem=self.launch_problem, log_path=self.log_path
+            self.plan,
+            on_line=self._on_engine_line,
+            launch_problem=self.launch_problem,
+            bind_failure=self.bind_failure,
+            log_path=self.log_path,
         )
         self.engine = start.process
         self._set(State.STARTING)
@@ -303,7 +330,16 @@ class Supervisor:
             self._on_ready(result.seconds)
             return StartOutcome.READY
         why = result.reason
-        self.events.emit("launch-failed", method=step.method.value, reason=why, last_lines=list(result.last_lines))
+        self.events.emit(
+            "launch-failed",
+            method=step.method.value,
+            reason=why,
+            last_lines=list(result.last_lines),
+            fatal=result.fatal,
+        )
+        if result.fatal:  # one line: the engine's own words are in it
+            await self._stop_engine(why)
+            return CannotRun(self.index, step.method, why)
         self.say(f"{step.method}: {why}; last engine lines:")
         for line in result.last_lines:
             self.say(f"    {line}")
@@ -475,6 +511,13 @@ class Supervisor:
             return False
         except asyncio.TimeoutError:
             return True
+
+    def _cannot_run(self, failure: CannotRun) -> None:
+        """Stop for good: no method of the chain can fix ``failure``, so neither a restart nor a fallback. The
+        caller says why (:attr:`fatal_reason`), once."""
+        self.fatal_reason = failure.reason
+        self._set(State.FATAL)
+        self.events.emit("fatal", method=failure.method.value, reason=failure.reason)
 
     def _after_failure(self, failure: StepFailed) -> bool:
         """Report ``failure`` to the decider and execute its order; False (and FATAL) when nothing is left."""
