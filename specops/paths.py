@@ -30,6 +30,59 @@ def state_dir(profile_setting: str | None = None) -> Path:
     return Path(base) / "specops"
 
 
+def state_dir_origin(profile_setting: str | None = None) -> str:
+    """Where :func:`state_dir` took the folder from, for messages."""
+    if profile_setting:
+        return "supervisor.state_dir or --state-dir"
+    return "$SPECOPS_STATE" if os.environ.get("SPECOPS_STATE") else "the default"
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def trust_problem(path: Path, what: str = "state folder") -> str | None:
+    """Why the existing folder ``path`` cannot be trusted with state, or None (also when it does not exist).
+
+    A state file names the process `specops down` signals, so only a folder nobody else can write is
+    trusted: owned by this user, not writable by group or others."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot use the {what} {path}: {exc.strerror or exc}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"the {what} {path} is not a directory"
+    facts = f"owner {_owner_name(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}"
+    if st.st_uid != os.geteuid():
+        return (
+            f"the {what} {path} belongs to another user ({facts}; this is {_owner_name(os.geteuid())}): "
+            f"refusing to use it, since whoever owns it decides what its state files say"
+        )
+    if st.st_mode & 0o022:
+        return (
+            f"the {what} {path} is writable by group or others ({facts}): refusing to use it, since anyone who "
+            f"may write it could forge a state file; `chmod go-w {path}`, or use a folder of your own"
+        )
+    return None
+
+
+def checked_state_dir(profile_setting: str | None = None) -> Path:
+    """:func:`state_dir`, refused (SpecopsError naming it, its owner and mode) when it exists but another
+    user owns it or group or others may write it. A missing one is fine: ``up`` creates it 0700."""
+    path = state_dir(profile_setting)
+    problem = trust_problem(path)
+    if problem:
+        raise SpecopsError(f"{problem} (set by {state_dir_origin(profile_setting)})")
+    return path
+
+
 def private_dir(path: Path, tighten: bool = False) -> Path:
     """Create ``path`` (and any missing folder above it) with mode 0700; return it.
 

@@ -63,10 +63,12 @@ class StandinRegistry:
 
 
 def main(argv: list[str]) -> int:
+    """``[up] PROFILE``: run through a link named ``specops`` with ``up``, it has the command line of the
+    real entry script, which ``specops down`` checks before it signals."""
     from specops.config.profile import load_profile
     from specops.up import UpOptions, up_blocking
 
-    loaded = load_profile(argv[0])
+    loaded = load_profile(argv[1] if argv[:1] == ["up"] else argv[0])
     return up_blocking(
         loaded, StandinRegistry(), UpOptions(offline=True, health_interval=0.05, show_engine_output=False)
     )

@@ -33,7 +33,7 @@ from pathlib import Path
 from specops.run.instance import InstancePaths, write_state
 from specops.run.lock import acquire, release
 
-paths = InstancePaths(Path(sys.argv[1]))
+paths = InstancePaths(Path(sys.argv[2]))  # argv: specops up ROOT
 acquire(paths)
 write_state(paths, {"name": paths.root.name, "state": "ready"})
 stop = []
@@ -65,9 +65,13 @@ class Started:
         return p
 
     def instance(self, root: Path) -> subprocess.Popen:
-        """A stand-in for `specops up`: holds the lock, writes the state, stops on SIGTERM."""
+        """A stand-in for `specops up`: holds the lock, writes the state, stops on SIGTERM. It runs as an
+        entry script named `specops` with `up`, the command line `down` wants (as pip's script runs)."""
+        script = root.parent.parent / "bin" / "specops"
+        script.parent.mkdir(exist_ok=True)
+        script.write_text(INSTANCE)
         p = subprocess.Popen(
-            [sys.executable, "-c", INSTANCE, str(root)],
+            [sys.executable, str(script), "up", str(root)],
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

@@ -77,9 +77,10 @@ def test_fallback_status_and_down_through_the_real_wiring(tmp_path):
         },
     )
     log = open(tmp_path / "up.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "support_standin.py"), str(profile)], stdout=log, stderr=subprocess.STDOUT
-    )
+    entry = tmp_path / "bin" / "specops"  # `specops up PROFILE`'s command line, which `specops down` checks
+    entry.parent.mkdir()
+    entry.symlink_to(HERE / "support_standin.py")
+    proc = subprocess.Popen([sys.executable, str(entry), "up", str(profile)], stdout=log, stderr=subprocess.STDOUT)
     try:
         st = wait_for(state_dir, name, lambda s: s.get("state") == "ready", 30, "ready", proc)
         assert st["method"] == "ngram" and st["switches"] == 0 and st["last_decision"] is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -14,9 +15,10 @@ import click
 from specops.commands._common import echo_json, json_option
 from specops.config.durations import format_duration
 from specops.errors import SpecopsError
-from specops.run.identity import owner_problem, signal_process
+from specops.run.identity import owner_problem, signal_process, specops_up_problem
 from specops.run.instance import InstancePaths, StateError, find_instances, read_state
-from specops.run.lock import remove_stale_state
+from specops.run.lock import lock_holder_problem, remove_stale_state
+from specops.urls import http_url
 
 #: The most of /specops/status read from a live instance.
 MAX_LIVE_BYTES = 4 << 20
@@ -46,16 +48,33 @@ def _instances(name: str | None, state_dir: str | None, profile=None) -> list[In
     return found
 
 
-def _live(state: dict, api_key: str | None = None) -> dict:
+def _profile_status_url(profile) -> tuple[str, str | None] | None:
+    """(URL, key to send) of the profile's own proxy status: its admin port (on loopback, no key), else
+    its public address with ``server.api_key``; None when the profile runs no proxy."""
+    if not profile.proxy.enabled:
+        return None
+    if profile.proxy.admin_port is not None:
+        return http_url("127.0.0.1", profile.proxy.admin_port), None
+    return http_url(profile.server.host, profile.server.port), profile.server.api_key
+
+
+def _live(state: dict, profile=None) -> dict:
     """Add what only the running instance knows (the proxy's /specops/status), when reachable.
 
-    With ``server.api_key`` set, the public port answers /specops/status only with the key: it is sent
-    when status was given the profile file (the key comes from the profile, never from the state file);
-    otherwise the row says how to see the live section.
+    Given the profile file, the address comes from the profile alone (``proxy.admin_port``, else
+    ``server.host``/``port``), and only there is ``server.api_key`` sent: a state file is no place to
+    take a destination for a secret from. Without it, the state's URL is asked without any key, and a
+    401 there makes the row say how to see the live section.
     """
-    if not state.get("proxy"):
-        return state
-    url = state.get("admin_url") or state.get("url")
+    if profile is not None:
+        target = _profile_status_url(profile)
+        if target is None:
+            return state
+        url, api_key = target
+    else:
+        if not state.get("proxy"):
+            return state
+        url, api_key = state.get("admin_url") or state.get("url"), None
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         return state
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -75,7 +94,7 @@ def _live(state: dict, api_key: str | None = None) -> dict:
         return state
 
 
-def _row(inst: InstancePaths, api_key: str | None = None) -> dict:
+def _row(inst: InstancePaths, profile=None) -> dict:
     """One instance's state as status shows it; a state file that cannot be used is one row saying why."""
     name = inst.root.name
     try:
@@ -98,7 +117,7 @@ def _row(inst: InstancePaths, api_key: str | None = None) -> dict:
     st["stale"] = why is not None and not done
     if st["stale"]:
         st["stale_reason"] = why
-    return _live(st, api_key) if why is None else st
+    return _live(st, profile) if why is None else st
 
 
 @click.command()
@@ -133,8 +152,7 @@ def status(name, state_dir, as_json, fleet_url=None, by="pod", selector=None, wi
         _fleet(name, fleet_url, by, selector, window, as_json)
         return
     profile = _profile_file(name)
-    api_key = profile.server.api_key if profile is not None else None
-    rows = [_row(inst, api_key) for inst in _instances(name, state_dir, profile)]
+    rows = [_row(inst, profile) for inst in _instances(name, state_dir, profile)]
     if as_json:
         echo_json(rows if name is None else (rows[0] if rows else None))
         return
@@ -419,6 +437,11 @@ def _print_spot(spot) -> None:
         )
 
 
+def _is_the_instance(inst: InstancePaths, pid: int) -> str | None:
+    """None when ``pid`` is this instance's ``specops up``: its command line says so and it holds the lock."""
+    return specops_up_problem(pid) or lock_holder_problem(inst, pid)
+
+
 @click.command()
 @click.argument("name", required=False)
 @click.option("--state-dir", help="Where state files live (default: $SPECOPS_STATE or ~/.local/state/specops).")
@@ -427,8 +450,10 @@ def down(name, state_dir, timeout):
     """Stop a running instance gracefully (SIGTERM to specops, which stops its engine).
 
     Only the very specops process that wrote the state file is signalled: its pid, start time and boot
-    id must all match. A state file whose process is gone (or whose pid now names another process) is
-    stale: nothing is signalled, and the stale file is removed.
+    id must all match, its command line must be `specops up`, and it must hold the instance's lock
+    (up.pid). A state file whose process is gone (or whose pid now names another process) is stale:
+    nothing is signalled, and the stale file is removed. A state folder another user owns, or that
+    group or others may write, is refused.
 
     \b
     Examples:
@@ -468,7 +493,7 @@ def down(name, state_dir, timeout):
                 )
             continue
         identity = st["identity"]
-        refused = signal_process(identity, signal.SIGTERM)
+        refused = signal_process(identity, signal.SIGTERM, functools.partial(_is_the_instance, inst))
         if refused:
             click.echo(f"{label}: not signalled: {refused}")
             failed.append(label)

@@ -4,12 +4,18 @@ A state or lock file names a pid, and pids are reused (after a crash, after a re
 never trusted: the writer records its *identity* (pid, start time in clock ticks from ``/proc/<pid>/stat``
 and the kernel's boot id) and a process is taken for the one recorded only when all of it matches. A
 process that is gone or is now someone else is reported as such, and nothing is ever signalled to it.
+
+Those values are public (any user reads /proc), so a forged file can name a real process with its real
+identity: ``specops down`` also wants the process to run ``specops up`` (:func:`specops_up_problem`) and
+to hold the instance's lock (:func:`specops.run.lock.lock_holder_problem`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+from collections.abc import Callable
 
 #: PID_MAX_LIMIT on 64-bit Linux: no pid is larger.
 PID_MAX = 1 << 22
@@ -141,8 +147,52 @@ def owner_problem(state: dict) -> str | None:
     return why_not_running(identity)
 
 
-def signal_process(identity: dict, sig: int) -> str | None:
-    """Send ``sig`` to the process ``identity`` records, only if it is that very process.
+#: An interpreter that runs the ``specops`` entry script (python, python3, python3.12...).
+_PYTHON = re.compile(r"python[0-9.]*")
+#: Interpreter options that take their value as the next argument (``python -W error -m specops.cli``).
+_PYTHON_OPTIONS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def is_specops_up_argv(argv: list[str]) -> bool:
+    """Whether ``argv`` (a /proc cmdline) runs ``specops up``: the ``specops`` entry script (run by its
+    interpreter through the shebang, or exec'd as is) or ``python -m specops.cli``, with ``up`` as command."""
+    if not argv:
+        return False
+    i = 1
+    if _PYTHON.fullmatch(os.path.basename(argv[0])):
+        while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-m", "-c", "-"):
+            i += 2 if argv[i] in _PYTHON_OPTIONS_WITH_VALUE else 1
+        if argv[i : i + 1] == ["-m"] and argv[i + 1 : i + 2] in (["specops.cli"], ["specops"]):
+            i += 2
+        elif i < len(argv) and os.path.basename(argv[i]) == "specops":
+            i += 1
+        else:
+            return False
+    elif os.path.basename(argv[0]) != "specops":
+        return False
+    return argv[i : i + 1] == ["up"]
+
+
+def specops_up_problem(pid: int) -> str | None:
+    """None when ``pid``'s command line is ``specops up`` (:func:`is_specops_up_argv`); else why not."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read(1 << 16)
+    except FileNotFoundError:
+        return f"pid {pid} is not running"
+    except OSError as exc:
+        return f"cannot read the command line of pid {pid}: {exc.strerror or exc}"
+    raw = raw[:-1] if raw.endswith(b"\0") else raw  # each argument ends with a NUL
+    argv = [a.decode("utf-8", "surrogateescape") for a in raw.split(b"\0")] if raw else []
+    if is_specops_up_argv(argv):
+        return None
+    shown = short_repr(" ".join(argv[:4]), 80)
+    return f"pid {pid} is not `specops up` (its command line is {shown})"
+
+
+def signal_process(identity: dict, sig: int, confirm: Callable[[int], str | None] | None = None) -> str | None:
+    """Send ``sig`` to the process ``identity`` records, only if it is that very process and ``confirm``
+    (given the pid, once the process is pinned) returns None.
 
     Returns None when sent, else why not. A pidfd pins the process between the check and the signal,
     so a pid reused in between cannot receive it."""
@@ -155,7 +205,7 @@ def signal_process(identity: dict, sig: int) -> str | None:
     except (AttributeError, OSError):
         fd = None  # no pidfd (old kernel): the identity check just before the signal still holds
     try:
-        why = why_not_running(identity)
+        why = why_not_running(identity) or (confirm(pid) if confirm is not None else None)
         if why:
             return why
         try:

@@ -2,7 +2,9 @@
 
 ``specops up`` writes ``<state_dir>/<name>/state.json`` (atomically, on every change) and appends to
 ``events.jsonl``; ``specops status`` / ``down`` read them to reach the instance without a server of
-their own. The folder is private (0700) and every file in it is created 0600.
+their own. The folder is private (0700) and every file in it is created 0600. A state folder another
+user owns, or that group or others may write, is refused (:func:`specops.paths.trust_problem`): whoever
+can write a state file chooses what ``down`` signals.
 
 Every state file is stamped with the writer's process identity (:mod:`specops.run.identity`), so a
 state file whose process is gone or is now someone else is reported as stale and nothing is ever
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specops.errors import SpecopsError
-from specops.paths import private_dir, state_dir
+from specops.paths import checked_state_dir, private_dir, trust_problem
 from specops.run.identity import (
     identity_problem,
     self_identity,
@@ -44,7 +46,7 @@ class InstancePaths:
 
     @classmethod
     def for_profile(cls, name: str, setting: str | None = None) -> InstancePaths:
-        return cls(state_dir(setting) / name)
+        return cls(checked_state_dir(setting) / name)
 
     @property
     def state(self) -> Path:
@@ -63,8 +65,13 @@ class InstancePaths:
         return self.root / "up.pid"
 
     def ensure(self) -> Path:
-        """Create the instance folder (0700, and the state folder above it when missing)."""
-        return private_dir(self.root, tighten=True)
+        """Create the instance folder (0700, and the state folder above it when missing); refuse a state
+        folder above it that another user owns or group or others may write."""
+        root = private_dir(self.root, tighten=True)
+        problem = trust_problem(root.parent)
+        if problem:
+            raise SpecopsError(problem)
+        return root
 
 
 # --------------------------------------------------------------------------------------------- files
@@ -101,6 +108,8 @@ def _read_bounded(path: Path) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise StateError("not a regular file")
+        if st.st_uid != os.geteuid():
+            raise StateError(f"it belongs to another user (uid {st.st_uid})")
         if st.st_size > MAX_STATE_BYTES:
             raise StateError(f"too large ({st.st_size} bytes, at most {MAX_STATE_BYTES})")
         chunks, size = [], 0
@@ -165,7 +174,11 @@ def write_state(paths: InstancePaths, state: dict) -> None:
 
 
 def read_state(paths: InstancePaths) -> dict | None:
-    """The state file, validated; None when there is none; StateError (one line) when unusable."""
+    """The state file, validated; None when there is none; StateError (one line) when unusable,
+    which includes an instance folder that another user owns or group or others may write."""
+    problem = trust_problem(paths.root, "instance folder")
+    if problem:
+        raise StateError(problem)
     try:
         raw = _read_bounded(paths.state)
     except FileNotFoundError:
@@ -202,7 +215,7 @@ class EventLog:
 
 
 def find_instances(setting: str | None = None) -> list[InstancePaths]:
-    root = state_dir(setting)
+    root = checked_state_dir(setting)
     try:
         entries = sorted(root.iterdir()) if root.is_dir() else []
     except OSError as exc:

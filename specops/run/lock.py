@@ -2,7 +2,8 @@
 
 The lock is held with ``flock`` for the life of ``specops up``, so a crashed instance leaves no lock
 behind whatever became of its pid; the file names its holder's process identity
-(:mod:`specops.run.identity`) for the message a second ``up`` gets.
+(:mod:`specops.run.identity`) for the message a second ``up`` gets. The flock is also the proof ``down``
+wants before it signals a pid: only the ``up`` that holds it can be the instance (:func:`lock_holder_problem`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -111,6 +113,49 @@ def acquire(paths: InstancePaths, say: Callable[[str], None] | None = None) -> N
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(self_identity()) + "\n").encode(), 0)
     _held[paths.lock] = fd
+
+
+def _holds_flock(pid: int, fd: str) -> bool:
+    """Whether the open file ``fd`` of ``pid`` carries an exclusive flock (its ``lock:`` lines in fdinfo)."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii", errors="replace") as f:
+            lines = f.read(65536).splitlines()
+    except OSError:
+        return False
+    return any(line.startswith("lock:") and " FLOCK " in line and " WRITE " in line for line in lines)
+
+
+def lock_holder_problem(paths: InstancePaths, pid: int) -> str | None:
+    """None when ``pid`` holds the ``up.pid`` flock of this instance; else why it cannot be shown to.
+
+    The proof comes from the kernel, not from a file: one of ``pid``'s open files is the lock file (same
+    device and inode) and that open file holds the exclusive flock (/proc/PID/fdinfo). A process that
+    cannot show it is not this instance's ``specops up``, whatever a state file says."""
+    try:
+        st = os.stat(paths.lock, follow_symlinks=False)
+    except FileNotFoundError:
+        return f"no lock file {paths.lock}: no `specops up` holds this instance"
+    except OSError as exc:
+        return f"cannot read {paths.lock}: {exc.strerror or exc}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{paths.lock} is not a regular file"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return f"pid {pid} is not running"
+    except OSError as exc:
+        return f"cannot see the open files of pid {pid} to check it holds {paths.lock}: {exc.strerror or exc}"
+    for fd in fds:
+        link = f"/proc/{pid}/fd/{fd}"
+        try:
+            if os.path.basename(os.readlink(link)) != paths.lock.name:
+                continue  # sockets, pipes and other files: stat only what may be the lock file
+            target = os.stat(link)
+        except OSError:
+            continue
+        if (target.st_dev, target.st_ino) == (st.st_dev, st.st_ino) and _holds_flock(pid, fd):
+            return None
+    return f"pid {pid} does not hold the instance's lock {paths.lock}"
 
 
 def release(paths: InstancePaths) -> None:
