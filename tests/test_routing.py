@@ -102,3 +102,176 @@ def test_routing_problems_are_located(tmp_path, extra, where, says):
 
 def _body(**fields) -> bytes:
     return json.dumps(fields).encode()
+
+
+def _router(tmp_path, routing: str, base: str = BASE):
+    from specops.proxy.router import EngineInfo, Router
+
+    profile = _load(tmp_path, routing, base).profile
+    engines = [EngineInfo(0, profile.speculative.method.value, True)] + [
+        EngineInfo(profile.steps.index(next(s for s in profile.steps if s.method is m)), m.value, m.value != "none")
+        for m in profile.routing.twins
+    ]
+    return Router(profile.routing, engines), profile
+
+
+def _headers(**h):
+    from multidict import CIMultiDict
+
+    return CIMultiDict({k.replace("_", "-"): v for k, v in h.items()})
+
+
+BOTH = (True, True)
+
+
+# ------------------------------------------------------------------------------------------------ router
+
+
+def test_router_header_on_off_auto(tmp_path):
+    router, _ = _router(tmp_path, "routing: {twins: [none]}\n")
+    assert router.route("/v1/completions", _headers(), b"{}", BOTH).engine == 0  # the step in effect
+    off = router.route("/v1/completions", _headers(x_specops_speculation="off"), b"{}", BOTH)
+    assert (off.engine, off.reason) == (1, "header")
+    on = router.route("/v1/completions", _headers(x_specops_speculation=" ON "), b"{}", BOTH)
+    assert (on.engine, on.reason) == (0, "header")
+    router.current = 1  # a fallback switched to the twin: auto and no header follow it; on still speculates
+    assert router.route("/x", _headers(x_specops_speculation="auto"), b"", BOTH).engine == 1
+    assert router.route("/x", _headers(x_specops_speculation="on"), b"", BOTH).engine == 0
+
+
+@pytest.mark.parametrize("value", ["maybe", "", "on,off", "1", "yes\x01"])
+def test_router_refuses_unknown_header_with_400(tmp_path, value):
+    from specops.proxy.router import RouteRefused
+
+    router, _ = _router(tmp_path, "routing: {twins: [none]}\n")
+    with pytest.raises(RouteRefused) as err:
+        router.route("/v1/completions", _headers(x_specops_speculation=value), b"{}", BOTH)
+    assert err.value.status == 400
+    assert "\n" not in str(err.value) and "not one of on, off, auto" in str(err.value)
+
+
+def test_router_client_choice_forbidden_is_403(tmp_path):
+    from specops.proxy.router import RouteRefused
+
+    router, _ = _router(tmp_path, "routing: {twins: [none], client_choice: forbid}\n")
+    with pytest.raises(RouteRefused) as err:
+        router.route("/v1/completions", _headers(x_specops_speculation="off"), b"{}", BOTH)
+    assert err.value.status == 403 and "client_choice: forbid" in str(err.value)
+    assert router.route("/v1/completions", _headers(), b"{}", BOTH).engine == 0
+
+
+def test_router_rules_by_path_model_header_and_system_prompt(tmp_path):
+    router, _ = _router(
+        tmp_path,
+        "routing:\n"
+        "  twins: [none]\n"
+        "  rules:\n"
+        "    - {match: {path: /v1/embeddings*}, speculation: off}\n"
+        "    - {match: {model: creative}, speculation: off}\n"
+        "    - {match: {header: X-Tenant, value: poets}, speculation: off}\n"
+        "    - {match: {system: '(?i)write a poem'}, speculation: off}\n"
+        "    - {match: {model: coder}, speculation: auto}\n",
+    )
+    chat = lambda system, model="m": _body(  # noqa: E731
+        model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+    )
+    assert router.route("/v1/embeddings/x", _headers(), b"", BOTH).reason == "rule 0"
+    assert router.route("/v1/chat/completions", _headers(), _body(model="creative"), BOTH).engine == 1
+    assert router.route("/v1/chat/completions", _headers(x_tenant="poets"), b"{}", BOTH).reason == "rule 2"
+    assert router.route("/v1/chat/completions", _headers(x_tenant="coders"), b"{}", BOTH).engine == 0
+    assert router.route("/v1/chat/completions", _headers(), chat("Please WRITE A POEM"), BOTH).reason == "rule 3"
+    parts = _body(messages=[{"role": "system", "content": [{"type": "text", "text": "write a poem"}]}])
+    assert router.route("/v1/chat/completions", _headers(), parts, BOTH).engine == 1
+    # a rule saying auto ends the rules: the default decides; a client's header wins over every rule
+    assert router.route("/v1/chat/completions", _headers(), chat("hello", "coder"), BOTH).reason == "default"
+    hdr = router.route("/v1/chat/completions", _headers(x_specops_speculation="on"), _body(model="creative"), BOTH)
+    assert (hdr.engine, hdr.reason) == (0, "header")
+    # a body that is not JSON matches no body rule
+    assert router.route("/v1/chat/completions", _headers(), b"\xff not json", BOTH).reason == "default"
+
+
+def test_router_failover_to_a_live_engine(tmp_path):
+    router, _ = _router(tmp_path, "routing: {twins: [none]}\n")
+    off = router.route("/v1/completions", _headers(x_specops_speculation="off"), b"{}", (True, False))
+    assert (off.engine, off.reason) == (0, "header failover")
+    default = router.route("/v1/completions", _headers(), b"{}", (False, True))
+    assert (default.engine, default.reason) == (1, "default failover")
+    assert router.route("/v1/completions", _headers(), b"{}", (False, False)).engine is None
+
+
+def test_router_learned_classes_measure_decide_and_explore(tmp_path):
+    router, _ = _router(
+        tmp_path, "routing:\n  twins: [none]\n  classes: {key: header, header: X-Task, explore: 0.25}\n"
+    )
+    first = router.route("/v1/completions", _headers(x_task="poems"), b"{}", BOTH)
+    assert (first.engine, first.reason, first.key) == (0, "class-learning", "poems")  # measured where it drafts
+    router.classes.decide("poems", False, "acceptance 0.1 is below min_acceptance 0.6")
+    routes = [router.route("/v1/completions", _headers(x_task="poems"), b"{}", BOTH) for _ in range(8)]
+    assert [r.engine for r in routes].count(1) == 6 and [r.reason for r in routes].count("class-explore") == 2
+    assert {r.engine for r in routes if r.reason == "class-explore"} == {0}
+    missing = router.route("/v1/completions", _headers(), b"{}", BOTH)
+    assert missing.key == "-"
+
+
+def test_router_class_key_by_system_prompt_is_a_hash(tmp_path):
+    router, _ = _router(tmp_path, "routing:\n  twins: [none]\n  classes: {key: system}\n")
+    body = _body(messages=[{"role": "system", "content": "secret instructions"}])
+    key = router.route("/v1/chat/completions", _headers(), body, BOTH).key
+    assert key.startswith("sys-") and "secret" not in key
+    assert router.route("/v1/chat/completions", _headers(), body, BOTH).key == key
+
+
+# ------------------------------------------------------------------------------------------------ classes
+
+
+def test_class_table_is_bounded_lru():
+    from specops.watch.classes import ClassTable
+
+    table = ClassTable(max_classes=3, window_s=60)
+    for key in ("a", "b", "c"):
+        table.touch(key, 0.0)
+    table.touch("a", 1.0)  # a is now the most recent: b is the least
+    table.touch("d", 2.0)
+    assert table.keys() == ["c", "a", "d"] and table.forgotten == 1
+    for i in range(100):
+        table.touch(f"k{i}", 3.0)
+    assert len(table) == 3
+
+
+def test_class_window_counts_and_ages():
+    from specops.watch.classes import ClassTable
+    from specops.watch.window import NO_DATA, OK
+
+    table = ClassTable(max_classes=8, window_s=60)
+    table.touch("code", 0.0)
+    table.note("code", 1.0, speculative=True, draft_tokens=100, accepted=80)
+    table.note("code", 2.0, speculative=True, draft_tokens=100, accepted=60)
+    table.note("code", 3.0, speculative=False)
+    s = table.stats("code", 10.0)
+    assert s.status is OK and s.acceptance == pytest.approx(0.7) and s.draft_tokens == 200
+    row = table.snapshot(10.0)[0]
+    assert (row["served_on"], row["served_off"]) == (2, 1)
+    table.note("code", 50.0, speculative=True, draft_tokens=100, accepted=10)
+    assert table.stats("code", 55.0).acceptance == pytest.approx(150 / 300)
+    # past the window the old responses no longer count
+    assert table.stats("code", 100.0).acceptance == pytest.approx(0.1)
+    assert table.stats("code", 200.0).status is NO_DATA
+
+
+def test_decider_routes_a_class_by_the_policy_rule(tmp_path):
+    from specops.run.instance import EventLog
+    from specops.watch.classes import ClassTable
+    from specops.watch.decide import FallbackDecider
+
+    profile = _load(tmp_path, "routing: {twins: [none]}\n").profile
+    decider = FallbackDecider.from_profile(profile, events=EventLog(None), say=lambda m: None)
+    table = ClassTable(max_classes=8, window_s=60)
+    for key, accepted in (("code", 90), ("poems", 20)):
+        table.touch(key, 0.0)
+        table.note(key, 1.0, speculative=True, draft_tokens=300, accepted=accepted * 3)
+    code, why = decider.route_class(table.stats("code", 2.0), min_draft_tokens=200)
+    poems, why_poems = decider.route_class(table.stats("poems", 2.0), min_draft_tokens=200)
+    assert code is True and poems is False
+    assert "min_acceptance 0.6" in why_poems
+    undecided, why_few = decider.route_class(table.stats("code", 2.0), min_draft_tokens=1000)
+    assert undecided is None and "fewer than min_draft_tokens" in why_few

@@ -34,7 +34,6 @@ MAX_CLASSES = 4096
 MAX_PATTERN = 1024
 
 
-
 def _on_off(value: object) -> object:
     """YAML reads a bare ``on``/``off`` as a boolean: take it back as the word that was written."""
     if value is True:

@@ -26,7 +26,7 @@ from specops.watch.decision import Decision
 from specops.watch.goodput import Load
 from specops.watch.policy import Policy
 from specops.watch.surface import Surface
-from specops.watch.window import WindowStats
+from specops.watch.window import OK, WindowStats
 
 #: The ``rule`` of a failure decision that leaves no step to run.
 CHAIN_EXHAUSTED = "chain exhausted"
@@ -148,6 +148,32 @@ class FallbackDecider:
         """The decided switch was not executed (the supervisor could not take it, or watching read-only):
         the streak stands, so the next fresh low window decides again."""
         self.policy.cancel_pending()
+
+    # ------------------------------------------------------------------ per-request routing
+    def route_class(self, stats: WindowStats, min_draft_tokens: int, step: int = 0) -> tuple[bool | None, str]:
+        """Whether a request class (``routing.classes``) should be served by the speculating engine of ``step``:
+        the policy's verdict on the class's own acceptance window; None (no verdict yet) until the window holds
+        ``min_draft_tokens`` drafted tokens. The same rule as a fallback, applied to one class of traffic."""
+        if stats.status != OK or stats.acceptance is None:
+            return None, stats.reason or "nothing drafted in the window"
+        if (stats.draft_tokens or 0.0) < min_draft_tokens:
+            return None, f"{stats.draft_tokens:g} drafted tokens, fewer than min_draft_tokens={min_draft_tokens}"
+        return self.policy.speculation_pays(stats, step)
+
+    def on_route_change(self, index: int, reason: str, decision: dict[str, Any] | None = None) -> None:
+        """A switch executed as a route change (a warm twin runs step ``index``): the policy runs that step from
+        now on, as after a restart, but no engine started (no start cost is noted)."""
+        old = self.policy.index
+        self.switches += 1
+        self.last_decision = {
+            **(decision or {}),
+            "reason": reason,
+            "from": self.policy.steps[old].method.value,
+            "to": self.policy.steps[index].method.value,
+            "route_change": True,
+            "at": self.wall(),
+        }
+        self.policy.on_switched(index, self.clock())
 
     # ------------------------------------------------------------------ what the supervisor did
     def on_event(self, event: SupervisorEvent) -> None:

@@ -420,6 +420,17 @@ class Policy:
             bound = f"min_acceptance {cfg.min_acceptance:g}"
         return low, measure + f" over {stats.span:g}s ({stats.reason})", bound
 
+    def speculation_pays(self, stats: WindowStats, step: int = 0) -> tuple[bool, str]:
+        """Whether speculation on ``step`` pays for the traffic ``stats`` measured (an ``ok`` window with an
+        acceptance), by the same rule a window of the running method is judged with, and why in words. Per-request
+        routing asks it about each request class (:meth:`specops.watch.decide.FallbackDecider.route_class`)."""
+        acceptance = stats.acceptance
+        if acceptance is None:
+            raise ValueError("speculation_pays needs a window with an acceptance")
+        numbers = verdict_numbers(stats, acceptance, self.config, self.steps[step])
+        low, measure, bound = self._judge(stats, acceptance, numbers)
+        return (not low), f"{measure} is {'below' if low else 'not below'} {bound}"
+
     def _good_window(self, verdict: str, now: float, numbers: dict[str, Any]) -> Decision:
         """A window that is not low: the streak resets, and a running retry has held."""
         self.streak = 0

@@ -1,0 +1,240 @@
+"""Which engine serves a request, when a profile keeps twins warm beside its primary. Pure: no I/O, no clock.
+
+The order, first that speaks wins:
+
+1. the client's ``X-Specops-Speculation: on|off|auto`` header (a malformed or unknown value: 400 with a one-line
+   reason; any value when ``routing.client_choice: forbid``: 403); ``auto`` passes on to the next;
+2. the profile's route rules (path, ``model``, a header, a pattern on the system prompt), in order; a rule
+   saying ``auto`` passes on;
+3. the choice learned for the request's class (``routing.classes``): the decider's verdict on its acceptance
+   window, with a small share explored on the other engine; a class not decided yet is measured on the
+   speculating engine;
+4. the step in effect (the primary, or the twin a fallback switched to).
+
+``on`` means a speculating engine (the one in effect if it speculates, else the first that does); ``off`` an
+engine without speculation (the ``none`` twin). An engine that is not live does not get traffic: the request goes
+to a live one (``failover``); with none live the proxy's queue holds it, as it always did.
+
+The body is parsed only when a rule or the class key needs it (``model``, the system prompt): routing runs on every
+request (``benchmarks/bench_router.py`` measures it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specops.config.routing import SPECULATION_HEADER, SPECULATION_VALUES, RouteMatch, Routing
+from specops.watch.classes import ClassTable
+
+#: Longest class key kept (a client's header value or model name is cut to this).
+MAX_KEY = 64
+
+
+class RouteRefused(Exception):
+    """A request the router refuses: ``status`` (400 malformed header, 403 client choice forbidden), one line."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One engine behind the proxy: its chain step, method, and whether it speculates."""
+
+    step: int  # index in the profile's steps (0: the primary)
+    method: str
+    speculative: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one request goes, and why (for metrics, the class window and the ``route`` events)."""
+
+    engine: int | None  # position in the router's engines; None: no engine is live (the proxy's queue waits)
+    asked: str  # "on" | "off" | "default"
+    reason: str  # header | rule N | class | class-explore | class-learning | default (+ " failover")
+    key: str | None = None  # the request's class (learned routing), else None
+
+
+class _Request:
+    """The parts of a request the rules look at; the JSON body is parsed at most once, when first needed."""
+
+    __slots__ = ("_json", "body", "headers", "path")
+
+    def __init__(self, path: str, headers: Mapping[str, str], body: bytes):
+        self.path, self.headers, self.body = path, headers, body
+        self._json: Any = _UNPARSED
+
+    @property
+    def json(self) -> dict:
+        if self._json is _UNPARSED:
+            try:
+                obj = json.loads(self.body) if self.body[:1] in (b"{", b" ", b"\n", b"\t", b"\r") else None
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                obj = None
+            self._json = obj if isinstance(obj, dict) else {}
+        return self._json
+
+    @property
+    def model(self) -> str | None:
+        m = self.json.get("model")
+        return m if isinstance(m, str) else None
+
+    @property
+    def system(self) -> str | None:
+        """The system prompt: the chat ``messages`` with role ``system`` (text parts joined), or a ``system`` field."""
+        body = self.json
+        found = []
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            for msg in messages:
+                if isinstance(msg, dict) and msg.get("role") == "system":
+                    found.append(_text(msg.get("content")))
+        elif isinstance(body.get("system"), (str, list)):
+            found.append(_text(body["system"]))
+        return "\n".join(found) if found else None
+
+
+_UNPARSED = object()
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _matches(m: RouteMatch, req: _Request, pattern) -> bool:
+    if m.path is not None:
+        if m.path.endswith("*"):
+            if not req.path.startswith(m.path[:-1]):
+                return False
+        elif req.path != m.path:
+            return False
+    if m.header is not None:
+        value = req.headers.get(m.header)
+        if value is None or (m.value is not None and value != m.value):
+            return False
+    if m.model is not None and req.model != m.model:
+        return False
+    if pattern is not None:
+        system = req.system
+        if system is None or pattern.search(system) is None:
+            return False
+    return True
+
+
+class Router:
+    """Decides per request among ``engines`` (the primary first, then the twins in chain order)."""
+
+    def __init__(self, routing: Routing, engines: Sequence[EngineInfo], classes: ClassTable | None = None):
+        if not engines:
+            raise ValueError("a router needs at least one engine")
+        self.routing = routing
+        self.engines = tuple(engines)
+        self.current = 0  # the engine of the step in effect (the decider's): the default route
+        self.allow_client = routing.client_choice == "allow"
+        self._rules = [
+            (i, r, re.compile(r.match.system) if r.match.system else None) for i, r in enumerate(routing.rules)
+        ]
+        key = routing.classes.key
+        self.class_key = None if key == "none" else key
+        self.classes = classes if self.class_key is not None else None
+        if self.class_key is not None and self.classes is None:
+            c = routing.classes
+            self.classes = ClassTable(c.max_classes, c.window, c.explore)
+        self.on_engine = next((i for i, e in enumerate(self.engines) if e.speculative), 0)
+        self.off_engine = next((i for i, e in enumerate(self.engines) if not e.speculative), len(self.engines) - 1)
+
+    def engine_for_step(self, step: int) -> int | None:
+        """The engine running chain step ``step`` (None: no twin runs it)."""
+        return next((i for i, e in enumerate(self.engines) if e.step == step), None)
+
+    # ------------------------------------------------------------------------------------------ the decision
+    def route(
+        self, path: str, headers: Mapping[str, str], body: bytes, live: Sequence[bool], now: float = 0.0
+    ) -> Route:
+        """The engine for one request (``path`` without the query; ``live[i]``: engine i takes requests now).
+        Raises :class:`RouteRefused` for a header the profile refuses or that is not on/off/auto."""
+        asked, reason, key = self._asked(path, headers, body, now)
+        return self._place(asked, reason, key, live)
+
+    def _asked(self, path: str, headers: Mapping[str, str], body: bytes, now: float) -> tuple[str, str, str | None]:
+        raw = headers.get(SPECULATION_HEADER)
+        if raw is not None:
+            if not self.allow_client:
+                raise RouteRefused(
+                    403,
+                    "specops_speculation_forbidden",
+                    f"{SPECULATION_HEADER}: this deployment does not let clients choose (routing.client_choice: forbid)",
+                )
+            value = raw.strip().lower()
+            if value not in SPECULATION_VALUES:
+                raise RouteRefused(
+                    400,
+                    "specops_bad_speculation_header",
+                    f"{SPECULATION_HEADER}: {_shown(raw)} is not one of on, off, auto",
+                )
+            if value != "auto":
+                return value, "header", None
+        req = _Request(path, headers, body)
+        for i, rule, pattern in self._rules:
+            if _matches(rule.match, req, pattern):
+                if rule.speculation != "auto":
+                    return rule.speculation, f"rule {i}", None
+                break
+        if self.classes is not None:
+            key = self._class_key(req)
+            c = self.classes
+            explore = c.explores(key, now)
+            verdict = c.get(key).speculate  # touched by explores()
+            if verdict is None:
+                return "on", "class-learning", key
+            if explore:
+                return ("off" if verdict else "on"), "class-explore", key
+            return ("on" if verdict else "off"), "class", key
+        return "default", "default", None
+
+    def _class_key(self, req: _Request) -> str:
+        kind = self.class_key
+        if kind == "header":
+            value = req.headers.get(self.routing.classes.header or "")
+        elif kind == "model":
+            value = req.model
+        elif kind == "route":
+            value = req.path
+        else:  # system
+            s = req.system
+            value = (
+                None if s is None else "sys-" + hashlib.blake2b(s.encode("utf-8", "replace"), digest_size=6).hexdigest()
+            )
+        return "-" if not value else value[:MAX_KEY]
+
+    def _place(self, asked: str, reason: str, key: str | None, live: Sequence[bool]) -> Route:
+        if asked == "on":
+            want = self.current if self.engines[self.current].speculative else self.on_engine
+        elif asked == "off":
+            want = self.current if not self.engines[self.current].speculative else self.off_engine
+        else:
+            want = self.current
+        if live[want]:
+            return Route(want, asked, reason, key)
+        # the engine asked for is not live: the step in effect if it is, else the first live one
+        for i in (self.current, *range(len(self.engines))):
+            if live[i]:
+                return Route(i, asked, reason + " failover", key)
+        return Route(None, asked, reason, key)
+
+
+def _shown(text: str) -> str:
+    """A client's header value, safe to echo in one line (printable ASCII, at most 32 characters)."""
+    safe = "".join(ch if " " <= ch <= "~" else "?" for ch in text[:32])
+    return repr(safe + ("…" if len(text) > 32 else ""))
