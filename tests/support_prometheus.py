@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -29,15 +28,10 @@ from pathlib import Path
 
 import pytest
 from conftest import unavailable
+from support_ports import free_port  # noqa: F401 - re-exported: test modules import it from here
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def require_prometheus() -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+from support_ports import free_port  # noqa: F401 - re-exported: test modules import it from here
 
 from specops.run.process import group_members
 
 SPECOPS = [sys.executable, "-m", "specops.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_profile(path: Path, data: dict) -> Path:
@@ -32,6 +26,8 @@ def write_profile(path: Path, data: dict) -> Path:
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict | str]:
+    """One request: (status, the JSON body or the raw text). A refused or reset connection and a timeout
+    raise (the test fails there); load that must count every outcome is tests/support_load.py's."""
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:

@@ -37,6 +37,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from support_ports import free_port  # noqa: F401 - re-exported: test modules import it from here
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -453,14 +455,6 @@ class Upstream:
 
 
 # --------------------------------------------------------------------------------------------- proxy helpers
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_sse(text: str) -> list:

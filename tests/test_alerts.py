@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 import subprocess
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -241,15 +240,19 @@ def test_prometheus_scrapes_specops_and_the_engine_with_the_contrib_config(tmp_p
 
 @pytest.mark.engines
 @pytest.mark.prometheus
-def test_a_real_fallback_fires_the_alert(tmp_path, tiny_models):
+@pytest.mark.timeout(600)
+def test_a_real_fallback_fires_the_alert(tmp_path, tiny_gguf_models):
     """The whole path: `specops up` on llama-server with a noisy draft (acceptance ≈ 0.5), traffic through
     its proxy, a real Prometheus with the contrib config and rules: the fallback to n-gram fires
     SpecopsFallback and SpecopsMethodChanged."""
     from support_engines import need_llama_server
+    from support_load import one_client
+    from support_ports import free_port
     from support_prometheus import PrometheusServer
-    from support_up import UpRun, free_port, http_json, write_profile
+    from support_up import UpRun, write_profile
 
     need_llama_server()
+    tiny_models = tiny_gguf_models
     port = free_port()
     profile = write_profile(
         tmp_path / "noisy.yaml",
@@ -280,37 +283,18 @@ def test_a_real_fallback_fires_the_alert(tmp_path, tiny_models):
         def config_text(self) -> str:
             return json.dumps(config, indent=2) + "\n"
 
-    stop = threading.Event()
-
-    def traffic():
-        i = 0
-        while not stop.is_set():
-            try:
-                http_json(
-                    f"http://127.0.0.1:{port}/v1/completions",
-                    {"prompt": f"the quick brown fox {i} jumps over", "max_tokens": 64, "temperature": 0},
-                    timeout=60,
-                )
-            except OSError:
-                time.sleep(0.2)
-            i += 1
-
     with UpRun(profile, tmp_path / "state", "noisy") as up, ContribPrometheus(tmp_path / "prom", []) as prom:
         up.wait_for(lambda st: st.get("state") == "ready", 60, "ready")
         with NO_PROXY.open(prom.url + "/api/v1/rules", timeout=5) as resp:
             assert json.load(resp)["data"]["groups"], "the rules did not load"
-        client = threading.Thread(target=traffic, daemon=True)
-        client.start()
-        try:
+        with one_client(f"http://127.0.0.1:{port}", request_timeout=60) as load:
             fired: dict = {}
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline and len(fired) < 2:
                 for r in prom.query('ALERTS{alertstate="firing",deployment="noisy"}'):
                     fired[r["metric"]["alertname"]] = r["metric"]
                 time.sleep(0.5)
-        finally:
-            stop.set()
-            client.join(70)
+        assert load.lost == 0 and load.ok > 0, load.failures[:3]  # the switch lost no request
         assert "SpecopsFallback" in fired, (fired, up.output())
         fb = fired["SpecopsFallback"]
         assert (fb["from_method"], fb["to_method"], fb["severity"]) == ("draft_model", "ngram", "warning")

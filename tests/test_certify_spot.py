@@ -209,9 +209,10 @@ def sample(metrics: SpotMetrics, result: str) -> float:
 @pytest.mark.engines
 @pytest.mark.timeout(120)
 def test_spot_checks_on_llama_server(tmp_path):
+    from support_ports import free_port
+
     from specops.devenv.testmodels import ensure_tiny_models
     from specops.perf.launch import launched
-    from specops.run.start import free_port
 
     need_llama_server()
     models = ensure_tiny_models(["gguf"])

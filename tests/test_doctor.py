@@ -18,6 +18,8 @@ import huggingface_hub  # noqa: F401 - imported now, before any test sets HF_HUB
 import pytest
 from fakehub import FakeHub, seed_llama31
 from support_cli import ROOT, run
+from support_engines import need_dev_engine
+from support_ports import free_port
 
 NO_ENGINES_PATH = "/usr/bin:/bin"  # neither vllm nor llama-server lives there on a test machine
 H100 = "0, NVIDIA H100 80GB HBM3, 81559, 512\n"
@@ -87,26 +89,14 @@ def gpu_profile(tmp_path: Path, devices: str = "[0]", extra: str = "") -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dev_llama() -> Path:
-    from specops.backends.devengines import dev_engines
-
-    found = dev_engines("llama-server-*/bin/llama-server")
-    if not found:
-        from conftest import unavailable
-
-        unavailable("no CPU llama-server in the engine cache (specops engines setup llamacpp)")
-    return found[0]
+    return need_dev_engine("llama-server-*/bin/llama-server")
 
 
 # ------------------------------------------------------------------------------------------ profiles
 
 
+@pytest.mark.engines
 def test_cpu_demo_profile_is_ready(env, tmp_path):
     dev = _dev_llama()
     cpu = tmp_path / "cpu.yaml"
@@ -124,15 +114,11 @@ def test_cpu_demo_profile_is_ready(env, tmp_path):
     assert [c["level"] for c in checks(rep, "state")] == ["ok"]
 
 
+@pytest.mark.engines
 def test_unset_devices_on_a_gpu_machine_do_not_quietly_get_the_cpu_engine(env, tmp_path):
     """gpus.devices unset counts as a CPU profile: on a machine with GPUs, doctor says the engine it would get is
     specops' CPU build."""
-    from specops.backends.devengines import dev_engines
-
-    if not dev_engines("vllm-*/bin/python"):
-        from conftest import unavailable
-
-        unavailable("no vLLM CPU venv in the engine cache (specops engines setup vllm)")
+    need_dev_engine("vllm-*/bin/python")
     profile = ROOT / "examples" / "vllm-cpu-ngram.yaml"
     _, rep, _ = doctor(profile, env=env)
     assert one(rep, "engine")["level"] == "ok"  # no GPU here: the CPU engine is the right one

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 from conftest import unavailable
 from support_engines import mtimes, sha256_tree
+from support_ports import free_port
+from support_procs import process_group
 
 from specops.devenv import engines
 from specops.devenv import testmodels as fixtures
@@ -600,28 +602,17 @@ def test_layerskip_hf_small(cache):
 # ------------------------------------------------------------------------------------ fixtures in llama-server
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _llama_timings(exe: Path, args: list[str], log: Path) -> dict:
     """Start llama-server, run one greedy completion, stop it; → the response's ``timings``."""
     import time
     import urllib.request
 
-    port = _free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(exe), *args, "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-np", "1"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    try:
+    port = free_port()
+    argv = [str(exe), *args, "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-np", "1"]
+    with (
+        open(log, "wb") as out,
+        process_group(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL) as proc,
+    ):
         deadline = time.monotonic() + 30
         while True:
             assert proc.poll() is None, log.read_text()[-2000:]
@@ -639,13 +630,6 @@ def _llama_timings(exe: Path, args: list[str], log: Path) -> dict:
         )
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())["timings"]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.engines

@@ -4,63 +4,19 @@ file and specops' own /metrics."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
-from support_up import UpRun, free_port, http_json, http_text, write_profile
+from support_load import one_client
+from support_ports import free_port
+from support_up import UpRun, http_json, http_text, write_profile
 
-pytestmark = pytest.mark.engines
-
-PROMPTS = [
-    "the quick brown fox jumps over the lazy dog",
-    "def hello world return print self",
-    "it is the and of to in that for on with",
-    "lazy dog and quick fox over the hill",
-]
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models):
-    return tiny_models
-
-
-class Traffic:
-    """Greedy completions from one background client until stopped; counts failures."""
-
-    def __init__(self, url: str, max_tokens: int = 64, timeout: float = 300):
-        # a request may wait in the proxy's queue for a whole engine switch (a vLLM start is ~1 min)
-        self.url, self.max_tokens, self.timeout = url, max_tokens, timeout
-        self.ok = self.failed = 0
-        self.errors: list = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        i = 0
-        while not self._stop.is_set():
-            try:
-                status, body = http_json(
-                    self.url + "/v1/completions",
-                    {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": self.max_tokens, "temperature": 0},
-                    timeout=self.timeout,
-                )
-            except OSError as exc:  # refused, reset, timed out: all count as a lost request
-                status, body = None, repr(exc)
-            if status == 200 and body["choices"][0]["text"] is not None:
-                self.ok += 1
-            else:
-                self.failed += 1
-                self.errors.append((status, body))
-            i += 1
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=90)
+def models(tiny_gguf_models):
+    return tiny_gguf_models
 
 
 def profile_for(tmp_path, models, name, draft):
@@ -90,13 +46,13 @@ def test_noisy_draft_falls_back_to_ngram_and_keeps_serving(tmp_path, models):
     profile = profile_for(tmp_path, models, "llama-noisy", "gguf-draft-noisy.gguf")
     with UpRun(profile, tmp_path / "state", "llama-noisy") as run:
         st = run.wait_ready(timeout=120)
-        with Traffic(st["url"]) as traffic:
+        with one_client(st["url"]) as load:
             st = run.wait_for(
                 lambda s: s.get("method") == "ngram" and s.get("state") == "ready", 90, "fallback to ngram"
             )
             time.sleep(1.0)
-        assert traffic.failed == 0, traffic.errors[:3]
-        assert traffic.ok > 0
+        assert load.lost == 0 and load.counts["stream_error"] == 0, load.failures[:3]
+        assert load.ok > 0
         switch = [d for d in run.events("decision") if d.get("action") == "switch"][0]
         assert switch["from"] == "draft_model" and switch["to"] == "ngram" and switch["rule"] == "threshold"
         assert switch["numbers"]["acceptance"] < 0.6 and switch["numbers"]["draft_tokens"] >= 100
@@ -123,7 +79,7 @@ def test_same_weights_draft_is_kept_over_the_same_traffic(tmp_path, models):
     profile = profile_for(tmp_path, models, "llama-good", "gguf-draft-same.gguf")
     with UpRun(profile, tmp_path / "state", "llama-good") as run:
         st = run.wait_ready(timeout=120)
-        with Traffic(st["url"]) as traffic:
+        with one_client(st["url"]) as load:
             st = run.wait_for(
                 lambda s: (
                     (s.get("acceptance") or {}).get("status") == "ok"
@@ -134,7 +90,8 @@ def test_same_weights_draft_is_kept_over_the_same_traffic(tmp_path, models):
             )
             time.sleep(10)  # more than two windows of evidence
             st = run.wait_for(lambda s: (s.get("acceptance") or {}).get("status") == "ok", 30, "a window with data")
-        assert traffic.failed == 0
+        assert load.lost == 0 and load.counts["stream_error"] == 0, load.failures[:3]
+        assert load.ok > 0
         assert st["method"] == "draft_model" and st["switches"] == 0
         assert st["acceptance"]["acceptance"] > 0.9
         assert not [d for d in run.events("decision") if d.get("action") == "switch"]

@@ -9,16 +9,17 @@ import signal
 import time
 
 import pytest
-from support_up import UpRun, free_port, write_profile
-from test_fallback_llamacpp import Traffic
+from support_load import one_client
+from support_ports import free_port
+from support_up import UpRun, write_profile
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(600)]
 WINDOW = 3
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models):
-    return tiny_models
+def models(tiny_gguf_models):
+    return tiny_gguf_models
 
 
 def noisy_profile(tmp_path, models, name, **proxy):
@@ -90,11 +91,12 @@ def test_engine_restart_mid_window_is_not_a_verdict(tmp_path, models):
     profile = noisy_profile(tmp_path, models, "reset")
     with UpRun(profile, tmp_path / "state", "reset") as run:
         st = run.wait_ready(timeout=60)
-        with Traffic(st["url"], max_tokens=32):
+        with one_client(st["url"], max_tokens=32) as load:
             run.wait_for(lambda s: ((s.get("acceptance") or {}).get("draft_tokens") or 0) > 0, 30, "some drafts")
             os.killpg(st["engine_pid"], signal.SIGKILL)
             st = run.wait_for(lambda s: s.get("restarts") == 1 and s.get("state") == "ready", 30, "restart")
             st = run.wait_for(lambda s: s.get("method") == "ngram", 60, "the fallback, decided after the restart")
+        assert load.lost == 0 and load.ok > 0, load.failures[:3]  # the proxy held the requests over the restart
         switch = [d for d in run.events("decision") if d.get("action") == "switch"][0]
         restarted = [e for e in run.events("ready")][1]["ts"]
         # windows only count once they start after the (new) engine was ready: two fresh windows after it

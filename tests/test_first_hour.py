@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from support_cli import ROOT, run
+from support_engines import need_dev_engine
 
 from specops.config.profile import load_profile
 from specops.run.instance import EventLog, InstancePaths, write_state
@@ -127,14 +128,7 @@ NO_ENGINES_PATH = "/usr/bin:/bin"  # neither vllm nor llama-server lives there o
 
 
 def _dev(pattern: str) -> Path:
-    from specops.backends.devengines import dev_engines
-
-    found = dev_engines(pattern)
-    if not found:
-        from conftest import unavailable
-
-        unavailable(f"no CPU development engine {pattern} (specops engines setup)")
-    return found[0]
+    return need_dev_engine(pattern)
 
 
 def _gpu_profile(tmp_path: Path, backend: str, extra: str = "") -> Path:
@@ -149,6 +143,7 @@ def _gpu_profile(tmp_path: Path, backend: str, extra: str = "") -> Path:
     return path
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize(
     ("backend", "pattern", "setting"),
     [
@@ -173,6 +168,7 @@ def test_a_gpu_profile_never_gets_the_cpu_development_engine_silently(tmp_path, 
     assert json.loads(ok.stdout)["argv"][0] == str(dev)
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize(
     ("profile", "pattern"),
     [
@@ -219,6 +215,8 @@ def test_up_without_the_engine_says_what_it_looked_for_where_and_how_to_fix(tmp_
 # ------------------------------------------------------------------------------------ bench plots
 
 
+@pytest.mark.engines
+@pytest.mark.timeout(300)
 def test_bench_without_matplotlib_says_so_before_and_after_the_run(tmp_path, monkeypatch):
     """A real (tiny) bench on llama-server with matplotlib made unimportable: no PNG, and two warnings."""
     _dev("llama-server-*/bin/llama-server")

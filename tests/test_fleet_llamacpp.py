@@ -9,15 +9,14 @@ back they race for it and go one after the other. The timeline (who switched whe
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 
-import aiohttp
 import pytest
 from fakekube import FakeKube
-from support_load import PROMPTS, Load, classify
-from support_up import UpRun, free_port, http_text, write_profile
+from support_load import Load
+from support_ports import free_port
+from support_up import UpRun, http_text, write_profile
 
 from specops.k8s.lease import LeaseGate
 
@@ -25,37 +24,6 @@ pytestmark = [pytest.mark.engines, pytest.mark.timeout(300)]
 
 REPLICAS = 3
 NAME = "fleet"
-
-
-class RoundRobin(Load):
-    """:class:`support_load.Load`, each request to the next of ``urls`` (as a Service would spread them)."""
-
-    def __init__(self, urls: list[str], **kw):
-        super().__init__(urls[0], **kw)
-        self.urls = [u.rstrip("/") for u in urls]
-        self._next = itertools.cycle(range(len(self.urls)))
-
-    async def _client(self, s: aiohttp.ClientSession, i: int, deadline: float) -> None:
-        stream = i % 2 == 0
-        n = 0
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            url = self.urls[next(self._next)]
-            payload = {"prompt": PROMPTS[(i + n) % len(PROMPTS)], "max_tokens": self.max_tokens, "temperature": 0}
-            payload["stream"] = stream
-            t0 = time.monotonic()
-            try:
-                async with s.post(url + "/v1/completions", json=payload) as r:
-                    status, text = r.status, await r.text()
-                kind, detail = classify(status, text, stream)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                kind, detail = "lost", f"{type(exc).__name__}: {exc}"
-            with self._lock:
-                self.counts[kind] += 1
-                self.by_client[i] += 1
-                self.longest_s = max(self.longest_s, time.monotonic() - t0)
-                if kind != "ok":
-                    self.failures.append(f"client {i} → {url}: {detail}")
-            n += 1
 
 
 def profile(tmp_path, models, i: int):
@@ -100,12 +68,12 @@ def switch_spans(run: UpRun) -> list[tuple[float, float]]:
     return [(a, b) for a, b in spans if b is not None]
 
 
-def test_three_replicas_switch_one_at_a_time_under_load(tmp_path, tiny_models):
+def test_three_replicas_switch_one_at_a_time_under_load(tmp_path, tiny_gguf_models):
     kube = FakeKube().start()
     config = kube.kubeconfig(tmp_path / "kubeconfig", namespace="fleet")
     runs = [
         UpRun(
-            profile(tmp_path, tiny_models, i),
+            profile(tmp_path, tiny_gguf_models, i),
             tmp_path / f"state-{i}",
             NAME,
             env={"KUBECONFIG": str(config), "POD_NAME": f"replica-{i}", "POD_NAMESPACE": "fleet"},
@@ -122,7 +90,7 @@ def test_three_replicas_switch_one_at_a_time_under_load(tmp_path, tiny_models):
         urls = [run.wait_ready(timeout=150)["url"] for run in runs]
         held, _ = operator.try_enter()  # the slot is taken before any replica decides
         assert held is not None
-        with RoundRobin(urls, clients=12, max_tokens=24, request_timeout=120, max_seconds=240) as load:
+        with Load(urls, clients=12, max_tokens=24, request_timeout=120, max_seconds=240) as load:
             for run in runs:  # every replica decided to switch and waits for the slot, and says so
                 st = run.wait_for(lambda s: (s.get("fleet") or {}).get("waiting_since"), 90, "waiting for a slot")
                 assert st["fleet"]["holders"] == ["operator"] and st["fleet"]["wants"] == "ngram", st["fleet"]

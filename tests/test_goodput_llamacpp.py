@@ -5,10 +5,11 @@ belongs to benchmarks/bench_goodput.py); the concurrency is the proxy's requests
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
-from support_up import UpRun, free_port, http_json, write_profile
+from support_load import Load
+from support_ports import free_port
+from support_up import UpRun, write_profile
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(120)]
 
@@ -24,39 +25,7 @@ SURFACE = {
 }
 
 
-class Clients:
-    """``n`` clients sending long greedy completions back to back until stopped."""
-
-    def __init__(self, url: str, n: int):
-        self.url, self.n = url, n
-        self.ok = self.failed = 0
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            status, body = http_json(
-                self.url + "/v1/completions",
-                {"prompt": "the quick brown fox jumps over", "max_tokens": 96, "temperature": 0},
-                timeout=60,
-            )
-            if status == 200:
-                self.ok += 1
-            else:
-                self.failed += 1
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=60)
-
-
-def test_a_load_step_switches_to_none_and_back(tmp_path, tiny_models):
+def test_a_load_step_switches_to_none_and_back(tmp_path, tiny_gguf_models):
     surface = tmp_path / "goodput.tune.json"
     surface.write_text(json.dumps({"surface": SURFACE}))
     profile = write_profile(
@@ -64,10 +33,10 @@ def test_a_load_step_switches_to_none_and_back(tmp_path, tiny_models):
         {
             "name": "llama-goodput",
             "backend": "llamacpp",
-            "model": {"id": str(tiny_models / "gguf-target.gguf"), "max_model_len": 2048},
+            "model": {"id": str(tiny_gguf_models / "gguf-target.gguf"), "max_model_len": 2048},
             "speculative": {
                 "method": "draft_model",
-                "draft": str(tiny_models / "gguf-draft-same.gguf"),
+                "draft": str(tiny_gguf_models / "gguf-draft-same.gguf"),
                 "num_speculative_tokens": 4,
             },
             "gpus": {"devices": []},
@@ -91,9 +60,10 @@ def test_a_load_step_switches_to_none_and_back(tmp_path, tiny_models):
     with UpRun(profile, tmp_path / "state", "llama-goodput") as run:
         st = run.wait_ready(timeout=60)
         assert st["method"] == "draft_model"
-        with Clients(st["url"], 4) as clients:
+        # four clients sending long greedy completions back to back: every request counted, a lost one fails
+        with Load(st["url"], clients=4, max_tokens=96, stream=False, request_timeout=60) as load:
             run.wait_for(lambda s: s.get("method") == "none" and s.get("state") == "ready", 30, "the switch to none")
-        assert clients.failed == 0 and clients.ok > 0
+        assert load.lost == 0 and load.ok > 0, load.failures[:3]
         down = [d for d in run.events("decision") if d.get("action") == "switch"][0]
         assert (down["from"], down["to"], down["rule"]) == ("draft_model", "none", "goodput")
         n = down["numbers"]

@@ -15,28 +15,23 @@ and review the diff of tests/golden/k8s/ by hand.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import unavailable
 from support_cli import ROOT, run
+from support_k8s import K8S_VERSIONS, SCHEMAS, kubectl, objects, validate
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "k8s"
-SCHEMAS = Path(__file__).resolve().parent / "k8s_schemas"
 FIXTURES = Path(__file__).resolve().parent / "k8s_profiles"
 UPDATE = os.environ.get("SPECOPS_UPDATE_GOLDEN") == "1"
 SECRET = "sk-k8s-golden-MUST-NOT-LEAK-51c2"
 #: The rendering machine has no secrets (as in CI or Argo CD's plugin); the pods get them from Secrets.
 ENV = {"SPECOPS_API_KEY": None, "HF_TOKEN": None, "PROMETHEUS_URL": None}
-#: Kubernetes minor versions every built-in object must validate against.
-K8S_VERSIONS = ("1.33", "1.35", "1.37")
 
 #: golden name -> profile (ready-made ones, the GitOps overlays and the multi-node layouts)
 CASES = {
@@ -60,10 +55,6 @@ def render(*paths: str, env: dict | None = None) -> tuple[str, str]:
     res = run("k8s", "render", *paths, env={**ENV, **(env or {})})
     assert res.code == 0, res.stderr
     return res.stdout, res.stderr
-
-
-def objects(text: str) -> list[dict]:
-    return [d for d in yaml.safe_load_all(text) if d]
 
 
 _RENDERED: dict[str, str] = {}
@@ -134,53 +125,6 @@ def test_render_is_deterministic_and_secret_free():
 
 
 # ------------------------------------------------------------------------------------------- schemas
-
-
-def _strict(node):
-    """A CRD schema made strict: objects with declared properties refuse unknown keys."""
-    if isinstance(node, dict):
-        out = {k: _strict(v) for k, v in node.items()}
-        if (
-            "properties" in out
-            and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")
-        ):
-            out["additionalProperties"] = False
-        return out
-    if isinstance(node, list):
-        return [_strict(v) for v in node]
-    return node
-
-
-@functools.lru_cache(maxsize=1)
-def _crd_validators() -> dict[tuple[str, str], object]:
-    import jsonschema
-
-    out = {}
-    for path in SCHEMAS.glob("*.json"):
-        doc = json.loads(path.read_text())
-        for version, schema in doc["versions"].items():
-            out[(f"{doc['group']}/{version}", doc["kind"])] = jsonschema.Draft7Validator(_strict(schema))
-    return out
-
-
-def validate(obj: dict) -> list[str]:
-    """Why ``obj`` is not a valid object of its kind (empty: valid), on every version we check."""
-    try:
-        import kubernetes_validate
-    except ImportError:
-        unavailable("kubernetes-validate is not installed (pip install -e '.[test]')")
-    key = (obj["apiVersion"], obj["kind"])
-    crds = _crd_validators()
-    if key in crds:
-        return [f"{key}: {'.'.join(map(str, e.path))}: {e.message}" for e in crds[key].iter_errors(obj)]
-    errors = []
-    for version in K8S_VERSIONS:
-        try:
-            kubernetes_validate.validate(obj, version, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            errors.append(f"{version} {key}: {'.'.join(map(str, exc.path))}: {exc.message}")
-    return errors
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -410,11 +354,10 @@ def _container_env(case: str) -> list[dict]:
 
 
 def test_kustomize_builds_the_output_folder(tmp_path):
-    if shutil.which("kubectl") is None:
-        unavailable("kubectl is not installed")
+    exe = kubectl()
     res = run("k8s", "render", CASES["llama31-8b-eagle3"], CASES["qwen25-72b-rpc"], "-o", str(tmp_path), env=ENV)
     assert res.code == 0, res.stderr
-    built = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    built = subprocess.run([exe, "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert built.returncode == 0, built.stderr
     kinds = sorted(o["kind"] for o in objects(built.stdout))
     assert kinds.count("ConfigMap") == 2 and "LeaderWorkerSet" in kinds and "Deployment" in kinds

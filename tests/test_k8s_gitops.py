@@ -2,7 +2,7 @@
 
 - the committed `rendered/` is exactly what `specops k8s render` writes today (regenerate it with the
   command in examples/k8s-gitops/README.md, or SPECOPS_UPDATE_GOLDEN=1 on this test);
-- `kubectl kustomize` builds both overlays, and every object it builds validates (test_k8s.validate);
+- `kubectl kustomize` builds both overlays, and every object it builds validates (support_k8s.validate);
 - the Argo CD plugin's generate command, run in an Application's folder, renders the same objects.
 """
 
@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import unavailable
 from support_cli import ROOT, run
-from test_k8s import objects, validate
+from support_k8s import kubectl, objects, validate
 
 TREE = ROOT / "examples" / "k8s-gitops"
 ARGO = ROOT / "deploy" / "argocd"
@@ -27,9 +26,7 @@ NO_SECRETS = {"SPECOPS_API_KEY": None, "HF_TOKEN": None}
 
 
 def kustomize(path: Path) -> list[dict]:
-    if shutil.which("kubectl") is None:
-        unavailable("kubectl (with kustomize) is not installed")
-    built = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    built = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=60)
     assert built.returncode == 0, built.stderr
     return objects(built.stdout)
 

@@ -24,7 +24,8 @@ import time
 import pytest
 import yaml
 from support_load import Load
-from support_up import UpRun, free_port, http_json, write_profile
+from support_ports import free_port
+from support_up import UpRun, http_json, write_profile
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
@@ -263,7 +264,7 @@ def test_vllm_threshold_fallback_then_sigkill_under_load(tmp_path, models, recor
                 lambda s: s.get("method") == "ngram" and s.get("state") == "ready", 600, "the fallback to ngram"
             )
             load.wait_for_answers(CLIENTS, timeout=300)
-            fallback_counts = dict(load.counts)
+            fallback_counts = load.snapshot()
             st = run.state()
             os.killpg(st["engine_pid"], signal.SIGKILL)
             run.wait_for(
@@ -272,7 +273,7 @@ def test_vllm_threshold_fallback_then_sigkill_under_load(tmp_path, models, recor
             load.wait_for_answers(CLIENTS, timeout=300)
         numbers = proxy_numbers(run, st["url"])
         report(record_property, load, numbers, f"vLLM fallback then SIGKILL (at the kill: {fallback_counts})")
-        assert fallback_counts.get("lost", 0) == 0 and fallback_counts.get("stream_error", 0) == 0
+        assert fallback_counts["lost"] == 0 and fallback_counts["stream_error"] == 0
         assert_nothing_lost(load, run, allow_stream_errors=True)
         [decision] = switch_decisions(run)
         assert decision["rule"] == "threshold" and decision["to"] == "ngram"

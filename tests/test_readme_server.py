@@ -70,10 +70,10 @@ def test_the_section_has_the_steps():
 
 
 @pytest.fixture
-def my_model(tmp_path, tiny_models, monkeypatch) -> Path:
+def my_model(tmp_path, tiny_gguf_models, monkeypatch) -> Path:
     """examples/llamacpp-cpu-draft.yaml as the reader's own profile: named my-model, its key as ${API_KEY},
     on a free port."""
-    from support_up import free_port
+    from support_ports import free_port
 
     need_llama_server()
     data = yaml.safe_load((ROOT / "examples" / "llamacpp-cpu-draft.yaml").read_text(encoding="utf-8"))
@@ -95,6 +95,7 @@ def run_here(words: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([exe, *words[1:]], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.engines
 def test_the_sections_commands_run_as_written(my_model):
     ran = []
     for words in commands():

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from support_ports import free_port
 
 from specops.backends.base import LaunchPlan
 from specops.config.profile import Profile
@@ -32,7 +33,6 @@ from specops.run.events import (
 )
 from specops.run.instance import EventLog
 from specops.run.process import group_members
-from specops.run.start import free_port
 from specops.run.supervise import TRANSITIONS, IllegalTransition, Supervisor
 from specops.watch.decide import FallbackDecider
 

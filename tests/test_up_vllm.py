@@ -11,12 +11,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from support_up import UpRun, free_port, http_json, http_text, write_profile
-from test_fallback_llamacpp import Traffic
+from support_load import one_client
+from support_ports import free_port
+from support_up import UpRun, http_json, http_text, write_profile
 
 from specops.run.process import group_members
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
 
 WINDOW = 6
 
@@ -72,7 +73,7 @@ def test_draft_equal_to_target_is_kept_and_stops_cleanly(tmp_path, models):
             {"model": str(models / "hf-target"), "prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0},
         )
         assert status == 200 and body["usage"]["completion_tokens"] == 16
-        with Traffic(st["url"], max_tokens=48) as traffic:
+        with one_client(st["url"], max_tokens=48) as load:
             st = run.wait_for(
                 lambda s: (
                     (s.get("acceptance") or {}).get("status") == "ok"
@@ -83,7 +84,7 @@ def test_draft_equal_to_target_is_kept_and_stops_cleanly(tmp_path, models):
             )
             time.sleep(2 * WINDOW + 2)
             st = run.state()
-        assert traffic.failed == 0 and traffic.ok > 0
+        assert load.lost == 0 and load.counts["stream_error"] == 0 and load.ok > 0, load.failures[:3]
         metrics = http_text(st["engine_url"] + "/metrics")
         assert spec_counter(metrics, "spec_decode_num_draft_tokens_total") > 0
         assert st["method"] == "draft_model" and st["switches"] == 0
@@ -99,10 +100,10 @@ def test_unrelated_draft_falls_back_to_ngram_which_serves(tmp_path, models):
     with UpRun(profile, tmp_path / "state", "vllm-bad-draft") as run:
         st = run.wait_ready(timeout=300)
         first_pgid = st["engine_pid"]
-        with Traffic(st["url"], max_tokens=48) as traffic:
+        with one_client(st["url"], max_tokens=48) as load:
             st = run.wait_ready(timeout=400, method="ngram")
             time.sleep(1)
-        assert traffic.failed == 0, traffic.errors[:3]
+        assert load.lost == 0 and load.counts["stream_error"] == 0, load.failures[:3]
         switch = [d for d in run.events("decision") if d.get("action") == "switch"][0]
         assert switch["from"] == "draft_model" and switch["to"] == "ngram" and switch["rule"] == "threshold"
         assert switch["numbers"]["acceptance"] < 0.6 and switch["numbers"]["draft_tokens"] >= 60

@@ -228,10 +228,7 @@ def test_profile_interval_below_the_floor_is_raised_with_a_warning(exporter, tmp
     )
     port = exporter.url.rsplit(":", 1)[1]
     r = watch(str(p), "--url", f"http://127.0.0.1:{port}", "--window", "0.3", "--once", "--json")
-    if r.returncode == 1:  # the profile loader may refuse such an interval itself (a located error)
-        assert "Traceback" not in r.stderr and "interval" in r.stderr
-        return
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, r.stderr  # the profile is valid: watch raises the interval to its floor
     assert "monitor.interval 1ms is below 100ms" in r.stderr
 
 

@@ -12,77 +12,50 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from support_engines import need_llama_server
+from support_load import one_client
+from support_ports import free_port
+from support_procs import process_group
 from support_prometheus import PrometheusServer
-from support_up import SPECOPS, free_port
-from test_fallback_llamacpp import Traffic
+from support_up import SPECOPS
 
-from specops.devenv.engines import llama_server_bin
-from specops.paths import tiny_models_dir
-
-pytestmark = [pytest.mark.engines, pytest.mark.prometheus]
+pytestmark = [pytest.mark.engines, pytest.mark.prometheus, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def noisy_engine(tmp_path_factory):
-    from specops.devenv.testmodels import ensure_tiny_models
-
-    ensure_tiny_models(["gguf"])
-    models = tiny_models_dir()
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("engine") / "llama.log", "w")
-    proc = subprocess.Popen(
-        [
-            str(llama_server_bin()),
-            "-m",
-            str(models / "gguf-target.gguf"),
-            "-md",
-            str(models / "gguf-draft-noisy.gguf"),
-            "--spec-type",
-            "draft-simple",
-            "--spec-draft-n-max",
-            "8",
-            "-c",
-            "1024",
-            "-np",
-            "2",
-            "-dev",
-            "none",
-            "-devd",
-            "none",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--metrics",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+def noisy_engine(tmp_path_factory, tiny_gguf_models):
+    """llama-server on the noisy draft (acceptance ≈ 0.5) under one client's traffic; its process group is
+    stopped whatever happens (a failed start included)."""
     import urllib.request
 
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None, "llama-server did not start"
-        time.sleep(0.2)
-    with Traffic(url):
-        # the traffic is flowing once llama-server has counted drafts of finished requests
-        while (
-            "llamacpp:spec_decode_num_draft_tokens_total 0" in urllib.request.urlopen(url + "/metrics").read().decode()
-        ):
-            assert time.monotonic() < deadline + 60, "no request finished"
+    exe, models, port = need_llama_server(), tiny_gguf_models, free_port()
+    argv = [str(exe), "-m", str(models / "gguf-target.gguf"), "-md", str(models / "gguf-draft-noisy.gguf")]
+    argv += ["--spec-type", "draft-simple", "--spec-draft-n-max", "8", "-c", "1024", "-np", "2"]
+    argv += ["-dev", "none", "-devd", "none", "--host", "127.0.0.1", "--port", str(port), "--metrics"]
+    url = f"http://127.0.0.1:{port}"
+    with (
+        open(tmp_path_factory.mktemp("engine") / "llama.log", "w") as log,
+        process_group(argv, stdout=log, stderr=subprocess.STDOUT) as proc,
+    ):
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "llama-server did not start"
             time.sleep(0.2)
-        yield url, port
-    proc.terminate()
-    proc.wait(timeout=20)
-    log.close()
+        with one_client(url) as load:
+            # the traffic is flowing once llama-server has counted drafts of finished requests
+            while "llamacpp:spec_decode_num_draft_tokens_total 0" in (
+                urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+            ):
+                assert time.monotonic() < deadline + 60, f"no request finished: {load.report()}"
+                time.sleep(0.2)
+            yield url, port
+        assert load.lost == 0, load.failures[:3]
 
 
 class Hook:

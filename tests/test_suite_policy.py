@@ -1,0 +1,190 @@
+"""The suite's own rules (tests/support_policy.py, tests/support_ports.py, pyproject), each shown on a tiny inner
+suite run by pytester with the project's hooks in its conftest, the way tests/conftest.py has them."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import support_ports
+
+pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.timeout(120)
+
+HOOKS = (
+    "from support_policy import (\n    pytest_collection_modifyitems, pytest_make_collect_report,\n"
+    "    pytest_runtest_makereport, pytest_runtest_setup,\n)\n"
+)
+SKIPS = """
+import pytest
+
+def test_passes():
+    pass
+
+def test_importorskip_in_the_body():
+    pytest.importorskip("no_such_module_for_specops_tests")
+
+def test_skip_call():
+    pytest.skip("no engine here")
+
+@pytest.mark.skipif(True, reason="never on this machine")
+def test_skipif_mark():
+    pass
+
+@pytest.mark.xfail(reason="a known bug, not a skip")
+def test_xfail():
+    assert False
+"""
+
+
+@pytest.fixture
+def inner(pytester, monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    pytester.makeconftest(HOOKS)
+    pytester.makeini("[pytest]\nmarkers =\n    engines: starts engines\n")
+    return pytester
+
+
+def test_every_kind_of_skip_fails_when_ci_is_set(inner, monkeypatch):
+    inner.makepyfile(test_skips=SKIPS)
+    inner.makepyfile(test_module_skip='import pytest\npytest.importorskip("no_such_module_either")\n')
+    local = inner.runpytest("-p", "no:cacheprovider")
+    local.assert_outcomes(passed=1, skipped=4, xfailed=1)  # a workstation: a skip stays a skip
+
+    monkeypatch.setenv("CI", "true")
+    ci = inner.runpytest("-p", "no:cacheprovider", "test_skips.py")
+    ci.assert_outcomes(passed=1, failed=2, errors=1, xfailed=1)  # a skipif mark skips in set-up: an error
+    out = ci.stdout.str()
+    assert "skipped under CI=true: never on this machine" in out and "no engine here" in out
+    assert "no_such_module_for_specops_tests" in out and "CI_SKIP_ALLOWED" in out
+    assert ci.ret == 1
+    module = inner.runpytest("-p", "no:cacheprovider", "test_module_skip.py")
+    module.assert_outcomes(errors=1)  # a whole module skipped at import: a collection error
+    assert "skipped under CI=true: could not import 'no_such_module_either'" in module.stdout.str()
+    assert module.ret != 0
+
+
+def test_an_allowed_skip_stays_a_skip_in_ci(inner, monkeypatch):
+    """The allowlist names a node id of this project (tests/...): the inner suite lays out the same path."""
+    (inner.path / "tests").mkdir()
+    (inner.path / "tests" / "test_instance_safety.py").write_text(
+        "import pytest\n\ndef test_a_state_folder_of_another_user_is_refused():\n    pytest.skip('needs root')\n\n"
+        "def test_another():\n    pytest.skip('needs root')\n"
+    )
+    monkeypatch.setenv("CI", "true")
+    res = inner.runpytest("-p", "no:cacheprovider")
+    res.assert_outcomes(skipped=1, failed=1)  # only the listed test may skip
+
+
+def test_a_test_that_starts_an_engine_must_be_marked_engines(inner):
+    inner.makepyfile(
+        test_engines="""
+import pytest
+from support_policy import require_engines_marker
+
+@pytest.fixture(scope="module")
+def engine():
+    require_engines_marker("starts llama-server")  # in a module-scoped fixture too
+
+def test_unmarked(engine):
+    pass
+
+@pytest.mark.engines
+def test_marked():
+    require_engines_marker("starts llama-server")
+"""
+    )
+    res = inner.runpytest("-p", "no:cacheprovider")
+    res.assert_outcomes(passed=1, errors=1)
+    assert "test_unmarked starts llama-server but is not marked `engines`" in res.stdout.str()
+
+
+def test_engines_tests_get_the_long_timeout_and_keep_their_own(inner):
+    inner.makepyfile(
+        test_timeouts="""
+import pytest
+from support_policy import ENGINES_TIMEOUT_S
+
+def timeout(request):
+    mark = request.node.get_closest_marker("timeout")
+    return mark.args[0] if mark else None
+
+@pytest.mark.engines
+def test_engines(request):
+    assert timeout(request) == ENGINES_TIMEOUT_S
+
+@pytest.mark.engines
+@pytest.mark.timeout(120)
+def test_engines_with_its_own(request):
+    assert timeout(request) == 120
+
+def test_plain(request):
+    assert timeout(request) is None  # pyproject's `timeout` applies
+"""
+    )
+    inner.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=3)
+
+
+def test_the_project_sets_a_default_timeout_and_lists_the_slowest_tests(pytestconfig):
+    assert float(pytestconfig.getini("timeout")) >= 60  # pytest-timeout's ini option: every test is bounded
+    assert "--durations=15" in pytestconfig.getini("addopts")
+    assert "error::pytest.PytestUnhandledThreadExceptionWarning" in pytestconfig.getini("filterwarnings")
+
+
+def test_vllm_engines_of_the_tests_start_without_the_aot_compile_cache():
+    """Engines inherit the test process's environment (specops.run.process); ``specops up`` run by a test
+    passes it on to vLLM."""
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+
+
+# ------------------------------------------------------------------------------------------------- ports
+
+GRAB = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from support_ports import free_port
+print(json.dumps([free_port() for _ in range(int(sys.argv[2]))]))
+"""
+
+
+def test_ports_never_repeat_across_runs_and_stay_out_of_the_ephemeral_range(tmp_path, monkeypatch):
+    registry = tmp_path / "ports.json"
+    monkeypatch.setenv("SPECOPS_TEST_PORTS", str(registry))
+    mine = [support_ports.free_port() for _ in range(40)]
+    env = {**os.environ, "SPECOPS_TEST_PORTS": str(registry)}
+    here = str(Path(__file__).resolve().parent)
+    other = subprocess.run(
+        [sys.executable, "-c", GRAB, here, "40"], capture_output=True, text=True, env=env, timeout=60, check=True
+    )
+    theirs = json.loads(other.stdout)  # another run on the same machine, at the same time
+    assert len(set(mine)) == 40 and len(set(theirs)) == 40 and not set(mine) & set(theirs)
+    lo, _ = support_ports.ephemeral_range()
+    assert all(support_ports.LOWEST <= p < lo for p in mine + theirs)  # no client's source port can take one
+    assert set(json.loads(registry.read_text())) == {str(p) for p in mine + theirs}
+    assert stat.S_IMODE(registry.stat().st_mode) == 0o600
+
+
+def test_a_port_in_use_is_not_handed_out(tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("SPECOPS_TEST_PORTS", str(tmp_path / "ports.json"))
+    pool = [support_ports.free_port() for _ in range(3)]
+    monkeypatch.setattr(support_ports, "_candidates", lambda: pool)  # a pool of three ports
+    monkeypatch.setattr(support_ports, "_GIVEN", set())
+    (tmp_path / "ports.json").write_text("{}")  # forget them: only the bind check is left
+    held = [socket.socket(), socket.socket()]
+    try:
+        for s, port in zip(held, pool[:2]):
+            s.bind(("127.0.0.1", port))
+            s.listen(1)
+        assert support_ports.free_port() == pool[2]
+        with pytest.raises(RuntimeError, match="no free loopback port"):
+            support_ports.free_port()  # the last one was just handed out
+    finally:
+        for s in held:
+            s.close()
