@@ -211,7 +211,7 @@ def test_llama_server_that_cannot_bind_stops_the_supervisor_without_fallback(tmp
 
 
 @pytest.mark.engines
-@pytest.mark.parametrize("command", ["up", "bench"])
+@pytest.mark.parametrize("command", ["up", "bench", "tune"])
 def test_missing_target_stops_every_launching_command_at_once(tmp_path, models, command):
     state = tmp_path / "state"
     absent = tmp_path / "absent-target.gguf"
@@ -219,6 +219,8 @@ def test_missing_target_stops_every_launching_command_at_once(tmp_path, models, 
     args = [command, str(profile)]
     if command == "bench":
         args += ["-q", "-p", "code", "-c", "1", "-n", "1", "--max-tokens", "4", "-o", str(tmp_path / "bench")]
+    if command == "tune":
+        args += ["-q", "--dry-run", "--no-plot", "-k", "2", "-c", "1", "-n", "1", "--max-tokens", "4"]
     res = specops(args, {**os.environ, "SPECOPS_STATE": str(state)})
     lines = error_lines(res)
     assert res.returncode == 1, res

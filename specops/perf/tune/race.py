@@ -26,6 +26,7 @@ from specops.errors import SpecopsError
 from specops.perf.stats import median
 from specops.perf.tune.results import LevelResult, Round, SettingResult, TuneResult
 from specops.perf.tune.settings import Setting, k_widen_cap, next_k
+from specops.resolve.prelaunch import CannotLaunch
 
 #: Seconds one round takes before one was measured (only for the up-front budget check).
 ROUND_PRIOR_S = 1.0
@@ -307,6 +308,8 @@ class Tuner:
                 await self._measure_levels(session, res, rounds, deadline, best)
         except asyncio.TimeoutError:
             res.status, res.reason = "failed", "did not finish within the budget"
+        except CannotLaunch:  # the target model, a taken port: no setting can launch, so the sweep stops
+            raise
         except SpecopsError as exc:
             res.status, res.reason = "failed", str(exc).splitlines()[0][:300]
         finally:
