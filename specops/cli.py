@@ -19,6 +19,7 @@ from specops.errors import ProfileError, SpecopsError
 
 #: command name -> "module:function" (the module under specops.commands); ordered as shown in --help.
 COMMANDS = {
+    "init": "init:init",
     "validate": "validate:validate",
     "render": "render:render",
     "resolve": "resolve:resolve",
@@ -89,6 +90,7 @@ def cli():
 
     \b
     Examples:
+      specops init meta-llama/Llama-3.1-8B-Instruct  # a profile for your model on this machine
       specops validate profiles/                 # check every profile (CI)
       specops render profiles/llama31-8b-eagle3.yaml --backend-version 0.32.0
       specops up examples/vllm-cpu-ngram.yaml    # launch, supervise, fall back
