@@ -25,3 +25,13 @@ def window(tau: float, *, k: int = 4, drafts: bool = True) -> WindowStats:
         drafts=100 if drafts else None,
         full=True,
     )
+
+
+class Events:
+    """The decider's event log, kept in memory: ``lines`` holds each ``(kind, fields)`` it was told."""
+
+    def __init__(self):
+        self.lines: list[tuple[str, dict]] = []
+
+    def emit(self, kind, **kw):
+        self.lines.append((kind, kw))

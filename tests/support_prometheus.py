@@ -369,3 +369,24 @@ class InProcessSpecops:
             f"http://{self.address}{path}", timeout=10
         ) as resp:
             return resp.read().decode("utf-8")
+
+
+def labelled_prometheus(workdir, targets: dict[str, str]):
+    """A real Prometheus with specops' two jobs of contrib/prometheus/scrape.yml, one target per pod."""
+
+    class Labelled(PrometheusServer):
+        def config_text(self) -> str:
+            interval = f"{int(self.scrape_interval * 1000)}ms"
+            statics = [
+                {"targets": [addr], "labels": {"pod": pod, "namespace": "llm", "app_kubernetes_io_instance": "demo"}}
+                for pod, addr in targets.items()
+            ]
+            jobs = [("specops", "/specops/metrics"), ("specops-engine", "/metrics")]
+            return json.dumps(
+                {
+                    "global": {"scrape_interval": interval, "scrape_timeout": interval},
+                    "scrape_configs": [{"job_name": j, "metrics_path": p, "static_configs": statics} for j, p in jobs],
+                }
+            )
+
+    return Labelled(workdir, [], scrape_interval=0.5)

@@ -197,31 +197,9 @@ class Replica(InProcessSpecops):
         self.metrics.observe(Reading(stats, tps, counters))
 
 
-def labelled_prometheus(workdir, targets: dict[str, str]):
-    """A real Prometheus with specops' two jobs of contrib/prometheus/scrape.yml, one target per pod."""
-    from support_prometheus import PrometheusServer
-
-    class Labelled(PrometheusServer):
-        def config_text(self) -> str:
-            interval = f"{int(self.scrape_interval * 1000)}ms"
-            statics = [
-                {"targets": [addr], "labels": {"pod": pod, "namespace": "llm", "app_kubernetes_io_instance": "demo"}}
-                for pod, addr in targets.items()
-            ]
-            jobs = [("specops", "/specops/metrics"), ("specops-engine", "/metrics")]
-            return json.dumps(
-                {
-                    "global": {"scrape_interval": interval, "scrape_timeout": interval},
-                    "scrape_configs": [{"job_name": j, "metrics_path": p, "static_configs": statics} for j, p in jobs],
-                }
-            )
-
-    return Labelled(workdir, [], scrape_interval=0.5)
-
-
 @pytest.mark.prometheus
 def test_fleet_view_from_a_real_prometheus(tmp_path):
-    from support_prometheus import free_port, require_prometheus, wait_until
+    from support_prometheus import free_port, labelled_prometheus, require_prometheus, wait_until
 
     from specops.backends.counters import SpecCounters
 
@@ -323,7 +301,7 @@ def test_the_watcher_moves_the_active_method_gauge_on_a_switch_and_exports_token
     import math
 
     from support_upstream import Upstream
-    from test_watcher_unit import PROFILE, FakeClock, backend, make_watcher, plan_for
+    from support_watch import PROFILE, FakeClock, backend, make_watcher, plan_for
 
     from specops.methods import Method
     from specops.run.events import EngineReady

@@ -12,18 +12,17 @@ import time
 
 import pytest
 from support_cli import run as run_cli
-from support_prometheus import require_prometheus, wait_until
+from support_prometheus import labelled_prometheus, require_prometheus, wait_until
 from support_up import UpRun, http_json, llama_profile
-from test_fleet_view import labelled_prometheus
 
-pytestmark = [pytest.mark.engines, pytest.mark.prometheus]
+pytestmark = [pytest.mark.engines, pytest.mark.prometheus, pytest.mark.timeout(300)]
 
 
-def test_fleet_view_of_two_specops_up_on_llama_server(tmp_path, tiny_models):
+def test_fleet_view_of_two_specops_up_on_llama_server(tmp_path, tiny_gguf_models):
     require_prometheus()
     fast = {"monitor": {"interval": 1}, "fallback": {"window": "30s", "min_draft_tokens": 1}}
-    pa = llama_profile(tmp_path, tiny_models, "fleet-a", **fast)
-    pb = llama_profile(tmp_path, tiny_models, "fleet-b", method="ngram", target="gguf-cycle.gguf", **fast)
+    pa = llama_profile(tmp_path, tiny_gguf_models, "fleet-a", **fast)
+    pb = llama_profile(tmp_path, tiny_gguf_models, "fleet-b", method="ngram", target="gguf-cycle.gguf", **fast)
     with UpRun(pa, tmp_path / "state", "fleet-a") as a, UpRun(pb, tmp_path / "state", "fleet-b") as b:
         sa, sb = a.wait_ready(timeout=120), b.wait_ready(timeout=120)
         targets = {"replica-a": sa["url"].split("//")[1], "replica-b": sb["url"].split("//")[1]}

@@ -19,7 +19,7 @@ import json
 import math
 
 import pytest
-from support_goodput import IDLE, window
+from support_goodput import IDLE, Events, window
 
 from specops.config.profile import ChainStep, load_profile
 from specops.errors import ProfileError, SpecopsError
@@ -287,16 +287,8 @@ def test_fallback_disabled_and_the_flap_guard_hold():
 # ---------------------------------------------------------------------------------------------- wiring
 
 
-class _Events:
-    def __init__(self):
-        self.lines = []
-
-    def emit(self, kind, **kw):
-        self.lines.append((kind, kw))
-
-
 def test_decider_logs_each_change_of_verdict_and_shows_the_numbers():
-    events = _Events()
+    events = Events()
     decider = FallbackDecider(policy(), events=events, say=lambda m: None, clock=lambda: 0.0, wall=lambda: 0.0)
     for t in (0.0, 5.0, 10.0):
         decider.observe(IDLE, t, at(16))
@@ -353,11 +345,11 @@ def test_decider_from_a_profile_reads_the_surface_it_names(tmp_path):
     loaded = load_profile(
         _profile(tmp_path, f"  mode: goodput\n  chain: [none]\n  goodput: {{surface: {rec}, min_dwell: 2m}}\n"), env={}
     )
-    decider = FallbackDecider.from_profile(loaded.profile, events=_Events(), say=print)
+    decider = FallbackDecider.from_profile(loaded.profile, events=Events(), say=print)
     g = decider.policy.goodput
     assert g is not None and g.config.min_dwell_s == 120.0
     assert [o.label for o in g.options] == ["draft_model k=4", "none"]
     assert math.isclose(g.model.predict(g.options[0], 16), 120.0)
     bad = load_profile(_profile(tmp_path, "  mode: goodput\n  goodput: {surface: /nonexistent.json}\n"), env={})
     with pytest.raises(SpecopsError, match="cannot read /nonexistent.json"):
-        FallbackDecider.from_profile(bad.profile, events=_Events(), say=print)
+        FallbackDecider.from_profile(bad.profile, events=Events(), say=print)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from support_goodput import Events
 
 from specops.config.profile import load_profile
 from specops.errors import ProfileError
@@ -23,11 +24,6 @@ HEAD = (
     "name: g\nbackend: llamacpp\nmodel: {id: /m/t.gguf}\n"
     "speculative: {method: draft_model, draft: /m/d.gguf, num_speculative_tokens: 4}\n"
 )
-
-
-class _Events:
-    def emit(self, kind, **kw):
-        pass
 
 
 @pytest.fixture
@@ -54,7 +50,7 @@ def test_a_relative_surface_is_read_beside_the_profile(tmp_path, elsewhere):
     policy = Policy.from_profile(loaded)
     assert policy.goodput is not None and policy.goodput.model.surface is not None
     assert policy.goodput.model.surface.levels() == [1]
-    decider = FallbackDecider.from_profile(loaded, events=_Events(), say=print)
+    decider = FallbackDecider.from_profile(loaded, events=Events(), say=print)
     assert decider.policy.goodput.model.surface.tokens_per_s(decider.policy.steps[0].method, 4, 1) == 80.0
     # advise finds it the same way, from the profile's path
     assert find_surface(str(prof), loaded.profile).levels() == [1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from support_cli import run
-from support_goodput import IDLE, window
+from support_goodput import IDLE, Events, window
 
 from specops.config.profile import ChainStep
 from specops.methods import Method
@@ -29,11 +29,6 @@ SURFACE = {
 }
 
 
-class _Events:
-    def emit(self, kind, **kw):
-        pass
-
-
 def _state(tmp_path) -> InstancePaths:
     g = GoodputConfig(hysteresis=0.05, sustain_s=10.0, min_dwell_s=30.0, regime_s=100.0, switch_cost_s=None)
     policy = Policy(
@@ -41,7 +36,7 @@ def _state(tmp_path) -> InstancePaths:
         [ChainStep(method=Method.DRAFT_MODEL, draft="d.gguf", num_speculative_tokens=4), ChainStep(method=Method.NONE)],
         surface=Surface.from_dict(SURFACE),
     )
-    decider = FallbackDecider(policy, events=_Events(), say=lambda m: None, clock=lambda: 5.0, wall=lambda: 1e9)
+    decider = FallbackDecider(policy, events=Events(), say=lambda m: None, clock=lambda: 5.0, wall=lambda: 1e9)
     policy.note_switch_cost(0.4)  # a switch measured at 0.4 s
     # c=16 for 5 s: k=4 120 vs none 200 (live 100 tok/s on k=4: the bucket's correction becomes 100/120)
     decider.observe(IDLE, 0.0, Load(16, None, "proxy in flight + waiting"))
@@ -90,7 +85,7 @@ def test_status_shows_a_left_methods_aged_acceptance(tmp_path):
         [ChainStep(method=Method.DRAFT_MODEL, draft="d.gguf", num_speculative_tokens=4), ChainStep(method=Method.NONE)],
         surface=Surface.from_dict(SURFACE),
     )
-    decider = FallbackDecider(policy, events=_Events(), say=lambda m: None, clock=lambda: 0.0, wall=lambda: 1e9)
+    decider = FallbackDecider(policy, events=Events(), say=lambda m: None, clock=lambda: 0.0, wall=lambda: 1e9)
     collapsed = window(1.2)
     one = Load(1, None, "proxy in flight + waiting")
     decider.observe(collapsed, 20.0, one)

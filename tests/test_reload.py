@@ -265,9 +265,8 @@ def test_supervisor_reload_restarts_on_the_new_profiles_primary_step():
     """The supervisor's side, on the stand-in engine: refused unless serving, then hold → drain → stop → start
     the new profile's step 0 → ready, with the old chain's pending switch dropped."""
     from support_ports import free_port
-    from test_supervisor_unit import (
+    from support_supervisor import (
         STANDIN,
-        EngineReady,
         ScriptedDecider,
         make_profile,
         standin,
@@ -275,6 +274,7 @@ def test_supervisor_reload_restarts_on_the_new_profiles_primary_step():
         wait_until,
     )
 
+    from specops.run.events import EngineReady
     from specops.run.supervise import ReloadOrder
 
     port = free_port()
@@ -317,8 +317,7 @@ def test_a_reloaded_profile_that_does_not_start_gives_way_to_the_previous_one():
     """The new primary step exits at once: the supervisor runs the old profile again, at the step it was on,
     says so (``reload-failed``) and calls the order's ``on_failed``."""
     from support_ports import free_port
-    from test_supervisor_unit import (
-        EngineReady,
+    from support_supervisor import (
         ScriptedDecider,
         exits_at_once,
         make_profile,
@@ -327,6 +326,7 @@ def test_a_reloaded_profile_that_does_not_start_gives_way_to_the_previous_one():
         wait_until,
     )
 
+    from specops.run.events import EngineReady
     from specops.run.supervise import ReloadOrder
 
     port = free_port()

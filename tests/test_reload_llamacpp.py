@@ -74,11 +74,11 @@ def wait_until(check, timeout: float, what: str, run: UpRun):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{run.output()}")
 
 
-def test_valid_and_invalid_reload_under_load_lose_nothing(tmp_path, tiny_models):
+def test_valid_and_invalid_reload_under_load_lose_nothing(tmp_path, tiny_gguf_models):
     mount = tmp_path / "config"
     mount.mkdir()
     port = free_port()
-    configmap(mount, "v1", profile_data(tiny_models, port, k=8))
+    configmap(mount, "v1", profile_data(tiny_gguf_models, port, k=8))
     profile = mount / "p.yaml"
     url = f"http://127.0.0.1:{port}"
     with UpRun(profile, tmp_path / "state", "reload-llama") as run:
@@ -90,7 +90,7 @@ def test_valid_and_invalid_reload_under_load_lose_nothing(tmp_path, tiny_models)
             load.wait_for_answers(16, timeout=60)
 
             # (1) a valid edit, delivered like a ConfigMap update: the engine restarts with the new k
-            configmap(mount, "v2", profile_data(tiny_models, port, k=3))
+            configmap(mount, "v2", profile_data(tiny_gguf_models, port, k=3))
             reload_ev = wait_until(lambda: run.events("reload"), 30, "the reload event", run)[0]
             assert reload_ev["changes"] == ["speculative.num_speculative_tokens"]
             starts = wait_until(lambda: run.events("start")[1:], 60, "the engine's restart", run)
@@ -106,7 +106,7 @@ def test_valid_and_invalid_reload_under_load_lose_nothing(tmp_path, tiny_models)
             load.wait_for_answers(16, timeout=60)
 
             # (2) an invalid edit, delivered with SIGHUP: rejected with its location, the old config keeps serving
-            bad = profile_data(tiny_models, port, k=3)
+            bad = profile_data(tiny_gguf_models, port, k=3)
             bad["speculative"]["num_speculative_tokens"] = -2
             written = configmap(mount, "v3", bad)
             run.proc.send_signal(signal.SIGHUP)

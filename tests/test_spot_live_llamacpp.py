@@ -32,11 +32,11 @@ def compared(run: UpRun) -> int:
     return sum(c["requests"] for c in run.events("spot_check"))
 
 
-def test_up_spot_checks_live_greedy_requests_against_a_reference(tmp_path, tiny_models):
+def test_up_spot_checks_live_greedy_requests_against_a_reference(tmp_path, tiny_gguf_models):
     from support_engines import need_llama_server
 
     need_llama_server()
-    models, state = tiny_models, tmp_path / "state"
+    models, state = tiny_gguf_models, tmp_path / "state"
     ref_p = profile(tmp_path, models, "spot-ref", "gguf-target.gguf")
     wrong_p = profile(tmp_path, models, "spot-wrong", "gguf-draft-other.gguf")  # another model: a broken reference
     with UpRun(ref_p, state, "spot-ref") as ref, UpRun(wrong_p, state, "spot-wrong") as wrong:

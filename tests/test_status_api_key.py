@@ -10,17 +10,17 @@ import subprocess
 import pytest
 from support_up import SPECOPS, UpRun, free_port, write_profile
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(300)]
 KEY = "sk-status-test-4f1d9c"
 
 
-def test_status_fetches_the_live_section_with_the_profiles_key(tmp_path, tiny_models):
+def test_status_fetches_the_live_section_with_the_profiles_key(tmp_path, tiny_gguf_models):
     profile = write_profile(
         tmp_path / "keyed.yaml",
         {
             "name": "keyed",
             "backend": "llamacpp",
-            "model": {"id": str(tiny_models / "gguf-target.gguf"), "max_model_len": 512},
+            "model": {"id": str(tiny_gguf_models / "gguf-target.gguf"), "max_model_len": 512},
             "speculative": {"method": "ngram"},
             "gpus": {"devices": []},
             "server": {"port": free_port(), "api_key": "${STATUS_TEST_KEY}"},

@@ -12,12 +12,12 @@ from support_up import UpRun, http_json, http_text, llama_profile
 
 from specops.run.process import group_members
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models):
-    return tiny_models
+def models(tiny_gguf_models):
+    return tiny_gguf_models
 
 
 def complete(url: str, prompt: str = "the quick brown fox", n: int = 24) -> dict:
