@@ -18,6 +18,12 @@ A changed file is loaded with the same loader and rules as ``specops validate`` 
 
 A file that does not load is reported one poll later (a half-written file gets a chance to complete), and
 each distinct content is reported once.
+
+The files are read as the loader reads profiles (:func:`specops.config.yamlsource.read_text`: regular files
+of at most 1 MiB, opened without blocking), so a symlink to a huge file costs no memory and a FIFO at the
+lock's path cannot hang a check. The checks run in a daemon thread, and :meth:`ProfileReloader.stop` waits
+for a running one at most :data:`STOP_TIMEOUT` seconds: a file system that does not answer cannot keep
+``specops up`` from stopping.
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from specops.config.profile import LoadedProfile, load_profile
+from specops.config.yamlsource import read_text
 from specops.errors import Problem, ProfileError, SpecopsError
 from specops.resolve.lock import lock_path
 from specops.resolve.prelaunch import resolve_for_launch
@@ -59,19 +68,63 @@ RESTART_FIELDS: tuple[tuple[str, ...], ...] = (
 
 #: The shortest poll interval (a smaller one is raised to it).
 MIN_INTERVAL = 0.2
+#: Seconds :meth:`ProfileReloader.stop` waits for a check that is running (then it leaves it behind).
+STOP_TIMEOUT = 5.0
+
+
+def _read(path: str) -> tuple[str | None, list[Problem]]:
+    """(text, []) of a file read with the loader's bounds, or (None, why not: located at the file)."""
+    try:
+        return read_text(Path(path), path), []
+    except ProfileError as exc:
+        return None, list(exc.problems)
 
 
 def fingerprint(paths: list[str]) -> str:
-    """sha256 over the contents of ``paths`` (symlinks followed; a missing file counts as absent)."""
+    """sha256 over the contents of ``paths`` (symlinks followed; a file that cannot be read as a profile is
+    read, missing, too large, not a regular file, counts by why)."""
     h = hashlib.sha256()
     for p in paths:
         h.update(os.fsencode(p) + b"\0")
-        try:
-            with open(p, "rb") as f:
-                h.update(hashlib.sha256(f.read()).digest())
-        except OSError as exc:
-            h.update(f"<{type(exc).__name__}>".encode())
+        text, why = _read(p)
+        h.update(
+            hashlib.sha256(text.encode("utf-8")).digest() if text is not None else "; ".join(map(str, why)).encode()
+        )
     return h.hexdigest()
+
+
+def lock_problems(path: str) -> list[Problem]:
+    """Why the lock at ``path`` cannot be read as profiles are ([]: it can, or there is none), checked before
+    resolving reads it."""
+    return _read(path)[1] if os.path.lexists(path) else []
+
+
+async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a daemon thread (not the loop's executor, whose threads the interpreter waits for at
+    exit): a check stuck on a file cannot keep the process from ending."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if done.done():  # cancelled: stop() stopped waiting
+            return
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as error:  # handed to the awaiting task
+            result, exc = None, error
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="specops-reload-check", daemon=True).start()
+    return await done
 
 
 def _dump(loaded: LoadedProfile) -> dict:
@@ -222,10 +275,16 @@ class ProfileReloader:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop polling; a check still running after ``timeout`` seconds is left behind (its thread is a daemon)."""
         self._stopping.set()
         self._wake.set()
-        if self._task is not None:
+        if self._task is None:
+            return
+        done, _ = await asyncio.wait({self._task}, timeout=timeout)
+        if not done:
+            self.say(f"warning: a profile reload check still runs after {timeout:g}s (a file that does not answer?)")
+            self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _loop(self) -> None:
@@ -240,6 +299,8 @@ class ProfileReloader:
             forced, self._forced = self._forced, False
             try:
                 await self.check_async(forced=forced)
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:  # a bug here must never take the serving instance down
                 self.say(f"warning: profile reload check failed: {type(exc).__name__}: {exc}")
 
@@ -251,7 +312,7 @@ class ProfileReloader:
     async def check_async(self, forced: bool = False) -> Outcome | None:
         """:meth:`check` with the file reads, validation and resolution (which may ask the Hub) in a thread, so
         the proxy's event loop never waits on them; applying and reporting stay on the loop."""
-        return self._conclude(await asyncio.to_thread(self._prepare, forced))
+        return self._conclude(await _off_loop(self._prepare, forced))
 
     def _prepare(self, forced: bool) -> _Step | None:
         """Everything that reads or resolves, changing nothing that the loop reads."""
@@ -273,6 +334,7 @@ class ProfileReloader:
         self.files = self._files(loaded)
         sha = fingerprint(self.files)  # the bases may have changed the list of files
         problems = self._restart_problems(loaded)
+        problems += lock_problems(self.files[-1])
         if problems:
             return _Step("report", sha, Outcome("rejected", "\n".join(str(p) for p in problems), problems=problems))
         try:
