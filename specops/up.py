@@ -113,6 +113,8 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
             say=console.say,
             on_check=up.write_state,
         )
+    if profile.routing.enabled:  # twins: engines beside the primary, routed per request (specops.run.twins)
+        up.twins = _twins(up, registry, metrics, opts)
     up.sup = _supervisor(up, _step_renderer(loaded, registry, engine, engine_host, engine_port), opts)
     up.fleet = _fleet(up, metrics)
     if refused:
@@ -200,6 +202,7 @@ class _Instance:
     reloader: ProfileReloader | None = None  # the profile file's reloads (SIGHUP, a changed file)
     draining: asyncio.Task | None = None  # the shutdown drain, once a stop signal came
     fleet: object | None = None  # FleetCoordinator: the fleet's switch slots (deploy.coordination), when on
+    twins: object | None = None  # TwinEngines: engines kept warm beside the primary (routing.twins), when set
 
     @property
     def public_url(self) -> str:
@@ -211,8 +214,10 @@ class _Instance:
         spot = self.spot.snapshot() if self.spot is not None else {}
         fleet = self.fleet.snapshot() if self.fleet is not None else {}  # fleet: waiting, slot, holders
         reload = {"profile_reload": self.reloader.snapshot()} if self.reloader is not None else {}
+        twins = self.twins.snapshot() if self.twins is not None else {}  # engines, routing, classes
         return {
             **self.sup.snapshot(),
+            **twins,
             **self.decider.snapshot(),
             **self.watcher.snapshot(),
             **spot,
@@ -250,6 +255,8 @@ class _Instance:
     def switch(self, decision) -> bool:
         """The watcher's decision, as an order to the supervisor; False when it cannot switch now. With fleet
         coordination always False here: the order runs once a switch slot is ours (``FleetCoordinator``)."""
+        if self.twins is not None and self.twins.route_to(decision.to_index, decision.reason, decision.to_dict()):
+            return True  # a warm twin runs that step: a route change, no restart
         order = SwitchOrder(decision.to_index, decision.reason, decision.to_dict())
         if self.fleet is not None:
             return self.fleet.want(order)
@@ -319,6 +326,39 @@ def _proxy(up: _Instance, live: LiveCounters | None, metrics: SpecopsMetrics):
     )
 
 
+def _twins(up: _Instance, registry, metrics: SpecopsMetrics, opts: UpOptions):
+    """The twins of ``routing.twins``: one supervisor each, on a loopback port of its own, behind the proxy."""
+    from specops.run.twins import TwinEngines
+
+    loaded = up.loaded
+
+    def render_twin(step: int, position: int):
+        port = free_port()
+        twin = LoadedProfile(loaded.profile.at_step(step), loaded.document, loaded.path)
+        return lambda index: render_plan(
+            LoadedProfile(twin.profile.at_step(index), loaded.document, loaded.path),
+            registry,
+            engine=up.engine,
+            host="127.0.0.1",
+            port=port,
+        )
+
+    twins = TwinEngines(
+        loaded.profile,
+        decider=up.decider,
+        events=up.events,
+        say=up.console.say,
+        render_twin=render_twin,
+        log_path=lambda name: up.paths.root / f"engine.{name}.log",
+        health_interval=opts.health_interval,
+        launch_problem=up.backend.launch_problem,
+        on_change=up.write_state,
+        metrics=metrics,
+    )
+    twins.attach(up.proxy)
+    return twins
+
+
 def _supervisor(up: _Instance, render_step, opts: UpOptions) -> Supervisor:
     # the order of listeners matters: the decider tells the policy which step runs before the watcher
     # starts its window, and the state is written last, with what both know
@@ -328,7 +368,8 @@ def _supervisor(up: _Instance, render_step, opts: UpOptions) -> Supervisor:
         events=up.events,
         say=up.console.say,
         decider=up.decider,
-        listeners=(up.decider.on_event, up.watcher.on_event, up.on_supervisor_event),
+        listeners=(up.decider.on_event, up.watcher.on_event, up.on_supervisor_event)
+        + ((up.twins.on_primary_event,) if up.twins is not None else ()),
         log_path=up.paths.engine_log,
         proxy=up.proxy,
         health_interval=opts.health_interval,
@@ -363,6 +404,8 @@ async def _serve(up: _Instance, registry, opts: UpOptions) -> int:
     try:
         if up.proxy is not None:
             await _start_proxy(up)
+        if up.twins is not None:
+            up.twins.start()
         up.watcher.start()
         reloader.start()
         watching = True
@@ -377,6 +420,8 @@ async def _serve(up: _Instance, registry, opts: UpOptions) -> int:
             await up.spot.stop()
         if watching:
             await up.watcher.stop()
+        if up.twins is not None:
+            await up.twins.stop()
         if up.proxy is not None:
             await up.proxy.stop()
         up.write_state()
@@ -460,7 +505,8 @@ async def _drain_then_stop(up: _Instance, why: str) -> None:
     up.proxy.hold()
     try:
         result = await up.proxy.drain(timeout)
-        up.events.emit("shutdown-drain", **result.to_dict())
+        twins = await up.twins.drain(timeout) if up.twins is not None else {}
+        up.events.emit("shutdown-drain", **result.to_dict(), **({"twins": twins} if twins else {}))
     finally:
         up.sup.request_stop(why)
 

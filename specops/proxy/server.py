@@ -164,6 +164,7 @@ class Proxy(RequestPath):
         self._started_at = time.time()
         self._wait_total = 0.0
         self._wait_longest = 0.0
+        self.routes = None  # RoutedUpstreams (specops.proxy.routes) when the profile keeps twins
 
     # ----------------------------------------------------------------------------------------- settings
 

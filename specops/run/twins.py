@@ -1,0 +1,293 @@
+"""Twins: chain steps kept warm as engines of their own beside the primary, behind the same proxy.
+
+Each twin runs under its own :class:`~specops.run.supervise.Supervisor` (today's state machine: own loopback port,
+own log, restart with back-off, crash-loop guard); its supervisor drives the twin's upstream in the proxy through an
+:class:`~specops.proxy.routes.EngineHandle`, so a twin that dies takes no requests until it is ready again while
+the others serve. Twins start in chain order, each once the engine before it is ready (or has given up). A twin
+that cannot run is not replaced by another step: it is left out (FATAL for that twin) and the others serve.
+
+Where requests go is the router's (:mod:`specops.proxy.router`); whether a request class speculates is the one
+decider's (:meth:`specops.watch.decide.FallbackDecider.route_class`), asked here every ``monitor.interval``; a switch
+the decider orders to a step a live twin runs is a route change (:meth:`TwinEngines.route_to`): no hold, no drain,
+no restart, and every change of route is a ``route`` event with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from specops.proxy.router import EngineInfo, Route, Router
+from specops.proxy.routes import RoutedUpstreams
+from specops.run.events import EngineReady, FallbackOrder, State, StateChanged, StepChanged, StepFailed
+from specops.run.supervise import Supervisor
+from specops.watch.classes import ClassTable
+
+__all__ = ["TwinEngines", "engine_infos"]
+
+
+def engine_infos(profile) -> list[EngineInfo]:
+    """The engines of ``profile``: the primary (step 0), then one per twin, in chain order."""
+    steps = profile.steps
+    twins = set(profile.routing.twins)
+    out = [EngineInfo(0, steps[0].method.value, steps[0].method.value != "none")]
+    for i, step in enumerate(steps[1:], start=1):
+        if step.method in twins:
+            out.append(EngineInfo(i, step.method.value, step.method.value != "none"))
+    return out
+
+
+class _TaggedEvents:
+    """The instance's event log, each record marked with the twin engine it is about."""
+
+    def __init__(self, events, engine: str):
+        self.events, self.engine = events, engine
+
+    def emit(self, event: str, **fields) -> dict:
+        return self.events.emit(event, engine=self.engine, **fields)
+
+
+class _TwinDecider:
+    """A twin that cannot run stays out (its supervisor goes FATAL); the others serve. Logged as a decision."""
+
+    def __init__(self, events, say: Callable[[str], None]):
+        self.events, self.say = events, say
+
+    def decide_after_failure(self, failure: StepFailed) -> FallbackOrder:
+        self.events.emit("decision", action="twin-out", **{"from": failure.method.value}, reason=failure.reason)
+        self.say(f"twin {failure.method} is left out: {failure.reason}; the other engines serve")
+        return FallbackOrder(None, failure.reason)
+
+
+class TwinEngines:
+    """The twins of one ``specops up``: their supervisors, the routed upstreams, the class decisions."""
+
+    def __init__(
+        self,
+        profile,
+        *,
+        decider,
+        events,
+        say: Callable[[str], None],
+        render_twin: Callable[[int, int], Callable[[int], Any]],
+        log_path: Callable[[str], Any],
+        health_interval: float,
+        launch_problem: Callable[[str], str | None] | None,
+        on_change: Callable[[], None] = lambda: None,
+        metrics=None,
+    ):
+        self.profile = profile
+        self.decider = decider
+        self.events = events
+        self.say = say
+        self.on_change = on_change
+        c = profile.routing.classes
+        self.classes = ClassTable(c.max_classes, c.window, c.explore) if c.key != "none" else None
+        self.router = Router(profile.routing, engine_infos(profile), self.classes)
+        self.upstreams = RoutedUpstreams(self.router, on_route=self._on_route)
+        self.supervisors: list[Supervisor] = []
+        self._ready = [asyncio.Event() for _ in self.router.engines]  # engine i is ready or gave up
+        self._tasks: list[asyncio.Task] = []
+        self._deciding: asyncio.Task | None = None
+        self._stopping = False
+        self.route_changes = 0
+        for position, info in enumerate(self.router.engines[1:], start=1):
+            name = f"twin-{info.method}"
+            tagged = _TaggedEvents(events, name)
+            sup = Supervisor(
+                profile.at_step(info.step),
+                render_twin(info.step, position),
+                events=tagged,
+                say=lambda msg, name=name: say(f"[{name}] {msg}"),
+                decider=_TwinDecider(tagged, lambda msg, name=name: say(f"[{name}] {msg}")),
+                listeners=(lambda ev, position=position: self._on_twin_event(position, ev),),
+                log_path=log_path(name),
+                proxy=self.upstreams.handle(position),
+                health_interval=health_interval,
+                launch_problem=launch_problem,
+            )
+            self.supervisors.append(sup)
+        if metrics is not None:
+            metrics.registry.register(_RoutingCollector(self))
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self, proxy) -> None:
+        proxy.routes = self.upstreams
+        self.upstreams.attach(proxy)
+
+    def on_primary_event(self, event) -> None:
+        """A listener of the primary's supervisor: twins start once it is ready (or gave up); a step change of
+        the primary (a fallback, a reload) changes what engine 0 runs."""
+        if isinstance(event, EngineReady) or (
+            isinstance(event, StateChanged) and event.state in (State.FATAL, State.STOPPED)
+        ):
+            self._ready[0].set()
+        if isinstance(event, (EngineReady, StepChanged)):
+            index = event.index if isinstance(event, EngineReady) else event.to_index
+            method = event.method if isinstance(event, EngineReady) else event.to_method
+            self.upstreams.set_engine(0, EngineInfo(index, method.value, method.value != "none"))
+
+    def _on_twin_event(self, position: int, event) -> None:
+        if isinstance(event, EngineReady) or (
+            isinstance(event, StateChanged) and event.state in (State.FATAL, State.STOPPED)
+        ):
+            self._ready[position].set()
+        if isinstance(event, (EngineReady, StateChanged)):
+            self.on_change()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the twins in chain order (each after the engine before it), and the class decisions."""
+        loop = asyncio.get_running_loop()
+        for position, sup in enumerate(self.supervisors, start=1):
+            self._tasks.append(loop.create_task(self._run_twin(position, sup)))
+        if self.classes is not None:
+            self._deciding = loop.create_task(self._decide_classes())
+
+    async def _run_twin(self, position: int, sup: Supervisor) -> None:
+        await self._ready[position - 1].wait()
+        if self._stopping:
+            return
+        await sup.run()
+
+    async def stop(self) -> None:
+        """Stop every twin (their engines stopped as the primary's is) and the class decisions."""
+        self._stopping = True
+        self.upstreams.closing = True
+        for sup in self.supervisors:
+            sup.request_stop("specops is stopping")
+        for ev in self._ready:
+            ev.set()
+        if self._deciding is not None:
+            self._deciding.cancel()
+        await asyncio.gather(*self._tasks, *(t for t in (self._deciding,) if t), return_exceptions=True)
+
+    async def drain(self, timeout: float) -> dict:
+        """specops is stopping: no new requests to any engine; the twins' requests in flight finish."""
+        self.upstreams.closing = True
+        return await self.upstreams.drain(timeout)
+
+    # ------------------------------------------------------------------ route changes
+    def route_to(self, step: int, reason: str, decision: dict | None = None) -> bool:
+        """A switch to chain step ``step`` as a route change, when a live engine runs it: new requests go there
+        at once; requests in flight finish where they started. False when no live engine runs it (the caller
+        then switches by restart, as without twins)."""
+        position = self.router.engine_for_step(step)
+        if position is None or not self.upstreams.live()[position]:
+            return False
+        old = self.router.current
+        if position == old:
+            return False
+        self.router.current = position
+        self.route_changes += 1
+        engines = self.router.engines
+        self.events.emit(
+            "route",
+            **{"from": engines[old].method, "to": engines[position].method},
+            reason=reason,
+            scope="default",
+            decision=dict(decision or {}),
+        )
+        self.say(f"route change {engines[old].method} → {engines[position].method}: {reason}")
+        self.decider.on_route_change(step, reason, decision)
+        self.on_change()
+        return True
+
+    def _on_route(self, route: Route, flight, ok: bool) -> None:
+        """After each answer: the class window gets the response's own counters."""
+        if self.classes is None or route.key is None or flight is None or not ok:
+            return
+        position = self.upstreams.position_of(flight.gen)
+        speculative = self.router.engines[position].speculative
+        totals = flight.totals or {}
+        draft_n = sum(n for n, _ in totals.values())
+        accepted = sum(a for _, a in totals.values())
+        self.classes.note(route.key, time.monotonic(), speculative=speculative, draft_tokens=draft_n, accepted=accepted)
+
+    async def _decide_classes(self) -> None:
+        interval = max(0.2, float(self.profile.monitor.interval))
+        min_tokens = self.profile.routing.classes.min_draft_tokens
+        while True:
+            await asyncio.sleep(interval)
+            self.decide_classes(time.monotonic(), min_tokens)
+
+    def decide_classes(self, now: float, min_draft_tokens: int) -> int:
+        """Ask the decider about every class; a changed verdict is a ``route`` event. Returns the changes."""
+        assert self.classes is not None
+        changed = 0
+        on_step = self.router.engines[self.router.on_engine].step
+        for key in self.classes.keys():
+            verdict, why = self.decider.route_class(self.classes.stats(key, now), min_draft_tokens, on_step)
+            if self.classes.decide(key, verdict, why):
+                changed += 1
+                self.events.emit("route", scope="class", **{"class": key}, speculate=verdict, reason=why)
+        if changed:
+            self.on_change()
+        return changed
+
+    # ------------------------------------------------------------------ status
+    def snapshot(self) -> dict:
+        engines = self.upstreams.snapshot()
+        for row, sup in zip(engines[1:], self.supervisors):
+            snap = sup.snapshot()
+            row.update(
+                state=snap["state"], engine_pid=snap["engine_pid"], restarts=snap["restarts"], url=snap["engine_url"]
+            )
+        now = time.monotonic()
+        return {
+            "engines": engines,
+            "routing": {
+                "current": self.router.current,
+                "route_changes": self.route_changes,
+                "client_choice": self.profile.routing.client_choice,
+                "class_key": self.profile.routing.classes.key,
+                "refused": {str(k): v for k, v in self.upstreams.refused.items()},
+                "classes": self.classes.snapshot(now) if self.classes is not None else [],
+                "classes_forgotten": self.classes.forgotten if self.classes is not None else 0,
+            },
+        }
+
+
+class _RoutingCollector:
+    """``/specops/metrics`` per engine and per class, from the live tables (labels bounded by the class count)."""
+
+    def __init__(self, twins: TwinEngines):
+        self.twins = twins
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        t = self.twins
+        up = GaugeMetricFamily("specops_engine_live", "Engine takes requests now (1) or not (0)", labels=["engine"])
+        routed = CounterMetricFamily(
+            "specops_routed_requests", "Requests answered, by engine and routing reason", labels=["engine", "reason"]
+        )
+        live = t.upstreams.live()
+        names = [f"{i}:{e.method}" for i, e in enumerate(t.router.engines)]
+        for i, name in enumerate(names):
+            up.add_metric([name], 1.0 if live[i] else 0.0)
+        for (pos, reason), n in sorted(t.upstreams.routed.items(), key=str):
+            routed.add_metric([names[pos] if pos is not None and pos < len(names) else "none", reason], n)
+        yield up
+        yield routed
+        if t.classes is None:
+            return
+        acc = GaugeMetricFamily("specops_class_acceptance", "Acceptance of a request class's window", labels=["cls"])
+        spec = GaugeMetricFamily(
+            "specops_class_speculate", "A request class is routed to speculation (1) or not (0)", labels=["cls"]
+        )
+        share = GaugeMetricFamily(
+            "specops_class_on_share", "Share of a class's window served speculating", labels=["cls"]
+        )
+        for row in t.classes.snapshot(time.monotonic()):
+            if row["acceptance"] is not None:
+                acc.add_metric([row["class"]], row["acceptance"])
+            if row["speculate"] is not None:
+                spec.add_metric([row["class"]], 1.0 if row["speculate"] else 0.0)
+            if row["on_share"] is not None:
+                share.add_metric([row["class"]], row["on_share"])
+        yield acc
+        yield spec
+        yield share
