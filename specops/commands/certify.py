@@ -224,7 +224,7 @@ def _spot_checks(
 
     from specops.perf.certify import Endpoint, load_sets
     from specops.perf.certify_file import chat_template
-    from specops.perf.certify_spot import SpotChecker, SpotConfig, SpotMetrics, model_name_of
+    from specops.perf.certify_spot import TEXT_FILE, SpotChecker, SpotConfig, SpotMetrics, model_name_of
     from specops.plugins import get_registry
     from specops.run.instance import EventLog, InstancePaths
     from specops.urls import http_url
@@ -246,7 +246,10 @@ def _spot_checks(
         live = Endpoint(live_url, await model_name_of(live_url, key), key)
         ref = Endpoint(reference.rstrip("/"), await model_name_of(reference, ref_key), ref_key)
         paths = InstancePaths.for_profile(profile.name, profile.supervisor.state_dir)
-        checker = SpotChecker(live, ref, prompts, cfg, events=EventLog(paths.events), metrics=metrics, say=say)
+        text_file = paths.root / TEXT_FILE if profile.certify.spot_check.keep_text else None  # opt-in
+        checker = SpotChecker(
+            live, ref, prompts, cfg, events=EventLog(paths.events), metrics=metrics, say=say, text_file=text_file
+        )
         say(f"spot checks: {live_url} (speculation) vs {reference} (reference), {sample} probes every {every:g}s")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -431,9 +431,14 @@ def _print_spot(spot) -> None:
     )
     div = spot.get("last_divergence")
     if isinstance(div, dict):
+        ids = (  # where, not what: a divergence carries no text of the client's answer
+            f": token id {_text(div.get('spec_token_id'))} vs reference {_text(div.get('base_token_id'))}"
+            if "spec_token_id" in div
+            else ""
+        )
         click.echo(
-            f"  diverged   {_text(div.get('source'))} at {_text(div.get('unit'))} {_text(div.get('position'))}: "
-            f"{_text(div.get('spec_continuation'), 80)!r} vs reference {_text(div.get('base_continuation'), 80)!r}"
+            f"  diverged   {_text(div.get('source'))} at {_text(div.get('unit'))} {_text(div.get('position'))}{ids}"
+            + (f" (text in {_text(spot.get('text_file'), 300)})" if spot.get("text_file") else "")
         )
 
 

@@ -96,6 +96,12 @@ class SpotCheck(Section):
         default_factory=lambda: ["code", "chat"],
         description="`probes`/`both`: built-in prompt sets (code, summarize, chat, creative) and/or JSONL files.",
     )
+    keep_text: bool = Field(
+        False,
+        description="Also write the text of each divergence (the answers' shared end and both continuations: a "
+        "client's text in a live check) to `spot-divergences.jsonl` (mode 0600) in the instance's state folder. "
+        "Off: status, events, metrics and logs say where (position, token ids), never what.",
+    )
 
     @model_validator(mode="after")
     def _needs_reference(self) -> SpotCheck:

@@ -100,7 +100,13 @@ def compare_outputs(spec: Generation, base: Generation, tolerance: float = 0.0) 
         spec_finish=spec.result.finish_reason,
         base_finish=base.result.finish_reason,
     )
+    if unit == "token" and spec.by_id:  # ids say where without the text (what live spot checks record)
+        out.update(spec_token_id=_at(spec.tokens, pos), base_token_id=_at(base.tokens, pos))
     return out
+
+
+def _at(items: list, pos: int):
+    return items[pos] if pos < len(items) else None  # None: this side stopped here
 
 
 def _margin(spec: Generation, base: Generation, pos: int) -> float | None:

@@ -18,12 +18,19 @@ Comparisons use :func:`specops.perf.certify.compare_outputs` (same tolerance rul
 ``gate()`` allows it (``specops up``: the proxy serving, not holding for a switch, and at most
 ``max_in_flight`` client requests in flight or waiting); a check that finds the deployment busy for its
 whole interval is skipped and recorded. Each check is a ``spot_check`` event (each divergence a
-``spot_divergence`` event with both continuations) in the deployment's ``events.jsonl``, and Prometheus
-metrics:
+``spot_divergence`` event: where, by position and token ids) in the deployment's ``events.jsonl``, and
+Prometheus metrics:
 
 - ``specops_spot_check_requests_total{result="identical|tolerated|diverged|failed"}``
 - ``specops_spot_checks_total``, ``specops_spot_check_last_divergence_timestamp_seconds``
 - ``specops_spot_checks_skipped_total{reason="held|busy"}``
+
+No text of a request or an answer (:data:`TEXT_FIELDS`: the shared prefix, both continuations, the
+differing tokens, a reference's error body) goes into the status (``/specops/status``, which answers
+without a key when no ``api_key``/``admin_port`` is set), the events, the metrics or the printed lines: a
+live check compares one client's answer, and those are read by others. Only with
+``certify.spot_check.keep_text`` does it go, with the divergence's ``id``, to :data:`TEXT_FILE` (mode 0600)
+in the instance's state folder.
 
 Client requests are never delayed or changed. Why a second instance, not the chain's ``none`` step on the
 same engine during an idle period: reaching it means restarting the engine, which holds client requests
@@ -36,8 +43,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from specops.config.spotcheck import MIN_EVERY
@@ -48,13 +57,33 @@ from specops.perf.workload import Prompt, RequestResult, _take_final
 from specops.proxy.sample import PROBE_HEADER, Sample
 from specops.urls import redact_url
 
-__all__ = ["MIN_EVERY", "SpotChecker", "SpotConfig", "SpotMetrics", "model_name_of", "proxy_gate"]
+__all__ = [
+    "MIN_EVERY",
+    "TEXT_FIELDS",
+    "TEXT_FILE",
+    "SpotChecker",
+    "SpotConfig",
+    "SpotMetrics",
+    "model_name_of",
+    "proxy_gate",
+    "without_text",
+]
 
 #: While a due check waits for an idle moment, the gate is asked this often (seconds).
 GATE_POLL = 1.0
 
 #: ``gate()`` answers None (go) or (reason label, why in words).
 Gate = Callable[[], "tuple[str, str] | None"]
+
+#: Fields of a comparison that hold text of a request or its answers (a client's, in a live check).
+TEXT_FIELDS = ("spec_token", "base_token", "common_prefix", "spec_continuation", "base_continuation", "error_detail")
+#: Where the text of divergences goes when ``certify.spot_check.keep_text`` is on (the instance's folder).
+TEXT_FILE = "spot-divergences.jsonl"
+
+
+def without_text(comparison: dict) -> dict:
+    """A comparison as status, events, metrics and printed lines carry it: positions and token ids, no text."""
+    return {k: v for k, v in comparison.items() if k not in TEXT_FIELDS}
 
 
 @dataclass
@@ -207,7 +236,9 @@ class SpotChecker:
         sampler=None,
         gate: Gate | None = None,
         on_check: Callable[[], None] = lambda: None,
+        text_file: Path | None = None,
     ):
+        """``text_file``: where the text of each divergence goes (opt-in; None: nowhere, see the module)."""
         cfg.check()
         if cfg.probes and (not prompts or live is None):
             raise SpecopsError("spot checks with probes need at least one prompt and the deployment's URL")
@@ -219,6 +250,7 @@ class SpotChecker:
         self._fitted = False  # the probes are fitted to the deployment and the reference before the first one
         self.events, self.metrics, self.say = events, metrics or SpotMetrics(), say
         self.sampler, self.gate, self.on_check = sampler, gate, on_check  # on_check: after each check or skip
+        self.text_file = Path(text_file) if text_file is not None else None
         self._next = 0
         self.results: list[dict] = []
         self.last: dict | None = None
@@ -263,6 +295,7 @@ class SpotChecker:
             body.pop(k, None)
         body.update(model=self.reference.model_name, stream=False, max_tokens=cap)
         url = self.reference.base_url.rstrip("/") + sample.path
+        detail = ""
         start = time.monotonic()
         ref = Generation(RequestResult(set="live", ok=False, start=start, end=start))
         try:
@@ -272,8 +305,9 @@ class SpotChecker:
                 headers={"Content-Type": "application/json", **self.reference.auth_headers},
                 timeout=aiohttp.ClientTimeout(total=self.cfg.timeout),
             ) as resp:
-                if resp.status != 200:
-                    ref.result.error = f"reference: HTTP {resp.status}: {(await resp.text())[:300].strip()}"
+                if resp.status != 200:  # its body may quote the request: text, kept apart
+                    ref.result.error = f"reference: HTTP {resp.status}"
+                    detail = (await resp.text())[:300].strip()
                 else:
                     ref = answer_of(await resp.json(content_type=None), chat, "live")
         except asyncio.TimeoutError:
@@ -283,6 +317,8 @@ class SpotChecker:
         if ref.result.ok and ref.result.finish_reason == "length" and (asked is None or cap < asked):
             _trim(client, len(ref.tokens), len(ref.text))  # the replay was capped: compare its first tokens
         out = compare_outputs(client, ref, self.cfg.tolerance)
+        if detail and out["status"] == "failed":
+            out["error_detail"] = detail
         return dict(out, source="live", path=sample.path, age_s=round(time.time() - sample.at, 3))
 
     async def check_once(self) -> dict:
@@ -302,6 +338,7 @@ class SpotChecker:
                     comparisons.append(await self._probe(session, prompt))
         if not comparisons:  # no greedy request since the last check: nothing compared, nothing recorded
             return {"t": round(time.time(), 3), "verdict": "no-sample", "requests": 0}
+        comparisons = self._keep_text(comparisons)
         summary = lossless_summary(comparisons, self.cfg.tolerance)
         self.metrics.record(comparisons)
         record = {k: summary[k] for k in ("verdict", "requests", "identical", "tolerated", "diverged", "failed")}
@@ -327,11 +364,31 @@ class SpotChecker:
             f"{summary['diverged']} diverged, {summary['failed']} failed"
         )
         for d in diverged:
-            self.say(
-                f"  diverged ({d['source']}) at {d['unit']} {d['position']}: deployment {d['spec_continuation']!r} "
-                f"vs reference {d['base_continuation']!r}"
-            )
+            ids = f": token id {d['spec_token_id']} vs reference {d['base_token_id']}" if "spec_token_id" in d else ""
+            where = f" (text: {self.text_file}, id {d['id']})" if self.text_file is not None else ""
+            self.say(f"  diverged ({d['source']}) at {d['unit']} {d['position']}{ids}{where}")
         return summary
+
+    def _keep_text(self, comparisons: list[dict]) -> list[dict]:
+        """``comparisons`` without their text (:func:`without_text`); each that had some gets an ``id``, and
+        with ``text_file`` its text goes there under that id (0600; never anywhere else)."""
+        out, texts = [], []
+        for c in comparisons:
+            text = {k: c[k] for k in TEXT_FIELDS if k in c}
+            c = without_text(c)
+            if text:
+                c["id"] = uuid.uuid4().hex[:12]
+                texts.append({"ts": round(time.time(), 3), "id": c["id"], "source": c.get("source"), **text})
+            out.append(c)
+        if self.text_file is not None and texts:
+            from specops.run.instance import open_log
+
+            try:
+                with open_log(self.text_file, encoding="utf-8") as f:
+                    f.write("".join(json.dumps(t, ensure_ascii=False) + "\n" for t in texts))
+            except OSError as exc:  # a full disk must not end the checks; the counts are recorded anyway
+                self.say(f"spot check: cannot write {self.text_file}: {exc.strerror or exc}")
+        return out
 
     async def _wait_until_allowed(self, stop: asyncio.Event) -> bool:
         """Wait (at most ``every``) for the gate to let a check through; False: skipped (and recorded)."""
@@ -397,6 +454,7 @@ class SpotChecker:
                 "last_divergence": self.last_divergence,
                 "last_skip": self.last_skip,
                 "sampler": self.sampler.snapshot() if self.sampler is not None else None,
+                "text_file": str(self.text_file) if self.text_file is not None else None,
             }
         }
 
@@ -441,6 +499,8 @@ class LiveSpotChecks:
         )
         self.cfg.check()
         self.reference_url, self.reference_key = spot.reference.rstrip("/"), key
+        events_path = getattr(events, "path", None)
+        self.text_file = Path(events_path).parent / TEXT_FILE if spot.keep_text and events_path else None
         self.public_url, self.public_key = public_url, profile.server.api_key
         self.prompts, self.proxy, self.events, self.say, self.on_check = prompts, proxy, events, say, on_check
         self.gate = proxy_gate(proxy, spot.max_in_flight)
@@ -500,6 +560,7 @@ class LiveSpotChecks:
             sampler=self.proxy.sampler,
             gate=self.gate,
             on_check=self.on_check,
+            text_file=self.text_file,
         )
         self.say(
             f"spot checks: {self.cfg.source} greedy requests vs {redact_url(self.reference_url)} "
