@@ -155,3 +155,19 @@ def test_a_secret_in_a_base_file_is_refused_through_the_profile_that_extends_it(
     out = res.stdout + res.stderr
     assert res.code == 1 and "base.yaml:3:" in out and "server.env.DATABASE_URL" in out, out
     assert "base-MUST-NOT-SHOW" not in out
+
+
+def test_up_refuses_before_it_starts_anything(tmp_path):
+    """``specops up`` loads the profile as ``validate`` does: the same located error, nothing launched."""
+    import os
+    import subprocess
+
+    from support_cli import SPECOPS
+
+    path = _write(tmp_path, 'server:\n  api_key: "${API_KEY:-hunter2-MUST-NOT-SHOW}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "API_KEY"}
+    env["SPECOPS_STATE"] = str(tmp_path / "state")
+    res = subprocess.run([str(SPECOPS), "up", str(path)], capture_output=True, text=True, env=env, timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1 and f"sec.yaml:{_line_of(path, 'api_key')}:" in out and "server.api_key" in out, out
+    assert "hunter2" not in out and not (tmp_path / "state").exists(), out

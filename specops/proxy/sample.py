@@ -13,7 +13,9 @@ and replays them against a reference without speculation. The client path pays a
   newest and empties the sampler, so it holds requests that completed since the last check.
 - Only non-streamed answers (read whole by the proxy) are kept: a streamed answer is not copied.
 - Only the request body and the answer are kept — no header, so never the client's ``Authorization`` —
-  in memory only, and the spot checker drops them once compared.
+  in memory only, and the spot checker drops them once compared. What a check records (status, events,
+  metrics, printed lines) says where an answer diverged, never its text: that goes only to an opt-in
+  0600 file (``certify.spot_check.keep_text``, :mod:`specops.perf.certify_spot`).
 - The checker's own probes carry :data:`PROBE_HEADER` and are never kept.
 """
 
