@@ -326,12 +326,45 @@ def _print(st: dict) -> None:
             f"{_text(d.get('reason'), 300)}"
         )
     print_goodput(st)
+    _print_twins(st)
     _print_reload(st.get("profile_reload"))
     _print_spot(st.get("spot_check"))
     _print_fleet_slot(st.get("fleet"))
     if st.get("live_problem"):
         click.echo(f"  live       {_text(st['live_problem'], 300)}")
     click.echo(f"  logs       {_text(st.get('engine_log'), 400)}  events {_text(st.get('events'), 400)}")
+
+
+def _print_twins(st: dict) -> None:
+    """``routing.twins``: each engine (live, routed requests, restarts) and the request classes' table."""
+    engines = st.get("engines") if isinstance(st.get("engines"), list) else []
+    for e in engines[:16]:
+        if not isinstance(e, dict):
+            continue
+        mark = " (default route)" if e.get("current") else ""
+        click.echo(
+            f"  engine {_text(e.get('engine'), 4)}   {_text(e.get('method'), 40)}: "
+            f"{'live' if e.get('live') else 'not live'}{mark}, {_text(e.get('routed', 0), 20)} routed, "
+            f"{_text(e.get('in_flight', 0), 20)} in flight"
+            + (
+                f", restarts {_text(e.get('restarts'), 20)}, pid {_text(e.get('engine_pid'), 20)}"
+                if "state" in e
+                else ""
+            )
+        )
+    routing = st.get("routing") if isinstance(st.get("routing"), dict) else {}
+    classes = routing.get("classes") if isinstance(routing.get("classes"), list) else []
+    if classes:
+        click.echo(f"  classes    by {_text(routing.get('class_key'), 20)}: class, verdict, acceptance, served on/off")
+    for row in classes[-20:]:
+        if not isinstance(row, dict):
+            continue
+        verdict = {True: "speculate", False: "no speculation", None: "learning"}.get(row.get("speculate"), "?")
+        a = _num(row.get("acceptance"))
+        click.echo(
+            f"    {_text(row.get('class'), 64)}: {verdict}, acceptance {f'{a:.3f}' if a is not None else '-'}, "
+            f"{_text(row.get('served_on'), 20)}/{_text(row.get('served_off'), 20)}"
+        )
 
 
 def print_goodput(st: dict) -> None:
