@@ -41,6 +41,7 @@ from .limits import (
     check_target,
     read_body,
 )
+from .router import RouteRefused
 from .states import ProxyState
 
 if sys.version_info >= (3, 11):
@@ -185,9 +186,18 @@ class RequestPath:
         headers = request_headers(request, body)
         retried = reconnected = False
         deadline = loop.time() + self.queue_timeout
+        route = None
+        if self.routes is not None:  # twins: the router picks the engine (specops.proxy.routes)
+            try:
+                route = self.routes.route(request.path, request.headers, body)
+            except RouteRefused as exc:
+                self.routes.refused[exc.status] += 1
+                return self._reject(exc.status, exc.kind, "specops: " + str(exc))
         while True:
             try:
-                gen = self._gen if self._state is SERVING else await self._acquire(deadline)
+                gen = (self.routes.pick(route) if route is not None else None) or (
+                    self._gen if self._state is SERVING else await self._acquire(deadline)
+                )
             except Rejected as rej:
                 c["rejected_" + rej.kind] += 1
                 if retried:
@@ -199,6 +209,8 @@ class RequestPath:
                 c["completed"] += 1
                 if retried:
                     c["retried_ok"] += 1
+                if route is not None:
+                    self.routes.finished(route, flight, True)
                 if self.sampler is not None and type(resp) is web.Response:  # live spot checks (sample.py)
                     self.sampler.offer(request.method, request.raw_path, request.headers, body, resp.status, resp.body)
                 return resp
@@ -223,6 +235,8 @@ class RequestPath:
                 )
             retried = True
             c["retried"] += 1
+            if route is not None and gen is not self._gen:  # a twin failed: route the retry elsewhere
+                await self.routes.unstarted(gen)
             log.info("proxy: retrying %s %s after: %s", request.method, shown(request.raw_path), failure.reason)
             await self._after_unstarted_failure(flight, failure.reason, alive)
             deadline = loop.time() + self.queue_timeout
