@@ -275,3 +275,102 @@ def test_decider_routes_a_class_by_the_policy_rule(tmp_path):
     assert "min_acceptance 0.6" in why_poems
     undecided, why_few = decider.route_class(table.stats("code", 2.0), min_draft_tokens=1000)
     assert undecided is None and "fewer than min_draft_tokens" in why_few
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+def test_standin_twins_route_learn_and_stop_clean(tmp_path):
+    """`specops up` as in production with the stand-in engine (support_standin.py): ngram "accepts" 0.2, so the
+    class learns to go to the `none` twin; the header overrides; a bad header is 400; both engines stop."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from support_ports import free_port
+    from support_up import http_text, write_profile
+
+    from specops.run.process import group_members
+
+    here = Path(__file__).resolve().parent
+    state_dir, port = tmp_path / "state", free_port()
+    (tmp_path / "target.gguf").write_bytes(b"GGUF")  # the stand-in reads no weights; the launch check wants a file
+    profile = write_profile(
+        tmp_path / "twins.yaml",
+        {
+            "name": "twins",
+            "backend": "llamacpp",
+            "model": {"id": str(tmp_path / "target.gguf")},
+            "speculative": {"method": "ngram"},
+            "gpus": {"devices": []},
+            "server": {"port": port},
+            "fallback": {"enabled": False, "chain": ["none"]},
+            "monitor": {"interval": 0.1, "timeout": 1},
+            "supervisor": {"state_dir": str(state_dir), "stop_timeout": 5, "restart_backoff": 0.1},
+            "routing": {
+                "twins": ["none"],
+                "classes": {"key": "header", "header": "X-Task", "min_draft_tokens": 20, "explore": 0.25},
+            },
+        },
+    )
+
+    def ask(headers: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps({"prompt": "x", "max_tokens": 20}).encode(),
+            headers={"Content-Type": "application/json", **headers},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def state() -> dict:
+        try:
+            return json.loads((state_dir / "twins" / "state.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def wait(pred, what: str, timeout: float = 30) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = state()
+            if pred(st):
+                return st
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}: {state()}")
+
+    entry = tmp_path / "bin" / "specops"
+    entry.parent.mkdir()
+    entry.symlink_to(here / "support_standin.py")
+    with open(tmp_path / "up.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(entry), "up", str(profile)], stdout=log, stderr=subprocess.STDOUT)
+    pids: list[int] = []
+    try:
+        st = wait(lambda s: len(s.get("engines", [])) == 2 and all(e["live"] for e in s["engines"]), "two engines")
+        pids = [st["engine_pid"], st["engines"][1]["engine_pid"]]
+        assert ask({"X-Specops-Speculation": "off"})[1]["system_fingerprint"] == "none"
+        assert ask({"X-Specops-Speculation": "on"})[1]["system_fingerprint"] == "ngram"
+        status, bad = ask({"X-Specops-Speculation": "fast please"})
+        assert status == 400 and bad["error"]["message"].count("\n") == 0
+        # a class not decided yet is measured where it drafts; once judged (acceptance 0.2 < 0.6) it goes to none
+        assert ask({"X-Task": "chat"})[1]["system_fingerprint"] == "ngram"
+        st = wait(lambda s: any(c["speculate"] is False for c in s["routing"]["classes"]), "the class verdict")
+        [row] = st["routing"]["classes"]
+        assert row["class"] == "chat" and row["acceptance"] == pytest.approx(0.2, abs=0.05)
+        served = [ask({"X-Task": "chat"})[1]["system_fingerprint"] for _ in range(8)]
+        assert served.count("none") == 6 and served.count("ngram") == 2  # explore: 0.25 of its requests
+        route = [json.loads(line) for line in (state_dir / "twins" / "events.jsonl").read_text().splitlines()]
+        assert any(e["event"] == "route" and e.get("class") == "chat" and e["speculate"] is False for e in route)
+        metrics = http_text(f"http://127.0.0.1:{port}/specops/metrics")
+        assert 'specops_class_speculate{cls="chat"} 0.0' in metrics
+        assert 'specops_engine_live{engine="1:none"} 1.0' in metrics
+    finally:
+        proc.terminate()
+        rc = proc.wait(timeout=60)
+    assert rc == 0, (tmp_path / "up.log").read_text()[-3000:]
+    assert all(not group_members(pid) for pid in pids)  # both engines stopped with specops
