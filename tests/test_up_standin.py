@@ -76,6 +76,7 @@ def test_fallback_status_and_down_through_the_real_wiring(tmp_path):
             "proxy": {"enabled": True},
         },
     )
+    (tmp_path / "target.gguf").write_bytes(b"GGUF")  # the stand-in reads no weights; the launch check wants a file
     log = open(tmp_path / "up.log", "w")
     entry = tmp_path / "bin" / "specops"  # `specops up PROFILE`'s command line, which `specops down` checks
     entry.parent.mkdir()
