@@ -59,3 +59,70 @@ def test_resolve_for_llamacpp_of_a_vllm_pair_says_llamacpp():
     assert known and known[0].startswith("not documented on llama.cpp (the catalog lists the pair for vLLM)"), (
         r.stdout + r.stderr
     )
+
+
+# ------------------------------------------------------------------ item 3: built-in workloads fit the deployment
+
+
+def slot_profile(tmp_path: Path) -> Path:
+    """The tiny llama.cpp pair as the old demo profile ran it: 1024 tokens of -c over 4 slots, 256 tokens a
+    request, less than the longer built-in prompts take (its certify sent prompts of 398 tokens)."""
+    from support_engines import need_llama_server, tiny_model
+
+    need_llama_server()
+    profile = tmp_path / "small.yaml"
+    profile.write_text(
+        f"name: small-slots\nbackend: llamacpp\nmodel:\n  id: {tiny_model('gguf-target.gguf')}\n  max_model_len: 1024\n"
+        f"speculative:\n  method: draft_model\n  draft: {tiny_model('gguf-draft-same.gguf')}\n"
+        "  num_speculative_tokens: 4\ngpus:\n  devices: []\nserver:\n  parallel: 4\n"
+        '  extra_args: ["-t", "1", "-td", "1"]\nsupervisor:\n  stop_timeout: 10\n'
+    )
+    return profile
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(300)
+def test_certify_fits_its_prompts_to_the_slot_context_so_no_request_fails(tmp_path):
+    profile = slot_profile(tmp_path)
+    r = specops(
+        "certify", str(profile), "--json", "-q", "-w", "code,summarize", "-n", "3", "--max-tokens", "48", "-c", "1",
+        "--tolerance", "0.01",  # random tiny weights: batch-verify numerics may flip a near tie (seen: 0.001 nats)
+        env={"SPECOPS_STATE": str(tmp_path / "state")},
+    )
+    cert = json.loads(r.stdout) if r.stdout.strip().startswith("{") else {}
+    assert cert, r.stdout[-2000:] + r.stderr[-2000:]
+    assert cert["errors"] == 0 and cert["lossless"]["failed"] == 0, cert["verdict"]["findings"]
+    fitted = cert["settings"]["fitted"]
+    assert fitted["context_per_request"] == 256 and fitted["counted_by"] == "the engine's /tokenize"
+    assert any("trimmed from the start to fit 256 tokens per request" in n for n in fitted["notes"])
+    assert r.returncode == 0 and cert["verdict"]["certified"], cert["verdict"]
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(180)
+def test_spot_check_probes_fit_the_deployment_and_its_reference(tmp_path):
+    """Built-in probes longer than a slot's context: fitted before the first check, so none fails."""
+    import asyncio
+
+    from specops.config.profile import load_profile
+    from specops.perf.certify import Endpoint, load_sets
+    from specops.perf.certify_spot import SpotChecker, SpotConfig
+    from specops.perf.launch import launched
+    from specops.plugins import get_registry
+
+    profile = slot_profile(tmp_path)
+    said: list[str] = []
+
+    async def main():
+        async with launched(load_profile(profile), get_registry()) as eng:
+            # the engine stands for both: the deployment and a reference with the same context per request
+            live = Endpoint(eng.base_url, eng.model_name, eng.api_key)
+            ref = Endpoint(eng.base_url, eng.model_name, eng.api_key)
+            prompts = [p for ps in load_sets(["summarize"], 3).values() for p in ps]
+            cfg = SpotConfig(sample=3, max_tokens=16, tolerance=0.01)
+            checker = SpotChecker(live, ref, prompts, cfg, say=said.append)
+            return await checker.check_once()
+
+    record = asyncio.run(main())
+    assert record["requests"] == 3 and record["failed"] == 0, record
+    assert any("trimmed from the start to fit 256 tokens per request" in m for m in said), said
