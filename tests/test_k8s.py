@@ -26,6 +26,8 @@ import yaml
 from support_cli import ROOT, run
 from support_k8s import K8S_VERSIONS, SCHEMAS, kubectl, objects, validate
 
+from specops.k8s.manifests import metrics_port, relays_metrics
+
 GOLDEN = Path(__file__).resolve().parent / "golden" / "k8s"
 FIXTURES = Path(__file__).resolve().parent / "k8s_profiles"
 UPDATE = os.environ.get("SPECOPS_UPDATE_GOLDEN") == "1"
@@ -236,13 +238,14 @@ def test_only_the_proxy_port_is_reachable(case):
     p = load(case)
     kinds = by_kind(case)
     svc = kinds["Service"]["spec"]["ports"]
-    assert [s["targetPort"] for s in svc] == ["http"]
+    scraped = relays_metrics(p) and p.deploy.monitor == "servicemonitor"  # through the Service: its own port
+    assert [s["targetPort"] for s in svc] == ["http", *(["metrics"] if scraped else [])]
     c = server_container(case)
     http = [port["containerPort"] for port in c["ports"] if port["name"] == "http"]
     assert http == [p.server.port]
     policy = kinds["NetworkPolicy"]["spec"]
-    open_ports = [port["port"] for rule in policy["ingress"] if "from" not in rule for port in rule["ports"]]
-    assert open_ports == [p.server.port]
+    open_ports = [port["port"] for rule in policy["ingress"] for port in rule.get("ports", [])]
+    assert open_ports == [p.server.port, *([metrics_port(p)] if relays_metrics(p) else [])]
     # the rest is only for the group's own pods (Ray, torch.distributed, RPC)
     assert all(rule.get("from") for rule in policy["ingress"] if "ports" not in rule)
     cm = yaml.safe_load(kinds["ConfigMap"]["data"]["profile.yaml"])

@@ -58,6 +58,7 @@ def test_overlays_build_and_validate(env, replicas, namespace):
         "PodMonitor",
         "NetworkPolicy",
         # the switch-slot Leases (deploy.coordination auto): at most max_switching replicas switch at once
+        "Lease",
         "ServiceAccount",
         "Role",
         "RoleBinding",
@@ -71,10 +72,11 @@ def test_overlays_build_and_validate(env, replicas, namespace):
     image = dep["template"]["spec"]["containers"][0]["image"]
     assert image.startswith("registry.example.com/specops-vllm")
     assert image.endswith("0.1.0-rc1") if env == "staging" else "@sha256:" in image
-    # the Component narrows the proxy port to the ingress controller and Prometheus (which scrapes it)
+    # the Component narrows the proxy port to the ingress controller, the metrics port to Prometheus
     ingress = kinds["NetworkPolicy"]["spec"]["ingress"]
-    peers = [f["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for f in ingress[0]["from"]]
-    assert peers == ["ingress-nginx", "monitoring"] and len(ingress) == 1
+    peers = [[f["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for f in r["from"]] for r in ingress]
+    assert peers == [["ingress-nginx"], ["monitoring"]]
+    assert [p["port"] for r in ingress for p in r["ports"]] == [8000, 9464]
     if env == "prod":
         assert dep["template"]["spec"]["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
         assert dep["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}

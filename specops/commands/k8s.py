@@ -120,6 +120,22 @@ def probe(port, key_env, accept_held):
         sys.exit(1)
 
 
+@k8s.command("metrics-relay")
+@click.option("--listen-port", type=click.IntRange(1, 65535), required=True, help="The port Prometheus scrapes.")
+@click.option("--port", type=click.IntRange(1, 65535), required=True, help="specops' port on loopback.")
+@click.option("--key-env", help="Variable holding the API key specops' port asks for.")
+def metrics_relay(listen_port, port, key_env):
+    """Serve /specops/metrics and /metrics (nothing else) on LISTEN_PORT, without a key (the pods' scrape port).
+
+    \b
+    Example (the sidecar `specops k8s render` adds when the metrics would otherwise need the API key):
+      specops k8s metrics-relay --listen-port 9464 --port 8000 --key-env SPECOPS_API_KEY
+    """
+    from specops.k8s.pod import serve_metrics_relay
+
+    sys.exit(serve_metrics_relay(listen_port, port, key_env))
+
+
 @k8s.command()
 @click.option("--port", type=click.IntRange(1, 65535), required=True, help="specops' port on loopback.")
 @click.option("--key-env", help="Variable holding the API key (when the status endpoint needs it).")

@@ -58,7 +58,7 @@ class DeploySecrets(Section):
     api_key: SecretRef | None = Field(
         None,
         description="Secret key holding the API key; the pods get it in the variable that `server.api_key` names "
-        "(`${VAR}`), and the PodMonitor sends it as a Bearer token.",
+        "(`${VAR}`), and so does the pods' `metrics` sidecar, so that Prometheus scrapes without it.",
     )
     spot_reference_key: SecretRef | None = Field(
         None,

@@ -4,10 +4,15 @@ Pods run ``specops up`` (the engine is its child, on loopback; clients reach spe
 the policy and the pods hold the runtime state: Argo CD / Flux see no drift when a replica falls back.
 
 - single node: ConfigMap, Deployment, Service, PodDisruptionBudget, PodMonitor (or ServiceMonitor),
-  NetworkPolicy, and the ServiceAccount/Role/RoleBinding of the switch-slot Leases (:mod:`specops.k8s.rbac`);
+  NetworkPolicy, and the switch-slot Leases with their ServiceAccount/Role/RoleBinding (:mod:`specops.k8s.rbac`);
 - several nodes per replica (``deploy.multi_node.nodes`` > 1): a LeaderWorkerSet instead of the Deployment
   (vLLM over Ray or with ``--nnodes/--headless``; llama.cpp with ``rpc-server`` workers); only the leader runs
   specops and serves HTTP and ``/metrics``.
+
+The containers run with a read-only root file system; what they write goes to emptyDirs (the state
+directory, ``/tmp``, the home directory that holds the engines' caches) and the HF cache volume. With an API
+key and a monitor, the pods get a ``metrics`` sidecar (``specops k8s metrics-relay``) that serves only the
+metrics, so the PodMonitor/ServiceMonitor holds no key that buys inference.
 
 Every problem found here is a located profile error, like the loader's.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from specops import __version__
 from specops.config.profile import LoadedProfile
@@ -35,6 +41,12 @@ PROFILE_KEY = "profile.yaml"
 LOCK_KEY = "profile.lock.json"
 PROFILE_PATH = f"{CONFIG_DIR}/{PROFILE_KEY}"
 STATE_DIR = "/var/lib/specops"
+#: The image's home directory (deploy/docker/Dockerfile.*); an emptyDir there holds the engines' caches
+#: (~/.cache: vLLM, Triton, torch), since the root file system is read-only.
+HOME_DIR = "/home/specops"
+#: The metrics sidecar's port (the next free one when the profile uses it).
+METRICS_PORT = 9464
+METRICS_CONTAINER = "metrics"
 #: The image's non-root user (deploy/docker/Dockerfile.*: ``useradd --uid 1000``).
 UID = 1000
 CONTAINER = "specops"
@@ -225,6 +237,7 @@ def _env(p: Profile, key_var: str | None, *, lws: bool) -> list[dict]:
         {"name": "SPECOPS_STATE", "value": f"{STATE_DIR}/state"},
         {"name": "SPECOPS_CACHE", "value": f"{STATE_DIR}/cache"},
         {"name": "HF_HOME", "value": d.hf_cache.mount_path},
+        {"name": "HOME", "value": HOME_DIR},  # writable (an emptyDir), whatever the image says
     ]
     backend = _backend(p)
     cache_env = getattr(backend, "download_cache_env", "")
@@ -250,6 +263,7 @@ def _secret(ref) -> dict:
 def _security_context() -> dict:
     return {
         "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
         "runAsNonRoot": True,
         "runAsUser": UID,
@@ -284,7 +298,17 @@ def _volumes(p: Profile, cm_name: str, *, config: bool = True) -> list[dict]:
     else:
         vols.append({"name": "hf-cache", "emptyDir": {}})
     vols.append({"name": "state", "emptyDir": {}})
+    vols += _scratch_volumes()
     return vols
+
+
+def _scratch_volumes() -> list[dict]:
+    """What a read-only root file system leaves to write to: ``/tmp`` and the home directory."""
+    return [{"name": "tmp", "emptyDir": {}}, {"name": "home", "emptyDir": {}}]
+
+
+def _scratch_mounts() -> list[dict]:
+    return [{"name": "tmp", "mountPath": "/tmp"}, {"name": "home", "mountPath": HOME_DIR}]
 
 
 def _mounts(p: Profile, *, config: bool = True) -> list[dict]:
@@ -298,7 +322,7 @@ def _mounts(p: Profile, *, config: bool = True) -> list[dict]:
         hf["readOnly"] = True
     mounts.append(hf)
     mounts.append({"name": "state", "mountPath": STATE_DIR})
-    return mounts
+    return mounts + _scratch_mounts()
 
 
 def _status_args(p: Profile, key_var: str | None) -> list[str]:
@@ -397,6 +421,8 @@ def _pod_spec(p: Profile, containers: list[dict], volumes: list[dict]) -> dict:
     }
     if rbac.service_account(p, k8s_name(p.name)) and any(c["name"] == CONTAINER for c in containers):
         spec["serviceAccountName"] = rbac.service_account(p, k8s_name(p.name))  # it takes switch-slot Leases
+    else:  # nothing in the pod talks to the API server: no token to steal
+        spec["automountServiceAccountToken"] = False
     if d.node_selector:
         spec["nodeSelector"] = dict(sorted(d.node_selector.items()))
     if d.tolerations:
@@ -525,7 +551,7 @@ def _deployment(p: Profile, name: str, cm_name: str, key_var: str | None, annota
             "progressDeadlineSeconds": startup_seconds(p) + 300,
             "template": {
                 "metadata": {"labels": _all_labels(p), "annotations": annotations},
-                "spec": _pod_spec(p, [container], _volumes(p, cm_name)),
+                "spec": _pod_spec(p, [container, *_relay_containers(p, key_var)], _volumes(p, cm_name)),
             },
         },
     }
@@ -569,9 +595,9 @@ def _lws(p: Profile, name: str, cm_name: str, key_var: str | None, annotations: 
         worker["args"] = ["-H", "0.0.0.0", "-p", str(mn.rpc_port)]
         worker["ports"] = [{"name": "rpc", "containerPort": mn.rpc_port, "protocol": "TCP"}]
         worker["readinessProbe"] = {"tcpSocket": {"port": "rpc"}, "periodSeconds": 5}
-        worker["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-        volumes = [v for v in _volumes(p, cm_name, config=False) if v["name"] == "dshm"]
-    leader_spec = _pod_spec(p, [leader], _volumes(p, cm_name))
+        worker["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}, *_scratch_mounts()]
+        volumes = [v for v in _volumes(p, cm_name, config=False) if v["name"] in ("dshm", "tmp", "home")]
+    leader_spec = _pod_spec(p, [leader, *_relay_containers(p, key_var)], _volumes(p, cm_name))
     worker_spec = _pod_spec(p, [worker], volumes)
     worker_spec["terminationGracePeriodSeconds"] = grace_seconds(p)
     return {
@@ -626,7 +652,8 @@ def _service(p: Profile, name: str, *, lws: bool) -> dict:
                     "port": p.deploy.service.port or p.server.port,
                     "targetPort": "http",
                     "protocol": "TCP",
-                }
+                },
+                *_metrics_service_ports(p),
             ],
         },
     }
@@ -641,15 +668,55 @@ def _pdb(p: Profile, name: str) -> dict:
     }
 
 
+def relays_metrics(p: Profile) -> bool:
+    """The pods get the metrics sidecar: the public port asks for the API key, and something scrapes."""
+    return p.deploy.monitor != "none" and p.deploy.secrets.api_key is not None
+
+
+def metrics_port(p: Profile) -> int:
+    """:data:`METRICS_PORT`, or the next port the pod does not use already."""
+    mn = p.deploy.multi_node
+    taken = {p.server.port, p.proxy.engine_port, mn.ray_port, mn.master_port, mn.rpc_port}
+    port = METRICS_PORT
+    while port in taken:
+        port += 1
+    return port
+
+
+def _relay_containers(p: Profile, key_var: str | None) -> list[dict]:
+    """The metrics sidecar (:func:`specops.k8s.pod.metrics_relay`): GET of the two metrics paths, on their own
+    port, answered with the key added on loopback; the key stays in the pod."""
+    if not relays_metrics(p) or key_var is None or p.deploy.secrets.api_key is None:
+        return []
+    port = metrics_port(p)
+    args = ["k8s", "metrics-relay", "--listen-port", str(port), "--port", str(p.server.port), "--key-env", key_var]
+    return [
+        {
+            "name": METRICS_CONTAINER,
+            "image": image(p),
+            "imagePullPolicy": p.deploy.image_pull_policy,
+            "command": ["specops"],
+            "args": args,
+            "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"}],
+            "env": [{"name": key_var, "valueFrom": {"secretKeyRef": _secret(p.deploy.secrets.api_key)}}],
+            "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+            "readinessProbe": {"tcpSocket": {"port": "metrics"}, "periodSeconds": 10},
+            "securityContext": _security_context(),
+        }
+    ]
+
+
+def _metrics_service_ports(p: Profile) -> list[dict]:
+    if not relays_metrics(p) or p.deploy.monitor != "servicemonitor":
+        return []
+    return [{"name": "metrics", "port": metrics_port(p), "targetPort": "metrics", "protocol": "TCP"}]
+
+
 def _scrape_endpoints(p: Profile, key: str) -> list[dict]:
-    """specops' own metrics and the engine's (through the proxy: the engine listens on loopback only)."""
-    out = []
-    for path in ("/specops/metrics", "/metrics"):
-        ep: dict[str, Any] = {key: "http", "path": path, "interval": "15s"}
-        if p.deploy.secrets.api_key is not None:
-            ep["authorization"] = {"type": "Bearer", "credentials": _secret(p.deploy.secrets.api_key)}
-        out.append(ep)
-    return out
+    """specops' own metrics and the engine's (through the proxy: the engine listens on loopback only), from
+    the metrics sidecar when the public port asks for the API key: the monitor holds no key."""
+    port = "metrics" if relays_metrics(p) else "http"
+    return [{key: port, "path": path, "interval": "15s"} for path in ("/specops/metrics", "/metrics")]
 
 
 def _podmonitor(p: Profile, name: str, *, lws: bool) -> dict:
@@ -681,15 +748,62 @@ def _servicemonitor(p: Profile, name: str) -> dict:
     }
 
 
+def _tcp(*ports: int) -> list[dict]:
+    return [{"port": port, "protocol": "TCP"} for port in sorted(set(ports))]
+
+
+def _url_port(url: str | None) -> int | None:
+    if not url:
+        return None
+    parts = urlsplit(url)
+    try:
+        return parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+
+
 def _networkpolicy(p: Profile, name: str, mode: str | None) -> dict:
-    """Clients reach the proxy port only; the engine's port is on loopback and listed nowhere."""
-    ingress: list[dict] = [{"ports": [{"port": p.server.port, "protocol": "TCP"}]}]
+    """Who may reach the pods, and what they may reach.
+
+    In: the proxy port (the engine's is on loopback and listed nowhere) and the metrics sidecar's, from the
+    pods of the cluster (any namespace: clients, an ingress controller, Prometheus) for a ClusterIP Service,
+    from anywhere for a NodePort/LoadBalancer one (its load balancer's addresses are not known here); the
+    kubelet's probes always pass. Out: DNS (53), HTTPS (443: the Hugging Face Hub, the API server's
+    Service), 6443 with Leases (the API server's own port, after the Service's address translation), the
+    spot checks' reference and Prometheus (``monitor.prometheus_url``) on their ports; a multi-node group's
+    pods also reach each other on any port (Ray, torch.distributed/NCCL, llama.cpp RPC).
+    """
+    anyone_in_cluster = [{"namespaceSelector": {}}]
+    public: dict[str, Any] = {"ports": _tcp(p.server.port)}
+    if p.deploy.service.type == "ClusterIP":
+        public["from"] = anyone_in_cluster
+    ingress: list[dict] = [public]
+    if relays_metrics(p):
+        ingress.append({"from": anyone_in_cluster, "ports": _tcp(metrics_port(p))})
+    group = [{"podSelector": {"matchLabels": labels(p)}}]
     if mode is not None:
-        # the group's own traffic: Ray, torch.distributed/NCCL or llama.cpp RPC between its pods
-        ingress.append({"from": [{"podSelector": {"matchLabels": labels(p)}}]})
+        ingress.append({"from": group})
+    outbound = {443}
+    if rbac.uses_leases(p):
+        outbound.add(6443)
+    for url in (p.certify.spot_check.reference, p.monitor.prometheus_url if p.monitor.source == "promql" else None):
+        port = _url_port(url)
+        if port is not None:
+            outbound.add(port)
+    egress: list[dict] = [
+        {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]},
+        {"ports": _tcp(*outbound)},
+    ]
+    if mode is not None:
+        egress.append({"to": group})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(p, name),
-        "spec": {"podSelector": {"matchLabels": labels(p)}, "policyTypes": ["Ingress"], "ingress": ingress},
+        "spec": {
+            "podSelector": {"matchLabels": labels(p)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": ingress,
+            "egress": egress,
+        },
     }

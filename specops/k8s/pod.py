@@ -6,7 +6,9 @@
   the ``rpc-server`` workers and hand their addresses to the profile (``rpc``), then ``exec specops up``;
 - :func:`worker`: an ``nnodes`` worker: the leader's vLLM command with this pod's ``--node-rank`` and
   ``--headless``, restarted at the leader's current method whenever it exits (a fallback on the leader
-  restarts its engine, and every rank must run the same configuration).
+  restarts its engine, and every rank must run the same configuration);
+- :func:`metrics_relay`: a port that serves the two metrics paths and nothing else, so that Prometheus
+  scrapes without the inference API key (the relay adds it on loopback).
 
 No shell anywhere: every program is started from an argv list.
 """
@@ -23,10 +25,16 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from specops.errors import SpecopsError
 
 RPC_WORKERS_VAR = "SPECOPS_RPC_WORKERS"
+#: What the metrics relay serves: specops' own metrics and the engine's (through the proxy).
+METRICS_PATHS = ("/specops/metrics", "/metrics")
+#: The largest metrics page the relay passes on, and how long it waits for one.
+MAX_METRICS_BYTES = 32 << 20
+METRICS_TIMEOUT = 10.0
 
 
 def status(port: int, key_env: str | None, *, host: str = "127.0.0.1", timeout: float = 4.0, env=None) -> dict:
@@ -234,4 +242,75 @@ def worker(profile: str, port: int, key_env: str | None) -> int:
         child.wait()
         if not stopping:
             time.sleep(3)  # the leader restarts its engine; follow it at its (maybe new) method
+    return 0
+
+
+def metrics_relay(listen_port: int, port: int, key_env: str | None, *, host: str = "0.0.0.0", env=None) -> Any:
+    """A server on ``host:listen_port`` that answers GET of :data:`METRICS_PATHS` with specops' answer on
+    ``127.0.0.1:port`` (with the API key from ``$key_env``), and 404 to anything else: the scraper never
+    holds the key that buys inference. Returns the (not yet serving) ``ThreadingHTTPServer``."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    env = os.environ if env is None else env
+    key = env.get(key_env) if key_env else None
+
+    class Relay(BaseHTTPRequestHandler):
+        timeout = METRICS_TIMEOUT  # a scraper that sends its request slowly is dropped
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # the scrapes are not worth a log line each
+            pass
+
+        def _answer(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def do_GET(self):
+            path = self.path.split("?", 1)[0]
+            if path not in METRICS_PATHS:
+                return self._answer(404, b"only /specops/metrics and /metrics\n")
+            req = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+            if key:
+                req.add_header("Authorization", f"Bearer {key}")
+            try:
+                with urllib.request.urlopen(req, timeout=METRICS_TIMEOUT) as resp:  # noqa: S310 (loopback)
+                    body = resp.read(MAX_METRICS_BYTES + 1)
+                    kind = resp.headers.get("Content-Type") or "text/plain; version=0.0.4"
+            except urllib.error.HTTPError as exc:
+                return self._answer(502, f"specops answered {exc.code}\n".encode())
+            except (OSError, ValueError) as exc:
+                return self._answer(502, f"specops does not answer: {type(exc).__name__}\n".encode())
+            if len(body) > MAX_METRICS_BYTES:
+                return self._answer(502, b"the metrics page is larger than 32 MiB\n")
+            self._answer(200, body, kind)
+
+        do_HEAD = do_GET
+
+        def _refuse(self):
+            self._answer(405, b"GET only\n")
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
+
+    server = ThreadingHTTPServer((host, listen_port), Relay)
+    server.daemon_threads = True
+    return server
+
+
+def serve_metrics_relay(listen_port: int, port: int, key_env: str | None) -> int:
+    """Run :func:`metrics_relay` until SIGTERM."""
+    import threading
+
+    server = metrics_relay(listen_port, port, key_env)
+    signal.signal(signal.SIGTERM, lambda signum, frame: threading.Thread(target=server.shutdown).start())
+    print(f"specops k8s metrics-relay: {', '.join(METRICS_PATHS)} on port {listen_port}", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
     return 0

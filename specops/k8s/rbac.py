@@ -1,9 +1,12 @@
 """What the pods need to take the fleet's switch slots as Leases (:mod:`specops.k8s.lease`).
 
-A ServiceAccount for the pods, a Role that lets it create Leases and get/update only this deployment's slot
-Leases (``specops-<name>-switch-<i>``, ``i`` < ``deploy.max_switching``), a RoleBinding, and the pod's
-name and namespace through the downward API (the holder identity, and where the Leases live). Nothing of
-it is rendered when ``deploy.coordination`` is ``directory`` or ``off``.
+The slot Leases themselves (``specops-<name>-switch-<i>``, ``i`` < ``deploy.max_switching``, with no spec: the
+replicas write it), a ServiceAccount for the pods, a Role that lets it get and update those Leases and
+nothing else, a RoleBinding, and the pod's name and namespace through the downward API (the holder identity,
+and where the Leases live). The Role has no ``create``: RBAC cannot limit ``create`` to names (the authorizer
+sees no name before the object exists), so a Role with it could create any Lease in the namespace, those of
+other controllers' leader elections included. Nothing of it is rendered when ``deploy.coordination`` is
+``directory`` or ``off``; then the pods get no service account token either.
 """
 
 from __future__ import annotations
@@ -36,21 +39,18 @@ def service_account(p: Profile, name: str) -> str | None:
 
 
 def objects(p: Profile, name: str, meta: Callable[[Profile, str], dict]) -> list[tuple[str, dict]]:
-    """ServiceAccount, Role and RoleBinding (file name, object), or none."""
+    """The slot Leases, ServiceAccount, Role and RoleBinding (file name, object), or none."""
     if not uses_leases(p):
         return []
     role = f"{name}-switch-slots"
-    rules = [
-        # create cannot be limited to names (the name is not known to the authorizer before the object exists)
-        {"apiGroups": [GROUP], "resources": ["leases"], "verbs": ["create"]},
-        {
-            "apiGroups": [GROUP],
-            "resources": ["leases"],
-            "resourceNames": lease_names(p.name, p.deploy.max_switching),
-            "verbs": ["get", "update"],
-        },
-    ]
-    return [
+    names = lease_names(p.name, p.deploy.max_switching)
+    rules = [{"apiGroups": [GROUP], "resources": ["leases"], "resourceNames": names, "verbs": ["get", "update"]}]
+    leases = []
+    for index, lease in enumerate(names):
+        metadata = meta(p, lease)
+        metadata["labels"] = {**metadata["labels"], "specops.dev/role": "switch-slot"}
+        leases.append((f"lease-{index}.yaml", {"apiVersion": f"{GROUP}/v1", "kind": "Lease", "metadata": metadata}))
+    return leases + [
         ("serviceaccount.yaml", {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(p, name)}),
         (
             "role.yaml",
