@@ -51,29 +51,31 @@ def inner(pytester, monkeypatch):
 
 
 def test_every_kind_of_skip_fails_when_ci_is_set(inner, monkeypatch):
-    inner.makepyfile(test_skips=SKIPS)
-    inner.makepyfile(test_module_skip='import pytest\npytest.importorskip("no_such_module_either")\n')
+    inner.makepyfile(test_inner_skips=SKIPS)
+    inner.makepyfile(test_inner_module_skip='import pytest\npytest.importorskip("no_such_module_either")\n')
     local = inner.runpytest("-p", "no:cacheprovider")
     local.assert_outcomes(passed=1, skipped=4, xfailed=1)  # a workstation: a skip stays a skip
 
     monkeypatch.setenv("CI", "true")
-    ci = inner.runpytest("-p", "no:cacheprovider", "test_skips.py")
+    ci = inner.runpytest("-p", "no:cacheprovider", "test_inner_skips.py")
     ci.assert_outcomes(passed=1, failed=2, errors=1, xfailed=1)  # a skipif mark skips in set-up: an error
     out = ci.stdout.str()
     assert "skipped under CI=true: never on this machine" in out and "no engine here" in out
     assert "no_such_module_for_specops_tests" in out and "CI_SKIP_ALLOWED" in out
     assert ci.ret == 1
-    module = inner.runpytest("-p", "no:cacheprovider", "test_module_skip.py")
+    module = inner.runpytest("-p", "no:cacheprovider", "test_inner_module_skip.py")
     module.assert_outcomes(errors=1)  # a whole module skipped at import: a collection error
     assert "skipped under CI=true: could not import 'no_such_module_either'" in module.stdout.str()
     assert module.ret != 0
 
 
 def test_an_allowed_skip_stays_a_skip_in_ci(inner, monkeypatch):
-    """The allowlist names a node id of this project (tests/...): the inner suite lays out the same path."""
-    (inner.path / "tests").mkdir()
-    (inner.path / "tests" / "test_instance_safety.py").write_text(
-        "import pytest\n\ndef test_a_state_folder_of_another_user_is_refused():\n    pytest.skip('needs root')\n\n"
+    import support_policy
+
+    assert all(why.strip() for why in support_policy.CI_SKIP_ALLOWED.values())  # each entry says why
+    monkeypatch.setitem(support_policy.CI_SKIP_ALLOWED, "test_inner_allowed.py::test_listed", "depends on the user")
+    inner.makepyfile(
+        test_inner_allowed="import pytest\n\ndef test_listed():\n    pytest.skip('needs root')\n\n"
         "def test_another():\n    pytest.skip('needs root')\n"
     )
     monkeypatch.setenv("CI", "true")
@@ -83,7 +85,7 @@ def test_an_allowed_skip_stays_a_skip_in_ci(inner, monkeypatch):
 
 def test_a_test_that_starts_an_engine_must_be_marked_engines(inner):
     inner.makepyfile(
-        test_engines="""
+        test_inner_engines="""
 import pytest
 from support_policy import require_engines_marker
 
@@ -106,7 +108,7 @@ def test_marked():
 
 def test_engines_tests_get_the_long_timeout_and_keep_their_own(inner):
     inner.makepyfile(
-        test_timeouts="""
+        test_inner_timeouts="""
 import pytest
 from support_policy import ENGINES_TIMEOUT_S
 
