@@ -149,7 +149,7 @@ def test_init_for_a_local_gguf_on_cpu_picks_llamacpp_and_validates(tmp_path):
     assert "backend: llamacpp\n" in text and f"id: {target}\n" in text
     assert "devices: []\n" in text and "# GPUs: none: CPU only" in text
     assert "method: ngram\n" in text  # offline, a local file: no draft published for it; n-gram needs none
-    assert "parallel: 4\n" in text and "llama.cpp shares -c among its 4 slots" in text
+    assert "parallel: 4\n" in text and "× 4 slots (llama.cpp shares -c among them)" in text
     assert specops("validate", out).returncode == 0
 
 

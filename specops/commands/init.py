@@ -210,7 +210,7 @@ def choose_layout(
     if not gpus:
         if ram is None or total <= WEIGHTS_SHARE * ram:
             room = f" of {ram:.0f} GiB RAM" if ram else ""
-            return Layout([], 1, total, f"CPU: weights {total:.1f} GiB{room} (at most {WEIGHTS_SHARE:.0%} of it)")
+            return Layout([], 1, total, f"CPU: weights {_gib(total)}{room} (at most {WEIGHTS_SHARE:.0%} of it)")
         return None
     known = [g.memory_gib for g in gpus if g.memory_gib]
     if not known:
@@ -233,6 +233,10 @@ def choose_layout(
             return Layout(devices, n if parallel else 1, per, why)
         n *= 2
     return None
+
+
+def _gib(value: float) -> str:
+    return f"{value:.1f} GiB" if value >= 0.1 else f"{value * 1024:.1f} MiB"
 
 
 def served_context(target_context: int | None, cpu: bool) -> tuple[int, str]:
@@ -334,7 +338,13 @@ def profile_text(plan: Plan) -> str:
         f"backend: {plan.backend}",
         "model:",
         f"  id: {_yaml(plan.model)}",
-        *_comment(plan.context_why + (f"; llama.cpp shares -c among its {plan.parallel} slots" if plan.parallel else ""), 2),
+        *_comment(
+            f"{plan.max_model_len // plan.parallel} tokens per request × {plan.parallel} slots (llama.cpp shares -c "
+            f"among them): {plan.context_why}"
+            if plan.parallel
+            else plan.context_why,
+            2,
+        ),
         f"  max_model_len: {plan.max_model_len}",
         "speculative:",
         *_comment(plan.method_why, 2),
@@ -357,9 +367,10 @@ def profile_text(plan: Plan) -> str:
     ]
     if plan.parallel:
         lines.append(f"  parallel: {plan.parallel}")
+    chain = "none" if plan.method in (Method.NGRAM, Method.SUFFIX, Method.NONE) else "ngram, then none"
     lines += _comment(
         "fallback: the defaults: when the acceptance stays below 0.6 over 60 s windows, specops switches to the "
-        "next method of the chain (a draft model → ngram → none) without losing a request"
+        f"next method of the chain ({chain}) without losing a request"
     )
     for note in plan.notes:
         lines += _comment(f"note: {note}")
@@ -396,6 +407,8 @@ def _heads(res) -> int | None:
 
 def plan_profile(model: str, *, backend, method, gpus, name, port, offline, registry, say) -> Plan:
     """Detect, resolve and decide (no file is written): the :class:`Plan`, or :class:`Refused`."""
+    from specops.config.profile import check_version_text
+
     found, how = detect_gpus(gpus)
     machine = Machine(found, how, ram_gib=ram_gib())
     say(f"GPUs: {how}")
@@ -417,7 +430,8 @@ def plan_profile(model: str, *, backend, method, gpus, name, port, offline, regi
         )
     slots = LLAMA_SLOTS if not backend_obj.parallel_layout else None
     cap = CONTEXT_CPU if machine.cpu else CONTEXT_GPU  # resolved at the cap: the served context is at most it
-    res = _resolve(model, chosen, wanted.value, cap * (slots or 1), version, offline, say)
+    pin = None if not version or check_version_text(version) else version  # llama-server: a build text, no pin
+    res = _resolve(model, chosen, wanted.value, cap * (slots or 1), pin, offline, say)
     if res.target is not None and res.target.fatal is not None:
         raise Refused(f"the model: {res.target.fatal}")
     facts = res.target.facts if res.target is not None else None
@@ -433,7 +447,7 @@ def plan_profile(model: str, *, backend, method, gpus, name, port, offline, regi
         plain = choose_layout(backend_obj, found, target_gib, 0.0, _heads(res), machine.ram_gib)
         if plain is not None:
             notes.append(f"{res.choice.draft} ({draft_gib:.1f} GiB) does not fit beside the target: n-gram drafts instead")
-            res = _resolve(model, chosen, Method.NGRAM.value, per_request * (slots or 1), version, offline, say)
+            res = _resolve(model, chosen, Method.NGRAM.value, per_request * (slots or 1), pin, offline, say)
             layout = plain
     if layout is None:
         where = (
