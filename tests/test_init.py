@@ -61,7 +61,9 @@ def test_init_writes_a_commented_profile_and_lock_that_validate(fake_hub, tmp_pa
     seed_llama31(fake_hub)
     out = tmp_path / "llama.yaml"
     env = gpus_on_path(tmp_path, 2, 24564)  # two 24 GiB GPUs
-    r = specops("init", "meta-llama/Llama-3.1-8B-Instruct", "--backend", "vllm", "--non-interactive", "-o", out, env=env)
+    r = specops(
+        "init", "meta-llama/Llama-3.1-8B-Instruct", "--backend", "vllm", "--non-interactive", "-o", out, env=env
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"wrote {out}" in r.stdout and f"wrote {tmp_path / 'llama.lock.json'}" in r.stdout
     text = out.read_text()

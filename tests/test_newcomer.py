@@ -85,8 +85,20 @@ def slot_profile(tmp_path: Path) -> Path:
 def test_certify_fits_its_prompts_to_the_slot_context_so_no_request_fails(tmp_path):
     profile = slot_profile(tmp_path)
     r = specops(
-        "certify", str(profile), "--json", "-q", "-w", "code,summarize", "-n", "3", "--max-tokens", "48", "-c", "1",
-        "--tolerance", "0.01",  # random tiny weights: batch-verify numerics may flip a near tie (seen: 0.001 nats)
+        "certify",
+        str(profile),
+        "--json",
+        "-q",
+        "-w",
+        "code,summarize",
+        "-n",
+        "3",
+        "--max-tokens",
+        "48",
+        "-c",
+        "1",
+        "--tolerance",
+        "0.01",  # random tiny weights: batch-verify numerics may flip a near tie (seen: 0.001 nats)
         env={"SPECOPS_STATE": str(tmp_path / "state")},
     )
     cert = json.loads(r.stdout) if r.stdout.strip().startswith("{") else {}

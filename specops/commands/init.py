@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import click
 
+from specops.backends import DEFAULT_BACKEND
 from specops.commands._common import echo_json, json_option, port_type
 from specops.errors import SpecopsError
 from specops.methods import Method
@@ -170,7 +171,8 @@ def is_gguf_model(model: str) -> bool:
 
 
 def choose_backend(model: str, asked: str | None, machine: Machine, registry) -> tuple[str, str]:
-    """The backend and why: ``--backend``; else llama.cpp for GGUF, else vLLM (when it is here)."""
+    """The backend and why: ``--backend``; else an engine found here that loads the model's format (GGUF or
+    Hugging Face), the default backend first."""
     if asked:
         if asked not in registry.backends:
             raise Refused(f"--backend {asked}: not a backend here (known: {', '.join(sorted(registry.backends))})")
@@ -181,13 +183,13 @@ def choose_backend(model: str, asked: str | None, machine: Machine, registry) ->
     by_format = [n for n, b in sorted(registry.backends.items()) if (b.model_format == "gguf") == gguf]
     usable = [n for n in by_format if n in found]
     if usable:
-        pick = "vllm" if "vllm" in usable else usable[0]
+        pick = DEFAULT_BACKEND if DEFAULT_BACKEND in usable else usable[0]
         fmt = "a GGUF model" if gguf else "a Hugging Face model"
         return pick, f"{fmt}; {found[pick].line()} loads it"
     kind = "GGUF" if gguf else "Hugging Face (safetensors)"
     if not by_format:
         raise Refused(f"{model} is a {kind} model and no backend here loads that format")
-    want = by_format[0] if not ("vllm" in by_format) else "vllm"
+    want = DEFAULT_BACKEND if DEFAULT_BACKEND in by_format else by_format[0]
     other = [e.line() for e in found.values()]
     why_not = f"; found only {', '.join(other)}, which does not load {kind} models" if other else ""
     hint = registry.backends[want].install_hint
@@ -201,8 +203,8 @@ def choose_layout(
     backend_obj, gpus: list[Gpu], target_gib: float | None, draft_gib: float, heads: int | None, ram: float | None
 ) -> Layout | None:
     """The fewest GPUs whose share of the weights is at most :data:`WEIGHTS_SHARE` of their memory (vLLM:
-    tensor parallel over a power of two that divides the attention heads; llama.cpp: layers split over the
-    devices, the draft whole on one). None when no layout fits."""
+    tensor parallel over a power of two that divides the attention heads; llama.cpp: layers split over any
+    number of devices, the draft whole on one). None when no layout fits."""
     if target_gib is None:
         devices = [gpus[0].index] if gpus else []
         return Layout(devices, 1, None, "the weights' size is unknown (no safetensors metadata or file sizes): one GPU")
@@ -231,7 +233,7 @@ def choose_layout(
                 f"within {WEIGHTS_SHARE:.0%} of {memory:.0f} GiB (the rest holds the KV cache)"
             )
             return Layout(devices, n if parallel else 1, per, why)
-        n *= 2
+        n = n * 2 if parallel else n + 1
     return None
 
 
@@ -244,7 +246,10 @@ def served_context(target_context: int | None, cpu: bool) -> tuple[int, str]:
     if target_context and target_context <= cap:
         return target_context, f"the model's trained context ({target_context})"
     if target_context:
-        return cap, f"the model was trained for {target_context}; {cap} keeps the KV cache small: raise it as clients need"
+        return (
+            cap,
+            f"the model was trained for {target_context}; {cap} keeps the KV cache small: raise it as clients need",
+        )
     return cap, f"the model states no context length: {cap}"
 
 
@@ -446,7 +451,9 @@ def plan_profile(model: str, *, backend, method, gpus, name, port, offline, regi
     if layout is None and draft_gib and wanted is Method.AUTO and Method.NGRAM in backend_obj.methods:
         plain = choose_layout(backend_obj, found, target_gib, 0.0, _heads(res), machine.ram_gib)
         if plain is not None:
-            notes.append(f"{res.choice.draft} ({draft_gib:.1f} GiB) does not fit beside the target: n-gram drafts instead")
+            notes.append(
+                f"{res.choice.draft} ({draft_gib:.1f} GiB) does not fit beside the target: n-gram drafts instead"
+            )
             res = _resolve(model, chosen, Method.NGRAM.value, per_request * (slots or 1), pin, offline, say)
             layout = plain
     if layout is None:
@@ -601,4 +608,3 @@ def init(model, backend, method, gpus, output, name, port, offline, non_interact
     click.echo(f"wrote {path} ({plan.backend}, {plan.method.value}" + (f" {plan.draft}" if plan.draft else "") + ")")
     click.echo(f"wrote {lock}")
     click.echo(f"next: specops validate {path} && specops up {path}")
-

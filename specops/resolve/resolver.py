@@ -66,7 +66,11 @@ class Resolution:
             },
             "choice": self.choice.to_dict() if self.choice else None,
             "candidates": [
-                dict(rank=i + 1, **c.to_dict(), **({"catalog": catalog_dict(c.entry, self.profile.backend)} if c.entry else {}))
+                dict(
+                    rank=i + 1,
+                    **c.to_dict(),
+                    **({"catalog": catalog_dict(c.entry, self.profile.backend)} if c.entry else {}),
+                )
                 for i, c in enumerate(self.candidates)
             ],
             "findings": [f.to_dict() for f in self.findings],
