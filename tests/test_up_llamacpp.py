@@ -134,17 +134,17 @@ def test_incompatible_vocab_draft_falls_back(tmp_path, models, checks):
 
 
 def test_chain_exhausted_exits_with_code_1(tmp_path, models):
+    # the target is no model at all: every method fails, so specops must give up rather than loop (a missing
+    # target stops before any launch: tests/test_port_conflict.py)
+    corrupt = tmp_path / "corrupt-target.gguf"
+    corrupt.write_bytes(b"not a GGUF file\n" * 64)
     profile = llama_profile(
         tmp_path,
         models,
         "llama-hopeless",
         draft=str(tmp_path / "missing.gguf"),
-        target="missing-target.gguf",
+        target=str(corrupt),
         chain=["none"],
-    )
-    # the target itself is missing: every method fails, so specops must give up rather than loop
-    profile.write_text(
-        profile.read_text().replace(str(models / "missing-target.gguf"), str(tmp_path / "missing-target.gguf"))
     )
     with UpRun(profile, tmp_path / "state", "llama-hopeless") as run:
         rc = run.proc.wait(timeout=120)
