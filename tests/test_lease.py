@@ -475,6 +475,7 @@ class StandinUp:
             "supervisor": {"state_dir": str(self.state_dir), "stop_timeout": 5, "crash_loop_exits": 1},
             "deploy": {"coordination": "directory", "coordination_dir": str(slots), "lease_duration": "5s"},
         }
+        (tmp_path / "target.gguf").write_bytes(b"GGUF")  # the stand-in reads no weights; the launch check wants a file
         self.path = write_profile(tmp_path / "standin.yaml", self.doc)
         self.log_path = tmp_path / "up.log"
         self.log = open(self.log_path, "w")
