@@ -132,3 +132,39 @@ def test_stop_does_not_wait_for_a_check_that_never_returns(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "still runs after" in done.stdout and done.stdout.rstrip().endswith("stopped")
+
+
+def test_the_lock_read_at_start_refuses_a_fifo_and_a_huge_file_without_waiting(tmp_path):
+    """`up`, `render` and `resolve` read the lock through read_lock before any reloader runs: a FIFO there
+    is refused at once (it would block the read forever), and a huge file is not read whole."""
+    from specops.resolve.lock import read_lock
+
+    fifo = tmp_path / "fifo.lock.json"
+    os.mkfifo(fifo)
+    result: list[str] = []
+    reader = threading.Thread(target=lambda: result.append(_refusal(read_lock, fifo)), daemon=True)
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive(), "read_lock blocked on a FIFO"
+    assert "not a regular file" in result[0]
+
+    huge = tmp_path / "huge.lock.json"
+    with open(huge, "wb") as f:
+        f.truncate(64 << 20)  # sparse: costs no disk
+    tracemalloc.start()
+    try:
+        why = _refusal(read_lock, huge)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "larger than" in why and peak < 16 << 20
+
+
+def _refusal(read, path) -> str:
+    from specops.errors import SpecopsError
+
+    try:
+        read(path)
+    except SpecopsError as exc:
+        return str(exc)
+    return "accepted"

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from specops.errors import SpecopsError
+from specops.config.yamlsource import read_text
+from specops.errors import ProfileError, SpecopsError
 from specops.methods import Method
 from specops.reponames import is_repo_id, repo_file_problem, repo_id_problem, revision_problem
 
@@ -56,10 +57,10 @@ def write_lock(path: str | Path, lock: dict) -> Path:
 
 def read_lock(path: str | Path) -> dict:
     p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SpecopsError(f"{p}: cannot read the lock file: {exc.strerror}") from None
+    try:  # bounded, regular files only: a FIFO or a huge file at the lock path is refused, never waited on
+        data = json.loads(read_text(p, str(p)))
+    except ProfileError as exc:
+        raise SpecopsError(f"cannot read the lock file: {exc}") from None
     except ValueError as exc:
         raise SpecopsError(f"{p}: not a valid lock file (JSON error: {exc}); delete it or run `specops lock`") from None
     if not isinstance(data, dict) or data.get("lock_version") != LOCK_VERSION or "speculative" not in data:
