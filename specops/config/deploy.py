@@ -155,6 +155,13 @@ class Deploy(Section):
         default_factory=dict, description="Pod `nodeSelector` (e.g. `nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3`)."
     )
     tolerations: list[Toleration] = Field(default_factory=list, description="Pod tolerations (e.g. of GPU taints).")
+    gpus_per_node: int = Field(
+        8,
+        ge=1,
+        le=MAX_PARALLEL,
+        description="GPUs one node of the cluster has (the selected nodes'). `k8s render` refuses a pod that asks "
+        "for more (it would stay Pending) and says how many `multi_node.nodes` spread the layout.",
+    )
     resources: DeployResources = Field(default_factory=DeployResources)
     service: DeployService = Field(default_factory=DeployService)
     hf_cache: HfCache = Field(default_factory=HfCache)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, WithJsonSchema
 
+from specops.config.capture import Capture
 from specops.config.deploy import Deploy
 from specops.config.fields import (  # noqa: F401  (re-exported: the profile's bounds)
     MAX_CONTEXT,
@@ -490,6 +491,7 @@ class Profile(Section):
     deploy: Deploy = Field(default_factory=Deploy)
     certify: Certify = Field(default_factory=Certify)
     routing: Routing = Field(default_factory=Routing)
+    capture: Capture = Field(default_factory=Capture)
 
     @property
     def chain(self) -> list[ChainStep]:

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from specops import __version__
 from specops.config.profile import LoadedProfile
+from specops.config.deploy import MAX_NODES
 from specops.config.rules import multi_node_mode
 from specops.config.sections import Profile
 from specops.errors import Problem, ProfileError
@@ -177,6 +178,7 @@ def _problems(loaded: LoadedProfile, source: dict) -> list[Problem]:
                     "${VAR} with a Secret in a kustomize patch",
                 )
             )
+    out += _schedule_problems(loaded, source)
     if p.proxy.admin_port is not None and p.deploy.monitor != "none":
         out.append(
             loaded.problem(
@@ -187,6 +189,58 @@ def _problems(loaded: LoadedProfile, source: dict) -> list[Problem]:
             )
         )
     return out
+
+
+def nodes_for(total: int, gpus_per_node: int) -> int | None:
+    """The fewest nodes that split ``total`` GPUs evenly with at most ``gpus_per_node`` on each (None: none do)."""
+    for nodes in range(max(1, math.ceil(total / gpus_per_node)), min(total, MAX_NODES) + 1):
+        if total % nodes == 0:
+            return nodes
+    return None
+
+
+def _schedule_problems(loaded: LoadedProfile, source: dict) -> list[Problem]:
+    """A pod that asks for more GPUs than a node has stays Pending forever: refuse it, saying what splits it
+    (located at ``deploy.multi_node.nodes`` when the profile sets it, else at the parallel sizes)."""
+    p = loaded.profile
+    per_node = p.deploy.gpus_per_node
+    gpus = gpus_per_pod(p)
+    if gpus <= per_node:
+        return []
+    nodes = p.deploy.multi_node.nodes
+    why = f"each pod would ask for {gpus} GPUs and a node has {per_node} (deploy.gpus_per_node)"
+    if p.deploy.resources.gpus is not None:
+        return [loaded.problem(("deploy", "resources", "gpus"), f"{why}: lower it, or raise deploy.gpus_per_node")]
+    if not getattr(_backend(p), "parallel_layout", False):
+        return [loaded.problem(("gpus", "devices"), f"{why}: list at most {per_node} devices")]
+    total = p.gpus.tensor_parallel_size * p.gpus.pipeline_parallel_size
+    split = nodes_for(total, per_node)
+    fix = (
+        f"set deploy.multi_node.nodes: {split} (a LeaderWorkerSet group of {split} pods of {total // split} GPUs)"
+        if split
+        else f"no number of nodes splits TP × PP = {total} into pods of at most {per_node} GPUs"
+    )
+    multi_node = ((source.get("deploy") or {}).get("multi_node") or {}) if isinstance(source.get("deploy"), dict) else {}
+    where = ("deploy", "multi_node", "nodes") if isinstance(multi_node, dict) and "nodes" in multi_node else ("gpus",)
+    return [loaded.problem(where, f"{why}: {fix}", field="deploy.multi_node.nodes")]
+
+
+#: Hub organisations whose repos are gated: a pod downloads them only with a token that was granted access.
+GATED_ORGS = ("meta-llama/",)
+
+
+def _gated_note(p: Profile) -> str | None:
+    """A note when a gated repo is rendered without deploy.secrets.hf_token: the pods cannot download it."""
+    if p.deploy.secrets.hf_token is not None:
+        return None
+    repos = [r for r in (p.model.id, p.speculative.draft) if isinstance(r, str) and r.startswith(GATED_ORGS)]
+    if not repos:
+        return None
+    return (
+        f"{p.name}: {repos[0]} is gated on the Hugging Face Hub and no deploy.secrets.hf_token is set: the pods "
+        "cannot download it (set deploy.secrets.hf_token to a Secret with a token that was granted access, or "
+        "pre-download the weights into deploy.hf_cache)"
+    )
 
 
 # ------------------------------------------------------------------------------------------- pieces
@@ -534,6 +588,9 @@ def render(loaded: LoadedProfile, lock_text: str | None = None, source_name: str
             else "no API key"
         )
         out.notes.append(f"{p.name}: {why}: anyone who reaches the Service can use the model")
+    gated = _gated_note(p)
+    if gated:
+        out.notes.append(gated)
     return out
 
 

@@ -62,6 +62,8 @@ SERVING, DOWN, STOPPED = ProxyState.SERVING, ProxyState.DOWN, ProxyState.STOPPED
 class RequestPath:
     """Serving requests: mixed into :class:`~specops.proxy.server.Proxy` (``self`` is the proxy)."""
 
+    capture = None  # specops.adapt.capture.Capture when the profile's `capture:` keeps traffic for `specops adapt`
+
     # ------------------------------------------------------------------------------------ entry points
 
     async def _handle_public(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
@@ -204,6 +206,8 @@ class RequestPath:
                     c["upstream_errors"] += 1
                 return self._reject(503, "specops_" + rej.kind, "specops: " + str(rej))
             flight = Flight(gen)
+            if self.capture is not None:  # decided before sending: a streamed answer is copied only if kept
+                flight.tap = self.capture.tap(request.method, request.raw_path, body, route and route.key)
             resp, failure = await self._attempt(request, body, headers, flight)
             if failure is None:
                 c["completed"] += 1
@@ -213,6 +217,8 @@ class RequestPath:
                     self.routes.finished(route, flight, True)
                 if self.sampler is not None and type(resp) is web.Response:  # live spot checks (sample.py)
                     self.sampler.offer(request.method, request.raw_path, request.headers, body, resp.status, resp.body)
+                if flight.tap is not None:  # training data for `specops adapt` (specops.adapt.capture)
+                    self.capture.offer(flight.tap, resp.status, resp.body if type(resp) is web.Response else None)
                 return resp
             alive = None
             if (

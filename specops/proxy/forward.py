@@ -129,7 +129,7 @@ class Generation:
 class Flight:
     """One request on one generation, so drain/upstream_failed can cut it."""
 
-    __slots__ = ("cm", "cut_reason", "gen", "started", "totals")
+    __slots__ = ("cm", "cut_reason", "gen", "started", "tap", "totals")
 
     def __init__(self, gen: Generation):
         self.gen = gen
@@ -137,6 +137,7 @@ class Flight:
         self.cut_reason: str | None = None
         self.started = False
         self.totals: dict | None = None  # timings running totals per choice index
+        self.tap = None  # a specops.adapt.capture.Tap: the streamed answer is copied into it (capture: on)
 
     def cut(self, reason: str) -> None:
         if self.cut_reason is None:
@@ -323,6 +324,7 @@ class Forwarder:
         from_sse = self.timings.from_sse
         flight = ex.flight
         tail = b""
+        tap = flight.tap.feed if flight.tap is not None else None
         read = ex.up.content.readany
         write = ex.resp.write
         while True:
@@ -341,6 +343,8 @@ class Forwarder:
                 return ex.resp  # closing the engine response (finally) cancels its request
             if scan:
                 tail = from_sse(tail + chunk if tail else chunk, flight)
+            if tap is not None:
+                tap(chunk)
 
     async def _finish(self, ex: _Exchange) -> web.StreamResponse:
         """End a streamed answer: its last chunk, or an error event when the engine broke off."""

@@ -219,7 +219,12 @@ class Proxy(RequestPath):
         if spot.enabled and spot.source != "probes":
             opts["sampler"] = LiveSampler(max_entries=2 * spot.sample)
         opts.update(kwargs)
-        return cls(server.host, server.port, **opts)
+        proxy = cls(server.host, server.port, **opts)
+        if profile.capture.enabled:  # traffic kept for `specops adapt` (specops.adapt.capture)
+            from specops.adapt.capture import Capture
+
+            proxy.capture = Capture.for_profile(profile)
+        return proxy
 
     # ----------------------------------------------------------------------------------------- lifecycle
 
