@@ -32,6 +32,7 @@ COMMANDS = {
     "advise": "advise:advise",
     "bench": "bench:bench",
     "tune": "tune:tune",
+    "adapt": "adapt:adapt",
     "certify": "certify:certify",
     "engines": "engines:engines",
     "schema": "schema:schema",

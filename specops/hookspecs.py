@@ -24,3 +24,13 @@ def register_commands(cli):
     Called when the command line lists its commands or meets a name that is not a built-in one; a
     plugin may not reuse a built-in command's name.
     """
+
+
+@hookspec
+def capture_redact(record):
+    """Return the capture ``record`` to keep (edited as needed), or None to keep nothing of it.
+
+    ``record`` is what ``capture:`` is about to write for ``specops adapt``: a dict with ``path``, ``class``,
+    ``prompt`` (completions) or ``messages`` (chat) and ``output`` (the target's answer); never a header.
+    Plugins are called in turn, each on the previous one's result; one that fails drops the record.
+    """
