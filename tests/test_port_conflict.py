@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -18,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 from support_engines import need_llama_server, tiny_model
+from support_supervisor import Recorder, ScriptedDecider
 from support_up import SPECOPS, free_port, llama_profile
-from test_supervisor_unit import Recorder, ScriptedDecider
 
 from specops.backends.base import LaunchPlan
 from specops.backends.render import render_plan
@@ -86,8 +87,6 @@ def error_lines(res: subprocess.CompletedProcess) -> list[str]:
 
 
 def events(state_dir: Path, name: str) -> list[dict]:
-    import json
-
     path = state_dir / name / "events.jsonl"
     if not path.is_file():
         return []
