@@ -657,7 +657,8 @@ def test_status_and_metrics_endpoints(engine):
             async with s.get(proxy.url + "/specops/status") as r:
                 doc = await r.json()
             assert doc["supervisor"]["method"] == "eagle3" and doc["decisions"][0]["action"] == "keep"
-            assert doc["proxy"]["state"] == "serving" and doc["proxy"]["upstream"] == engine.url
+            assert doc["proxy"]["state"] == "serving" and proxy.stats()["upstream"] == engine.url
+            assert "upstream" not in doc["proxy"]  # the engine's address stays on the machine (state file)
             assert doc["proxy"]["in_flight"] == 0 and doc["proxy"]["queue_depth"] == 0
             assert doc["proxy"]["completed"] == 1
             async with s.get(proxy.url + "/specops/metrics") as r:

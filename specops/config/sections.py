@@ -467,6 +467,13 @@ class ProxySettings(Section):
     body_timeout: Duration = Field(
         60.0, gt=0, le=3600, description="A request body must arrive within this long, else 408."
     )
+    send_timeout: Duration = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="A client that reads nothing of its answer for this long (the proxy has more to send) "
+        "is disconnected and its engine request cancelled.",
+    )
 
 
 class Profile(Section):

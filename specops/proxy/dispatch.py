@@ -36,6 +36,7 @@ from .errors import ClientError, Rejected, Unstarted, error_body, shown
 from .forward import Flight, Generation, ask_timings_per_token, request_headers
 from .limits import (
     UNAUTHENTICATED,
+    HeldBody,
     cancel_header_deadline,
     check_key,
     check_target,
@@ -106,7 +107,8 @@ class RequestPath:
     async def _handle_admin(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path.rstrip("/")
         if path == "/specops/status":
-            return web.Response(text=json.dumps(self.status(), indent=1, default=str), content_type="application/json")
+            doc = self.public_status()
+            return web.Response(text=json.dumps(doc, indent=1, default=str), content_type="application/json")
         if path == "/specops/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -164,34 +166,34 @@ class RequestPath:
     async def _proxy(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
         """Check the request (target, key, body limits), then forward it."""
         self._c["requests"] += 1
-        reserved = 0
         try:
-            try:
-                check_target(request)
-                if self._key is not None and (request.method, request.raw_path) not in UNAUTHENTICATED:
-                    check_key(request, self._key)
-                body, reserved = await read_body(request, self._budget, self.max_body_size, self.body_timeout)
-            except ClientError as exc:
-                return self._refuse(request, exc)
+            check_target(request)
+            if self._key is not None and (request.method, request.raw_path) not in UNAUTHENTICATED:
+                check_key(request, self._key)
+            data, reserved = await read_body(request, self._budget, self.max_body_size, self.body_timeout)
+        except ClientError as exc:
+            return self._refuse(request, exc)
+        body = HeldBody(data, reserved, self._budget)
+        del data  # the body lives in `body` only, so releasing it frees it
+        try:
             return await self._forward(request, body)
         finally:
-            if reserved:
-                self._budget.held -= reserved
+            body.release()
 
-    async def _forward(self: Proxy, request: web.BaseRequest, body: bytes) -> web.StreamResponse:
+    async def _forward(self: Proxy, request: web.BaseRequest, body: HeldBody) -> web.StreamResponse:
         """Send to the engine, waiting in the queue when none serves; reconnect or retry once after a
-        failure before any byte (see the module docstring)."""
+        failure before any byte (see the module docstring). ``body`` is released once the answer starts."""
         c = self._c
         loop = asyncio.get_running_loop()
         if self.on_timings is not None:
-            body = ask_timings_per_token(body)
-        headers = request_headers(request, body)
+            body.data = ask_timings_per_token(body.data)
+        headers = request_headers(request, body.data)
         retried = reconnected = False
         deadline = loop.time() + self.queue_timeout
         route = None
         if self.routes is not None:  # twins: the router picks the engine (specops.proxy.routes)
             try:
-                route = self.routes.route(request.path, request.headers, body)
+                route = self.routes.route(request.path, request.headers, body.data)
             except RouteRefused as exc:
                 self.routes.refused[exc.status] += 1
                 return self._reject(exc.status, exc.kind, "specops: " + str(exc))
@@ -207,7 +209,7 @@ class RequestPath:
                 return self._reject(503, "specops_" + rej.kind, "specops: " + str(rej))
             flight = Flight(gen)
             if self.capture is not None:  # decided before sending: a streamed answer is copied only if kept
-                flight.tap = self.capture.tap(request.method, request.raw_path, body, route and route.key)
+                flight.tap = self.capture.tap(request.method, request.raw_path, body.data, route and route.key)
             resp, failure = await self._attempt(request, body, headers, flight)
             if failure is None:
                 c["completed"] += 1
@@ -216,7 +218,9 @@ class RequestPath:
                 if route is not None:
                     self.routes.finished(route, flight, True)
                 if self.sampler is not None and type(resp) is web.Response:  # live spot checks (sample.py)
-                    self.sampler.offer(request.method, request.raw_path, request.headers, body, resp.status, resp.body)
+                    self.sampler.offer(
+                        request.method, request.raw_path, request.headers, body.data, resp.status, resp.body
+                    )
                 if flight.tap is not None:  # training data for `specops adapt` (specops.adapt.capture)
                     self.capture.offer(flight.tap, resp.status, resp.body if type(resp) is web.Response else None)
                 return resp
@@ -248,7 +252,7 @@ class RequestPath:
             deadline = loop.time() + self.queue_timeout
 
     async def _attempt(
-        self: Proxy, request: web.BaseRequest, body: bytes, headers, flight: Flight
+        self: Proxy, request: web.BaseRequest, body: HeldBody, headers, flight: Flight
     ) -> tuple[web.StreamResponse | None, Unstarted | None]:
         """One exchange, counted in flight on its generation (so drain can wait for it or cut it)."""
         gen = flight.gen

@@ -39,7 +39,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from .errors import Unstarted, describe, error_body
-from .limits import BufferBudget
+from .limits import MAX_FIELD_SIZE, BufferBudget, HeldBody
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -103,8 +103,8 @@ def engine_session(connect_timeout: float, read_timeout: float | None) -> aiohtt
         timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_timeout, sock_read=read_timeout),
         trust_env=False,
         raise_for_status=False,
-        max_line_size=65536,
-        max_field_size=65536,
+        max_line_size=MAX_FIELD_SIZE,
+        max_field_size=MAX_FIELD_SIZE,
     )
 
 
@@ -227,16 +227,19 @@ class Forwarder:
         self.timings = Timings(counters, on_timings)
 
     async def exchange(
-        self, request: web.BaseRequest, body: bytes, headers: CIMultiDict, flight: Flight
+        self, request: web.BaseRequest, body: HeldBody, headers: CIMultiDict, flight: Flight
     ) -> web.StreamResponse:
-        """One attempt against one engine. Raises :class:`Unstarted` when nothing reached the client."""
+        """One attempt against one engine. Raises :class:`Unstarted` when nothing reached the client.
+
+        ``body`` is released (its budget given back, the bytes dropped) once the answer to the client has
+        started: no retry can send it again after that."""
         if flight.cut_reason is not None:
             raise Unstarted(flight.cut_reason)
-        ex = _Exchange(request, flight)
+        ex = _Exchange(request, flight, body)
         try:
             async with _timeout(None) as cm:
                 flight.cm = cm
-                ex.up = await self._send(request, body, headers, flight)
+                ex.up = await self._send(request, body.data, headers, flight)
                 answer = await self._answer(ex)
                 if answer is not None:
                     return answer
@@ -301,6 +304,7 @@ class Forwarder:
             self.counters["client_disconnects"] += 1
             return resp  # closing the engine response (finally) cancels its request
         ex.flight.started = True
+        ex.body.release()  # no retry from here on: the client's body is not needed any more
         return await self._stream(ex)
 
     async def _answer_whole(self, ex: _Exchange, clen: int, out_headers: CIMultiDict) -> web.Response:
@@ -377,11 +381,12 @@ class Forwarder:
 class _Exchange:
     """Where one exchange stands (what the ``finally`` of :meth:`Forwarder.exchange` must clean up)."""
 
-    __slots__ = ("broken", "complete", "flight", "request", "resp", "sse", "up")
+    __slots__ = ("body", "broken", "complete", "flight", "request", "resp", "sse", "up")
 
-    def __init__(self, request: web.BaseRequest, flight: Flight):
+    def __init__(self, request: web.BaseRequest, flight: Flight, body: HeldBody):
         self.request = request
         self.flight = flight
+        self.body = body
         self.up: aiohttp.ClientResponse | None = None
         self.resp: web.StreamResponse | None = None
         self.sse = False

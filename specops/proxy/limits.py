@@ -19,6 +19,15 @@
   gets a 503 and is closed at once (:class:`Server`, :class:`Refuse`); the bodies held by the proxy (read,
   queued or being forwarded, and the small engine answers it buffers) may add up to
   ``max_buffered_bytes``: past it a request gets 503 with ``Retry-After`` (:class:`BufferBudget`).
+  A body's bytes are given back once the engine's answer has started (no retry can need it then), so a
+  client that stops reading its answer holds none of them.
+- Headers are parsed before the API key can be checked, so their memory is bounded for clients without
+  one: a request line or header field over 8190 bytes is a 400 (aiohttp's parser), a header section
+  over ``max_header_bytes`` (64 KiB) a 431, and the header bytes of requests still arriving count
+  against ``max_buffered_bytes`` like bodies (503 past it); the connection is closed after either answer
+  (:class:`Connection`).
+- A client that reads nothing of its answer for ``send_timeout`` seconds while the proxy has more to
+  send (the socket's buffers are full) is cut: the connection is aborted, the engine request cancelled.
 - A rejected or malformed request logs one line (a warning on ``specops.proxy``), never a traceback;
   past ``log_rejects_per_s`` lines a second the rest are counted and the count is added to the next line
   (:class:`RejectLog`, :class:`ServerLog`).
@@ -27,6 +36,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hmac
 import logging
 import sys
@@ -34,6 +44,14 @@ import time
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+
+try:  # how aiohttp queues a request it could not parse (answered 400 by handle_error)
+    from aiohttp.web_protocol import _ErrInfo as _ParseError
+except ImportError:  # pragma: no cover - a release without it: the parser is simply fed on
+
+    class _ParseError:  # type: ignore[no-redef]
+        pass
+
 
 from .errors import ClientError, brief, describe, error_body, shown
 
@@ -50,6 +68,12 @@ DEFAULT_MAX_BUFFERED_BYTES = 128 * 1024 * 1024
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_BODY_TIMEOUT = 60.0
+DEFAULT_SEND_TIMEOUT = 30.0
+#: the bytes of one request's header section (request line included); real clients send well under 8 KiB
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+#: the longest request line and header field (name and value), on the public port and from the engine:
+#: aiohttp's and nginx's default 8 KiB
+MAX_FIELD_SIZE = 8190
 
 #: a request whose body was not read is closed after this much reading-and-discarding (aiohttp: 10 s)
 LINGER = 1.0
@@ -154,16 +178,31 @@ class Refuse(asyncio.Protocol):
         self.transport = None
 
 
+_ANSWER = b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n%sConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+
+
 class Connection(web.RequestHandler):
-    """aiohttp's connection handler, counted (for ``max_connections``), with JSON, one-line errors, and a
-    deadline for the first request's headers (aiohttp's keep-alive timer covers the later ones; only
-    recent aiohttp releases also start it when the connection opens)."""
+    """aiohttp's connection handler, counted (for ``max_connections``), with JSON, one-line errors, and
+    deadlines: for the first request's headers (aiohttp's keep-alive timer covers the later ones; only
+    recent aiohttp releases also start it when the connection opens), and for a client that reads nothing
+    of its answer (``send_timeout``, from the transport's flow control: no cost per write).
+
+    The header bytes of a request still arriving are counted (``max_header_bytes`` per request) and held
+    in the proxy's :class:`BufferBudget` until the headers are complete or the connection closes: aiohttp's
+    parser keeps each header twice (bytes and str) until then, and it parses them before the API key can
+    be checked. Body bytes are not counted here (:func:`read_body` holds them).
+    """
 
     def __init__(self, manager: Server, *, header_timeout: float | None = None, **kwargs):
         super().__init__(manager, **kwargs)
         self._specops_counted = True
         self._specops_header_timeout = header_timeout
         self.specops_deadline: asyncio.TimerHandle | None = None
+        self._specops_send_deadline: asyncio.TimerHandle | None = None
+        self._specops_linger: asyncio.TimerHandle | None = None
+        self._specops_header_bytes = 0  # of the request whose headers are arriving, held in the budget
+        self._specops_payload = None  # the body of the last request parsed (its end: headers come next)
+        self._specops_trim = False  # refused while its headers arrived: trim the heap after it closes
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -176,13 +215,116 @@ class Connection(web.RequestHandler):
         self.specops_deadline = None  # a request would have cancelled it: none came in time
         self.force_close()
 
+    def data_received(self, data: bytes) -> None:
+        payload = self._specops_payload
+        if self._force_close or self._close or (payload is not None and not payload.is_eof()):
+            super().data_received(data)  # closing, or a body arriving: not header bytes
+            return
+        parsed = self._request_count
+        super().data_received(data)
+        server = self._manager
+        if server is None:
+            return
+        budget = server.budget
+        if self._request_count != parsed:  # the headers are complete (their body, if any, follows)
+            if self._messages and isinstance(self._messages[-1][0], _ParseError):
+                # they could not be parsed (a line over the limit...): the 400 is queued. aiohttp would
+                # feed the parser on and queue one more error (holding the data read) per read after it
+                self._close = True
+            self._specops_payload = self._messages[-1][1] if self._messages else None
+            if self._specops_header_bytes:
+                budget.release_headers(self._specops_header_bytes)
+                self._specops_header_bytes = 0
+            return
+        self._specops_header_bytes += len(data)
+        budget.hold_headers(len(data))
+        if self._specops_header_bytes > server.max_header_bytes:
+            server.counters["rejected_header_size"] += 1
+            self._specops_refuse(
+                431,
+                b"Request Header Fields Too Large",
+                "request_header_fields_too_large",
+                f"specops: the request headers are over the {server.max_header_bytes}-byte limit "
+                "(proxy max_header_bytes)",
+            )
+        elif budget.held > budget.limit:
+            server.counters["rejected_buffer_full"] += 1
+            self._specops_refuse(
+                503,
+                b"Service Unavailable",
+                "specops_buffer_full",
+                f"specops: the proxy holds too many request headers and bodies now "
+                f"(proxy.max_buffered_bytes {budget.limit}); retry later",
+            )
+
+    def _specops_refuse(self, status: int, reason: bytes, kind: str, message: str) -> None:
+        """Answer a request whose headers are refused while they arrive, then close: what the client still
+        sends is read and dropped for ``LINGER`` seconds, so it gets the answer rather than a reset."""
+        server, transport = self._manager, self.transport
+        peer = transport.get_extra_info("peername") if transport is not None else None
+        server.reject_log("proxy: %d %s from %s", status, kind, peer[0] if peer else "-")
+        self._specops_trim = True
+        self._force_close = True  # aiohttp's data_received drops what comes from now on
+        if transport is None:
+            return
+        if not self._request_in_progress and not self._messages:  # nothing else is being answered on it
+            body = error_body(status, kind, message)
+            extra = b"Retry-After: 1\r\n" if status == 503 else b""
+            transport.write(_ANSWER % (status, reason, extra, len(body), body))
+            try:
+                transport.write_eof()
+            except (NotImplementedError, OSError, RuntimeError):  # pragma: no cover - TCP transports have it
+                pass
+        self._specops_linger = asyncio.get_running_loop().call_later(LINGER, self.force_close)
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is full (the client reads nothing now): start the send deadline."""
+        super().pause_writing()
+        server = self._manager
+        if server is not None and server.send_timeout and self._specops_send_deadline is None:
+            self._specops_send_deadline = asyncio.get_running_loop().call_later(
+                server.send_timeout, self._specops_send_stalled
+            )
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._specops_send_deadline is not None:
+            self._specops_send_deadline.cancel()
+            self._specops_send_deadline = None
+
+    def _specops_send_stalled(self) -> None:
+        """The client read nothing for ``send_timeout``: cut it (its engine request is cancelled with it)."""
+        self._specops_send_deadline = None
+        server, transport = self._manager, self.transport
+        if server is None or transport is None:
+            return
+        server.counters["cut_slow_clients"] += 1
+        peer = transport.get_extra_info("peername")
+        server.reject_log(
+            "proxy: cut a client that read nothing of its answer for %gs (proxy.send_timeout): %s",
+            server.send_timeout,
+            peer[0] if peer else "-",
+        )
+        transport.abort()
+
     def connection_lost(self, exc) -> None:
-        if self.specops_deadline is not None:
-            self.specops_deadline.cancel()
-            self.specops_deadline = None
+        for timer in (self.specops_deadline, self._specops_send_deadline, self._specops_linger):
+            if timer is not None:
+                timer.cancel()
+        self.specops_deadline = self._specops_send_deadline = self._specops_linger = None
+        server = self._manager
+        if server is not None and self._specops_header_bytes:
+            server.budget.release_headers(self._specops_header_bytes)
+            self._specops_trim |= self._specops_header_bytes >= MAX_FIELD_SIZE
+        if server is not None and self._specops_trim:  # what its headers took is freed with it: give it back
+            server.heap.trim_soon()
+        self._specops_header_bytes = 0
+        self._specops_payload = None
+        for message, _ in self._messages:  # parse errors never answered: free what their tracebacks hold
+            if isinstance(message, _ParseError) and message.exc is not None:
+                message.exc.__traceback__ = None
         if self._specops_counted:
             self._specops_counted = False
-            server = self._manager
             if server is not None:
                 server.open_connections -= 1
         super().connection_lost(exc)
@@ -196,6 +338,12 @@ class Connection(web.RequestHandler):
             log.debug("proxy: client %s went away: %s", request.remote, describe(exc))
         elif server is not None:
             server.report_error(request, status, exc, message)
+        if status < 500 and exc is not None:
+            # aiohttp caught the parse error in data_received: its traceback holds that frame, which holds
+            # the data read and this connection (its parser, the headers so far), and the error is held by
+            # the frame's locals: a cycle only the cyclic GC would free, minutes later under load
+            exc.__traceback__ = None
+        self._specops_trim |= status < 500  # a header line over the limit, say: trim once it is freed
         if status >= 500:
             kind, text = "specops_internal_error", "specops: internal error"
         else:
@@ -219,7 +367,9 @@ class Server(web.Server):
     """aiohttp's low-level server with a cap on open client connections.
 
     ``counters`` is the proxy's counter dict (``rejected_connections``, ``rejected_malformed``,
-    ``internal_errors`` are counted here); ``reject_log`` gets one line per refusal.
+    ``rejected_header_size``, ``cut_slow_clients``, ``internal_errors`` are counted here); ``reject_log``
+    gets one line per refusal; ``budget`` holds the header bytes of requests still arriving
+    (:class:`Connection`).
     """
 
     def __init__(
@@ -230,13 +380,22 @@ class Server(web.Server):
         reject_log: RejectLog,
         max_connections: int | None,
         header_timeout: float | None,
+        budget: BufferBudget,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        send_timeout: float | None = DEFAULT_SEND_TIMEOUT,
         **kwargs,
     ):
+        kwargs.setdefault("max_line_size", MAX_FIELD_SIZE)
+        kwargs.setdefault("max_field_size", MAX_FIELD_SIZE)
         super().__init__(handler, **kwargs)
         self.counters = counters
         self.reject_log = reject_log
         self.max_connections = max_connections
         self.header_timeout = header_timeout
+        self.budget = budget
+        self.max_header_bytes = max_header_bytes
+        self.send_timeout = send_timeout
+        self.heap = HeapTrim()
         self.open_connections = 0
         self._refusal = error_body(
             503, "specops_too_many_connections", f"specops: too many open connections ({max_connections}); retry later"
@@ -264,6 +423,51 @@ class Server(web.Server):
         )
         if exc is not None and status >= 500 and log.isEnabledFor(logging.DEBUG):
             log.debug("proxy: traceback of the internal error", exc_info=exc)
+
+
+class HeapTrim:
+    """Hands the heap memory freed after refused requests back to the system, at most once a ``interval``.
+
+    What a refused request cost is freed at once, but glibc's malloc keeps most of it: the reads and
+    header values are tens of KiB each, freed among long-lived small objects, and glibc returns only the
+    top of its heap. 200 connections refused for header lines over the limit left the process 160 MiB
+    larger for good on uvloop (``benchmarks/bench_header_memory.py``); ``malloc_trim(0)`` gives the free
+    pages back (a few ms on such a heap). A no-op without glibc.
+    """
+
+    interval = 1.0
+    _trim = None  # glibc's malloc_trim, looked up once per process (False: not available)
+
+    def __init__(self):
+        self.pending: asyncio.TimerHandle | None = None
+        self.trims = 0
+
+    def trim_soon(self) -> None:
+        if self.pending is None and self._malloc_trim() is not None:
+            self.pending = asyncio.get_running_loop().call_later(self.interval, self._run)
+
+    def cancel(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+            self.pending = None
+
+    def _run(self) -> None:
+        self.pending = None
+        fn = self._malloc_trim()
+        if fn is not None:
+            fn(0)
+            self.trims += 1
+
+    @classmethod
+    def _malloc_trim(cls):
+        if cls._trim is None:
+            try:
+                fn = ctypes.CDLL(None).malloc_trim
+                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+                HeapTrim._trim = fn
+            except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
+                HeapTrim._trim = False
+        return cls._trim or None
 
 
 def raise_fd_limit(wanted: int) -> None:
@@ -330,14 +534,24 @@ def check_key(request: web.BaseRequest, key: bytes | None) -> None:
 
 
 class BufferBudget:
-    """The bytes of request bodies (and buffered engine answers) the proxy holds now, against
-    ``max_buffered_bytes``."""
+    """The bytes of request bodies, buffered engine answers and unfinished request headers the proxy holds
+    now, against ``max_buffered_bytes``."""
 
-    __slots__ = ("held", "limit")
+    __slots__ = ("headers", "held", "limit")
 
     def __init__(self, limit: int):
-        self.held = 0
+        self.held = 0  # bodies, buffered answers and unfinished headers
+        self.headers = 0  # of which: the headers of requests still arriving
         self.limit = limit
+
+    def hold_headers(self, n: int) -> None:
+        """Count ``n`` more header bytes, whether or not they fit (the caller refuses past the limit)."""
+        self.held += n
+        self.headers += n
+
+    def release_headers(self, n: int) -> None:
+        self.held -= n
+        self.headers -= n
 
     def reserve(self, n: int) -> None:
         """Hold ``n`` more bytes, or refuse the request (503, retry later) when they do not fit."""
@@ -421,6 +635,28 @@ async def read_body(
         raise
     chunks = incoming.chunks
     return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), incoming.reserved
+
+
+class HeldBody:
+    """A request body read whole, and the bytes of the budget it holds.
+
+    The body is kept while a retry may still send it again; :meth:`release` gives its bytes back to the
+    budget and drops it once the engine's answer has started (no retry can follow), so a client that then
+    reads its answer slowly, or not at all, holds no budget.
+    """
+
+    __slots__ = ("budget", "data", "reserved")
+
+    def __init__(self, data: bytes, reserved: int, budget: BufferBudget):
+        self.data = data
+        self.reserved = reserved
+        self.budget = budget
+
+    def release(self) -> None:
+        if self.reserved:
+            self.budget.held -= self.reserved
+            self.reserved = 0
+        self.data = b""
 
 
 class _Incoming:

@@ -93,12 +93,30 @@ class ProxyCollector:
             "Client requests the proxy refused itself (4xx).",
             [
                 ([k], c["rejected_" + k])
-                for k in ("bad_target", "method", "unauthorized", "too_large", "body_timeout", "malformed")
+                for k in (
+                    "bad_target",
+                    "method",
+                    "unauthorized",
+                    "too_large",
+                    "body_timeout",
+                    "malformed",
+                    "header_size",
+                )
             ],
             labels=["reason"],
         )
         yield _gauge(
-            "specops_proxy_buffered_bytes", "Request bodies (and buffered answers) held now.", c["buffered_bytes"]
+            "specops_proxy_buffered_bytes",
+            "Request bodies, buffered answers and unfinished request headers held now.",
+            c["buffered_bytes"],
+        )
+        yield _gauge(
+            "specops_proxy_header_bytes", "Header bytes of requests still arriving, held now.", c["header_bytes"]
+        )
+        yield _counter(
+            "specops_proxy_cut_slow_clients",
+            "Clients cut because they read nothing of their answer for proxy.send_timeout.",
+            c["cut_slow_clients"],
         )
         yield _gauge("specops_proxy_connections", "Open client connections on the public port.", c["connections"])
 

@@ -16,6 +16,8 @@ from .limits import (
     DEFAULT_MAX_BODY_SIZE,
     DEFAULT_MAX_BUFFERED_BYTES,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_SEND_TIMEOUT,
 )
 
 
@@ -40,6 +42,8 @@ class ProxyOptions:
     api_key: str | None = None
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     body_timeout: float = DEFAULT_BODY_TIMEOUT
+    send_timeout: float | None = DEFAULT_SEND_TIMEOUT  # a client that reads nothing this long is cut (None: never)
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_connections: int | None = DEFAULT_MAX_CONNECTIONS
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     log_rejects_per_s: float = 5.0
@@ -53,3 +57,7 @@ class ProxyOptions:
             raise ValueError("max_connections must be >= 1 (or None: no cap)")
         if self.max_body_size < 0 or self.max_buffered_bytes < 0:
             raise ValueError("max_body_size and max_buffered_bytes must be >= 0")
+        if self.send_timeout is not None and self.send_timeout <= 0:
+            raise ValueError("send_timeout must be > 0 (or None: no deadline)")
+        if self.max_header_bytes < 1024:
+            raise ValueError("max_header_bytes must be >= 1024")

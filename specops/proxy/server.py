@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
+from yarl import URL
 
 from specops.urls import http_url
 
@@ -81,6 +82,8 @@ COUNTERS = (
     "rejected_buffer_full",
     "rejected_connections",
     "rejected_malformed",
+    "rejected_header_size",
+    "cut_slow_clients",
     "internal_errors",
 )
 
@@ -142,6 +145,8 @@ class Proxy(RequestPath):
         self._key = b"Bearer " + opts.api_key.encode("utf-8") if opts.api_key else None
         self.max_body_size = opts.max_body_size
         self.header_timeout, self.body_timeout = float(opts.header_timeout), float(opts.body_timeout)
+        self.send_timeout = float(opts.send_timeout) if opts.send_timeout is not None else None
+        self.max_header_bytes = opts.max_header_bytes
         self.max_connections = opts.max_connections
         self.max_buffered_bytes = int(opts.max_buffered_bytes)
         self._budget = BufferBudget(self.max_buffered_bytes)  # request bodies (and buffered answers) held
@@ -214,6 +219,7 @@ class Proxy(RequestPath):
             max_connections=p.max_connections,
             header_timeout=p.header_timeout,
             body_timeout=p.body_timeout,
+            send_timeout=p.send_timeout,
         )
         spot = profile.certify.spot_check
         if spot.enabled and spot.source != "probes":
@@ -254,11 +260,12 @@ class Proxy(RequestPath):
             reject_log=self._reject_log,
             max_connections=self.max_connections,
             header_timeout=self.header_timeout,
+            budget=self._budget,
+            max_header_bytes=self.max_header_bytes,
+            send_timeout=self.send_timeout,
             request_factory=request_factory,
             handler_cancellation=True,
             access_log=None,
-            max_line_size=65536,
-            max_field_size=65536,
             keepalive_timeout=self.header_timeout,
             lingering_time=LINGER,
             logger=server_log,
@@ -275,6 +282,9 @@ class Proxy(RequestPath):
             reject_log=self._reject_log,
             max_connections=64,
             header_timeout=self.header_timeout,
+            budget=self._budget,
+            max_header_bytes=self.max_header_bytes,
+            send_timeout=self.send_timeout,
             handler_cancellation=True,
             access_log=None,
             keepalive_timeout=self.header_timeout,
@@ -302,7 +312,9 @@ class Proxy(RequestPath):
                 f.cut("specops is shutting down")
         for runner in (self._runner, self._admin_runner):
             if runner is not None:
+                server = runner.server
                 await runner.cleanup()
+                server.heap.cancel()  # the closed connections may have asked for a trim: none is due now
         if self._forwarder.session is not None:
             await self._forwarder.session.close()
         if self._reject_log.pending:
@@ -423,6 +435,7 @@ class Proxy(RequestPath):
             total_wait_s=round(self._wait_total, 6),
             held_for_s=round(time.monotonic() - self._held_since, 3) if self._held_since else None,
             buffered_bytes=self._budget.held,
+            header_bytes=self._budget.headers,
             connections=self._server.open_connections if self._server is not None else 0,
             log_suppressed=self._reject_log.suppressed,
         )
@@ -445,6 +458,8 @@ class Proxy(RequestPath):
                     "max_buffered_bytes": self.max_buffered_bytes,
                     "header_timeout_s": self.header_timeout,
                     "body_timeout_s": self.body_timeout,
+                    "send_timeout_s": self.send_timeout,
+                    "max_header_bytes": self.max_header_bytes,
                 },
                 events=list(self._events),
             )
@@ -457,6 +472,38 @@ class Proxy(RequestPath):
             except Exception as exc:  # status must never take the proxy down
                 log.exception("proxy: status_provider failed")
                 doc["status_error"] = f"{type(exc).__name__}: {exc}"
+        return doc
+
+    def public_status(self) -> dict:
+        """The document ``/specops/status`` serves: :meth:`status` less where things are on this machine.
+
+        Any key holder may read it, so the engine's internal address (``proxy.upstream``, ``engine_url``,
+        the events' URLs, and its host:port in their reasons) and the profile's absolute path
+        (``profile_reload.path``) are left out; the local ``specops status`` reads them from the state file.
+        """
+        doc = self.status()
+        proxy = doc["proxy"]
+        proxy.pop("upstream", None)
+        doc.pop("engine_url", None)
+        reload = doc.get("profile_reload")
+        if isinstance(reload, dict) and "path" in reload:
+            doc["profile_reload"] = {k: v for k, v in reload.items() if k != "path"}
+        engines = {e["url"] for e in proxy["events"] if e.get("event") != "start" and isinstance(e.get("url"), str)}
+        if self._gen is not None:
+            engines.add(self._gen.url)
+        hidden = sorted(
+            engines | {URL(u).raw_authority for u in engines if URL(u).raw_authority}, key=len, reverse=True
+        )
+
+        def scrub(value):
+            if isinstance(value, str):
+                for h in hidden:
+                    value = value.replace(h, "the engine")
+            return value
+
+        proxy["events"] = [
+            {k: scrub(v) for k, v in e.items() if k != "url" or e.get("event") == "start"} for e in proxy["events"]
+        ]
         return doc
 
     def metrics_text(self) -> bytes:
