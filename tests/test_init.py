@@ -200,3 +200,16 @@ def test_init_profile_for_a_local_gguf_starts_on_llama_server(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
+
+
+def test_init_takes_the_gpus_cuda_visible_devices_leaves_visible(fake_hub, tmp_path):
+    seed_llama31(fake_hub)
+    env = gpus_on_path(tmp_path, 2, 24564)
+    model = "meta-llama/Llama-3.2-1B-Instruct"  # 2.5 GiB: fits one GPU, and the RAM of any test machine
+    second = specops("init", model, "--backend", "vllm", "--dry-run", "-q", env={**env, "CUDA_VISIBLE_DEVICES": "1"})
+    assert second.returncode == 0, second.stderr
+    assert "devices: [1]\n" in second.stdout and "CUDA_VISIBLE_DEVICES='1' leaves visible" in second.stdout
+    hidden = specops("init", model, "--backend", "vllm", "--dry-run", "-q", env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert hidden.returncode == 0, hidden.stderr
+    assert "devices: []\n" in hidden.stdout
+    assert "CPU only: CUDA_VISIBLE_DEVICES='' hides the 2 GPU(s)" in hidden.stdout
