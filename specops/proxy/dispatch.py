@@ -229,8 +229,7 @@ class RequestPath:
                 failure.stale
                 and not reconnected
                 and flight.cut_reason is None
-                and gen is self._gen
-                and self._state is SERVING
+                and ((gen is self._gen and self._state is SERVING) or (route is not None and self.routes.serving(gen)))
             ):
                 alive = await self._reachable(gen.url)
                 if alive:  # a pooled connection the engine had closed: just reconnect

@@ -6,10 +6,12 @@ The order, first that speaks wins:
    reason; any value when ``routing.client_choice: forbid``: 403); ``auto`` passes on to the next;
 2. the profile's route rules (path, ``model``, a header, a pattern on the system prompt), in order; a rule
    saying ``auto`` passes on;
-3. the choice learned for the request's class (``routing.classes``): the decider's verdict on its acceptance
+3. above the measured crossover load (the goodput surface: the decider sets :attr:`Router.load_off`), every
+   request goes to the engine without speculation (``load``);
+4. the choice learned for the request's class (``routing.classes``): the decider's verdict on its acceptance
    window, with a small share explored on the other engine; a class not decided yet is measured on the
    speculating engine;
-4. the step in effect (the primary, or the twin a fallback switched to).
+5. the step in effect (the primary, or the twin a fallback switched to).
 
 ``on`` means a speculating engine (the one in effect if it speculates, else the first that does); ``off`` an
 engine without speculation (the ``none`` twin). An engine that is not live does not get traffic: the request goes
@@ -58,7 +60,7 @@ class Route:
 
     engine: int | None  # position in the router's engines; None: no engine is live (the proxy's queue waits)
     asked: str  # "on" | "off" | "default"
-    reason: str  # header | rule N | class | class-explore | class-learning | default (+ " failover")
+    reason: str  # header | rule N | load | class | class-explore | class-learning | default (+ " failover")
     key: str | None = None  # the request's class (learned routing), else None
 
 
@@ -141,6 +143,7 @@ class Router:
         self.routing = routing
         self.engines = tuple(engines)
         self.current = 0  # the engine of the step in effect (the decider's): the default route
+        self.load_off = False  # the decider: the live load is past the measured crossover (every class to off)
         self.allow_client = routing.client_choice == "allow"
         self._rules = [
             (i, r, re.compile(r.match.system) if r.match.system else None) for i, r in enumerate(routing.rules)
@@ -191,6 +194,12 @@ class Router:
                 if rule.speculation != "auto":
                     return rule.speculation, f"rule {i}", None
                 break
+        if self.load_off:
+            key = None
+            if self.classes is not None:
+                key = self._class_key(req)
+                self.classes.touch(key, now).requests += 1
+            return "off", "load", key
         if self.classes is not None:
             key = self._class_key(req)
             c = self.classes

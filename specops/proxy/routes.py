@@ -103,6 +103,12 @@ class RoutedUpstreams:
                 return u.position
         return 0
 
+    def serving(self, gen: Generation) -> bool:
+        """Whether ``gen`` is a twin's current generation and that twin takes requests (a failure on a pooled
+        connection to it is then reconnected once, as for the primary, without using the request's retry)."""
+        position = self.position_of(gen)
+        return position > 0 and self.upstreams[position].gen is gen and self.live()[position]
+
     def finished(self, route: Route, flight: Flight | None, ok: bool) -> None:
         position = self.position_of(flight.gen) if flight is not None else route.engine
         self.routed[(position, route.reason)] += 1

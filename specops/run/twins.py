@@ -128,6 +128,29 @@ class TwinEngines:
             index = event.index if isinstance(event, EngineReady) else event.to_index
             method = event.method if isinstance(event, EngineReady) else event.to_method
             self.upstreams.set_engine(0, EngineInfo(index, method.value, method.value != "none"))
+            self.follow_decider("the primary engine " + ("is ready" if isinstance(event, EngineReady) else "moved"))
+
+    def follow_decider(self, why: str) -> bool:
+        """Point the default route at the engine that runs the decider's step in effect: a twin when a route change
+        put it there (and the decider still runs that step), else the primary. One truth: the policy's step; the
+        router follows it (a listener of the primary's supervisor, after the decider's). True when it moved."""
+        step = self.decider.routed_step
+        want = 0
+        if step is not None:
+            want = next((i for i, e in enumerate(self.router.engines) if i > 0 and e.step == step), 0)
+        old = self.router.current
+        if want == old:
+            return False
+        self.router.current = want
+        self.route_changes += 1
+        engines = self.router.engines
+        reason = f"{why}: the default route follows the step in effect ({engines[want].method})"
+        self.events.emit(
+            "route", **{"from": engines[old].method, "to": engines[want].method}, reason=reason, scope="default"
+        )
+        self.say(f"route change {engines[old].method} → {engines[want].method}: {reason}")
+        self.on_change()
+        return True
 
     def _on_twin_event(self, position: int, event) -> None:
         if isinstance(event, EngineReady) or (
@@ -143,8 +166,7 @@ class TwinEngines:
         loop = asyncio.get_running_loop()
         for position, sup in enumerate(self.supervisors, start=1):
             self._tasks.append(loop.create_task(self._run_twin(position, sup)))
-        if self.classes is not None:
-            self._deciding = loop.create_task(self._decide_classes())
+        self._deciding = loop.create_task(self._decide_classes())
 
     async def _run_twin(self, position: int, sup: Supervisor) -> None:
         await self._ready[position - 1].wait()
@@ -191,7 +213,7 @@ class TwinEngines:
             decision=dict(decision or {}),
         )
         self.say(f"route change {engines[old].method} → {engines[position].method}: {reason}")
-        self.decider.on_route_change(step, reason, decision)
+        self.decider.on_route_change(step, reason, decision, on_twin=position != 0)
         self.on_change()
         return True
 
@@ -214,12 +236,21 @@ class TwinEngines:
             self.decide_classes(time.monotonic(), min_tokens)
 
     def decide_classes(self, now: float, min_draft_tokens: int) -> int:
-        """Ask the decider about every class; a changed verdict is a ``route`` event. Returns the changes."""
-        assert self.classes is not None
+        """Ask the decider about the live load (past the measured crossover every class goes to the engine
+        without speculation) and about every class (its verdict, with the fallback's hysteresis); a changed
+        verdict is a ``route`` event. Returns the changes."""
         changed = 0
         on_step = self.router.engines[self.router.on_engine].step
-        for key in self.classes.keys():
-            verdict, why = self.decider.route_class(self.classes.stats(key, now), min_draft_tokens, on_step)
+        verdict, why = self.decider.load_route(now, on_step)
+        if (verdict is False) != self.router.load_off:
+            self.router.load_off = verdict is False
+            changed += 1
+            self.events.emit("route", scope="load", speculate=not self.router.load_off, reason=why)
+            where = "every class to the engine without speculation" if self.router.load_off else "classes by verdict"
+            self.say(f"route change: {where}: {why}")
+        for key in self.classes.keys() if self.classes is not None else ():
+            c = self.classes.get(key)
+            verdict, why = self.decider.judge_class(c, self.classes.stats(key, now), min_draft_tokens, on_step)
             if self.classes.decide(key, verdict, why):
                 changed += 1
                 self.events.emit("route", scope="class", **{"class": key}, speculate=verdict, reason=why)
@@ -240,6 +271,7 @@ class TwinEngines:
             "engines": engines,
             "routing": {
                 "current": self.router.current,
+                "load_off": self.router.load_off,
                 "route_changes": self.route_changes,
                 "client_choice": self.profile.routing.client_choice,
                 "class_key": self.profile.routing.classes.key,

@@ -7,8 +7,9 @@ speculating engine gave it drafted and accepted (llama-server's per-response ``t
 ages as the method windows do (what is older than the window no longer counts) in bounded memory; the number of
 classes is bounded too: past ``max_classes`` the least recently seen class is forgotten.
 
-Whether a class speculates is not decided here: :meth:`specops.watch.decide.FallbackDecider.route_class` judges
-a class's :class:`~specops.watch.window.WindowStats` with the deployment's policy, and the verdict is kept here.
+Whether a class speculates is not decided here: :meth:`specops.watch.decide.FallbackDecider.judge_class` judges
+a class's :class:`~specops.watch.window.WindowStats` with the deployment's policy and its hysteresis (the streak
+is kept on the class), and the verdict is kept here.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class RequestClass:
     first_seen: float = 0.0
     requests: int = 0
     explore_credit: float = 0.0
+    streak: int = 0  # consecutive disjoint windows that disagreed with the verdict (the fallback's hysteresis)
+    counted_end: float | None = None  # end of the last window that counted (hysteresis counts disjoint windows)
 
 
 class ClassTable:
@@ -171,6 +174,7 @@ class ClassTable:
                     "class": key,
                     "speculate": c.speculate,
                     "reason": c.reason,
+                    "streak": c.streak,
                     "requests": c.requests,
                     "acceptance": s.acceptance,
                     "draft_tokens": int(s.draft_tokens or 0),

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specops.run.events import EngineReady, FallbackOrder, StepChanged, StepFailed, SupervisorEvent
+from specops.watch.classes import RequestClass
 from specops.watch.decision import Decision
 from specops.watch.goodput import Load
 from specops.watch.policy import Policy
@@ -61,6 +62,9 @@ class FallbackDecider:
         #: mode goodput: the last tick's concurrency, predicted tokens/s per option, switch cost and verdict
         self.last_goodput: dict[str, Any] | None = None
         self._goodput_shown: tuple[Any, ...] | None = None
+        #: With twins: the step whose engine serves the default route is a twin's (a route change made it so),
+        #: not the primary's; a start of the primary then does not move the policy (see :attr:`routed_step`).
+        self.route_step: int | None = None
 
     @classmethod
     def from_profile(cls, profile: Any, *, surface: Surface | None = None, **kwargs: Any) -> FallbackDecider:
@@ -160,9 +164,70 @@ class FallbackDecider:
             return None, f"{stats.draft_tokens:g} drafted tokens, fewer than min_draft_tokens={min_draft_tokens}"
         return self.policy.speculation_pays(stats, step)
 
-    def on_route_change(self, index: int, reason: str, decision: dict[str, Any] | None = None) -> None:
-        """A switch executed as a route change (a warm twin runs step ``index``): the policy runs that step from
-        now on, as after a restart, but no engine started (no start cost is noted)."""
+    def judge_class(
+        self, c: RequestClass, stats: WindowStats, min_draft_tokens: int, step: int = 0
+    ) -> tuple[bool | None, str]:
+        """The verdict a request class keeps after one more look at its window, by the fallback's hysteresis: a
+        class not decided yet takes its first verdict at once (it was measured on the speculating engine, as a
+        deployment is before its first window); a decided class changes only after ``consecutive_windows``
+        disjoint windows disagree with it (a window that overlaps the last counted one does not count). Keeps
+        the streak on ``c``; returns the verdict (None: none yet) and why."""
+        raw, why = self.route_class(stats, min_draft_tokens, step)
+        if raw is None:
+            return c.speculate, why
+        if c.counted_end is not None and stats.start is not None and stats.start < c.counted_end:
+            if raw == c.speculate:
+                return c.speculate, why
+            return c.speculate, f"{why}; the window overlaps the last counted one: hysteresis counts disjoint windows"
+        c.counted_end = stats.end
+        if c.speculate is None or raw == c.speculate:
+            c.streak = 0
+            return raw, why
+        c.streak += 1
+        need = self.policy.config.consecutive_windows
+        if c.streak < need:
+            return c.speculate, f"{why}: window {c.streak} of {need} against the verdict (hysteresis)"
+        c.streak = 0
+        return raw, f"{why} for {need} consecutive windows"
+
+    def load_route(self, now: float, step: int = 0) -> tuple[bool | None, str]:
+        """With a measured goodput surface: False (every class to the engine without speculation) while the
+        mean live concurrency is at or above the crossover load where step ``step``'s speculation stops beating
+        ``none`` on that surface; None (the classes' own verdicts stand) below it, or without a surface or a
+        load reading. The vLLM goodput rule, applied as a route instead of a restart."""
+        g = self.policy.goodput
+        if g is None or g.model.surface is None or not 0 <= step < len(g.options):
+            return None, "no goodput surface"
+        option = g.options[step]
+        if option.method.value == "none":
+            return None, "the step does not speculate"
+        conc = g.concurrency(now)
+        if conc is None:
+            return None, "no load reading yet"
+        crossover = g.model.surface.crossover(option.method, option.k)
+        if crossover is None:
+            return None, f"{option.label} beats none at every load the surface measured"
+        if conc >= crossover:
+            return False, (
+                f"concurrency {conc:.1f} is at or above {option.label}'s measured crossover {crossover:g}: "
+                "none serves more tokens/s there"
+            )
+        return None, f"concurrency {conc:.1f} is below {option.label}'s measured crossover {crossover:g}"
+
+    @property
+    def routed_step(self) -> int | None:
+        """The step a twin serves as the default route, when the policy runs it (None: the primary serves the
+        policy's step). One truth: the policy's step; this only says which engine runs it."""
+        step = self.route_step
+        return step if step is not None and step == self.policy.index else None
+
+    def on_route_change(
+        self, index: int, reason: str, decision: dict[str, Any] | None = None, *, on_twin: bool = True
+    ) -> None:
+        """A switch executed as a route change (a warm twin runs step ``index``, or back to the primary:
+        ``on_twin`` False): the policy runs that step from now on, as after a restart, but no engine started
+        (no start cost is noted)."""
+        self.route_step = index if on_twin else None
         old = self.policy.index
         self.switches += 1
         self.last_decision = {
@@ -180,6 +245,8 @@ class FallbackDecider:
         """A supervisor listener: counts executed switches and tells the policy which step runs."""
         if isinstance(event, StepChanged):
             self.switches += 1
+            if event.requested:  # the primary restarts into the step ordered: the default route follows it
+                self.route_step = None
             if event.requested:
                 self.last_decision = {
                     **event.decision,
@@ -190,7 +257,8 @@ class FallbackDecider:
                 }
         elif isinstance(event, EngineReady):
             self.policy.note_engine_start(event.seconds)
-            self.policy.on_switched(event.index, self.clock())
+            if self.routed_step is None:  # a twin serves the policy's step: the primary's (re)start moves nothing
+                self.policy.on_switched(event.index, self.clock())
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         """For the state file and ``/specops/status``: switches, the last decision, the policy's state."""

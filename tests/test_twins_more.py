@@ -1,0 +1,228 @@
+"""Twins, second slice: one truth for the step in effect, the reconnect rule for every upstream, the fallback's
+hysteresis per class, the crossover load as a route, a reload that changes the routing rules.
+
+Real parts: profiles loaded from YAML by the real loader, the real decider and policy, the real TwinEngines and
+router, a real Proxy forwarding to stand-in engine processes (support_upstream.py) speaking llama-server's API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from support_goodput import Events
+
+from specops.config.profile import load_profile
+from specops.methods import Method
+from specops.run.events import EngineReady, StepChanged
+from specops.watch.decide import FallbackDecider
+from specops.watch.window import OK, WindowStats
+
+pytestmark = pytest.mark.timeout(60)
+
+BASE = """\
+name: t
+backend: llamacpp
+model: {id: /models/target.gguf}
+speculative: {method: ngram}
+fallback: {chain: [none], consecutive_windows: 2}
+routing:
+  twins: [none]
+"""
+
+
+def _profile(tmp_path, extra: str = "", base: str = BASE):
+    path = tmp_path / "p.yaml"
+    path.write_text(base + extra)
+    return load_profile(path)
+
+
+def _twins(tmp_path, loaded, events=None, surface=None):
+    """TwinEngines as `specops up` builds them (their supervisors are built, never run), the real decider."""
+    from specops.run.twins import TwinEngines
+
+    events = events or Events()
+    decider = FallbackDecider.from_profile(loaded.profile, events=events, say=lambda m: None, surface=surface)
+    twins = TwinEngines(
+        loaded.profile,
+        decider=decider,
+        events=events,
+        say=lambda m: None,
+        render_twin=lambda step, position: lambda index: None,
+        log_path=lambda name: tmp_path / f"{name}.log",
+        health_interval=0.1,
+        launch_problem=None,
+    )
+    return twins, decider
+
+
+def _one_truth(twins, decider) -> tuple[int, int]:
+    """(the policy's step, the step of the engine the default route goes to): equal when there is one truth."""
+    return decider.policy.index, twins.router.engines[twins.router.current].step
+
+
+def _primary(twins, decider, event) -> None:
+    """The primary supervisor's listeners, in the order `specops up` registers them (decider first)."""
+    decider.on_event(event)
+    twins.on_primary_event(event)
+
+
+# ------------------------------------------------------------------------------------------ one truth
+
+
+def test_the_primary_restarting_or_falling_back_keeps_one_step_in_effect(tmp_path):
+    from specops.proxy import Proxy
+
+    async def body():
+        twins, decider = _twins(tmp_path, _profile(tmp_path))
+        proxy = Proxy("127.0.0.1", 0, queue_size=8, queue_timeout=5.0, drain_timeout=5.0)
+        proxy.set_upstream("http://127.0.0.1:9")
+        twins.attach(proxy)
+        twins.upstreams.handle(1).release("http://127.0.0.1:8")
+        _primary(twins, decider, EngineReady(0, Method.NGRAM, None, 1.0))
+        assert twins.route_to(1, "acceptance low")
+        assert _one_truth(twins, decider) == (1, 1)
+        # the primary crashes and its supervisor restarts it on its own step, while the twin serves the route:
+        # the step in effect stays the twin's (it was the policy's that moved back to ngram)
+        _primary(twins, decider, EngineReady(0, Method.NGRAM, None, 1.0))
+        assert _one_truth(twins, decider) == (1, 1)
+        # the primary's supervisor falls back by itself (a failed start) to the twin's step: still one truth
+        _primary(twins, decider, StepChanged(0, 1, Method.NGRAM, Method.NONE, "crash loop", False))
+        _primary(twins, decider, EngineReady(1, Method.NONE, None, 1.0))
+        assert _one_truth(twins, decider) == (1, 1)
+        # a retry of ngram: no engine runs step 0 now, so the primary restarts into it (a requested switch);
+        # the default route follows the primary from the moment it moves, and the policy runs ngram once ready
+        assert not twins.route_to(0, "retry")
+        _primary(twins, decider, StepChanged(1, 0, Method.NONE, Method.NGRAM, "retry", True))
+        assert twins.router.current == 0
+        _primary(twins, decider, EngineReady(0, Method.NGRAM, None, 1.0))
+        assert _one_truth(twins, decider) == (0, 0)
+        routes = [f for kind, f in twins.events.lines if kind == "route"]
+        assert routes[-1]["to"] == "ngram" and "follows the step in effect" in routes[-1]["reason"]
+
+    asyncio.run(body())
+
+
+# ------------------------------------------------------------------------------------------ reconnect
+
+
+def test_a_stale_pooled_connection_to_a_twin_is_reconnected_not_retried(tmp_path):
+    import aiohttp
+    from support_upstream import Upstream, check_completion, running_proxy
+
+    async def body(primary, twin):
+        twins, _ = _twins(tmp_path, _profile(tmp_path))
+        async with running_proxy(primary.url) as proxy, aiohttp.ClientSession() as s:
+            twins.attach(proxy)
+            twins.upstreams.handle(1).release(twin.url)
+            off = {"X-Specops-Speculation": "off"}
+            async with s.post(proxy.url + "/v1/completions", headers=off, json={"prompt": "p", "max_tokens": 2}) as r:
+                assert r.status == 200 and check_completion(await r.json(), 2) == "T"
+            # the twin closes the pooled connection after its answer, without `Connection: close`
+            async with s.get(proxy.url + "/debug/echo", headers={**off, "X-Test-Close-After": "0.05"}) as r:
+                assert r.status == 200
+            async with s.post(
+                proxy.url + "/v1/completions",
+                headers={**off, "X-Test-Token-Delay": "0.05"},
+                json={"prompt": "p", "max_tokens": 4},
+            ) as r:
+                assert r.status == 200 and check_completion(await r.json(), 4) == "T"
+            st = proxy.stats()
+            assert (st["reconnects"], st["retried"], st["upstream_errors"]) == (1, 0, 0)
+            assert twins.upstreams.live() == [True, True]
+
+    with Upstream.start("P", acceptance=0.5) as primary, Upstream.start("T") as twin:
+        asyncio.run(asyncio.wait_for(body(primary, twin), 30))
+
+
+# ------------------------------------------------------------------------------------------ hysteresis
+
+
+def _window(acceptance: float, start: float, end: float) -> WindowStats:
+    return WindowStats(
+        OK,
+        window_s=end - start,
+        start=start,
+        end=end,
+        full=True,
+        acceptance=acceptance,
+        draft_tokens=1000.0,
+        accepted=1000.0 * acceptance,
+    )
+
+
+def test_a_class_verdict_changes_only_after_consecutive_disjoint_windows(tmp_path):
+    loaded = _profile(tmp_path, "  classes: {key: header, header: X-Task, window: 10s, min_draft_tokens: 50}\n")
+    twins, _ = _twins(tmp_path, loaded)
+    table = twins.classes
+    table.touch("chat", 0.0)
+    # first look: a class not decided yet takes its verdict at once (acceptance 0.2 < 0.6: off)
+    table.note("chat", 1.0, speculative=True, draft_tokens=100, accepted=20)
+    assert twins.decide_classes(5.0, 50) == 1 and table.get("chat").speculate is False
+    # the class turns good; the explored share measures it. One window against the verdict is not enough
+    table.note("chat", 12.0, speculative=True, draft_tokens=1000, accepted=950)
+    assert twins.decide_classes(16.0, 50) == 0 and table.get("chat").speculate is False
+    assert "window 1 of 2" in table.get("chat").reason or table.get("chat").streak == 1
+    # an overlapping window does not count twice
+    assert twins.decide_classes(17.0, 50) == 0 and table.get("chat").streak == 1
+    table.note("chat", 24.0, speculative=True, draft_tokens=1000, accepted=950)
+    assert twins.decide_classes(27.0, 50) == 1 and table.get("chat").speculate is True
+    assert "for 2 consecutive windows" in table.get("chat").reason
+    # a good window in between resets the streak
+    table.note("chat", 38.0, speculative=True, draft_tokens=1000, accepted=100)
+    twins.decide_classes(38.5, 50)
+    table.note("chat", 49.0, speculative=True, draft_tokens=1000, accepted=950)
+    twins.decide_classes(49.5, 50)
+    table.note("chat", 60.0, speculative=True, draft_tokens=1000, accepted=100)
+    twins.decide_classes(60.5, 50)
+    assert table.get("chat").speculate is True and table.get("chat").streak == 1
+
+
+# ------------------------------------------------------------------------------------------ crossover load
+
+
+def test_above_the_measured_crossover_every_class_goes_to_the_twin(tmp_path):
+    from test_routing import _headers
+
+    from specops.watch.goodput import Load
+    from specops.watch.surface import Surface
+
+    # ngram (k 4) beats none up to 4 clients, none wins from 8 on: the crossover lies between
+    points = [
+        {"method": m, "k": k, "concurrency": c, "tokens_per_s": tps}
+        for m, k, rows in (
+            ("ngram", 4, ((1, 30), (4, 80), (8, 90), (16, 100))),
+            ("none", 0, ((1, 20), (4, 60), (8, 120), (16, 200))),
+        )
+        for c, tps in rows
+    ]
+    surface = Surface.from_dict({"points": points})
+    loaded = _profile(
+        tmp_path,
+        "  classes: {key: header, header: X-Task, min_draft_tokens: 50}\n",
+        base=BASE.replace("fallback: {", "fallback: {mode: goodput, "),
+    )
+    twins, decider = _twins(tmp_path, loaded, surface=surface)
+    live = (True, True)
+    table = twins.classes
+    table.touch("code", 0.0)
+    table.note("code", 1.0, speculative=True, draft_tokens=300, accepted=270)
+    idle = WindowStats("no_data", window_s=60.0, reason="idle")
+    decider.observe(idle, 2.0, Load(concurrency=1.0, source="proxy"))
+    twins.decide_classes(2.0, 50)
+    assert twins.router.route("/v1/completions", _headers(x_task="code"), b"{}", live).engine == 0
+    for t in range(3, 80):  # 16 clients for a while: the mean load passes the crossover
+        decider.observe(idle, float(t), Load(concurrency=16.0, source="proxy"))
+    twins.decide_classes(80.0, 50)
+    code = twins.router.route("/v1/completions", _headers(x_task="code"), b"{}", live)
+    other = twins.router.route("/v1/completions", _headers(x_task="new"), b"{}", live)
+    assert (code.engine, code.reason, other.engine) == (1, "load", 1)
+    assert twins.router.route("/x", _headers(x_specops_speculation="on"), b"{}", live).engine == 0  # asked: on
+    [event] = [f for kind, f in twins.events.lines if kind == "route" and f.get("scope") == "load"]
+    assert event["speculate"] is False and "crossover" in event["reason"]
+    for t in range(81, 200):
+        decider.observe(idle, float(t), Load(concurrency=1.0, source="proxy"))
+    twins.decide_classes(200.0, 50)
+    assert twins.router.route("/v1/completions", _headers(x_task="code"), b"{}", live).engine == 0
+    assert json.dumps(twins.snapshot()["routing"]["load_off"]) == "false"
