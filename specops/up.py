@@ -332,15 +332,10 @@ def _twins(up: _Instance, registry, metrics: SpecopsMetrics, opts: UpOptions):
 
     loaded = up.loaded
 
-    def render_twin(step: int, position: int):
-        port = free_port()
-        twin = LoadedProfile(loaded.profile.at_step(step), loaded.document, loaded.path)
+    def render_twin(profile, step: int, port: int):
+        twin, doc, path = profile.at_step(step), up.loaded.document, up.loaded.path  # up.loaded: the reloaded one
         return lambda index: render_plan(
-            LoadedProfile(twin.profile.at_step(index), loaded.document, loaded.path),
-            registry,
-            engine=up.engine,
-            host="127.0.0.1",
-            port=port,
+            LoadedProfile(twin.at_step(index), doc, path), registry, engine=up.engine, host="127.0.0.1", port=port
         )
 
     twins = TwinEngines(
@@ -457,6 +452,10 @@ def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[
     watcher at its policy and monitor settings. Raises SpecopsError, changing nothing, when it does not render
     or its policy cannot be built; False when the supervisor cannot take it now. When its engine does not
     start, the supervisor runs the previous profile again and the watcher goes back to it too."""
+    if up.twins is None and loaded.profile.routing.enabled:
+        raise SpecopsError(
+            "routing.twins: this specops up started without twins; a reload cannot add them: restart specops up"
+        )
     host, port = up.engine_at.rsplit(":", 1)
     render = _step_renderer(loaded, registry, up.engine, host, int(port))
     render(0)
@@ -470,6 +469,8 @@ def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[
             before.profile, before_policy, AcceptanceReader.for_profile(before.profile, up.backend, live=live)
         )
         up.loaded = before
+        if up.twins is not None:  # the twins and routes go back to the previous profile too
+            up.twins.reload(before.profile)
         rolled_back(why)
 
     order = ReloadOrder(loaded.profile, render, "the profile file changed", tuple(changes), on_failed=failed)
@@ -485,6 +486,8 @@ def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[
         return False
     up.watcher.repoint(loaded.profile, policy, reader)
     up.loaded = loaded
+    if up.twins is not None:  # route rules, class settings, twins added, removed or restarted (specops.run.twins)
+        up.twins.reload(loaded.profile)
     return True
 
 

@@ -49,7 +49,7 @@ def _twins(tmp_path, loaded, events=None, surface=None):
         decider=decider,
         events=events,
         say=lambda m: None,
-        render_twin=lambda step, position: lambda index: None,
+        render_twin=lambda profile, step, port: lambda index: None,
         log_path=lambda name: tmp_path / f"{name}.log",
         health_interval=0.1,
         launch_problem=None,
@@ -226,3 +226,122 @@ def test_above_the_measured_crossover_every_class_goes_to_the_twin(tmp_path):
     twins.decide_classes(200.0, 50)
     assert twins.router.route("/v1/completions", _headers(x_task="code"), b"{}", live).engine == 0
     assert json.dumps(twins.snapshot()["routing"]["load_off"]) == "false"
+
+
+# ------------------------------------------------------------------------------------------ reload
+
+
+@pytest.mark.timeout(150)
+def test_standin_reload_changes_rules_and_adds_and_removes_a_twin(tmp_path):
+    """`specops up` with the stand-in engine (support_standin.py): a reloaded profile's route rule takes effect;
+    a reload without the twin drains and stops it; one that lists it again starts a new one."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from support_ports import free_port
+    from support_up import write_profile
+
+    from specops.run.process import group_members
+
+    here = Path(__file__).resolve().parent
+    state_dir, port = tmp_path / "state", free_port()
+    (tmp_path / "target.gguf").write_bytes(b"GGUF")
+    doc = {
+        "name": "twins",
+        "backend": "llamacpp",
+        "model": {"id": str(tmp_path / "target.gguf")},
+        "speculative": {"method": "ngram"},
+        "gpus": {"devices": []},
+        "server": {"port": port},
+        "fallback": {"enabled": False, "chain": ["none"]},
+        "monitor": {"interval": 0.1, "timeout": 1},
+        "supervisor": {"state_dir": str(state_dir), "stop_timeout": 5, "restart_backoff": 0.1},
+        "routing": {"twins": ["none"]},
+    }
+    profile = write_profile(tmp_path / "twins.yaml", doc)
+
+    def ask(model: str = "m", headers: dict | None = None) -> str:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps({"model": model, "prompt": "x", "max_tokens": 5}).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())["system_fingerprint"]
+
+    def state() -> dict:
+        try:
+            return json.loads((state_dir / "twins" / "state.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def reloads() -> list[dict]:
+        lines = (state_dir / "twins" / "events.jsonl").read_text().splitlines()
+        return [e for e in map(json.loads, lines) if e["event"] == "route" and e.get("scope") == "reload"]
+
+    def wait(pred, what: str, timeout: float = 40) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = state()
+            if st and pred(st):
+                return st
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}: {state()}")
+
+    def serving(n: int):
+        return lambda s: (
+            s.get("state") == "ready"
+            and len(s.get("engines", [])) == n
+            and all(e["live"] and e.get("state", "ready") == "ready" for e in s["engines"])
+        )
+
+    entry = tmp_path / "bin" / "specops"
+    entry.parent.mkdir()
+    entry.symlink_to(here / "support_standin.py")
+    with open(tmp_path / "up.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(entry), "up", str(profile)], stdout=log, stderr=subprocess.STDOUT)
+    pids: list[int] = []
+    try:
+        st = wait(serving(2), "two engines")
+        twin_pid, primary_pid = st["engines"][1]["engine_pid"], st["engine_pid"]
+        pids = [twin_pid]
+        assert ask("poems") == "ngram"
+        # 1. a route rule: requests for the model `poems` go to the twin; the twin's engine is the same process
+        doc["routing"] = {"twins": ["none"], "rules": [{"match": {"model": "poems"}, "speculation": "off"}]}
+        write_profile(profile, doc)
+        # the primary restarts on the reloaded profile (the twin serves meanwhile): wait for its new engine
+        st = wait(lambda s: len(reloads()) == 1 and s["engine_pid"] != primary_pid and serving(2)(s), "the reload")
+        pids.append(st["engine_pid"])
+        assert "route rules" in reloads()[0]["changes"]
+        assert ask("poems") == "none" and ask("code") == "ngram"
+        assert state()["engines"][1]["engine_pid"] == twin_pid
+        # 2. no twins any more: the twin stops; everything goes to the primary (a header asking off included)
+        doc["routing"] = {"twins": []}
+        write_profile(profile, doc)
+        primary_pid = st["engine_pid"]
+        st = wait(lambda s: len(reloads()) == 2 and s["engine_pid"] != primary_pid and serving(1)(s), "no twin")
+        pids.append(st["engine_pid"])
+        assert "twin none removed" in reloads()[1]["changes"]
+        deadline = time.monotonic() + 20
+        while group_members(twin_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not group_members(twin_pid)
+        assert ask("poems", {"X-Specops-Speculation": "off"}) == "ngram"
+        # 3. the twin again: a new engine starts beside the primary and takes the requests asked off
+        doc["routing"] = {"twins": ["none"]}
+        write_profile(profile, doc)
+        primary_pid = st["engine_pid"]
+        st = wait(lambda s: len(reloads()) == 3 and s["engine_pid"] != primary_pid and serving(2)(s), "a twin")
+        assert reloads()[2]["changes"] == ["twin none added"]
+        pids.append(st["engines"][1]["engine_pid"])
+        assert pids[1] != twin_pid and ask("x", {"X-Specops-Speculation": "off"}) == "none"
+        pids.append(st["engine_pid"])
+    finally:
+        proc.terminate()
+        rc = proc.wait(timeout=60)
+    assert rc == 0, (tmp_path / "up.log").read_text()[-3000:]
+    assert all(not group_members(pid) for pid in pids if pid)

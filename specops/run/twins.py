@@ -20,9 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 from specops.proxy.router import EngineInfo, Route, Router
-from specops.proxy.routes import RoutedUpstreams
+from specops.proxy.routes import EngineHandle, EngineUpstream, RoutedUpstreams, drain_generation
 from specops.run.events import EngineReady, FallbackOrder, State, StateChanged, StepChanged, StepFailed
-from specops.run.supervise import Supervisor
+from specops.run.start import free_port
+from specops.run.supervise import ReloadOrder, Supervisor
 from specops.watch.classes import ClassTable
 
 __all__ = ["TwinEngines", "engine_infos"]
@@ -37,6 +38,11 @@ def engine_infos(profile) -> list[EngineInfo]:
         if step.method in twins:
             out.append(EngineInfo(i, step.method.value, step.method.value != "none"))
     return out
+
+
+def _class_table(c) -> ClassTable | None:
+    """The class windows ``routing.classes`` asks for (None: no learned routing)."""
+    return ClassTable(c.max_classes, c.window, c.explore) if c.key != "none" else None
 
 
 class _TaggedEvents:
@@ -71,7 +77,7 @@ class TwinEngines:
         decider,
         events,
         say: Callable[[str], None],
-        render_twin: Callable[[int, int], Callable[[int], Any]],
+        render_twin: Callable[[Any, int, int], Callable[[int], Any]],
         log_path: Callable[[str], Any],
         health_interval: float,
         launch_problem: Callable[[str], str | None] | None,
@@ -83,34 +89,48 @@ class TwinEngines:
         self.events = events
         self.say = say
         self.on_change = on_change
-        c = profile.routing.classes
-        self.classes = ClassTable(c.max_classes, c.window, c.explore) if c.key != "none" else None
+        self.render_twin = render_twin  # (profile, step, port) -> render(index): the twin's launch plans
+        self.log_path = log_path
+        self.health_interval = health_interval
+        self.launch_problem = launch_problem
+        self.classes = _class_table(profile.routing.classes)
         self.router = Router(profile.routing, engine_infos(profile), self.classes)
         self.upstreams = RoutedUpstreams(self.router, on_route=self._on_route)
         self.supervisors: list[Supervisor] = []
+        self._handles: list[EngineHandle] = []  # aligned with supervisors (position = index + 1)
+        self._ports: list[int] = []
         self._ready = [asyncio.Event() for _ in self.router.engines]  # engine i is ready or gave up
         self._tasks: list[asyncio.Task] = []
         self._deciding: asyncio.Task | None = None
+        self._started = False
         self._stopping = False
         self.route_changes = 0
         for position, info in enumerate(self.router.engines[1:], start=1):
-            name = f"twin-{info.method}"
-            tagged = _TaggedEvents(events, name)
-            sup = Supervisor(
-                profile.at_step(info.step),
-                render_twin(info.step, position),
-                events=tagged,
-                say=lambda msg, name=name: say(f"[{name}] {msg}"),
-                decider=_TwinDecider(tagged, lambda msg, name=name: say(f"[{name}] {msg}")),
-                listeners=(lambda ev, position=position: self._on_twin_event(position, ev),),
-                log_path=log_path(name),
-                proxy=self.upstreams.handle(position),
-                health_interval=health_interval,
-                launch_problem=launch_problem,
-            )
-            self.supervisors.append(sup)
+            self._add_twin(position, info, free_port())
         if metrics is not None:
             metrics.registry.register(_RoutingCollector(self))
+
+    def _add_twin(self, position: int, info: EngineInfo, port: int) -> Supervisor:
+        name = f"twin-{info.method}"
+        tagged = _TaggedEvents(self.events, name)
+        say = self.say
+        handle = self.upstreams.handle(position)
+        sup = Supervisor(
+            self.profile.at_step(info.step),
+            self.render_twin(self.profile, info.step, port),
+            events=tagged,
+            say=lambda msg, name=name: say(f"[{name}] {msg}"),
+            decider=_TwinDecider(tagged, lambda msg, name=name: say(f"[{name}] {msg}")),
+            listeners=(lambda ev, handle=handle: self._on_twin_event(handle.position, ev),),
+            log_path=self.log_path(name),
+            proxy=handle,
+            health_interval=self.health_interval,
+            launch_problem=self.launch_problem,
+        )
+        self.supervisors.insert(position - 1, sup)
+        self._handles.insert(position - 1, handle)
+        self._ports.insert(position - 1, port)
+        return sup
 
     # ------------------------------------------------------------------ wiring
     def attach(self, proxy) -> None:
@@ -164,13 +184,17 @@ class TwinEngines:
     def start(self) -> None:
         """Start the twins in chain order (each after the engine before it), and the class decisions."""
         loop = asyncio.get_running_loop()
-        for position, sup in enumerate(self.supervisors, start=1):
-            self._tasks.append(loop.create_task(self._run_twin(position, sup)))
+        self._started = True
+        for handle, sup in zip(self._handles, self.supervisors):
+            self._tasks.append(loop.create_task(self._run_twin(handle, sup)))
         self._deciding = loop.create_task(self._decide_classes())
 
-    async def _run_twin(self, position: int, sup: Supervisor) -> None:
-        await self._ready[position - 1].wait()
-        if self._stopping:
+    async def _run_twin(self, handle: EngineHandle, sup: Supervisor) -> None:
+        while sup in self.supervisors and not self._ready[handle.position - 1].is_set():  # positions move on reloads
+            await asyncio.sleep(0.05)
+            if self._stopping:
+                return
+        if self._stopping or sup not in self.supervisors:  # a reload removed it before it started
             return
         await sup.run()
 
@@ -190,6 +214,84 @@ class TwinEngines:
         """specops is stopping: no new requests to any engine; the twins' requests in flight finish."""
         self.upstreams.closing = True
         return await self.upstreams.drain(timeout)
+
+    # ------------------------------------------------------------------ a reloaded profile
+    def reload(self, profile) -> list[str]:
+        """Follow a reloaded profile: its route rules and class settings from the next request on; twins it no
+        longer lists take no new requests, finish those in flight and stop; new ones start beside the engines
+        that serve; a kept twin whose launch plan changed restarts on it while the others serve. Raises what
+        rendering raises before changing anything. Returns what changed, in words."""
+        old, new_infos = self.profile, engine_infos(profile)
+        kept = {info.method: i for i, info in enumerate(self.router.engines[1:])}
+        plans = {}  # method -> (render, plan changed) of the kept twins
+        for info in new_infos[1:]:
+            i = kept.get(info.method)
+            if i is not None:
+                render = self.render_twin(profile, info.step, self._ports[i])
+                before = self.supervisors[i].plan
+                plans[info.method] = (render, before is None or render(0).argv != before.argv)
+        changes = []
+        if profile.routing.classes != old.routing.classes:
+            self.classes = _class_table(profile.routing.classes)
+            changes.append("class settings (the class windows start over)")
+        if profile.routing.rules != old.routing.rules:
+            changes.append("route rules")
+        if profile.routing.client_choice != old.routing.client_choice:
+            changes.append(f"client_choice: {profile.routing.client_choice}")
+        primary = self.router.engines[0]  # the primary engine runs on until its own supervisor reloads it
+        router = Router(profile.routing, (primary, *new_infos[1:]), self.classes)
+        router.load_off = self.router.load_off
+        old_rows = list(
+            zip(self.supervisors, self._handles, self._ports, self.upstreams.upstreams[1:], self._ready[1:])
+        )
+        old_methods = [e.method for e in self.router.engines[1:]]
+        self.profile, self.router, self.upstreams.router = profile, router, router
+        self.supervisors, self._handles, self._ports = [], [], []
+        self.upstreams.upstreams = self.upstreams.upstreams[:1]
+        self._ready = self._ready[:1]
+        loop = asyncio.get_running_loop() if self._started else None
+        for position, info in enumerate(router.engines[1:], start=1):
+            if info.method in kept:
+                sup, handle, port, upstream, ready = old_rows[kept.pop(info.method)]
+                handle.position = upstream.position = position
+                self.supervisors.append(sup)
+                self._handles.append(handle)
+                self._ports.append(port)
+                self.upstreams.upstreams.append(upstream)
+                self._ready.append(ready)
+                render, changed = plans[info.method]
+                if changed:
+                    order = ReloadOrder(profile.at_step(info.step), render, "the profile file changed")
+                    if sup.request_reload(order):
+                        changes.append(f"twin {info.method} restarts on the new launch plan")
+                    else:
+                        changes.append(f"twin {info.method} keeps its engine (not serving now: reload it again)")
+                continue
+            self.upstreams.upstreams.append(EngineUpstream(position))
+            self._ready.append(asyncio.Event())
+            sup = self._add_twin(position, info, free_port())
+            changes.append(f"twin {info.method} added")
+            if loop is not None:
+                self._tasks.append(loop.create_task(self._run_twin(self._handles[-1], sup)))
+        for i in kept.values():  # no longer listed: no new requests; those in flight finish, then stop
+            sup, _, _, upstream, ready = old_rows[i]
+            ready.set()
+            changes.append(f"twin {old_methods[i]} removed")
+            if loop is not None:
+                self._tasks.append(loop.create_task(self._retire(sup, upstream)))
+        self.follow_decider("the profile was reloaded")
+        self.events.emit("route", scope="reload", changes=changes, reason="the profile file changed")
+        self.say("routing follows the reloaded profile: " + ("; ".join(changes) or "nothing to change"))
+        self.on_change()
+        return changes
+
+    async def _retire(self, sup: Supervisor, upstream: EngineUpstream) -> None:
+        """A twin the reloaded profile no longer lists: its requests in flight finish, then its engine stops."""
+        upstream.down()
+        if upstream.gen is not None and upstream.gen.inflight:
+            p = self.upstreams.proxy
+            await drain_generation(upstream.gen, p.drain_timeout if p is not None else 30.0, p)
+        sup.request_stop("the reloaded profile no longer lists this twin")
 
     # ------------------------------------------------------------------ route changes
     def route_to(self, step: int, reason: str, decision: dict | None = None) -> bool:
