@@ -52,3 +52,74 @@ def capture_stats(profile, from_path, as_json):
     click.echo(f"{'class':<24} {'records':>8} {'held out':>9} {'prompt chars':>13} {'output chars':>13}")
     for name, c in sorted(s.classes.items()):
         click.echo(f"{name[:24]:<24} {c.records:>8} {c.held_out:>9} {c.prompt_chars:>13} {c.output_chars:>13}")
+
+
+@adapt.command("train")
+@profile_argument
+@click.option("--from", "from_path", type=click.Path(path_type=str), help="A capture folder or file (default: the profile's).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=str), help="Work folder (default: `adapt/` beside the capture folder); the same folder resumes.")
+@click.option("--steps", type=click.IntRange(1, 10_000_000), default=300, show_default=True)
+@click.option("--lr", type=click.FloatRange(1e-7, 1.0), default=1e-3, show_default=True)
+@click.option("--batch", type=click.IntRange(1, 4096), default=8, show_default=True)
+@click.option("--seq", type=click.IntRange(8, 1 << 20), default=256, show_default=True, help="Tokens per example at most.")
+@click.option("--init", type=click.Choice(["auto", "draft", "target"]), default="auto", show_default=True,
+              help="Start from the current draft (auto: when it is a llama GGUF with the target's vocabulary) or the target's first --layers.")
+@click.option("--layers", type=click.IntRange(1, 1000), default=1, show_default=True)
+@click.option("--class", "only_class", help="Train on one request class only.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--python", "python", type=click.Path(dir_okay=False, path_type=str), help="An interpreter with torch (default: $SPECOPS_TRAIN_PYTHON, else the vLLM venv's).")
+@json_option
+def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_class, seed, python, as_json):
+    """Train a new draft for PROFILE on the captured traffic (llama.cpp: a GGUF draft for `-md`).
+
+    \b
+    The held-out tenth of the capture (by prompt) is never trained on: `specops adapt promote` measures on it.
+    An interrupted run resumes from its last checkpoint when run again with the same --out.
+    """
+    import sys
+
+    from specops.adapt.capture import capture_dir
+    from specops.adapt.train import TrainOptions, progress_line, train_llamacpp
+    from specops.errors import SpecopsError
+
+    loaded = load(profile)
+    prof = loaded.profile
+    folder = Path(from_path) if from_path else capture_dir(prof)
+    work = Path(out) if out else folder.parent / "adapt"
+    if prof.backend != "llamacpp":
+        raise SpecopsError(
+            f"{profile}: `specops adapt train` trains llama.cpp GGUF drafts so far (backend {prof.backend!r}); "
+            "an EAGLE-3 head for vLLM is not trained yet"
+        )
+    target = Path(prof.model.id)
+    if not target.is_file():
+        raise SpecopsError(f"{profile}: model.id {prof.model.id!r} is not a local GGUF file")
+    draft = Path(prof.speculative.draft) if prof.speculative.draft else None
+    opts = TrainOptions(steps=steps, lr=lr, batch=batch, seq=seq, seed=seed, layers=layers, init=init, only_class=only_class)
+    started = time.monotonic()
+
+    def show(event):
+        line = progress_line(event, started)
+        if line and not as_json:
+            click.echo(line, err=True)
+
+    outcome = train_llamacpp(target, draft, folder, work, opts, python=python, on_progress=show)
+    doc = {
+        "draft": str(outcome.draft),
+        "folder": str(outcome.folder),
+        "init_from": outcome.init_from,
+        "train_examples": outcome.train_examples,
+        "heldout_examples": outcome.heldout_examples,
+        "memory_estimate_bytes": outcome.memory_bytes,
+        **outcome.result,
+    }
+    if as_json:
+        echo_json(doc)
+        return
+    r = outcome.result
+    click.echo(
+        f"trained from {outcome.init_from} on {outcome.train_examples} examples ({outcome.heldout_examples} held out): "
+        f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f} in {r['steps']} steps, {r['seconds']}s"
+    )
+    click.echo(f"draft: {outcome.draft}")
+    click.echo(f"next: specops adapt promote {profile} {outcome.draft}", file=sys.stderr)

@@ -1,0 +1,345 @@
+"""``specops adapt train``: a new draft for the profile from the captured traffic, in the engine's own format.
+
+llama.cpp: a llama-architecture GGUF draft, started from the current draft (when it is a llama GGUF with the
+target's vocabulary) or from the target's first layers, trained on the captured prompts and the target's
+answers, written with the target's tokenizer so llama-server takes it as ``-md``. The training runs in a
+subprocess with torch (the vLLM venv's interpreter, or ``--python``): :mod:`specops.adapt.train_worker`.
+This module reads and writes GGUF (the ``gguf`` package, numpy), plans, estimates memory and reports
+progress; it never imports torch.
+
+Held-out examples (one in ten, by prompt: :attr:`specops.adapt.dataset.Example.held_out`) are never trained
+on: they are written to ``heldout.jsonl`` for ``specops adapt promote`` to measure on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specops.adapt.dataset import read_examples
+from specops.errors import SpecopsError
+
+#: A run is refused when its estimate exceeds this share of the memory available now.
+MEMORY_SHARE = 0.8
+_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@dataclass
+class TrainOptions:
+    steps: int = 300
+    lr: float = 1e-3
+    batch: int = 8
+    seq: int = 256
+    seed: int = 0
+    layers: int = 1  # of the target, when the draft starts from it
+    init: str = "auto"  # auto | draft | target
+    checkpoint_every: int = 50
+    threads: int | None = None
+    only_class: str | None = None
+
+
+@dataclass
+class TrainOutcome:
+    draft: Path
+    folder: Path
+    result: dict
+    train_examples: int
+    heldout_examples: int
+    init_from: str
+    memory_bytes: int
+
+
+# ------------------------------------------------------------------------------------------- GGUF
+
+
+def _field(reader, name: str, default=None):
+    f = reader.fields.get(name)
+    return default if f is None else f.contents()
+
+
+def read_gguf(path: Path) -> tuple[dict, dict, dict]:
+    """(dims, float32 tensors, vocab) of a llama-architecture GGUF; SpecopsError naming the file otherwise."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise SpecopsError(f"{path}: not a readable GGUF file: {exc}") from None
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise SpecopsError(f"{path}: architecture {arch!r}: `specops adapt train` writes llama-architecture drafts only")
+    dims = {
+        "hidden": int(_field(reader, "llama.embedding_length")),
+        "layers": int(_field(reader, "llama.block_count")),
+        "ffn": int(_field(reader, "llama.feed_forward_length")),
+        "heads": int(_field(reader, "llama.attention.head_count")),
+        "heads_kv": int(_field(reader, "llama.attention.head_count_kv", _field(reader, "llama.attention.head_count"))),
+        "eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_base": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        "ctx": int(_field(reader, "llama.context_length", 2048)),
+    }
+    tensors = {}
+    for t in reader.tensors:
+        data = t.data if t.tensor_type in (gguf.GGMLQuantizationType.F32,) else gguf.quants.dequantize(t.data, t.tensor_type)
+        tensors[t.name] = np.asarray(data, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
+    model = _field(reader, "tokenizer.ggml.model")
+    vocab = {
+        "model": model,
+        "tokens": _field(reader, "tokenizer.ggml.tokens", []),
+        "scores": _field(reader, "tokenizer.ggml.scores", []),
+        "types": _field(reader, "tokenizer.ggml.token_type", []),
+        "bos": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "unk": _field(reader, "tokenizer.ggml.unknown_token_id", 0),
+        "space_prefix": _field(reader, "tokenizer.ggml.add_space_prefix", True),
+        "kv": {name: (f.types, f.contents()) for name, f in reader.fields.items() if name.startswith("tokenizer.")},
+    }
+    return dims, tensors, vocab
+
+
+def write_gguf(path: Path, tensors: dict, dims: dict, vocab: dict, name: str) -> None:
+    """A float32 llama GGUF with ``dims`` and the target's tokenizer keys copied as they are."""
+    import gguf
+
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(name)
+    w.add_context_length(dims["ctx"])
+    w.add_embedding_length(dims["hidden"])
+    w.add_block_count(dims["layers"])
+    w.add_feed_forward_length(dims["ffn"])
+    w.add_head_count(dims["heads"])
+    w.add_head_count_kv(dims["heads_kv"])
+    w.add_layer_norm_rms_eps(dims["eps"])
+    w.add_rope_dimension_count(dims["hidden"] // dims["heads"])
+    w.add_rope_freq_base(dims["rope_base"])
+    w.add_vocab_size(len(vocab["tokens"]))
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for key, (types, value) in vocab["kv"].items():
+        if types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, list(value), types[0], sub_type=types[-1])
+        else:
+            w.add_key_value(key, value, types[0])
+    for tname in sorted(tensors, key=_tensor_order):
+        w.add_tensor(tname, np.ascontiguousarray(tensors[tname], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+
+
+def _tensor_order(name: str):
+    if name.startswith("blk."):
+        i = int(name.split(".")[1])
+        return (1, i, name)
+    return (0 if name == "token_embd.weight" else 2, 0, name)
+
+
+def initial_draft(target: Path, draft: Path | None, opts: TrainOptions) -> tuple[dict, dict, dict, str]:
+    """(dims, tensors, vocab, where from): the current draft when it can be fine-tuned, else the target's first layers."""
+    t_dims, t_tensors, vocab = read_gguf(target)
+    if vocab["model"] != "llama":
+        raise SpecopsError(
+            f"{target}: tokenizer {vocab['model']!r}: `specops adapt train` reads SPM (`llama`) vocabularies only"
+        )
+    if opts.init in ("auto", "draft") and draft is not None and draft.suffix == ".gguf" and draft.is_file():
+        try:
+            d_dims, d_tensors, d_vocab = read_gguf(draft)
+        except SpecopsError:
+            if opts.init == "draft":
+                raise
+        else:
+            if d_vocab["tokens"] == vocab["tokens"]:
+                return d_dims, d_tensors, vocab, f"the current draft {draft.name}"
+            if opts.init == "draft":
+                raise SpecopsError(f"{draft}: its vocabulary is not the target's: cannot fine-tune it")
+    elif opts.init == "draft":
+        raise SpecopsError("--init draft: the profile names no local GGUF draft")
+    n = max(1, min(opts.layers, t_dims["layers"]))
+    keep = {k: v for k, v in t_tensors.items() if not k.startswith("blk.") or int(k.split(".")[1]) < n}
+    missing = [f"blk.0.{p}.weight" for p in _LAYER if f"blk.0.{p}.weight" not in keep]
+    if missing:
+        raise SpecopsError(f"{target}: no {', '.join(missing)}: not a llama layout specops can start a draft from")
+    return {**t_dims, "layers": n}, keep, vocab, f"the target's first {n} layer(s)"
+
+
+# ------------------------------------------------------------------------------------------- memory
+
+
+def memory_estimate(dims: dict, n_vocab: int, opts: TrainOptions) -> int:
+    """Bytes the training needs at most: weights, gradients and two AdamW moments (float32), and activations."""
+    E, L, FF = dims["hidden"], dims["layers"], dims["ffn"]
+    params = 2 * n_vocab * E + L * (4 * E * E + 3 * E * FF + 2 * E) + E
+    B, T = opts.batch, opts.seq
+    activations = B * T * (L * (12 * E + 3 * FF + 2 * dims["heads"] * T) + 4 * n_vocab)
+    return 4 * (4 * params + 2 * activations) + (256 << 20)  # + the interpreter and torch
+
+
+def available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+# ------------------------------------------------------------------------------------------- the run
+
+
+def train_python(explicit: str | None) -> Path:
+    """The interpreter with torch: ``--python``, ``$SPECOPS_TRAIN_PYTHON``, else the vLLM venv's."""
+    chosen = explicit or os.environ.get("SPECOPS_TRAIN_PYTHON")
+    if chosen:
+        return Path(chosen)
+    from specops.devenv import engines
+
+    if not engines.vllm_ready():
+        raise SpecopsError(
+            "training needs torch: pass --python (an interpreter with torch and tokenizers), set "
+            "SPECOPS_TRAIN_PYTHON, or run `specops engines setup vllm` (its venv has both)"
+        )
+    return engines.vllm_python()
+
+
+def _digest(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else json.dumps(p, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def train_llamacpp(
+    target: Path,
+    draft: Path | None,
+    capture: Path,
+    out: Path,
+    opts: TrainOptions,
+    *,
+    python: str | None = None,
+    on_progress: Callable[[dict], None] = lambda d: None,
+) -> TrainOutcome:
+    """Train a GGUF draft into ``out`` (resuming a run of the same job there). See the module docstring."""
+    from specops.paths import private_dir
+
+    train, held = [], []
+    for ex in read_examples(capture):
+        if opts.only_class is not None and ex.cls != opts.only_class:
+            continue
+        (held if ex.held_out else train).append({"prompt": ex.prompt, "output": ex.output, "class": ex.cls})
+    if not train:
+        raise SpecopsError(f"{capture}: no captured example to train on" + (f" of class {opts.only_class!r}" if opts.only_class else ""))
+    dims, tensors, vocab, init_from = initial_draft(target, draft, opts)
+    need = memory_estimate(dims, len(vocab["tokens"]), opts)
+    have = available_memory()
+    if have is not None and need > MEMORY_SHARE * have:
+        raise SpecopsError(
+            f"the training would need about {need / 2**30:.1f} GiB and {have / 2**30:.1f} GiB is available: "
+            f"lower --batch ({opts.batch}) or --seq ({opts.seq}), or train where more memory is free"
+        )
+    out = private_dir(out)
+    examples_text = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in train)
+    _write(out / "examples.jsonl", examples_text)
+    _write(out / "heldout.jsonl", "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in held))
+    np.savez(out / "init.npz", **tensors)
+    t_dims, t_tensors, _ = read_gguf(target)
+    np.savez(out / "teacher.npz", **t_tensors)
+    del t_tensors
+    job = {
+        "kind": "llama-draft",
+        "init": str(out / "init.npz"),
+        "examples": str(out / "examples.jsonl"),
+        "dims": dims,
+        "teacher": str(out / "teacher.npz"),
+        "teacher_dims": t_dims,
+        "vocab": {k: v for k, v in vocab.items() if k != "kv"},
+        "steps": opts.steps,
+        "lr": opts.lr,
+        "batch": opts.batch,
+        "seq": opts.seq,
+        "seed": opts.seed,
+        "checkpoint_every": opts.checkpoint_every,
+        "threads": opts.threads,
+    }
+    job["id"] = _digest(examples_text.encode(), {k: v for k, v in job.items() if k not in ("threads",)},
+                        [tensors[k].tobytes()[:4096] for k in sorted(tensors)])
+    _write(out / "job.json", json.dumps(job))
+    result = _run_worker(train_python(python), out, on_progress)
+    path = out / "draft.gguf"
+    trained = np.load(out / "draft.npz")
+    write_gguf(path, {k: trained[k] for k in trained.files}, dims, vocab, "specops-adapt-draft")
+    info = {"target": str(target), "init_from": init_from, "train_examples": len(train), "heldout_examples": len(held),
+            "memory_estimate": need, **result}
+    _write(out / "train-info.json", json.dumps(info, indent=1))
+    return TrainOutcome(path, out, result, len(train), len(held), init_from, need)
+
+
+def _write(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def _run_worker(python: Path, out: Path, on_progress: Callable[[dict], None]) -> dict:
+    import specops
+
+    source = str(Path(specops.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": source, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    log = out / "train.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        proc = subprocess.Popen(
+            [str(python), "-m", "specops.adapt.train_worker", str(out / "job.json")],
+            stdout=subprocess.PIPE, stderr=fd, text=True, cwd=out, env=env,
+        )
+    except OSError as exc:
+        os.close(fd)
+        raise SpecopsError(f"cannot start the training interpreter {python}: {exc.strerror or exc}") from None
+    os.close(fd)
+    last: dict = {}
+    try:
+        for line in proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            last = event
+            on_progress(event)
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait()
+        raise SpecopsError(f"training interrupted; run the same command again to resume from {out / 'checkpoint.pt'}") from None
+    if code != 0 or not last.get("done"):
+        tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-5:]
+        why = last.get("error") or " | ".join(tail) or f"exit status {code}"
+        raise SpecopsError(f"training failed ({python}): {why} (log: {log})")
+    return json.loads((out / "result.json").read_text(encoding="utf-8"))
+
+
+def progress_line(event: dict, started: float) -> str | None:
+    """One line for a worker event: step, loss, ETA."""
+    if "resumed" in event:
+        return f"resuming after step {event['resumed']}"
+    if "step" in event:
+        eta = event.get("eta_s")
+        left = f", ETA {int(eta // 60)}:{int(eta % 60):02d}" if eta is not None else ""
+        width, done = 24, event["step"] / max(1, event["of"])
+        bar = "#" * int(width * done) + "-" * (width - int(width * done))
+        return f"[{bar}] step {event['step']}/{event['of']} loss {event['loss']:.3f}{left} ({time.monotonic() - started:.0f}s)"
+    return None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run `specops adapt train`")
