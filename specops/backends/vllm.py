@@ -28,6 +28,7 @@ from specops.backends.devengines import DEV_ENGINE, dev_engine_for
 from specops.backends.versions import (
     VLLM_LEGACY_METHODS,
     VLLM_METHOD_SINCE,
+    VLLM_PER_REQUEST_SPEC_METRICS,
     VLLM_SPEC_CONFIG,
     VLLM_SPEC_CONFIG_ONLY,
     VLLM_V0_REMOVED,
@@ -263,6 +264,7 @@ class VllmBackend(Backend):
 
         spec_args, spec_env, notes = self._spec_args(p, version)
         argv += spec_args
+        argv += per_request_metrics_args(p, version)
         check_extra_args(p.server.extra_args, tuple(argv), ALIASES, FORBIDDEN)
         argv += p.server.extra_args
 
@@ -471,3 +473,17 @@ def probe_vllm(python: str, script: str | None = None) -> EngineInfo:
 @hookimpl
 def specops_backends():
     return [VllmBackend()]
+
+
+def per_request_metrics_args(profile, version: Version) -> list[str]:
+    """``--per-request-spec-decode-metrics summary`` when the profile routes by class (each answer's own draft
+    counters feed its class's window), the engine speculates (vLLM refuses the flag without speculation) and the
+    version has the flag; nothing otherwise, or when ``server.extra_args`` already sets it."""
+    if (
+        profile.routing.classes.key == "none"
+        or profile.speculative.method.value == "none"
+        or version < VLLM_PER_REQUEST_SPEC_METRICS
+        or any(a.split("=")[0] == "--per-request-spec-decode-metrics" for a in profile.server.extra_args)
+    ):
+        return []
+    return ["--per-request-spec-decode-metrics", "summary"]

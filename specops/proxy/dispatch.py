@@ -216,7 +216,7 @@ class RequestPath:
                 if retried:
                     c["retried_ok"] += 1
                 if route is not None:
-                    self.routes.finished(route, flight, True)
+                    self.routes.finished(route, flight, True, resp)
                 if self.sampler is not None and type(resp) is web.Response:  # live spot checks (sample.py)
                     self.sampler.offer(
                         request.method, request.raw_path, request.headers, body.data, resp.status, resp.body

@@ -244,8 +244,7 @@ class Connection(web.RequestHandler):
                 431,
                 b"Request Header Fields Too Large",
                 "request_header_fields_too_large",
-                f"specops: the request headers are over the {server.max_header_bytes}-byte limit "
-                "(proxy max_header_bytes)",
+                f"specops: the request headers are over the proxy's {server.max_header_bytes}-byte limit",
             )
         elif budget.held > budget.limit:
             server.counters["rejected_buffer_full"] += 1

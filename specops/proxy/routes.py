@@ -14,6 +14,7 @@ Requests in flight finish where they started: a route change only changes where 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import Counter
@@ -109,8 +110,10 @@ class RoutedUpstreams:
         position = self.position_of(gen)
         return position > 0 and self.upstreams[position].gen is gen and self.live()[position]
 
-    def finished(self, route: Route, flight: Flight | None, ok: bool) -> None:
+    def finished(self, route: Route, flight: Flight | None, ok: bool, resp: Any = None) -> None:
         position = self.position_of(flight.gen) if flight is not None else route.engine
+        if route.key is not None and flight is not None and flight.totals is None:
+            flight.totals = vllm_spec_counts(getattr(resp, "body", None))  # vLLM's own counters, when it has them
         self.routed[(position, route.reason)] += 1
         if self.on_route is not None:
             try:
@@ -221,6 +224,26 @@ async def drain_generation(gen: Generation, timeout: float, proxy: Proxy | None)
     if gen.inflight and proxy is not None:
         cut, cut_streams = await proxy._cut_the_rest(gen, timeout)
     return DrainResult(n0, gen.finished - done0, cut, cut_streams, round(time.monotonic() - t0, 6), timed_out)
+
+
+#: What marks an answer carrying vLLM's per-request counters (``--per-request-spec-decode-metrics``).
+_SPEC_METRICS = b'"speculative_decoding"'
+
+
+def vllm_spec_counts(body: Any) -> dict | None:
+    """``{0: (draft tokens, accepted draft tokens)}`` from a whole vLLM answer's ``metrics.speculative_decoding``
+    (the shape the class windows take from llama-server's ``timings``); None when the body has none. Streamed
+    answers carry it on the final usage chunk only, and are not read here."""
+    if not isinstance(body, bytes) or _SPEC_METRICS not in body:
+        return None
+    try:
+        spec = json.loads(body)["metrics"]["speculative_decoding"]
+        drafted, accepted = spec["num_draft_tokens"], spec["num_accepted_draft_tokens"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(drafted, int) or not isinstance(accepted, int) or not 0 <= accepted <= drafted:
+        return None
+    return {0: (drafted, accepted)}
 
 
 async def _reachable(url: str) -> bool:

@@ -103,6 +103,50 @@ class DrainResult:
         return asdict(self)
 
 
+#: the keys of ``/specops/status`` whose values are an engine's internal address
+_ADDRESS_KEYS = frozenset({"engine_url", "upstream"})
+_ADDRESS_EVENTS = frozenset({"upstream", "upstream_unreachable", "upstream_recovered"})
+
+
+def _engine_addresses(node, found: set[str]) -> None:
+    """Collect the engine URLs a status document holds (under :data:`_ADDRESS_KEYS`, and the ``url`` of
+    the proxy's events about engines)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(value, str) and (
+                key in _ADDRESS_KEYS or (key == "url" and node.get("event") in _ADDRESS_EVENTS)
+            ):
+                found.add(value)
+            else:
+                _engine_addresses(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            _engine_addresses(value, found)
+
+
+def _without_addresses(doc, engines: set[str]):
+    """``doc`` without the keys holding an engine URL (any key whose value is one, too), and with the
+    engines' URLs and host:port replaced by "the engine" inside other text."""
+    hidden = sorted(engines | {URL(u).raw_authority for u in engines if URL(u).raw_authority}, key=len, reverse=True)
+
+    def clean(node):
+        if isinstance(node, dict):
+            return {
+                k: clean(v)
+                for k, v in node.items()
+                if k not in _ADDRESS_KEYS and not (isinstance(v, str) and v in engines)
+            }
+        if isinstance(node, list):
+            return [clean(v) for v in node]
+        if isinstance(node, str):
+            for h in hidden:
+                if h in node:
+                    node = node.replace(h, "the engine")
+        return node
+
+    return clean(doc)
+
+
 class Proxy(RequestPath):
     """Reverse proxy in front of the engine; see :mod:`specops.proxy.states` for the switch protocol.
 
@@ -477,34 +521,17 @@ class Proxy(RequestPath):
     def public_status(self) -> dict:
         """The document ``/specops/status`` serves: :meth:`status` less where things are on this machine.
 
-        Any key holder may read it, so the engine's internal address (``proxy.upstream``, ``engine_url``,
-        the events' URLs, and its host:port in their reasons) and the profile's absolute path
+        Any key holder may read it, so every engine's internal address (``proxy.upstream``, ``engine_url``,
+        a twin's row, the events' URLs, its host:port inside a reason) and the profile's absolute path
         (``profile_reload.path``) are left out; the local ``specops status`` reads them from the state file.
         """
         doc = self.status()
-        proxy = doc["proxy"]
-        proxy.pop("upstream", None)
-        doc.pop("engine_url", None)
         reload = doc.get("profile_reload")
-        if isinstance(reload, dict) and "path" in reload:
+        if isinstance(reload, dict):
             doc["profile_reload"] = {k: v for k, v in reload.items() if k != "path"}
-        engines = {e["url"] for e in proxy["events"] if e.get("event") != "start" and isinstance(e.get("url"), str)}
-        if self._gen is not None:
-            engines.add(self._gen.url)
-        hidden = sorted(
-            engines | {URL(u).raw_authority for u in engines if URL(u).raw_authority}, key=len, reverse=True
-        )
-
-        def scrub(value):
-            if isinstance(value, str):
-                for h in hidden:
-                    value = value.replace(h, "the engine")
-            return value
-
-        proxy["events"] = [
-            {k: scrub(v) for k, v in e.items() if k != "url" or e.get("event") == "start"} for e in proxy["events"]
-        ]
-        return doc
+        engines = {self._gen.url} if self._gen is not None else set()
+        _engine_addresses(doc, engines)
+        return _without_addresses(doc, engines)
 
     def metrics_text(self) -> bytes:
         return metrics_text(self)
