@@ -123,3 +123,45 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
     )
     click.echo(f"draft: {outcome.draft}")
     click.echo(f"next: specops adapt promote {profile} {outcome.draft}", file=sys.stderr)
+
+
+@adapt.command("promote")
+@profile_argument
+@click.argument("draft", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--heldout", type=click.Path(dir_okay=False, path_type=str), help="Held-out examples (default: heldout.jsonl beside DRAFT).")
+@click.option("--margin", type=click.FloatRange(0, 10), default=0.05, show_default=True,
+              help="The new draft's mean acceptance length must beat the current one's by this share.")
+@click.option("--max-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 100_000), default=64, show_default=True, help="Held-out prompts measured at most.")
+@click.option("--dry-run", is_flag=True, help="Measure and print the diff; write nothing.")
+@json_option
+def promote(profile, draft, heldout, margin, max_tokens, limit, dry_run, as_json):
+    """Measure DRAFT against PROFILE's current draft on held-out traffic; write it in when it wins by --margin."""
+    from specops.adapt.promote import compare, run_compare, write_back
+    from specops.errors import SpecopsError
+    from specops.plugins import get_registry
+
+    loaded = load(profile)
+    new_draft = str(Path(draft).resolve())
+    current, new = run_compare(
+        loaded, get_registry(), new_draft, Path(heldout) if heldout else Path(draft).parent / "heldout.jsonl",
+        max_tokens=max_tokens, limit=limit,
+    )
+    verdict = compare(current, new, margin)
+    certificate = {"date": time.strftime("%Y-%m-%d"), "margin": margin, "current": current.to_dict(), "new": new.to_dict(), **verdict}
+    diff = cert = None
+    if verdict["promote"]:
+        diff, cert = write_back(loaded, new_draft, certificate, dry_run=dry_run)
+    if as_json:
+        echo_json({**certificate, "diff": diff, "certificate": str(cert) if cert else None, "written": bool(diff) and not dry_run})
+    else:
+        for name, f in (("current", current), ("new", new)):
+            mal = "-" if f.mean_acceptance_length is None else f"{f.mean_acceptance_length:.3f}"
+            acc = "-" if f.acceptance is None else f"{f.acceptance:.3f}"
+            click.echo(f"{name:8} acceptance {acc}  mean acceptance length {mal}  {f.tokens_per_s:.1f} tok/s  ({f.draft})")
+        click.echo(verdict["reason"])
+        if diff:
+            click.echo(diff, nl=False)
+            click.echo("(dry run: nothing written)" if dry_run else f"written; certificate: {cert}")
+    if not verdict["promote"]:
+        raise SpecopsError("not promoted: " + verdict["reason"])
