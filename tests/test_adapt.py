@@ -304,3 +304,46 @@ def test_the_control_plane_never_imports_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------ promotion
+
+
+def _figures(draft: str, mal: float | None, errors: int = 0):
+    from specops.adapt.promote import DraftFigures
+
+    return DraftFigures(draft, None if mal is None else mal - 1, mal, None, 10.0, 8, errors)
+
+
+def test_promote_refuses_a_draft_that_does_not_beat_the_current_by_the_margin():
+    from specops.adapt.promote import compare
+
+    assert not compare(_figures("cur", 2.0), _figures("new", 2.05), 0.05)["promote"]
+    assert not compare(_figures("cur", 2.0), _figures("new", 1.5), 0.05)["promote"]
+    assert not compare(_figures("cur", 2.0), _figures("new", 3.0, errors=1), 0.05)["promote"]
+    verdict = compare(_figures("cur", 2.0), _figures("new", 2.2), 0.05)
+    assert verdict["promote"] and "2.000 -> 2.200" in verdict["reason"]
+
+
+def test_promote_writes_the_draft_keeping_comments_and_a_private_certificate(tmp_path, monkeypatch):
+    from specops.adapt.promote import certificate_path, write_back
+    from specops.config.profile import load_profile
+
+    monkeypatch.setenv("CAPTURE_TEST_KEY", KEY)
+    path = _profile(tmp_path, 8080)
+    old_draft, new_draft = tmp_path / "old.gguf", tmp_path / "new.gguf"
+    old_draft.write_bytes(b"GGUF")
+    new_draft.write_bytes(b"GGUF")
+    text = path.read_text().replace(
+        "server:", f"# the draft we ship\nspeculative:\n  method: draft_model\n  draft: {old_draft}  # v1\nserver:"
+    )
+    path.write_text(text)
+    loaded = load_profile(path)
+    diff, cert = write_back(loaded, str(new_draft), {"promote": True}, dry_run=True)
+    assert f"-  draft: {old_draft}" in diff and f"+  draft: {new_draft}" in diff
+    assert path.read_text() == text and not cert.exists()  # a dry run writes nothing
+    write_back(loaded, str(new_draft), {"promote": True}, dry_run=False)
+    after = path.read_text()
+    assert "# the draft we ship" in after and "# specops adapt " in after
+    assert load_profile(path).profile.speculative.draft == str(new_draft)
+    assert stat.S_IMODE(certificate_path(path).stat().st_mode) == 0o600
