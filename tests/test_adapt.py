@@ -344,6 +344,6 @@ def test_promote_writes_the_draft_keeping_comments_and_a_private_certificate(tmp
     assert path.read_text() == text and not cert.exists()  # a dry run writes nothing
     write_back(loaded, str(new_draft), {"promote": True}, dry_run=False)
     after = path.read_text()
-    assert "# the draft we ship" in after and "# specops adapt " in after
+    assert "# the draft we ship" in after and "# specops adapt " in after and "# # " not in after
     assert load_profile(path).profile.speculative.draft == str(new_draft)
     assert stat.S_IMODE(certificate_path(path).stat().st_mode) == 0o600

@@ -108,7 +108,7 @@ def write_back(loaded, draft: str, certificate: dict, *, dry_run: bool) -> tuple
     path = Path(loaded.path)
     old = path.read_text(encoding="utf-8")
     date = time.strftime("%Y-%m-%d")
-    comment = f"# specops adapt {date}: draft trained on captured traffic; see {certificate_path(path).name}"
+    comment = f"specops adapt {date}: draft trained on captured traffic; see {certificate_path(path).name}"
     new, _notes = yamledit.edit_yaml(
         old,
         {("speculative", "draft"): draft},
