@@ -15,6 +15,7 @@ def adapt():
     """Adapt the draft to the traffic: capture (profile `capture:`), train, evaluate, promote.
 
     \b
+    Examples:
     specops adapt capture-stats PROFILE      # what the proxy kept, per request class
     specops adapt train PROFILE              # a new draft from the captured traffic
     specops adapt promote PROFILE DRAFT      # certify it against the current draft, then write it in
@@ -35,10 +36,18 @@ def _when(t: float | None) -> str:
 
 @adapt.command("capture-stats")
 @profile_argument
-@click.option("--from", "from_path", type=click.Path(path_type=str), help="A capture folder or file (default: the profile's).")
+@click.option(
+    "--from", "from_path", type=click.Path(path_type=str), help="A capture folder or file (default: the profile's)."
+)
 @json_option
 def capture_stats(profile, from_path, as_json):
-    """What the proxy captured for PROFILE: records, held-out share and text per class (every line checked)."""
+    """What the proxy captured for PROFILE: records, held-out share and text per class (every line checked).
+
+    \b
+    Examples:
+      specops adapt capture-stats profiles/llama.yaml
+      specops adapt capture-stats profiles/llama.yaml --from /var/lib/specops/capture --json
+    """
     from specops.adapt.dataset import stats
 
     folder = _folder(profile, from_path)
@@ -46,7 +55,9 @@ def capture_stats(profile, from_path, as_json):
     if as_json:
         echo_json({"folder": str(folder), **s.to_dict()})
         return
-    click.echo(f"{folder}: {s.records} records in {s.files} files ({s.bytes} bytes), {_when(s.oldest)} .. {_when(s.newest)}")
+    click.echo(
+        f"{folder}: {s.records} records in {s.files} files ({s.bytes} bytes), {_when(s.oldest)} .. {_when(s.newest)}"
+    )
     if not s.classes:
         return
     click.echo(f"{'class':<24} {'records':>8} {'held out':>9} {'prompt chars':>13} {'output chars':>13}")
@@ -56,18 +67,36 @@ def capture_stats(profile, from_path, as_json):
 
 @adapt.command("train")
 @profile_argument
-@click.option("--from", "from_path", type=click.Path(path_type=str), help="A capture folder or file (default: the profile's).")
-@click.option("--out", type=click.Path(file_okay=False, path_type=str), help="Work folder (default: `adapt/` beside the capture folder); the same folder resumes.")
+@click.option(
+    "--from", "from_path", type=click.Path(path_type=str), help="A capture folder or file (default: the profile's)."
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=str),
+    help="Work folder (default: `adapt/` beside the capture folder); the same folder resumes.",
+)
 @click.option("--steps", type=click.IntRange(1, 10_000_000), default=300, show_default=True)
 @click.option("--lr", type=click.FloatRange(1e-7, 1.0), default=1e-3, show_default=True)
 @click.option("--batch", type=click.IntRange(1, 4096), default=8, show_default=True)
-@click.option("--seq", type=click.IntRange(8, 1 << 20), default=256, show_default=True, help="Tokens per example at most.")
-@click.option("--init", type=click.Choice(["auto", "draft", "target"]), default="auto", show_default=True,
-              help="Start from the current draft (auto: when it is a llama GGUF with the target's vocabulary) or the target's first --layers.")
+@click.option(
+    "--seq", type=click.IntRange(8, 1 << 20), default=256, show_default=True, help="Tokens per example at most."
+)
+@click.option(
+    "--init",
+    type=click.Choice(["auto", "draft", "target"]),
+    default="auto",
+    show_default=True,
+    help="Start from the current draft (auto: when it is a llama GGUF with the target's vocabulary) or the target's first --layers.",
+)
 @click.option("--layers", type=click.IntRange(1, 1000), default=1, show_default=True)
 @click.option("--class", "only_class", help="Train on one request class only.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--python", "python", type=click.Path(dir_okay=False, path_type=str), help="An interpreter with torch (default: $SPECOPS_TRAIN_PYTHON, else the vLLM venv's).")
+@click.option(
+    "--python",
+    "python",
+    type=click.Path(dir_okay=False, path_type=str),
+    help="An interpreter with torch (default: $SPECOPS_TRAIN_PYTHON, else the vLLM venv's).",
+)
 @json_option
 def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_class, seed, python, as_json):
     """Train a new draft for PROFILE on the captured traffic (llama.cpp: a GGUF draft for `-md`).
@@ -75,6 +104,11 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
     \b
     The held-out tenth of the capture (by prompt) is never trained on: `specops adapt promote` measures on it.
     An interrupted run resumes from its last checkpoint when run again with the same --out.
+
+    \b
+    Examples:
+      specops adapt train profiles/llama.yaml
+      specops adapt train profiles/llama.yaml --steps 600 --out adapt/run1 --class code
     """
     import sys
 
@@ -95,7 +129,9 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
     if not target.is_file():
         raise SpecopsError(f"{profile}: model.id {prof.model.id!r} is not a local GGUF file")
     draft = Path(prof.speculative.draft) if prof.speculative.draft else None
-    opts = TrainOptions(steps=steps, lr=lr, batch=batch, seq=seq, seed=seed, layers=layers, init=init, only_class=only_class)
+    opts = TrainOptions(
+        steps=steps, lr=lr, batch=batch, seq=seq, seed=seed, layers=layers, init=init, only_class=only_class
+    )
     started = time.monotonic()
 
     def show(event):
@@ -128,15 +164,32 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
 @adapt.command("promote")
 @profile_argument
 @click.argument("draft", type=click.Path(dir_okay=False, path_type=str))
-@click.option("--heldout", type=click.Path(dir_okay=False, path_type=str), help="Held-out examples (default: heldout.jsonl beside DRAFT).")
-@click.option("--margin", type=click.FloatRange(0, 10), default=0.05, show_default=True,
-              help="The new draft's mean acceptance length must beat the current one's by this share.")
+@click.option(
+    "--heldout",
+    type=click.Path(dir_okay=False, path_type=str),
+    help="Held-out examples (default: heldout.jsonl beside DRAFT).",
+)
+@click.option(
+    "--margin",
+    type=click.FloatRange(0, 10),
+    default=0.05,
+    show_default=True,
+    help="The new draft's mean acceptance length must beat the current one's by this share.",
+)
 @click.option("--max-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
-@click.option("--limit", type=click.IntRange(1, 100_000), default=64, show_default=True, help="Held-out prompts measured at most.")
+@click.option(
+    "--limit", type=click.IntRange(1, 100_000), default=64, show_default=True, help="Held-out prompts measured at most."
+)
 @click.option("--dry-run", is_flag=True, help="Measure and print the diff; write nothing.")
 @json_option
 def promote(profile, draft, heldout, margin, max_tokens, limit, dry_run, as_json):
-    """Measure DRAFT against PROFILE's current draft on held-out traffic; write it in when it wins by --margin."""
+    """Measure DRAFT against PROFILE's current draft on held-out traffic; write it in when it wins by --margin.
+
+    \b
+    Examples:
+      specops adapt promote profiles/llama.yaml adapt/draft.gguf --dry-run
+      specops adapt promote profiles/llama.yaml adapt/draft.gguf --margin 0.1
+    """
     from specops.adapt.promote import compare, run_compare, write_back
     from specops.errors import SpecopsError
     from specops.plugins import get_registry
@@ -144,21 +197,40 @@ def promote(profile, draft, heldout, margin, max_tokens, limit, dry_run, as_json
     loaded = load(profile)
     new_draft = str(Path(draft).resolve())
     current, new = run_compare(
-        loaded, get_registry(), new_draft, Path(heldout) if heldout else Path(draft).parent / "heldout.jsonl",
-        max_tokens=max_tokens, limit=limit,
+        loaded,
+        get_registry(),
+        new_draft,
+        Path(heldout) if heldout else Path(draft).parent / "heldout.jsonl",
+        max_tokens=max_tokens,
+        limit=limit,
     )
     verdict = compare(current, new, margin)
-    certificate = {"date": time.strftime("%Y-%m-%d"), "margin": margin, "current": current.to_dict(), "new": new.to_dict(), **verdict}
+    certificate = {
+        "date": time.strftime("%Y-%m-%d"),
+        "margin": margin,
+        "current": current.to_dict(),
+        "new": new.to_dict(),
+        **verdict,
+    }
     diff = cert = None
     if verdict["promote"]:
         diff, cert = write_back(loaded, new_draft, certificate, dry_run=dry_run)
     if as_json:
-        echo_json({**certificate, "diff": diff, "certificate": str(cert) if cert else None, "written": bool(diff) and not dry_run})
+        echo_json(
+            {
+                **certificate,
+                "diff": diff,
+                "certificate": str(cert) if cert else None,
+                "written": bool(diff) and not dry_run,
+            }
+        )
     else:
         for name, f in (("current", current), ("new", new)):
             mal = "-" if f.mean_acceptance_length is None else f"{f.mean_acceptance_length:.3f}"
             acc = "-" if f.acceptance is None else f"{f.acceptance:.3f}"
-            click.echo(f"{name:8} acceptance {acc}  mean acceptance length {mal}  {f.tokens_per_s:.1f} tok/s  ({f.draft})")
+            click.echo(
+                f"{name:8} acceptance {acc}  mean acceptance length {mal}  {f.tokens_per_s:.1f} tok/s  ({f.draft})"
+            )
         click.echo(verdict["reason"])
         if diff:
             click.echo(diff, nl=False)
