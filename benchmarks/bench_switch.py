@@ -51,6 +51,7 @@ def profile_yaml(kind: str, models: Path, port: int, args) -> str:
         f"name: switch-{kind}\nbackend: llamacpp\nmodel:\n  id: {models / 'gguf-target.gguf'}\n  max_model_len: 2048\n"
         f"speculative:\n  method: draft_model\n  draft: {models / 'gguf-draft-noisy.gguf'}\n"
         f"  num_speculative_tokens: 4\ngpus:\n  devices: []\nserver:\n  port: {port}\n  parallel: {args.parallel}\n"
+        f'  extra_args: ["-t", "{args.llama_threads}"]\n'
         "fallback:\n  window: 4s\n  min_acceptance: 0.9\n  min_draft_tokens: 100\n  consecutive_windows: 2\n"
         "  chain: [none]\n"
         + twins
@@ -158,9 +159,12 @@ def switch_moments(kind: str, events: list[dict]) -> dict | None:
 
 
 def one_run(kind: str, models: Path, work: Path, args, say) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
     prof = work / f"{kind}.yaml"
     prof.write_text(profile_yaml(kind, models, free_port(), args))
     up = Up(prof, work, f"switch-{kind}")
+    if args.cpus:  # before it starts its engines: they inherit it
+        os.sched_setaffinity(up.proc.pid, {int(c) for c in args.cpus.split(",")})
     try:
         st = up.wait_ready(timeout=120)
         deadline = time.monotonic() + 120
@@ -187,10 +191,10 @@ def one_run(kind: str, models: Path, work: Path, args, say) -> dict:
         moments = asyncio.run(drive())
     finally:
         up.stop()
-    return analyse(kind, clients, moments, say)
+    return analyse(kind, clients, moments, args.steady, say)
 
 
-def analyse(kind: str, clients: Clients, moments: dict | None, say) -> dict:
+def analyse(kind: str, clients: Clients, moments: dict | None, steady_s: float, say) -> dict:
     reqs = clients.requests
     lost = [r for r in reqs if not r.ok]
     out: dict = {"requests": len(reqs), "lost": len(lost), "lost_examples": [r.error for r in lost[:3]]}
@@ -200,8 +204,8 @@ def analyse(kind: str, clients: Clients, moments: dict | None, say) -> dict:
     t0, t1 = moments["decision_ts"], moments["done_ts"]
     ok = [r for r in reqs if r.ok]
     first = min(r.start for r in reqs)
-    # steady state: what finished before the decision, past the first seconds (engine warm, windows filling)
-    steady = [r.end - r.start for r in ok if r.start >= first + 2.0 and r.end < t0]
+    # steady state: what finished in the --steady seconds before the decision, past the first 2 s (engine warm)
+    steady = [r.end - r.start for r in ok if r.start >= first + 2.0 and t0 - steady_s <= r.end < t0]
     during = [r.end - r.start for r in ok if r.start <= t1 and r.end >= t0]
     after = [r.end - r.start for r in ok if r.start > t1]
     gaps = _gaps([t for t in clients.token_times])
@@ -215,6 +219,8 @@ def analyse(kind: str, clients: Clients, moments: dict | None, say) -> dict:
         steady_token_gap_ms=ms(max((g for t, g in gaps if t < t0 - 1), default=None)),
         after_drafted=sum(1 for r in ok if r.start > t1 and (r.drafted or 0) > 0),
     )
+    # every request, seconds from the decision (start, latency), for the raw JSON
+    out["timeline"] = [[round(r.start - t0, 3), round(r.end - r.start, 3), r.ok, r.stream, r.drafted] for r in reqs]
     p99s, p99d = out["steady"]["p99_ms"], out["during"]["p99_ms"]
     out["p99_during_vs_steady"] = p99d / p99s if p99s and p99d else None
     say(
@@ -236,6 +242,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--parallel", type=int, default=4, help="slots per engine")
+    ap.add_argument("--llama-threads", type=int, default=1, help="llama-server -t")
+    ap.add_argument("--cpus", default="0", help="CPU set for each deployment (comma list; empty: unpinned)")
+    ap.add_argument("--steady", type=float, default=10.0, help="seconds before the decision that are the steady state")
     ap.add_argument("--tail", type=float, default=10.0, help="seconds of load after the switch")
     ap.add_argument("--timeout", type=float, default=180.0, help="give up on a switch after this long")
     ap.add_argument("--json")
@@ -257,7 +266,9 @@ def main() -> None:
     m = machine()
     print(
         f"A switch under {args.clients} clients (half streaming), llama-server, tiny GGUF target + noisy draft k=4 "
-        f"(min_acceptance 0.9: certain to switch), {args.parallel} slots, {args.tokens} tokens/request; machine: "
+        f"(min_acceptance 0.9: certain to switch), {args.parallel} slots, -t {args.llama_threads}, pinned to CPU(s) "
+        f"{args.cpus or 'any'}, {args.tokens} tokens/request; steady state: the {args.steady:g} s before the decision; "
+        f"machine: "
         f"{m['cpu']}, {m['cores']} cores; {args.rounds} rounds, order alternating; load average {before[0]:.1f} "
         f"before, {after[0]:.1f} after\n"
     )
