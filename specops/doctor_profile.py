@@ -101,6 +101,45 @@ def _render(ctx: _Context) -> list[Check]:
 
 
 def _memory(ctx: _Context) -> list[Check]:
+    return _weights_fit(ctx) + _twins_fit(ctx)
+
+
+def _twins_fit(ctx: _Context) -> list[Check]:
+    """With twins: the engines beside each other against this machine's GPUs (each engine's share of the smallest
+    one the profile uses) or, for engines on CPU whose memory adds up, its available memory."""
+    res = ctx.resolution
+    if ctx.loaded is None or res is None or not res.profile.routing.twins:
+        return []
+    from specops.config.routing import splits_gpu_by_share
+    from specops.resolve.check import resolved_twin_memory
+    from specops.resolve.memory import available_memory
+
+    p = res.profile
+    budget, budget_from = None, ""
+    gpus = {g["index"]: g for g in ctx.gpus or []}
+    sizes = [gpus[d]["memory_mib"] * 1024 * 1024 for d in p.gpus.devices or [] if d in gpus]
+    if sizes:
+        budget, budget_from = min(sizes), f"the smallest GPU of gpus.devices: {min(sizes) / 1024**3:.0f} GiB"
+    elif not p.gpus.devices and not splits_gpu_by_share(p.backend):
+        budget, budget_from = available_memory(), "this machine's available memory (MemAvailable)"
+    findings = resolved_twin_memory(res)  # against gpus.memory_gb, when set
+    if budget is not None and not any(f.severity == "error" for f in findings):
+        findings = resolved_twin_memory(res, budget=budget, budget_from=budget_from)
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        return [
+            Check(
+                "memory",
+                ERROR,
+                _one_line(f.message, 600),
+                f"see {'.'.join(str(x) for x in f.path)} in the profile",
+            )
+            for f in errors
+        ]
+    return [Check("memory", OK, _one_line(f.message, 600)) for f in findings]
+
+
+def _weights_fit(ctx: _Context) -> list[Check]:
     res = ctx.resolution
     if ctx.loaded is None or res is None:
         return []

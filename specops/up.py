@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from specops.backends.render import render_plan
 from specops.config.profile import LoadedProfile
+from specops.config.routing import PRIMARY, splits_gpu_by_share, with_gpu_share
 from specops.errors import SpecopsError
 from specops.resolve.prelaunch import Address, check_before_launch, resolve_for_launch
 from specops.run.events import EngineLine, SwitchOrder
@@ -73,7 +74,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     console = console or Console(loaded.profile.backend, opts.show_engine_output)
     engine_host, engine_port = _engine_address(loaded.profile)
     # what no method can fix (the target model, a taken port) stops here, before anything is launched
-    check_before_launch(loaded, _addresses(loaded.profile, engine_host, engine_port))
+    check_before_launch(loaded, _addresses(loaded.profile, engine_host, engine_port), twins=True)
     as_written = loaded
     loaded, refused = resolve_for_launch(loaded, opts.offline, console.say)
     profile = loaded.profile
@@ -167,6 +168,8 @@ def _addresses(profile, engine_host: str, engine_port: int) -> list[Address]:
 def _step_renderer(loaded: LoadedProfile, registry, engine, host: str, port: int):
     """``render(index)``: the launch plan of the fallback chain's step ``index``, on the engine's address."""
     profile = loaded.profile
+    if splits_gpu_by_share(profile.backend):  # with twins the engines split the GPUs (routing.memory_utilization)
+        profile = with_gpu_share(profile, PRIMARY)
 
     def render_step(index: int):
         return render_plan(
@@ -334,6 +337,8 @@ def _twins(up: _Instance, registry, metrics: SpecopsMetrics, opts: UpOptions):
 
     def render_twin(profile, step: int, port: int):
         twin, doc, path = profile.at_step(step), up.loaded.document, up.loaded.path  # up.loaded: the reloaded one
+        if splits_gpu_by_share(twin.backend):  # the twin's own share of the GPUs (routing.memory_utilization)
+            twin = with_gpu_share(profile, twin.speculative.method.value).at_step(step)
         return lambda index: render_plan(
             LoadedProfile(twin.at_step(index), doc, path), registry, engine=up.engine, host="127.0.0.1", port=port
         )

@@ -161,6 +161,10 @@ def _check_one(
             for finding in check_loaded(loaded, offline=offline):
                 target = problems if finding.severity == "error" else warnings
                 target.append(loaded.problem(finding.path, finding.message))
+        else:  # the twins' memory fit from local model files (check_loaded does it with what it resolved)
+            from specops.resolve.memory import local_twin_problems
+
+            problems += [loaded.problem(path, message) for path, message in local_twin_problems(p)]
         if certificate:
             _check_certificate(loaded, registry, problems, warnings, summary)
     except ProfileError as exc:

@@ -32,6 +32,11 @@ SPECULATION_VALUES = ("on", "off", "auto")
 MAX_CLASSES = 4096
 #: Longest system-prompt pattern (a regex runs on every request that a rule with it is tried on).
 MAX_PATTERN = 1024
+#: The key of ``routing.memory_utilization`` that names the primary engine (twins are named by their method).
+PRIMARY = "primary"
+#: What the engines share of each GPU when the profile sets no ``gpus.memory_utilization`` (vLLM's default until
+#: 0.31; 0.32.0's is 0.92, read in its CacheConfig): passed explicitly, split between the engines.
+DEFAULT_GPU_SHARE = 0.9
 
 
 def _on_off(value: object) -> object:
@@ -158,11 +163,82 @@ class Routing(Section):
         default_factory=list, description="Route rules, tried in order after the client's header."
     )
     classes: RequestClasses = Field(default_factory=RequestClasses)
+    memory_utilization: dict[str, Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=dict,
+        description="vLLM: each engine's `--gpu-memory-utilization` when twins share the GPUs, by engine (`primary`, "
+        "or a twin's method), e.g. `{primary: 0.55, none: 0.35}`; every engine named, the sum at most "
+        "`gpus.memory_utilization` (else 1). Unset: `gpus.memory_utilization` (else 0.9) split evenly.",
+    )
 
     @property
     def enabled(self) -> bool:
         """Whether requests are routed between engines at all (a profile without twins runs as it always did)."""
         return bool(self.twins)
+
+
+def engine_names(p: Profile) -> list[str]:
+    """The engines of a profile with twins, as ``routing.memory_utilization`` names them: primary, then the twins."""
+    return [PRIMARY, *(m.value for m in p.routing.twins)]
+
+
+def gpu_shares(p: Profile) -> dict[str, float]:
+    """Each engine's ``--gpu-memory-utilization`` when twins share the GPUs (empty without twins, or on CPU).
+
+    vLLM's share is per instance (each engine may take that fraction of a GPU's memory, whatever the others hold),
+    so engines on one GPU must split it: the profile's own shares, else the total split evenly."""
+    if not p.routing.twins or p.gpus.devices == []:
+        return {}
+    if p.routing.memory_utilization:
+        return dict(p.routing.memory_utilization)
+    names = engine_names(p)
+    total = p.gpus.memory_utilization or DEFAULT_GPU_SHARE
+    return {name: round(total / len(names), 4) for name in names}
+
+
+def splits_gpu_by_share(backend: str) -> bool:
+    """Whether ``backend`` sizes each engine's GPU memory with ``gpus.memory_utilization`` (vLLM's parallel layout;
+    True when the backend is not installed, as the memory estimate assumes)."""
+    from specops.plugins import get_registry  # the registry imports the config: only when asked
+
+    return bool(getattr(get_registry().backends.get(backend), "parallel_layout", True))
+
+
+def with_gpu_share(p: Profile, engine: str) -> Profile:
+    """``p`` as ``engine`` runs it: its own ``gpus.memory_utilization`` share (unchanged without twins).
+
+    Only for backends that size GPU memory with ``gpus.memory_utilization`` (vLLM); the caller knows which."""
+    share = gpu_shares(p).get(engine)
+    if share is None:
+        return p
+    return p.model_copy(update={"gpus": p.gpus.model_copy(update={"memory_utilization": share})})
+
+
+def _share_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
+    shares = p.routing.memory_utilization
+    if not shares:
+        return
+    path = ("routing", "memory_utilization")
+    if not p.routing.twins:
+        yield path, "per-engine GPU shares need twins: add routing.twins or remove routing.memory_utilization"
+        return
+    if p.gpus.devices == []:
+        yield path, "a GPU memory share; this profile runs on CPU (gpus.devices: [])"
+        return
+    if not splits_gpu_by_share(p.backend):
+        yield path, f"{p.backend} does not size GPU memory by a share (--gpu-memory-utilization is vLLM's)"
+        return
+    names = engine_names(p)
+    for key in shares:
+        if key not in names:
+            yield (*path, key), f"not an engine of this profile (engines: {', '.join(names)})"
+    missing = [n for n in names if n not in shares]
+    if missing:
+        yield path, f"name every engine: {', '.join(missing)} missing (engines: {', '.join(names)})"
+    total = p.gpus.memory_utilization or 1.0
+    used = sum(shares.values())
+    if used > total + 1e-9:
+        limit = f"gpus.memory_utilization ({total:g})" if p.gpus.memory_utilization else "1 (a whole GPU)"
+        yield path, f"the engines' shares add up to {used:g}, over {limit}: they would not fit on one GPU together"
 
 
 def routing_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
@@ -195,6 +271,7 @@ def routing_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
             ("proxy", "engine_port"),
             "with twins every engine gets a free loopback port of its own: remove proxy.engine_port",
         )
+    yield from _share_problems(p)
     if not r.twins:
         if r.rules:
             yield ("routing", "rules"), "route rules need an engine to route to: add routing.twins (e.g. [none])"

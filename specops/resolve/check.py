@@ -19,7 +19,7 @@ from specops.methods import NEEDS_DRAFT, Method
 from specops.resolve.catalog import Catalog, CatalogEntry
 from specops.resolve.detect import HEAD_METHODS, looks_like_full_model, same_model
 from specops.resolve.ggufinfo import compare_vocab
-from specops.resolve.memory import estimate
+from specops.resolve.memory import ModelSize, engine_drafts, estimate, local_size, twin_problems
 
 DRAFT = ("speculative", "draft")
 METHOD = ("speculative", "method")
@@ -521,6 +521,25 @@ def _memory(method, draft, target, profile, be) -> list[Finding]:
     return [Finding("info", "memory", est.line(), ("gpus", "memory_gb"))]
 
 
+def twin_memory(
+    profile,
+    target: ModelSize | None,
+    drafts: dict[str, ModelSize | None],
+    *,
+    budget: int | None = None,
+    budget_from: str = "",
+) -> list[Finding]:
+    """The memory fit extended to twins (:func:`~specops.resolve.memory.twin_problems`) as findings: an error,
+    located at the field to change, for each engine or set of engines that does not fit; an info line when they
+    do; nothing without twins or sizes."""
+    fit, problems = twin_problems(profile, target, drafts, budget=budget, budget_from=budget_from)
+    if fit is None:
+        return []
+    if problems:
+        return [Finding("error", "memory", message, path) for path, message in problems]
+    return [Finding("info", "memory", fit.line(), ("routing", "twins"))]
+
+
 def check_loaded(loaded, *, offline: bool = False) -> list[Finding]:
     """The resolver's errors and warnings for a loaded profile (``specops validate --resolve``).
 
@@ -531,4 +550,21 @@ def check_loaded(loaded, *, offline: bool = False) -> list[Finding]:
 
     res = resolve_profile(loaded, offline=offline, use_lock=True, verify=True, raise_errors=False)
     notes = [Finding("warning", "lock", n, ("speculative",)) for n in res.notes if n.startswith("lock is stale")]
-    return notes + [f for f in res.findings if f.severity in ("error", "warning")]
+    return notes + [f for f in res.findings + resolved_twin_memory(res) if f.severity in ("error", "warning")]
+
+
+def resolved_twin_memory(res, *, budget: int | None = None, budget_from: str = "") -> list[Finding]:
+    """:func:`twin_memory` with the sizes the resolver found (the Hub's metadata, the chosen GGUF), else local
+    files'; kept apart from the draft's findings: a twin that does not fit is no reason to refuse the draft."""
+    from specops.resolve.memory import size_of_view
+
+    profile = res.profile
+    if not profile.routing.twins:
+        return []
+    target = size_of_view(res.target) or local_size(profile.model.id)
+    choice = res.choice
+    drafts = {}
+    for ref in engine_drafts(profile):
+        view = choice.view if choice is not None and choice.draft == ref else None
+        drafts[ref] = size_of_view(view) or local_size(ref)
+    return twin_memory(profile, target, drafts, budget=budget, budget_from=budget_from)

@@ -54,6 +54,20 @@ class GGUFVocab:
     #: MTP layers (``<arch>.nextn_predict_layers``; llama.cpp reads an absent key as 0 and then refuses
     #: ``--spec-type draft-mtp`` with "model doesn't contain MTP layers", seen on llama-server 0c1e570).
     mtp_layers: int = 0
+    #: Attention shape, for the KV cache's size: heads, KV heads (GQA) and the K/V widths per head.
+    heads: int | None = None
+    kv_heads: int | None = None
+    key_length: int | None = None
+    value_length: int | None = None
+
+    def kv_bytes_per_token(self, element_bytes: float = 2.0) -> int | None:
+        """Bytes of llama.cpp's KV cache per context token (every layer's K and V; f16: 2 bytes an element)."""
+        if not (self.layers and self.hidden and self.heads):
+            return None
+        kv_heads = self.kv_heads or self.heads
+        k = self.key_length or self.hidden // self.heads
+        v = self.value_length or self.hidden // self.heads
+        return int(self.layers * kv_heads * (k + v) * element_bytes)
 
 
 def _scalar(reader, key):
@@ -91,7 +105,18 @@ def read_gguf(path: str | Path) -> GGUFVocab:
         hidden=arch_key("embedding_length"),
         layers=arch_key("block_count"),
         mtp_layers=int(arch_key("nextn_predict_layers") or 0),
+        heads=_int_or_none(arch_key("attention.head_count")),
+        kv_heads=_int_or_none(arch_key("attention.head_count_kv")),
+        key_length=_int_or_none(arch_key("attention.key_length")),
+        value_length=_int_or_none(arch_key("attention.value_length")),
     )
+
+
+def _int_or_none(value) -> int | None:
+    """A positive int from a GGUF field (a per-layer array, as some models write head counts: its largest)."""
+    if isinstance(value, (list, tuple)):
+        value = max((v for v in value if isinstance(v, int)), default=None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def compare_vocab(target: GGUFVocab, draft: GGUFVocab) -> list[tuple[str, str]]:

@@ -184,3 +184,324 @@ def estimate(
     if draft is not None:
         per += draft.bytes / (tp if draft_tp == tp else 1)
     return MemoryEstimate(target, draft, n, int(per), budget, layout, has_draft)
+
+
+# ------------------------------------------------------------------------------------------- twins
+
+MIB = 1024**2
+#: Bytes per element of llama.cpp's KV cache types (``-ctk``/``-ctv``; quantised blocks of 32 with their scales).
+KV_TYPE_BYTES = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q4_0": 18 / 32,
+    "q4_1": 20 / 32,
+    "iq4_nl": 18 / 32,
+    "q5_0": 22 / 32,
+    "q5_1": 24 / 32,
+}
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the twins' fit needs of one model: its weights and, for llama.cpp, its KV cache per context token
+    (from the GGUF's attention shape) and trained context (llama-server's ``-c`` when the profile sets none)."""
+
+    weights: Weights | None
+    kv_per_token: int | None = None
+    context: int | None = None
+
+
+def size_of_view(view) -> ModelSize | None:
+    """A resolved model's size (a :class:`~specops.resolve.models.ModelView`), None when nothing is known."""
+    if view is None:
+        return None
+    gguf = getattr(view, "gguf_vocab", None)
+    if view.weights is None and gguf is None:
+        return None
+    return ModelSize(
+        view.weights,
+        gguf.kv_bytes_per_token() if gguf is not None else None,
+        gguf.context if gguf is not None else None,
+    )
+
+
+def local_size(ref: str | None) -> ModelSize | None:
+    """The size of a model that is a local file or folder (a GGUF's header, the weight files' sizes); None for a
+    Hub repo or a missing path. Never reaches the network: what ``validate`` and the pre-launch check can know."""
+    import os
+    from pathlib import Path
+
+    if not ref:
+        return None
+    path = Path(os.path.expanduser(ref))
+    if path.is_file():
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return None
+        gguf = None
+        if path.suffix == ".gguf":
+            from specops.resolve.ggufinfo import read_gguf
+
+            try:
+                gguf = read_gguf(path)
+            except Exception:  # noqa: BLE001 - a corrupt file is the target check's to report, not the fit's
+                gguf = None
+        weights = Weights(size, "file size")
+        return ModelSize(weights, gguf.kv_bytes_per_token() if gguf else None, gguf.context if gguf else None)
+    if path.is_dir():
+        try:
+            sizes = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
+        except OSError:
+            return None
+        weights = from_files(sizes)
+        return ModelSize(weights) if weights else None
+    return None
+
+
+def available_memory() -> int | None:
+    """This machine's ``MemAvailable`` (/proc/meminfo): what can be allocated without swapping, page cache that
+    can be dropped included. None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _kv_element_bytes(extra_args: list[str]) -> float:
+    """The KV cache's bytes per element from ``-ctk``/``-ctv`` in the engine's extra arguments (default f16)."""
+    out = []
+    for flags in (("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")):
+        value = "f16"
+        for i, arg in enumerate(extra_args[:-1]):
+            if arg in flags:
+                value = extra_args[i + 1]
+        out.append(KV_TYPE_BYTES.get(value.lower(), 2.0))
+    return sum(out) / 2
+
+
+def _mib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class EngineNeed:
+    """One engine of a profile with twins: what it holds on its own (per GPU, or in memory)."""
+
+    engine: str  # "primary", or the twin's method
+    method: str
+    own: int | None  # bytes (None: not known)
+    parts: str  # what ``own`` is made of, for the message
+    share: float | None = None  # vLLM: its --gpu-memory-utilization
+
+
+@dataclass(frozen=True)
+class TwinFit:
+    """The engines of a profile with twins against the memory they share (a floor: compute buffers and
+    activations come on top).
+
+    ``by_share`` (vLLM): each engine may take its share of each GPU and must hold its own weights in it. Otherwise
+    (llama.cpp): the engines add up; on CPU the target GGUF is mapped once (``shared``: its pages sit once in the
+    page cache) and each engine adds its own KV cache (and draft); on GPU each engine holds its own copy."""
+
+    engines: tuple[EngineNeed, ...]
+    shared: int
+    budget: int | None
+    budget_from: str  # where the budget comes from, e.g. "gpus.memory_gb" or "available memory (MemAvailable)"
+    by_share: bool
+    where: str  # "per GPU" or "in memory"
+    explicit_shares: bool = False
+
+    @property
+    def total(self) -> int | None:
+        if any(e.own is None for e in self.engines):
+            return None
+        return self.shared + sum(e.own or 0 for e in self.engines)
+
+    def line(self) -> str:
+        names = ", ".join(f"{e.engine} {_mib(e.own) if e.own is not None else '?'} ({e.parts})" for e in self.engines)
+        if self.by_share:
+            shares = ", ".join(f"{e.engine} {e.share:g}" for e in self.engines)
+            return f"{len(self.engines)} engines' own weights {self.where}: {names}; GPU shares {shares}"
+        shared = f"{_mib(self.shared)} mapped once + " if self.shared else ""
+        total = _mib(self.total) if self.total is not None else "?"
+        return f"{len(self.engines)} engines need {total} {self.where} at least: {shared}{names}"
+
+    def problems(self) -> list[tuple[tuple, str]]:
+        """Each engine or set of engines that does not fit, with the profile field to change."""
+        if self.budget is None:
+            return []
+        budget = f"{_mib(self.budget)} ({self.budget_from})"
+        if self.by_share:
+            out = []
+            for e in self.engines:
+                room = (e.share or 0) * self.budget
+                if e.own is not None and e.own > room:
+                    path = ("routing", "memory_utilization", e.engine) if self.explicit_shares else ("routing", "twins")
+                    who = "the primary" if e.engine == "primary" else f"the {e.engine} twin"
+                    out.append(
+                        (
+                            path,
+                            f"{who} holds {_mib(e.own)} of weights {self.where} ({e.parts}) but its share "
+                            f"{e.share:g} of {budget} is {_mib(room)}, before any KV cache: give it a larger "
+                            "routing.memory_utilization share, fewer twins or more GPUs (tensor_parallel_size)",
+                        )
+                    )
+            return out
+        total = self.total
+        if total is not None and total > self.budget:
+            return [
+                (
+                    ("routing", "twins"),
+                    f"{self.line()}; over {budget} before compute buffers: fewer twins, a smaller "
+                    "model.max_model_len (the KV caches) or more memory",
+                )
+            ]
+        return []
+
+
+def twin_fit(
+    profile,
+    target: ModelSize | None,
+    drafts: dict[str, ModelSize | None],
+    *,
+    parallel_layout: bool,
+    budget: int | None,
+    budget_from: str,
+) -> TwinFit | None:
+    """The fit of a profile's engines (primary and twins) in ``budget`` bytes (per GPU, or of memory on CPU).
+
+    ``parallel_layout`` (vLLM): on GPUs each engine takes its share of them; on CPU each loads its own weights.
+    Otherwise (llama.cpp) the engines memory-map the target GGUF: on CPU its pages are shared, on GPU each engine
+    uploads its own copy. ``drafts``: each draft's size by its reference (a missing one counts as unknown). None
+    without twins or when the target's size is unknown."""
+    from specops.config.routing import PRIMARY, gpu_shares
+    from specops.methods import NEEDS_DRAFT
+
+    twins = profile.routing.twins
+    if not twins or target is None or target.weights is None:
+        return None
+    steps = profile.steps
+    engines = [(PRIMARY, 0)] + [(m.value, next(i for i, s in enumerate(steps) if s.method is m)) for m in twins]
+    cpu = not profile.gpus.devices  # [] (CPU) or unset (the engine's default; a CPU profile, as doctor counts it)
+    by_share = parallel_layout and profile.gpus.devices != []
+    shares = gpu_shares(profile) if by_share else {}
+    mapped_once = not parallel_layout and cpu and "--no-mmap" not in profile.server.extra_args
+    n_ctx = profile.model.max_model_len or target.context
+    element = _kv_element_bytes(list(profile.server.extra_args))
+    needs = []
+    for name, index in engines:
+        step = steps[index]
+        draft_ref = step.draft if step.method in NEEDS_DRAFT else None
+        draft = drafts.get(draft_ref) if draft_ref else None
+        at = profile.at_step(index)
+        parts: list[str] = []
+        if by_share:
+            est = estimate(
+                at, target.weights, draft.weights if draft else None, has_draft=draft_ref is not None,
+                parallel_layout=True,
+            )  # fmt: skip
+            own = est.per_gpu_bytes
+            parts.append(f"target{' + draft' if draft_ref else ''}, {est.layout}")
+            if draft_ref and (draft is None or draft.weights is None):
+                parts.append("draft size unknown")
+            needs.append(EngineNeed(name, step.method.value, own, "; ".join(parts), shares.get(name)))
+            continue
+        own = 0
+        if not mapped_once:
+            est = estimate(at, target.weights, None, has_draft=False, parallel_layout=parallel_layout)
+            own += est.per_gpu_bytes or 0
+            parts.append(f"weights {_mib(est.per_gpu_bytes or 0)}")
+        if parallel_layout:
+            pass  # vLLM on CPU: its KV cache is VLLM_CPU_KVCACHE_SPACE, sized by the engine, not from the model
+        elif n_ctx and target.kv_per_token:
+            kv = int(n_ctx * target.kv_per_token * element / 2)
+            own += kv
+            parts.append(f"KV cache {_mib(kv)} at -c {n_ctx}")
+        else:
+            parts.append("KV cache size unknown")
+        if draft_ref:
+            if draft is None or draft.weights is None:
+                parts.append("draft size unknown")
+            else:
+                own += draft.weights.bytes
+                parts.append(f"draft {_mib(draft.weights.bytes)}")
+                if n_ctx and draft.kv_per_token:
+                    own += n_ctx * draft.kv_per_token
+                    parts.append(f"draft KV {_mib(n_ctx * draft.kv_per_token)}")
+        needs.append(EngineNeed(name, step.method.value, own, ", ".join(parts)))
+    return TwinFit(
+        tuple(needs),
+        target.weights.bytes if mapped_once else 0,
+        budget,
+        budget_from,
+        by_share,
+        "in memory" if cpu and not by_share else "per GPU",
+        explicit_shares=bool(profile.routing.memory_utilization),
+    )
+
+
+def engine_drafts(profile) -> list[str]:
+    """The drafts the engines of a profile with twins load (the primary's, each twin's step's), each once."""
+    from specops.config.routing import PRIMARY
+    from specops.methods import NEEDS_DRAFT
+
+    wanted = {PRIMARY, *(m.value for m in profile.routing.twins)}
+    out: list[str] = []
+    for i, step in enumerate(profile.steps):
+        name = PRIMARY if i == 0 else step.method.value
+        if name in wanted and step.method in NEEDS_DRAFT and step.draft and step.draft not in out:
+            out.append(step.draft)
+            wanted.discard(name)
+    return out
+
+
+def twin_problems(
+    profile,
+    target: ModelSize | None,
+    drafts: dict[str, ModelSize | None],
+    *,
+    budget: int | None = None,
+    budget_from: str = "",
+) -> tuple[TwinFit | None, list[tuple[tuple, str]]]:
+    """The twins' fit against ``budget`` bytes (default: ``gpus.memory_gb``), and what does not fit, each with the
+    profile field to change. ``(None, [])`` without twins or sizes."""
+    from specops.config.routing import splits_gpu_by_share
+
+    if not profile.routing.twins:
+        return None, []
+    if budget is None and profile.gpus.memory_gb:
+        budget, budget_from = int(profile.gpus.memory_gb * GIB), "gpus.memory_gb"
+    fit = twin_fit(
+        profile, target, drafts, parallel_layout=splits_gpu_by_share(profile.backend), budget=budget,
+        budget_from=budget_from,
+    )  # fmt: skip
+    return fit, (fit.problems() if fit is not None else [])
+
+
+def local_twin_problems(profile, *, at_launch: bool = False) -> list[tuple[tuple, str]]:
+    """:func:`twin_problems` with what this machine reads without the network (local model files), against
+    ``gpus.memory_gb``; ``at_launch``, also against this machine's available memory when the engines run on CPU and
+    their memory adds up (llama.cpp): what ``validate`` and the pre-launch check of ``specops up`` refuse."""
+    from specops.config.routing import splits_gpu_by_share
+
+    if not profile.routing.twins:
+        return []
+    target = local_size(profile.model.id)
+    if target is None:
+        return []
+    drafts = {ref: local_size(ref) for ref in engine_drafts(profile)}
+    _, problems = twin_problems(profile, target, drafts)
+    if problems or not at_launch or profile.gpus.devices or splits_gpu_by_share(profile.backend):
+        return problems
+    free = available_memory()
+    if free is None:
+        return []
+    _, problems = twin_problems(profile, target, drafts, budget=free, budget_from="available memory (MemAvailable)")
+    return problems

@@ -2,7 +2,7 @@
 
 :func:`check_before_launch` refuses a launch that would fail whatever the speculative method: the target
 model is missing or unreadable, an address the launch binds is taken (naming the process that holds it,
-read from /proc), not allowed or not of this machine. It raises :class:`CannotLaunch`, and the command stops
+read from /proc), not allowed or not of this machine, the twins beside the primary do not fit in memory. It raises :class:`CannotLaunch`, and the command stops
 at once with one line per problem: falling back to another method would only fail the same way.
 
 :func:`resolve_for_launch` applies the resolver (method/draft ``auto``, the lock file, the compatibility
@@ -40,13 +40,18 @@ class Address(NamedTuple):
     field: tuple[str, ...] | None = None
 
 
-def check_before_launch(loaded: LoadedProfile, addresses: Iterable[Address] = ()) -> None:
-    """Raise :class:`CannotLaunch` when the target model cannot be read or an address in ``addresses`` cannot
-    be bound; return quietly otherwise. Reads the file system and /proc only (no network, no engine)."""
+def check_before_launch(loaded: LoadedProfile, addresses: Iterable[Address] = (), *, twins: bool = False) -> None:
+    """Raise :class:`CannotLaunch` when the target model cannot be read, an address in ``addresses`` cannot be
+    bound, or (``twins``: the launch starts the profile's twins too) the engines do not fit in memory; return
+    quietly otherwise. Reads the file system and /proc only (no network, no engine)."""
     problems: list[Problem] = []
     target = target_problem(loaded.profile.model.id)
     if target is not None:
         problems.append(loaded.problem(("model", "id"), target))
+    elif twins:
+        from specops.resolve.memory import local_twin_problems
+
+        problems += [loaded.problem(path, msg) for path, msg in local_twin_problems(loaded.profile, at_launch=True)]
     for address in addresses:
         why = address_problem(address.host, address.port)
         if why is None:
