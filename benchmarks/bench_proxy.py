@@ -15,11 +15,13 @@ to measure against a real engine instead (vLLM / llama-server), with ``--model``
         --max-tokens 16 --stream-tokens 64 --token-delay 0
     .venv/bin/python benchmarks/bench_proxy.py --json out.json      # also write the results as JSON
     .venv/bin/python benchmarks/bench_proxy.py --baseline HEAD~1 --loops asyncio uvloop   # before/after
+    .venv/bin/python benchmarks/bench_proxy.py --http aiohttp lean --concurrency 16        # the two HTTP layers
 
 ``--baseline REV`` runs a second proxy process from ``specops/proxy`` as it was at git revision REV (on
 asyncio's loop, as before), and ``--loops`` runs the current proxy once per event loop given; every proxy
 takes its turn in the same alternating rounds as the direct runs, so before and after are measured side by
-side under the same load. Each row reports the pooled p50/p99 and the median over rounds of each round's
+side under the same load. ``--http`` runs the current proxy once per HTTP layer of its public port
+(``proxy.http``: ``aiohttp``, ``lean``), in the same rounds. Each row reports the pooled p50/p99 and the median over rounds of each round's
 added p50 (robust to drift between rounds).
 """
 
@@ -82,11 +84,12 @@ def _baseline_module(rev: str, into: str) -> tuple[str, str]:
     return str(package / "__init__.py"), "specops/proxy/"
 
 
-async def _serve_proxy(upstream: str, module_path: str | None = None) -> None:
+async def _serve_proxy(upstream: str, module_path: str | None = None, http: str | None = None) -> None:
     import signal
 
     Proxy = _proxy_class(module_path)
-    proxy = Proxy("127.0.0.1", 0, queue_size=256, queue_timeout=30, drain_timeout=10)
+    extra = {"http": http} if http else {}  # the public port's HTTP layer (proxy.http: aiohttp / lean)
+    proxy = Proxy("127.0.0.1", 0, queue_size=256, queue_timeout=30, drain_timeout=10, **extra)
     await proxy.start()
     proxy.set_upstream(upstream)
     print(f"LISTENING {proxy.port}", flush=True)
@@ -250,6 +253,7 @@ async def _bench(args, engine_url: str, proxies: dict[str, tuple[str, int | None
             service = 0.0 if args.engine_url else service_ms
             lat: dict[str, list[float]] = {n: [] for n in names}
             round_p50: dict[str, list[float]] = {n: [] for n in names}
+            round_p99: dict[str, list[float]] = {n: [] for n in names}
             cpu0 = {n: _cpu_seconds(pid) for n, (_, pid) in proxies.items()}
             n_req = args.requests if not service_ms else args.requests // 4
             per_client = max(8 if service_ms else 1, n_req // c)
@@ -260,11 +264,13 @@ async def _bench(args, engine_url: str, proxies: dict[str, tuple[str, int | None
                     )
                     lat[name] += got
                     round_p50[name].append(_pct(got, 0.5))
+                    round_p99[name].append(_pct(got, 0.99))
             cpu1 = {n: _cpu_seconds(pid) for n, (_, pid) in proxies.items()}
             d50, d99 = _pct(lat["direct"], 0.5), _pct(lat["direct"], 0.99)
             for name in proxies:
                 p50, p99 = _pct(lat[name], 0.5), _pct(lat[name], 0.99)
                 deltas = [a - b for a, b in zip(round_p50[name], round_p50["direct"])]
+                deltas99 = [a - b for a, b in zip(round_p99[name], round_p99["direct"])]
                 results["latency"].append(
                     {
                         "proxy": name,
@@ -278,6 +284,10 @@ async def _bench(args, engine_url: str, proxies: dict[str, tuple[str, int | None
                         "added_p50_ms": (p50 - d50) * 1e3,
                         "added_p99_ms": (p99 - d99) * 1e3,
                         "median_round_added_p50_ms": _median(deltas) * 1e3,
+                        "median_round_added_p99_ms": _median(deltas99) * 1e3,
+                        # the spread of the per-round added latency: its 25th and 75th percentiles over rounds
+                        "round_added_p50_iqr_ms": [_pct(deltas, 0.25) * 1e3, _pct(deltas, 0.75) * 1e3],
+                        "round_added_p99_iqr_ms": [_pct(deltas99, 0.25) * 1e3, _pct(deltas99, 0.75) * 1e3],
                         "proxy_cpu_us_per_request": None
                         if cpu0[name] is None or cpu1[name] is None
                         else (cpu1[name] - cpu0[name]) / len(lat[name]) * 1e6,
@@ -328,8 +338,9 @@ def _report(args, res: dict, engine: str, proxies: dict[str, str]) -> str:
             f"{args.rounds} alternating rounds of ~{args.requests} requests per path "
             f"(1/4 of that with a service time)",
             f"{'proxy':<{w}} {'clients':>7} {'service':>7} {'direct p50':>10} {'proxy p50':>10} {'added p50':>10} "
-            f"{'med. round':>10} {'direct p99':>10} {'proxy p99':>10} {'added p99':>10} {'proxy CPU/req':>13}"
-            f"   (times in ms)",
+            f"{'med. round':>10} {'direct p99':>10} {'proxy p99':>10} {'added p99':>10} {'med. round':>10} "
+            f"{'proxy CPU/req':>13}   (times in ms; med. round: the median over rounds of each round's added "
+            f"latency, [25th-75th percentile over rounds])",
         ]
     )
     for r in res["latency"]:
@@ -337,7 +348,9 @@ def _report(args, res: dict, engine: str, proxies: dict[str, str]) -> str:
             f"{r['proxy']:<{w}} {r['clients']:>7} {r['service_ms']:>7g} {r['direct_p50_ms']:10.3f} "
             f"{r['proxy_p50_ms']:10.3f} {r['added_p50_ms']:10.3f} {r['median_round_added_p50_ms']:10.3f} "
             f"{r['direct_p99_ms']:10.3f} {r['proxy_p99_ms']:10.3f} {r['added_p99_ms']:10.3f} "
-            f"{_us(r['proxy_cpu_us_per_request']):>13}"
+            f"{r['median_round_added_p99_ms']:10.3f} {_us(r['proxy_cpu_us_per_request']):>13}"
+            f"   [{r['round_added_p50_iqr_ms'][0]:.3f} .. {r['round_added_p50_iqr_ms'][1]:.3f}] p50"
+            f"  [{r['round_added_p99_iqr_ms'][0]:.3f} .. {r['round_added_p99_iqr_ms'][1]:.3f}] p99"
         )
     lines += [
         f"throughput: streamed, {args.stream_tokens} tokens per request, token delay "
@@ -398,18 +411,26 @@ def main(argv=None) -> int:
         help="also run specops/proxy (a package, or proxy.py before it was one) from git "
         "revision REV (asyncio loop), side by side",
     )
+    p.add_argument(
+        "--http",
+        nargs="+",
+        choices=("aiohttp", "lean"),
+        default=None,
+        help="HTTP layer(s) of the current proxy's public port, one proxy process each (default: the proxy's default)",
+    )
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--serve-proxy", help=argparse.SUPPRESS)  # internal: run the proxy process
     p.add_argument("--serve-module", help=argparse.SUPPRESS)  # internal: the proxy module file to run
     p.add_argument("--serve-loop", default="asyncio", help=argparse.SUPPRESS)
+    p.add_argument("--serve-http", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_proxy:
         if args.serve_loop == "uvloop":
             import uvloop
 
-            uvloop.run(_serve_proxy(args.serve_proxy, args.serve_module))
+            uvloop.run(_serve_proxy(args.serve_proxy, args.serve_module, args.serve_http))
         else:
-            asyncio.run(_serve_proxy(args.serve_proxy, args.serve_module))
+            asyncio.run(_serve_proxy(args.serve_proxy, args.serve_module, args.serve_http))
         return 0
 
     procs = []
@@ -436,7 +457,7 @@ def main(argv=None) -> int:
             procs.append(proc)
             engine_url = f"http://127.0.0.1:{port}"
             engine_desc = "tests/support_upstream.py (stand-in, separate process)"
-        specs: list[tuple[str, str | None, str, str]] = []  # name, module file, loop, description
+        specs: list[tuple[str, str | None, str, str | None, str]] = []  # name, module file, loop, http, description
         if args.baseline:
             import tempfile
 
@@ -448,7 +469,7 @@ def main(argv=None) -> int:
             ).stdout.strip()
             tmp = tempfile.mkdtemp(prefix="proxy_baseline_")
             module, where = _baseline_module(rev, tmp)
-            specs.append((f"base-{rev}", module, "asyncio", f"{where} at {rev}, asyncio loop"))
+            specs.append((f"base-{rev}", module, "asyncio", None, f"{where} at {rev}, asyncio loop"))
         here = (
             subprocess.run(
                 ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -458,17 +479,19 @@ def main(argv=None) -> int:
         dirty = subprocess.run(
             ["git", "-C", str(ROOT), "status", "--porcelain", "specops/proxy"], capture_output=True, text=True
         ).stdout.strip()
-        for loop_name in args.loops or [_default_loop()]:
+        for loop_name, http in itertools.product(args.loops or [_default_loop()], args.http or [None]):
             specs.append(
                 (
-                    f"new-{loop_name}",
+                    f"new-{loop_name}" + (f"-{http}" if http else ""),
                     None,
                     loop_name,
-                    f"specops/proxy of the work tree ({here}{'+changes' if dirty else ''}), {loop_name} loop",
+                    http,
+                    f"specops/proxy of the work tree ({here}{'+changes' if dirty else ''}), {loop_name} loop"
+                    + (f", proxy.http {http}" if http else ""),
                 )
             )
         proxies: dict[str, tuple[str, int | None]] = {}
-        for name, module, loop_name, _ in specs:
+        for name, module, loop_name, http, _ in specs:
             argv = [
                 sys.executable,
                 str(Path(__file__).resolve()),
@@ -479,6 +502,8 @@ def main(argv=None) -> int:
             ]
             if module:
                 argv += ["--serve-module", module]
+            if http:
+                argv += ["--serve-http", http]
             proc, pport = _spawn(argv)
             procs.append(proc)
             proxies[name] = (f"http://127.0.0.1:{pport}", proc.pid)
@@ -489,7 +514,7 @@ def main(argv=None) -> int:
         load0 = os.getloadavg()[0]
         res = asyncio.run(_bench(args, engine_url, proxies, stream_extra))
         res["loadavg_1m"] = [load0, os.getloadavg()[0]]
-        text = _report(args, res, engine_desc, {name: desc for name, _, _, desc in specs})
+        text = _report(args, res, engine_desc, {name: desc for name, _, _, _, desc in specs})
         print(text)
         print(
             f"total {time.monotonic() - t0:.1f}s, cpus={os.cpu_count()}, python {sys.version.split()[0]}, "

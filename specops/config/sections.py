@@ -474,6 +474,11 @@ class ProxySettings(Section):
         description="A client that reads nothing of its answer for this long (the proxy has more to send) "
         "is disconnected and its engine request cancelled.",
     )
+    http: Literal["aiohttp", "lean"] | None = Field(
+        None,
+        description="The public port's HTTP layer: `aiohttp`, or `lean` (httptools' C parser under an asyncio "
+        "protocol: less overhead per request, the same checks and limits; experimental). Unset: aiohttp.",
+    )
 
 
 class Profile(Section):

@@ -198,6 +198,21 @@ def ask_timings_per_token(body: bytes) -> bytes:
     return body[: start + 1] + _TIMINGS_PER_TOKEN + b":true," + body[start + 1 :]
 
 
+def stream_response(
+    request: web.BaseRequest, status: int, reason: str | None, headers: CIMultiDict, content_length: int | None
+) -> web.StreamResponse:
+    """The response a streamed answer is written into: aiohttp's, or the lean front end's when the request
+    came through it (:meth:`specops.proxy.fastpath.LeanRequest.open_stream`); both have ``prepare``, ``write``
+    and ``write_eof``."""
+    make = getattr(request, "open_stream", None)
+    if make is not None:
+        return make(status, reason, headers, content_length)
+    resp = web.StreamResponse(status=status, reason=reason, headers=headers)
+    if content_length is not None:
+        resp.content_length = content_length
+    return resp
+
+
 def _response_headers(up: aiohttp.ClientResponse) -> CIMultiDict:
     out = CIMultiDict(up.headers)  # one C-level copy, then drop the few hop-by-hop ones
     conn = out.get("Connection")
@@ -295,9 +310,7 @@ class Forwarder:
             and self.budget.fits(clen)
         ):
             return await self._answer_whole(ex, clen, out_headers)
-        ex.resp = resp = web.StreamResponse(status=up.status, reason=up.reason, headers=out_headers)
-        if clen is not None:
-            resp.content_length = clen
+        ex.resp = resp = stream_response(request, up.status, up.reason, out_headers, clen)
         try:
             await resp.prepare(request)
         except _CLIENT_GONE:
