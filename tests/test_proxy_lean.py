@@ -152,6 +152,27 @@ def test_http_1_0_gets_its_answer_and_a_closed_connection(engine, http):
     run(body())
 
 
+@LAYERS
+def test_head_is_answered_without_a_body_and_the_connection_serves_on(engine, http):
+    async def body():
+        async with running_proxy(engine.url, http=http) as proxy:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            try:
+                writer.write(b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+                await writer.drain()
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                assert head.startswith(b"HTTP/1.1 200") and b"content-length:" in head.lower(), head
+                for _ in range(2):  # the engine connection a HEAD used is not handed a second answer
+                    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+                    await writer.drain()
+                    [(status, got)] = await _read_answers(reader, 1)
+                    assert status == 200 and b'"data"' in got, got
+            finally:
+                writer.close()
+
+    run(body())
+
+
 def test_lean_layer_reads_nothing_after_an_upgrade_request(engine):
     """An ``Upgrade`` request is answered like any other (the header is hop-by-hop: not forwarded), then the
     connection closes: what the client sent behind it is never parsed as requests."""

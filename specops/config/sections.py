@@ -476,8 +476,9 @@ class ProxySettings(Section):
     )
     http: Literal["aiohttp", "lean"] | None = Field(
         None,
-        description="The public port's HTTP layer: `aiohttp`, or `lean` (httptools' C parser under an asyncio "
-        "protocol: less overhead per request, the same checks and limits; experimental). Unset: aiohttp.",
+        description="The HTTP layer of the pass-through path: `aiohttp` (server and engine client), or `lean` "
+        "(httptools' C parser, an asyncio protocol and pooled engine connections: about half the proxy's CPU per "
+        "request, the same checks and limits; experimental). Unset: aiohttp.",
     )
 
 

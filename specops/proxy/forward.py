@@ -77,7 +77,7 @@ _CLIENT_GONE = (ConnectionError, RuntimeError)
 # Idle engine connections are dropped before the engines drop them (uvicorn in vLLM and llama-server both
 # close idle keep-alive connections after 5 s): a connection the engine is closing just as it is reused
 # fails the request before any byte, which would cost its retry.
-_ENGINE_KEEPALIVE = 4.0
+ENGINE_KEEPALIVE = 4.0
 
 # llama-server closes the connection after a streamed (chunked) response without saying so, and aiohttp
 # has pooled it by then: the next request on it fails before any byte. Streamed requests therefore ask
@@ -93,7 +93,7 @@ _SSE_TAIL_LIMIT = 1 << 20
 def engine_session(connect_timeout: float, read_timeout: float | None) -> aiohttp.ClientSession:
     """The client session every engine request goes through (made inside the running loop)."""
     connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=0, keepalive_timeout=_ENGINE_KEEPALIVE, ttl_dns_cache=None, use_dns_cache=True
+        limit=0, limit_per_host=0, keepalive_timeout=ENGINE_KEEPALIVE, ttl_dns_cache=None, use_dns_cache=True
     )
     return aiohttp.ClientSession(
         connector=connector,
@@ -236,6 +236,7 @@ class Forwarder:
         self, counters: dict, budget: BufferBudget, buffer_limit: int, on_timings: Callable[[int, int], Any] | None
     ):
         self.session: aiohttp.ClientSession | None = None  # set by Proxy.start()
+        self.client = None  # the lean layer's engine client (specops.proxy.fastclient), used in place of session
         self.counters = counters
         self.budget = budget
         self.buffer_limit = buffer_limit
@@ -282,7 +283,7 @@ class Forwarder:
         self, request: web.BaseRequest, body: bytes, headers: CIMultiDict, flight: Flight
     ) -> aiohttp.ClientResponse:
         try:
-            return await self.session.request(
+            return await (self.client or self.session).request(
                 request.method,
                 upstream_url(flight.gen, request.raw_path),
                 headers=headers,

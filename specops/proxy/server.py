@@ -31,7 +31,7 @@ from yarl import URL
 from specops.urls import http_url
 
 from .dispatch import RequestPath
-from .forward import Forwarder, Generation, engine_session
+from .forward import ENGINE_KEEPALIVE, Forwarder, Generation, engine_session
 from .limits import (
     LINGER,
     BufferBudget,
@@ -284,6 +284,10 @@ class Proxy(RequestPath):
     async def start(self) -> None:
         """Bind the public (and admin) listeners. Requests queue until :meth:`set_upstream`."""
         self._forwarder.session = engine_session(self.connect_timeout, self.read_timeout)
+        if self.http == "lean":  # its engine client too (health checks stay on the aiohttp session)
+            from .fastclient import EngineClient
+
+            self._forwarder.client = EngineClient(self.connect_timeout, self.read_timeout, ENGINE_KEEPALIVE)
         raise_fd_limit(2 * (self.max_connections or 0) + 256)
         server_log = ServerLog(self._reject_log)
         await self._listen_public(server_log)
@@ -385,6 +389,8 @@ class Proxy(RequestPath):
                 server.heap.cancel()  # the closed connections may have asked for a trim: none is due now
         if self._forwarder.session is not None:
             await self._forwarder.session.close()
+        if self._forwarder.client is not None:
+            await self._forwarder.client.close()
         if self._reject_log.pending:
             log.warning("proxy: %d lines about rejected requests were suppressed", self._reject_log.pending)
             self._reject_log.pending = 0
