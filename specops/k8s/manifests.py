@@ -32,6 +32,7 @@ from specops.config.sections import Profile
 from specops.errors import Problem, ProfileError
 from specops.k8s import rbac
 from specops.k8s.source import content_hash, dump, env_reference, merged_source
+from specops.k8s.twins import twin_notes, twin_problems
 from specops.methods import Method
 from specops.redact import looks_secret
 
@@ -179,6 +180,7 @@ def _problems(loaded: LoadedProfile, source: dict) -> list[Problem]:
                 )
             )
     out += _schedule_problems(loaded, source)
+    out += twin_problems(loaded, multi_node_mode(p, _backend(p)))
     if p.proxy.admin_port is not None and p.deploy.monitor != "none":
         out.append(
             loaded.problem(
@@ -591,6 +593,7 @@ def render(loaded: LoadedProfile, lock_text: str | None = None, source_name: str
     gated = _gated_note(p)
     if gated:
         out.notes.append(gated)
+    out.notes += twin_notes(p)
     return out
 
 

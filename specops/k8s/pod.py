@@ -62,7 +62,7 @@ def probe(
     """'' when specops' proxy on ``127.0.0.1:port`` is in one of the ``accept`` states, else why not.
 
     ``serving`` only, by default: a replica leaves the Service while it switches methods or restarts its
-    engine. A single replica accepts ``held`` too: there is no other one to route to, and its proxy queues
+    engine, unless a twin of it is live (the router sends every request there). A single replica accepts ``held`` too: there is no other one to route to, and its proxy queues
     the requests through the switch (which is what it is for).
     """
     try:
@@ -72,9 +72,17 @@ def probe(
     except (OSError, ValueError) as exc:
         return f"specops does not answer on port {port}: {type(exc).__name__}"
     state = (doc.get("proxy") or {}).get("state") if isinstance(doc.get("proxy"), dict) else None
-    if state not in accept:
+    if state not in accept and not _an_engine_serves(doc):
         return f"the proxy is {state or 'in an unknown state'}, not {' or '.join(accept)}"
     return ""
+
+
+def _an_engine_serves(doc: dict) -> bool:
+    """With twins (``engines`` in the status), whether one of the engines is live: the router then sends every
+    request to a live one, so the pod serves while another engine restarts or switches (none is live while
+    specops stops)."""
+    engines = doc.get("engines")
+    return isinstance(engines, list) and any(isinstance(e, dict) and e.get("live") is True for e in engines)
 
 
 def prestop(
