@@ -146,7 +146,9 @@ def test_http_1_0_gets_its_answer_and_a_closed_connection(engine, http):
             finally:
                 writer.close()
             head, _, rest = got.partition(b"\r\n\r\n")
-            assert head[:7] == b"HTTP/1." and head[8:12] == b" 200" and b"transfer-encoding: chunked" not in head.lower(), head
+            assert (
+                head[:7] == b"HTTP/1." and head[8:12] == b" 200" and b"transfer-encoding: chunked" not in head.lower()
+            ), head
             assert rest.rstrip().endswith(b"data: [DONE]"), rest[-200:]
 
     run(body())

@@ -336,7 +336,9 @@ class EngineClient:
                 f"Cannot connect to the engine at {key[0]}:{key[1]}: no answer within {self.connect_timeout:g}s"
             ) from None
         except OSError as exc:
-            raise EngineUnreachable(f"Cannot connect to the engine at {key[0]}:{key[1]}: {exc.strerror or exc}") from None
+            raise EngineUnreachable(
+                f"Cannot connect to the engine at {key[0]}:{key[1]}: {exc.strerror or exc}"
+            ) from None
         return conn
 
     def put_back(self, conn: EngineConnection) -> None:

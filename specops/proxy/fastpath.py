@@ -149,7 +149,17 @@ class LeanStream:
     """A streamed answer on the lean front end: ``prepare``, ``write`` and ``write_eof`` as aiohttp's
     ``StreamResponse`` (chunked unless the engine gave a Content-Length)."""
 
-    __slots__ = ("_chunked", "_conn", "_no_body", "_request", "complete", "content_length", "headers", "reason", "status")
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_no_body",
+        "_request",
+        "complete",
+        "content_length",
+        "headers",
+        "reason",
+        "status",
+    )
 
     def __init__(self, conn, request: LeanRequest, status, reason, headers, content_length):
         self._conn = conn
@@ -420,7 +430,9 @@ class LeanConnection(asyncio.Protocol):
             return
         server = self.server
         server.counters["rejected_malformed"] += 1
-        server.reject_log("proxy: %d %s from %s: %s", 400, "malformed request", self.remote or "-", shown(brief(exc), 160))
+        server.reject_log(
+            "proxy: %d %s from %s: %s", 400, "malformed request", self.remote or "-", shown(brief(exc), 160)
+        )
         self._trim = True
         resp = web.Response(
             status=400,
@@ -470,7 +482,9 @@ class LeanConnection(asyncio.Protocol):
                 return  # the client went away
             except Exception as exc:
                 server.counters["internal_errors"] += 1
-                server.reject_log("proxy: %d %s from %s: %s", 500, "internal error", self.remote or "-", shown(brief(exc), 160))
+                server.reject_log(
+                    "proxy: %d %s from %s: %s", 500, "internal error", self.remote or "-", shown(brief(exc), 160)
+                )
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("proxy: traceback of the internal error", exc_info=exc)
                 resp = web.Response(
