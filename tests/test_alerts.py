@@ -18,6 +18,7 @@ import yaml
 from conftest import ROOT, unavailable
 from prometheus_client.parser import text_string_to_metric_families
 from support_prometheus import InProcessSpecops
+from support_twin_metrics import twin_metrics_text
 
 CONTRIB = ROOT / "contrib" / "prometheus"
 SCRAPE, ALERTS, ALERT_TESTS = CONTRIB / "scrape.yml", CONTRIB / "alerts.yml", CONTRIB / "alerts_test.yml"
@@ -177,7 +178,7 @@ def test_every_metric_in_the_rules_is_one_specops_or_the_engines_export():
     engines = {
         name for prefix in ("vllm:", "llamacpp:") for name in series_names(prefix).values()
     }  # what specops reads from real engines (tests/test_metrics.py, the engine tests)
-    known = own | engines | PROMETHEUS_OWN
+    known = own | engines | PROMETHEUS_OWN | sample_names(twin_metrics_text())  # with twins and classes
     used: dict[str, set[str]] = {r["alert"]: metric_names(r["expr"]) for r in alert_rules()}
     for alert, names in used.items():
         assert names, alert

@@ -12,6 +12,7 @@ import re
 
 import pytest
 from support_cli import ROOT
+from support_twin_metrics import twin_metrics_text
 
 DASHBOARD = ROOT / "contrib" / "grafana" / "specops.json"
 #: PromQL words that look like metric names.
@@ -36,9 +37,11 @@ def specops_series() -> dict[str, set[str]]:
     m.fallbacks.labels(from_method="eagle3", to_method="ngram", reason="low acceptance").inc()
     proxy = Proxy("127.0.0.1", 1, queue_size=1, queue_timeout=1, drain_timeout=1, metrics_registry=m.registry)
     out: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(proxy.metrics_text().decode()):
-        for s in family.samples:
-            out.setdefault(s.name, set()).update(s.labels)
+    twins = twin_metrics_text()  # a deployment with twins and request classes
+    for text in (proxy.metrics_text().decode(), twins):
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out.setdefault(s.name, set()).update(s.labels)
     # counters with labels the proxy fills only when it happens
     for name, label in (("specops_proxy_rejected_total", "reason"), ("specops_proxy_refused_total", "reason")):
         out.setdefault(name, set()).add(label)
