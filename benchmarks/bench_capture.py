@@ -1,4 +1,4 @@
-"""What ``capture:`` (:mod:`specops.adapt.capture`) costs a client request on the proxy's path.
+"""What ``capture:`` (:mod:`specops.proxy.capture`) costs a client request on the proxy's path.
 
 Three proxies in this process in front of the same protocol stand-in (``tests/support_upstream.py``), taking
 turns round by round: no capture (``off``); capture at the default ``sample: 0.1`` (``0.1``); capture of every
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from support_upstream import Upstream, running_proxy  # noqa: E402 - tests/ is put on sys.path above
 
-from specops.adapt.capture import Capture, CaptureFiles, CaptureSettings  # noqa: E402
+from specops.proxy.capture import Capture, CaptureFiles, CaptureSettings  # noqa: E402
 
 PLAIN = json.dumps({"model": "m", "prompt": "def fibonacci(n):" * 8, "max_tokens": 16}).encode()
 STREAM = json.dumps({"model": "m", "prompt": "def fibonacci(n):" * 8, "max_tokens": 16, "stream": True}).encode()

@@ -17,8 +17,8 @@ import pytest
 from support_cli import run_subprocess
 from support_ports import free_port
 
-from specops.adapt.capture import Capture, CaptureFiles, CaptureSettings, Tap, redactors
 from specops.adapt.dataset import DatasetError, read_examples, stats
+from specops.proxy.capture import Capture, CaptureFiles, CaptureSettings, redactors
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -143,8 +143,20 @@ def test_a_stream_cut_short_or_larger_than_a_record_is_not_kept(tmp_path):
 
 
 def _record(i: int, size: int = 200) -> bytes:
-    return (json.dumps({"v": 1, "at": time.time(), "path": "/v1/completions", "class": "-", "prompt": f"p{i}",
-                        "output": "x" * size, "stream": False}) + "\n").encode()
+    return (
+        json.dumps(
+            {
+                "v": 1,
+                "at": time.time(),
+                "path": "/v1/completions",
+                "class": "-",
+                "prompt": f"p{i}",
+                "output": "x" * size,
+                "stream": False,
+            }
+        )
+        + "\n"
+    ).encode()
 
 
 def test_capture_files_rotate_and_never_exceed_max_bytes_oldest_first(tmp_path):
@@ -223,8 +235,9 @@ def test_the_redaction_hook_edits_or_drops_records_before_they_reach_the_disk(tm
     pm.add_hookspecs(hookspecs)
     pm.register(Scrubber(), name="scrubber")
     folder = tmp_path / "c"
-    cap = Capture(CaptureFiles(folder, 1 << 20, 1 << 18, 3600), CaptureSettings(1.0, 4096, frozenset()),
-                  redactors(Plugins(pm)))
+    cap = Capture(
+        CaptureFiles(folder, 1 << 20, 1 << 18, 3600), CaptureSettings(1.0, 4096, frozenset()), redactors(Plugins(pm))
+    )
     answer = json.dumps({"choices": [{"text": "ok"}]}).encode()
     for prompt in ("mail alice@example.com now", "DROP this", "BOOM"):
         cap.offer(cap.tap("POST", "/v1/completions", json.dumps({"prompt": prompt}).encode(), None), 200, answer)
@@ -296,7 +309,7 @@ def test_capture_settings_are_checked_where_they_are_written(tmp_path):
 
 def test_the_control_plane_never_imports_torch():
     code = (
-        "import sys, specops.cli, specops.commands.adapt, specops.adapt.capture, specops.adapt.dataset, "
+        "import sys, specops.cli, specops.commands.adapt, specops.proxy.capture, specops.adapt.dataset, "
         "specops.config.profile, specops.commands.render, specops.commands.validate; "
         "import specops.adapt.promote, specops.adapt.train; "
         "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))"

@@ -96,8 +96,21 @@ def test_a_draft_trained_on_captured_traffic_lowers_its_loss_and_llama_server_dr
     assert json.loads(stats.stdout)["records"] == 40
     out = tmp_path / "work"
     res = run_subprocess(
-        "adapt", "train", path, "--out", out, "--init", "target", "--steps", "30", "--batch", "8", "--lr", "3e-3",
-        "--json", timeout=300,
+        "adapt",
+        "train",
+        path,
+        "--out",
+        out,
+        "--init",
+        "target",
+        "--steps",
+        "30",
+        "--batch",
+        "8",
+        "--lr",
+        "3e-3",
+        "--json",
+        timeout=300,
     )
     assert res.code == 0, res.stderr
     doc = json.loads(res.stdout)
@@ -118,8 +131,19 @@ def test_an_interrupted_training_resumes_from_its_checkpoint(tmp_path):
     lines = []
     for i in range(24):
         prompt = " ".join(rng.choice(WORDS) for _ in range(5))
-        lines.append(json.dumps({"v": 1, "at": 1.0 + i, "path": "/v1/completions", "class": "-", "prompt": prompt,
-                                 "output": " the and of", "stream": False}))
+        lines.append(
+            json.dumps(
+                {
+                    "v": 1,
+                    "at": 1.0 + i,
+                    "path": "/v1/completions",
+                    "class": "-",
+                    "prompt": prompt,
+                    "output": " the and of",
+                    "stream": False,
+                }
+            )
+        )
     (folder / "capture-00000000000000000001.jsonl").write_text("\n".join(lines) + "\n")
     path = _profile(tmp_path, tiny_model("gguf-draft-other.gguf"))
     out = tmp_path / "work"
@@ -132,12 +156,18 @@ def test_an_interrupted_training_resumes_from_its_checkpoint(tmp_path):
     import subprocess
     import sys
 
-    from specops.adapt.train import train_python
+    from specops.devenv.engines import vllm_python
 
-    env_py = str(train_python(None))
+    env_py = str(vllm_python())
     src = str(Path(__file__).resolve().parent.parent)
-    proc = subprocess.run([env_py, "-m", "specops.adapt.train_worker", str(out / "job.json")], capture_output=True,
-                          text=True, cwd=out, env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, timeout=100)
+    proc = subprocess.run(
+        [env_py, "-m", "specops.adapt.train_worker", str(out / "job.json")],
+        capture_output=True,
+        text=True,
+        cwd=out,
+        env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"},
+        timeout=100,
+    )
     assert proc.returncode == 0, proc.stderr
     events = [json.loads(line) for line in proc.stdout.splitlines()]
     assert events[0] == {"resumed": 6} and events[-1]["steps"] == 10

@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("watch", ("specops.watch",)),
     ("proxy", ("specops.proxy",)),
     ("perf", ("specops.perf",)),
+    ("adapt", ("specops.adapt",)),
     ("k8s", ("specops.k8s",)),
     (
         "app",

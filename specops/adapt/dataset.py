@@ -1,6 +1,6 @@
 """Reading the capture files back: every record checked, a bad one located (file:line), the held-out split.
 
-A capture folder holds JSONL files written by :mod:`specops.adapt.capture`. A line that is not JSON, a last
+A capture folder holds JSONL files written by :mod:`specops.proxy.capture`. A line that is not JSON, a last
 line cut short (no newline: a file truncated or still being written by a crashed proxy), or a record that is
 not a capture record (another tool's JSONL) is a :class:`DatasetError` naming the file and line, never a
 traceback and never silently skipped: training on half a dataset would look like success.
@@ -12,10 +12,11 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from specops.adapt.capture import FILE_PREFIX, FILE_SUFFIX, RECORD_VERSION
 from specops.errors import SpecopsError
+from specops.proxy.capture import FILE_PREFIX, FILE_SUFFIX, RECORD_VERSION
 
 #: A capture line longer than this is refused (the proxy never writes one: ``max_record_bytes`` is at most 64 MiB).
 MAX_LINE = 128 << 20
@@ -59,7 +60,7 @@ def prompt_text(record: dict) -> str:
 
 def _check(record, where: str) -> Example:
     if not isinstance(record, dict) or record.get("v") != RECORD_VERSION:
-        raise DatasetError(f"{where}: not a specops capture record (no `\"v\": {RECORD_VERSION}`)")
+        raise DatasetError(f'{where}: not a specops capture record (no `"v": {RECORD_VERSION}`)')
     for name, kind in (("output", str), ("class", str), ("at", (int, float))):
         if not isinstance(record.get(name), kind) or isinstance(record.get(name), bool):
             raise DatasetError(f"{where}: field `{name}` is missing or not a {getattr(kind, '__name__', 'number')}")
@@ -83,7 +84,7 @@ def read_examples(folder: Path) -> Iterator[Example]:
         except OSError as exc:
             raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from None
         with fh:
-            for number, raw in enumerate(iter(lambda: fh.readline(MAX_LINE + 1), b""), start=1):
+            for number, raw in enumerate(iter(partial(fh.readline, MAX_LINE + 1), b""), start=1):
                 where = f"{path}:{number}"
                 if len(raw) > MAX_LINE:
                     raise DatasetError(f"{where}: a line longer than {MAX_LINE} bytes: not a capture file")
@@ -98,7 +99,9 @@ def read_examples(folder: Path) -> Iterator[Example]:
                 except ValueError as exc:
                     column = getattr(exc, "colno", None)
                     at = f":{column}" if column else ""
-                    raise DatasetError(f"{where}{at}: not JSON ({getattr(exc, 'msg', exc)}): a corrupt record") from None
+                    raise DatasetError(
+                        f"{where}{at}: not JSON ({getattr(exc, 'msg', exc)}): a corrupt record"
+                    ) from None
                 yield _check(record, where)
 
 

@@ -135,7 +135,9 @@ def write_back(loaded, draft: str, certificate: dict, *, dry_run: bool) -> tuple
     return yamledit.unified_diff(old, new, path.name), cert
 
 
-def run_compare(loaded, registry, new_draft: str, heldout: Path, *, max_tokens: int, limit: int) -> tuple[DraftFigures, DraftFigures]:
+def run_compare(
+    loaded, registry, new_draft: str, heldout: Path, *, max_tokens: int, limit: int
+) -> tuple[DraftFigures, DraftFigures]:
     prompts = heldout_prompts(heldout, max_tokens, limit)
     current = loaded.profile.speculative.draft
     if current is None:

@@ -76,7 +76,9 @@ def read_gguf(path: Path) -> tuple[dict, dict, dict]:
         raise SpecopsError(f"{path}: not a readable GGUF file: {exc}") from None
     arch = _field(reader, "general.architecture")
     if arch != "llama":
-        raise SpecopsError(f"{path}: architecture {arch!r}: `specops adapt train` writes llama-architecture drafts only")
+        raise SpecopsError(
+            f"{path}: architecture {arch!r}: `specops adapt train` writes llama-architecture drafts only"
+        )
     dims = {
         "hidden": int(_field(reader, "llama.embedding_length")),
         "layers": int(_field(reader, "llama.block_count")),
@@ -89,7 +91,11 @@ def read_gguf(path: Path) -> tuple[dict, dict, dict]:
     }
     tensors = {}
     for t in reader.tensors:
-        data = t.data if t.tensor_type in (gguf.GGMLQuantizationType.F32,) else gguf.quants.dequantize(t.data, t.tensor_type)
+        data = (
+            t.data
+            if t.tensor_type in (gguf.GGMLQuantizationType.F32,)
+            else gguf.quants.dequantize(t.data, t.tensor_type)
+        )
         tensors[t.name] = np.asarray(data, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
     model = _field(reader, "tokenizer.ggml.model")
     vocab = {
@@ -198,21 +204,6 @@ def available_memory() -> int | None:
 # ------------------------------------------------------------------------------------------- the run
 
 
-def train_python(explicit: str | None) -> Path:
-    """The interpreter with torch: ``--python``, ``$SPECOPS_TRAIN_PYTHON``, else the vLLM venv's."""
-    chosen = explicit or os.environ.get("SPECOPS_TRAIN_PYTHON")
-    if chosen:
-        return Path(chosen)
-    from specops.devenv import engines
-
-    if not engines.vllm_ready():
-        raise SpecopsError(
-            "training needs torch: pass --python (an interpreter with torch and tokenizers), set "
-            "SPECOPS_TRAIN_PYTHON, or run `specops engines setup vllm` (its venv has both)"
-        )
-    return engines.vllm_python()
-
-
 def _digest(*parts) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -227,7 +218,7 @@ def train_llamacpp(
     out: Path,
     opts: TrainOptions,
     *,
-    python: str | None = None,
+    python: Path,
     on_progress: Callable[[dict], None] = lambda d: None,
 ) -> TrainOutcome:
     """Train a GGUF draft into ``out`` (resuming a run of the same job there). See the module docstring."""
@@ -239,7 +230,10 @@ def train_llamacpp(
             continue
         (held if ex.held_out else train).append({"prompt": ex.prompt, "output": ex.output, "class": ex.cls})
     if not train:
-        raise SpecopsError(f"{capture}: no captured example to train on" + (f" of class {opts.only_class!r}" if opts.only_class else ""))
+        raise SpecopsError(
+            f"{capture}: no captured example to train on"
+            + (f" of class {opts.only_class!r}" if opts.only_class else "")
+        )
     dims, tensors, vocab, init_from = initial_draft(target, draft, opts)
     need = memory_estimate(dims, len(vocab["tokens"]), opts)
     have = available_memory()
@@ -272,15 +266,24 @@ def train_llamacpp(
         "checkpoint_every": opts.checkpoint_every,
         "threads": opts.threads,
     }
-    job["id"] = _digest(examples_text.encode(), {k: v for k, v in job.items() if k not in ("threads",)},
-                        [tensors[k].tobytes()[:4096] for k in sorted(tensors)])
+    job["id"] = _digest(
+        examples_text.encode(),
+        {k: v for k, v in job.items() if k not in ("threads",)},
+        [tensors[k].tobytes()[:4096] for k in sorted(tensors)],
+    )
     _write(out / "job.json", json.dumps(job))
-    result = _run_worker(train_python(python), out, on_progress)
+    result = _run_worker(python, out, on_progress)
     path = out / "draft.gguf"
     trained = np.load(out / "draft.npz")
     write_gguf(path, {k: trained[k] for k in trained.files}, dims, vocab, "specops-adapt-draft")
-    info = {"target": str(target), "init_from": init_from, "train_examples": len(train), "heldout_examples": len(held),
-            "memory_estimate": need, **result}
+    info = {
+        "target": str(target),
+        "init_from": init_from,
+        "train_examples": len(train),
+        "heldout_examples": len(held),
+        "memory_estimate": need,
+        **result,
+    }
     _write(out / "train-info.json", json.dumps(info, indent=1))
     return TrainOutcome(path, out, result, len(train), len(held), init_from, need)
 
@@ -301,7 +304,11 @@ def _run_worker(python: Path, out: Path, on_progress: Callable[[dict], None]) ->
     try:
         proc = subprocess.Popen(
             [str(python), "-m", "specops.adapt.train_worker", str(out / "job.json")],
-            stdout=subprocess.PIPE, stderr=fd, text=True, cwd=out, env=env,
+            stdout=subprocess.PIPE,
+            stderr=fd,
+            text=True,
+            cwd=out,
+            env=env,
         )
     except OSError as exc:
         os.close(fd)
@@ -320,7 +327,9 @@ def _run_worker(python: Path, out: Path, on_progress: Callable[[dict], None]) ->
     except KeyboardInterrupt:
         proc.terminate()
         proc.wait()
-        raise SpecopsError(f"training interrupted; run the same command again to resume from {out / 'checkpoint.pt'}") from None
+        raise SpecopsError(
+            f"training interrupted; run the same command again to resume from {out / 'checkpoint.pt'}"
+        ) from None
     if code != 0 or not last.get("done"):
         tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-5:]
         why = last.get("error") or " | ".join(tail) or f"exit status {code}"

@@ -84,7 +84,10 @@ class LlamaDraft(torch.nn.Module):
         self.dims = dims
         self.names = sorted(tensors)
         self.params = torch.nn.ParameterDict(
-            {k.replace(".", "__"): torch.nn.Parameter(torch.from_numpy(np.array(v, dtype=np.float32))) for k, v in tensors.items()}
+            {
+                k.replace(".", "__"): torch.nn.Parameter(torch.from_numpy(np.array(v, dtype=np.float32)))
+                for k, v in tensors.items()
+            }
         )
 
     def p(self, name: str) -> torch.Tensor:
@@ -216,15 +219,26 @@ def run(job_path: Path) -> int:
                 recent = sum(losses[-20:]) / len(losses[-20:])
                 _say(step=step, of=steps, loss=round(recent, 4), eta_s=round(per * (steps - step), 1))
             if step % job["checkpoint_every"] == 0 or step == steps:
-                state = {"job": job["id"], "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                         "first_loss": first_loss, "rng": rng.bit_generator.state}
+                state = {
+                    "job": job["id"],
+                    "model": model.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step,
+                    "first_loss": first_loss,
+                    "rng": rng.bit_generator.state,
+                }
                 tmp = folder / "checkpoint.pt.tmp"
                 torch.save(state, tmp)
                 os.replace(tmp, ckpt)
     final = _mean_loss(model, examples, job["batch"], teacher)
     np.savez(folder / "draft.npz", **model.tensors())
-    result = {"steps": step, "examples": len(examples), "first_loss": first_loss, "last_loss": final,
-              "seconds": round(time.monotonic() - t0, 1)}
+    result = {
+        "steps": step,
+        "examples": len(examples),
+        "first_loss": first_loss,
+        "last_loss": final,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
     (folder / "result.json").write_text(json.dumps(result), encoding="utf-8")
     _say(done=True, **result)
     return 0

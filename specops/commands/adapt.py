@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def adapt():
 def _folder(profile_path: str, from_path: str | None) -> Path:
     if from_path:
         return Path(from_path)
-    from specops.adapt.capture import capture_dir
+    from specops.proxy.capture import capture_dir
 
     return capture_dir(load(profile_path).profile)
 
@@ -112,9 +113,9 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
     """
     import sys
 
-    from specops.adapt.capture import capture_dir
     from specops.adapt.train import TrainOptions, progress_line, train_llamacpp
     from specops.errors import SpecopsError
+    from specops.proxy.capture import capture_dir
 
     loaded = load(profile)
     prof = loaded.profile
@@ -139,7 +140,7 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
         if line and not as_json:
             click.echo(line, err=True)
 
-    outcome = train_llamacpp(target, draft, folder, work, opts, python=python, on_progress=show)
+    outcome = train_llamacpp(target, draft, folder, work, opts, python=_train_python(python), on_progress=show)
     doc = {
         "draft": str(outcome.draft),
         "folder": str(outcome.folder),
@@ -237,3 +238,19 @@ def promote(profile, draft, heldout, margin, max_tokens, limit, dry_run, as_json
             click.echo("(dry run: nothing written)" if dry_run else f"written; certificate: {cert}")
     if not verdict["promote"]:
         raise SpecopsError("not promoted: " + verdict["reason"])
+
+
+def _train_python(explicit: str | None) -> Path:
+    """The interpreter with torch: ``--python``, ``$SPECOPS_TRAIN_PYTHON``, else the vLLM venv's."""
+    chosen = explicit or os.environ.get("SPECOPS_TRAIN_PYTHON")
+    if chosen:
+        return Path(chosen)
+    from specops.devenv import engines
+    from specops.errors import SpecopsError
+
+    if not engines.vllm_ready():
+        raise SpecopsError(
+            "training needs torch: pass --python (an interpreter with torch and tokenizers), set "
+            "SPECOPS_TRAIN_PYTHON, or run `specops engines setup vllm` (its venv has both)"
+        )
+    return engines.vllm_python()

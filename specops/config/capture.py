@@ -1,7 +1,7 @@
 """The profile's ``capture`` section: what the proxy keeps of the traffic to train a draft on (opt-in).
 
 ``specops adapt train`` learns a draft from the prompts the deployment serves and the target's own answers
-to them; the proxy writes a bounded, private sample of them (:mod:`specops.adapt.capture`). Kept apart from
+to them; the proxy writes a bounded, private sample of them (:mod:`specops.proxy.capture`). Kept apart from
 :mod:`specops.config.sections` (which imports it) so that module stays small.
 """
 

@@ -63,7 +63,7 @@ SERVING, DOWN, STOPPED = ProxyState.SERVING, ProxyState.DOWN, ProxyState.STOPPED
 class RequestPath:
     """Serving requests: mixed into :class:`~specops.proxy.server.Proxy` (``self`` is the proxy)."""
 
-    capture = None  # specops.adapt.capture.Capture when the profile's `capture:` keeps traffic for `specops adapt`
+    capture = None  # specops.proxy.capture.Capture when the profile's `capture:` keeps traffic for `specops adapt`
 
     # ------------------------------------------------------------------------------------ entry points
 
@@ -221,7 +221,7 @@ class RequestPath:
                     self.sampler.offer(
                         request.method, request.raw_path, request.headers, body.data, resp.status, resp.body
                     )
-                if flight.tap is not None:  # training data for `specops adapt` (specops.adapt.capture)
+                if flight.tap is not None:  # training data for `specops adapt` (specops.proxy.capture)
                     self.capture.offer(flight.tap, resp.status, resp.body if type(resp) is web.Response else None)
                 return resp
             alive = None

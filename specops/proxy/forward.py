@@ -137,7 +137,7 @@ class Flight:
         self.cut_reason: str | None = None
         self.started = False
         self.totals: dict | None = None  # timings running totals per choice index
-        self.tap = None  # a specops.adapt.capture.Tap: the streamed answer is copied into it (capture: on)
+        self.tap = None  # a specops.proxy.capture.Tap: the streamed answer is copied into it (capture: on)
 
     def cut(self, reason: str) -> None:
         if self.cut_reason is None:

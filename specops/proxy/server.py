@@ -273,8 +273,8 @@ class Proxy(RequestPath):
             opts["sampler"] = LiveSampler(max_entries=2 * spot.sample)
         opts.update(kwargs)
         proxy = cls(server.host, server.port, **opts)
-        if profile.capture.enabled:  # traffic kept for `specops adapt` (specops.adapt.capture)
-            from specops.adapt.capture import Capture
+        if profile.capture.enabled:  # traffic kept for `specops adapt` (specops.proxy.capture)
+            from specops.proxy.capture import Capture
 
             proxy.capture = Capture.for_profile(profile)
         return proxy
