@@ -114,7 +114,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
             say=console.say,
             on_check=up.write_state,
         )
-    if profile.routing.enabled:  # twins: engines beside the primary, routed per request (specops.run.twins)
+    if profile.routing.enabled:  # twins: engines beside the primary, routed per request (specops.twins)
         up.twins = _twins(up, registry, metrics, opts)
     up.sup = _supervisor(up, _step_renderer(loaded, registry, engine, engine_host, engine_port), opts)
     up.fleet = _fleet(up, metrics)
@@ -331,7 +331,7 @@ def _proxy(up: _Instance, live: LiveCounters | None, metrics: SpecopsMetrics):
 
 def _twins(up: _Instance, registry, metrics: SpecopsMetrics, opts: UpOptions):
     """The twins of ``routing.twins``: one supervisor each, on a loopback port of its own, behind the proxy."""
-    from specops.run.twins import TwinEngines
+    from specops.twins import TwinEngines
 
     loaded = up.loaded
 
@@ -491,7 +491,7 @@ def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[
         return False
     up.watcher.repoint(loaded.profile, policy, reader)
     up.loaded = loaded
-    if up.twins is not None:  # route rules, class settings, twins added, removed or restarted (specops.run.twins)
+    if up.twins is not None:  # route rules, class settings, twins added, removed or restarted (specops.twins)
         up.twins.reload(loaded.profile)
     return True
 

@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "app",
         (
             "specops.up",
+            "specops.twins",
             "specops.doctor",
             "specops.doctor_hub",
             "specops.doctor_profile",

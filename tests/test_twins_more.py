@@ -40,7 +40,7 @@ def _profile(tmp_path, extra: str = "", base: str = BASE):
 
 def _twins(tmp_path, loaded, events=None, surface=None):
     """TwinEngines as `specops up` builds them (their supervisors are built, never run), the real decider."""
-    from specops.run.twins import TwinEngines
+    from specops.twins import TwinEngines
 
     events = events or Events()
     decider = FallbackDecider.from_profile(loaded.profile, events=events, say=lambda m: None, surface=surface)
