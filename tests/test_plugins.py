@@ -205,7 +205,7 @@ def test_hookspecs_live_in_one_module_and_backends_declare_everything():
     from specops.plugins import get_registry
 
     specs = [name for name, obj in vars(hookspecs).items() if callable(obj) and hasattr(obj, "specops_spec")]
-    assert specs == ["specops_backends", "register_commands"]
+    assert specs == ["specops_backends", "register_commands", "capture_redact"]
     for name, backend in get_registry().backends.items():
         assert backend.name == name and backend.methods
         assert backend.health_path.startswith("/") and backend.metrics_path.startswith("/")
@@ -251,7 +251,7 @@ def test_a_failing_register_commands_is_a_one_line_error(tmp_path):
         (
             MISSPELT_HOOK,
             "error: plugin bad (specops-bad 0.0.1): unknown hook 'specops_backend' "
-            "(specops hooks: specops_backends, register_commands)",
+            "(specops hooks: specops_backends, register_commands, capture_redact)",
         ),
         (
             WRONG_ARGUMENT,

@@ -115,16 +115,17 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
 
     from specops.adapt.train import TrainOptions, progress_line, train_llamacpp
     from specops.errors import SpecopsError
+    from specops.plugins import get_registry
     from specops.proxy.capture import capture_dir
 
     loaded = load(profile)
     prof = loaded.profile
     folder = Path(from_path) if from_path else capture_dir(prof)
     work = Path(out) if out else folder.parent / "adapt"
-    if prof.backend != "llamacpp":
+    if get_registry().backend(prof.backend).model_format != "gguf":
         raise SpecopsError(
-            f"{profile}: `specops adapt train` trains llama.cpp GGUF drafts so far (backend {prof.backend!r}); "
-            "an EAGLE-3 head for vLLM is not trained yet"
+            f"{profile}: `specops adapt train` trains GGUF drafts (llama.cpp) so far (backend {prof.backend!r} "
+            "loads Hugging Face models); an EAGLE-3 head for vLLM is not trained yet"
         )
     target = Path(prof.model.id)
     if not target.is_file():
