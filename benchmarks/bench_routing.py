@@ -23,7 +23,8 @@ Reported per class and for the whole mix: tokens/s (the class's output tokens ÷
 rounds with their spread, each mode against the best static configuration, learned against the oracle.
 
     .venv/bin/python benchmarks/bench_routing.py
-    .venv/bin/python benchmarks/bench_routing.py --rounds 5 --slot 30 --json benchmarks/results-llamacpp-routing.json
+    .venv/bin/python benchmarks/bench_routing.py --rounds 8 --slot 20 --tokens 48 --json results.json
+    .venv/bin/python benchmarks/bench_routing.py --engine vllm --cpus "" --rounds 2 --slot 30 --tokens 32
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ MODES = {"static-spec": "static-spec", "static-none": "static-none", "learned": 
 #: The oracle's header per class: where each class is known to pay.
 ORACLE = {"code": "on", "creative": "off"}
 HEADER = "X-Specops-Speculation"
+#: vLLM checks ``model`` against its served name: there the class is a header (``routing.classes.key: header``).
+CLASS_HEADER = "X-Bench-Class"
 
 
 def profile_yaml(kind: str, paths: dict, port: int, args) -> str:
@@ -63,14 +66,23 @@ def profile_yaml(kind: str, paths: dict, port: int, args) -> str:
         if kind == "static-none"
         else f"speculative:\n  method: draft_model\n  draft: {paths['draft']}\n  num_speculative_tokens: {args.k}\n"
     )
+    key = "key: model" if args.engine == "llamacpp" else f"key: header\n    header: {CLASS_HEADER}"
     if kind == "twin":
         rest = (
             f"fallback:\n  chain: [none]\n  mode: {args.policy}\n  draft_cost_ratio: {args.draft_cost_ratio}\n"
-            f"routing:\n  twins: [none]\n  classes:\n    key: model\n    min_draft_tokens: {args.min_draft_tokens}\n"
+            f"routing:\n  twins: [none]\n  classes:\n    {key}\n    min_draft_tokens: {args.min_draft_tokens}\n"
             f"    explore: {args.explore}\n    window: {args.class_window}\n"
         )
     else:
         rest = "fallback:\n  enabled: false\n"
+    if args.engine == "vllm":
+        return (
+            f"name: routing-{kind}\nbackend: vllm\nmodel:\n  id: {paths['target']}\n  dtype: float32\n"
+            f"  max_model_len: 1024\n{spec}server:\n  port: {port}\n  parallel: {args.parallel}\n  env:\n"
+            "    VLLM_CPU_KVCACHE_SPACE: '1'\n    VLLM_USE_AOT_COMPILE: '0'\n"
+            + rest
+            + "monitor:\n  interval: 1s\nengine:\n  ready_timeout: 900\nsupervisor:\n  stop_timeout: 20\n"
+        )
     return (
         f"name: routing-{kind}\nbackend: llamacpp\nmodel:\n  id: {paths['target']}\n  max_model_len: 4096\n{spec}"
         f"gpus:\n  devices: []\nserver:\n  port: {port}\n  parallel: {args.parallel}\n"
@@ -85,20 +97,27 @@ def class_prompts(args) -> dict[str, list[Prompt]]:
     return {c: [Prompt(p.text, args.tokens, p.temperature, c) for p in load_prompts(c)] for c in CLASSES}
 
 
-async def mixed(url: str, mode: str, prompts: dict, seconds: float, clients: int) -> dict:
-    """``clients`` closed-loop clients per class for ``seconds``; the oracle's clients send the class's header."""
+async def mixed(
+    url: str, mode: str, prompts: dict, seconds: float, clients: int, vllm_model: str | None = None
+) -> dict:
+    """``clients`` closed-loop clients per class for ``seconds``; the oracle's clients send the class's header.
+    On vLLM (``vllm_model``: its served name) requests are not streamed: vLLM's per-request counters are read from
+    whole answers only."""
     import aiohttp
 
     async def one_class(name: str):
         headers = {HEADER: ORACLE[name]} if mode == "oracle" else {}
+        if vllm_model:
+            headers[CLASS_HEADER] = name
         connector = aiohttp.TCPConnector(limit=clients + 2, force_close=True)
         async with aiohttp.ClientSession(connector=connector, headers=headers, trust_env=False) as session:
             return await run_workload(
                 url,
-                name,  # the class key (routing.classes.key: model)
+                vllm_model or name,  # llama-server: the class key (routing.classes.key: model)
                 prompts[name],
                 concurrency=clients,
                 duration=seconds,
+                stream=vllm_model is None,
                 extra_body={"ignore_eos": True},
                 session=session,
             )
@@ -153,7 +172,7 @@ def learn(up: Up, url: str, prompts: dict, args, say) -> dict:
     try:
         deadline = time.monotonic() + args.learn_timeout
         while len(seen) < len(CLASSES) and time.monotonic() < deadline:
-            asyncio.run(mixed(url, "learned", prompts, 2.0, args.clients))
+            asyncio.run(mixed(url, "learned", prompts, 2.0, args.clients, args.vllm_model))
         time.sleep(1.5)  # the last decision interval
     finally:
         stop.set()
@@ -176,9 +195,9 @@ def run(paths: dict, work: Path, args, say) -> dict:
                 os.sched_setaffinity(ups[kind].proc.pid, cpus)
         urls = {}
         for kind, up in ups.items():
-            st = up.wait_ready(timeout=180)
+            st = up.wait_ready(timeout=180 if args.engine == "llamacpp" else 900)
             if kind == "twin":
-                deadline = time.monotonic() + 180
+                deadline = time.monotonic() + (180 if args.engine == "llamacpp" else 900)
                 while not (len(st.get("engines", [])) == 2 and all(e["live"] for e in st["engines"])):
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"the twin did not come up: {st.get('engines')}")
@@ -188,7 +207,7 @@ def run(paths: dict, work: Path, args, say) -> dict:
             say(f"{kind}: ready on {st['url']}")
         for kind, url in urls.items():  # warm-up: every engine once
             for mode in ("oracle",) if kind == "twin" else (kind,):
-                asyncio.run(mixed(url, mode, prompts, 1.0, 1))
+                asyncio.run(mixed(url, mode, prompts, 1.0, 1, args.vllm_model))
         learned = learn(ups["twin"], urls["twin"], prompts, args, say)
         modes = list(MODES)
         rounds: list[dict] = []
@@ -196,7 +215,9 @@ def run(paths: dict, work: Path, args, say) -> dict:
             order = modes[rnd % len(modes) :] + modes[: rnd % len(modes)]
             res = {}
             for mode in order:
-                res[mode] = asyncio.run(mixed(urls[MODES[mode]], mode, prompts, args.slot, args.clients))
+                res[mode] = asyncio.run(
+                    mixed(urls[MODES[mode]], mode, prompts, args.slot, args.clients, args.vllm_model)
+                )
             rounds.append(res)
             say(
                 f"round {rnd + 1}/{args.rounds}: "
@@ -257,9 +278,9 @@ def _series(rounds: list[dict], part: str) -> list[dict[str, float]]:
 
 def report(res: dict, summary: dict, args, m: dict, load: tuple) -> None:
     print(
-        f"Routing per request, llama-server, layer-skip {args.hidden}x{args.layers}, draft_model k={args.k}; "
+        f"Routing per request, {args.engine}, layer-skip {args.hidden}x{args.layers}, draft_model k={args.k}; "
         f"machine: {m['cpu']}, {m['cores']} cores, every deployment pinned to CPU(s) {args.cpus or 'any'}; "
-        f"llama-server -t {args.llama_threads}, {args.parallel} slots per engine; {args.clients} client(s) per class "
+        f"llama-server -t {args.llama_threads} (llamacpp), {args.parallel} slots per engine; {args.clients} client(s) per class "
         f"(code greedy, creative temperature 1.3), {args.tokens} tokens/request (ignore_eos); "
         f"{args.slot:g} s per mode per round, {args.rounds} rounds, order rotating; twin policy {args.policy} "
         f"(classes: min_draft_tokens {args.min_draft_tokens}, explore {args.explore}); "
@@ -314,12 +335,21 @@ def main() -> None:
     ap.add_argument("--learn-timeout", type=float, default=120.0)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument(
+        "--engine",
+        choices=("llamacpp", "vllm"),
+        default="llamacpp",
+        help="vllm: the layer-skip fixture on vLLM-CPU; requests not streamed (its per-request counters come in whole "
+        "answers), the class in a header",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
+    args.engine_kind = "hf" if args.engine == "vllm" else "gguf"
     say = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     from specops.devenv.testmodels import ensure_layerskip
 
-    paths = ensure_layerskip("gguf", args.hidden, args.layers)
+    paths = {k: str(v) for k, v in ensure_layerskip(args.engine_kind, args.hidden, args.layers).items()}
+    args.vllm_model = paths["target"] if args.engine == "vllm" else None
     before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="specops-bench-routing-") as tmp:
         res = run(paths, Path(tmp), args, say)
