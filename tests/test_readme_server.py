@@ -1,4 +1,5 @@
-"""README "Run it on your server": the commands of its code blocks, run as written on a CPU profile copied
+"""The documentation's "Run it on your server" (docs/server.md; the README's short version quotes its commands):
+the commands of its code blocks, run as written on a CPU profile copied
 to `my-model.yaml` (the install, sudo, systemctl and journalctl lines excepted, each by name), and the unit
 it writes started the way systemd starts it (ExecStart's argv, the EnvironmentFile's variables) and
 stopped the way systemd stops it (SIGTERM to specops alone) within its TimeoutStopSec."""
@@ -24,6 +25,7 @@ from support_engines import need_llama_server
 
 from specops.run.process import group_members
 
+PAGE = ROOT / "docs" / "server.md"
 README = ROOT / "README.md"
 SPECOPS = Path(sys.executable).parent / "specops"
 SECRET = "sk-readme-0123456789"  # the API key the test's "environment file" holds
@@ -39,7 +41,7 @@ NOT_RUN = {
 
 
 def section() -> str:
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     start, end = text.index("<!-- server:start -->"), text.index("<!-- server:end -->")
     return text[start:end]
 
@@ -55,6 +57,22 @@ def commands() -> list[list[str]]:
                 out.append(words[:cut])
                 words = words[cut + 1 :]
     return out
+
+
+def test_the_readmes_server_commands_are_the_pages_tested_ones():
+    """The README's "init → up on your server" block runs here through the page: each of its lines is one of the
+    page's, so a command edited in one place and not the other fails."""
+    text = README.read_text(encoding="utf-8")
+    start, end = text.index("<!-- server-short:start -->"), text.index("<!-- server-short:end -->")
+    page_lines = {" ".join(words) for words in commands()}
+    readme_lines = [
+        " ".join(shlex.split(line, comments=True))
+        for block in re.findall(r"```bash\n(.*?)```", text[start:end], re.S)
+        for line in block.splitlines()
+    ]
+    assert len([line for line in readme_lines if line.startswith("specops ")]) >= 4
+    missing = [line for line in readme_lines if line and line not in page_lines]
+    assert not missing, f"README commands not in docs/server.md (not tested): {missing}"
 
 
 def test_the_section_has_the_steps():

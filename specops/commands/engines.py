@@ -233,7 +233,7 @@ def path(name, ensure):
     "--readme",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="Also rewrite the generated support-matrix table in this README.",
+    help="Also rewrite the generated support-matrix table in this Markdown file (docs/support-matrix.md).",
 )
 @click.option(
     "--setup",
@@ -297,10 +297,10 @@ def matrix(
       specops engines matrix                              # every cell, every installed engine
       specops engines matrix --engine llamacpp            # ~1 s per cell
       specops engines matrix --method eagle3 --force --json
-      specops engines matrix --readme README.md           # and refresh the README table
-      specops engines matrix --engine vllm --version 0.20.2 --setup --free-after --readme README.md
-      specops engines matrix --engine llamacpp --version 0.3.20 --setup --readme README.md
-      specops engines matrix --multi-node --readme README.md   # the groups k8s render writes
+      specops engines matrix --readme docs/support-matrix.md           # and refresh the docs table
+      specops engines matrix --engine vllm --version 0.20.2 --setup --free-after --readme docs/support-matrix.md
+      specops engines matrix --engine llamacpp --version 0.3.20 --setup --readme docs/support-matrix.md
+      specops engines matrix --multi-node --readme docs/support-matrix.md   # the groups k8s render writes
     """
     from pathlib import Path
 

@@ -1,7 +1,9 @@
-"""The README's profile reference, generated from the pydantic models (a test keeps the README in sync).
+"""The documentation's profile reference (docs/reference/profile.md), generated from the pydantic models (a test
+keeps the page in sync).
 
-Run ``python -m specops.config.docs`` to print it, or ``python -m specops.config.docs --write README.md`` to replace the
-section between the ``<!-- profile-reference:start -->`` and ``<!-- profile-reference:end -->`` markers.
+Run ``python -m specops.config.docs`` to print it, or ``python -m specops.config.docs --write`` to replace the section
+between the ``<!-- profile-reference:start -->`` and ``<!-- profile-reference:end -->`` markers of that page (or of
+the file named after ``--write``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pydantic_core import PydanticUndefined
 from specops.config.durations import format_duration
 from specops.config.sections import Profile
 
+PAGE = "docs/reference/profile.md"  # relative to the repository root
 START = "<!-- profile-reference:start -->"
 END = "<!-- profile-reference:end -->"
 
@@ -119,10 +122,11 @@ def replace_section(text: str, body: str) -> str:
 
 def main(argv: list[str]) -> int:
     body = profile_reference()
-    if len(argv) == 2 and argv[0] == "--write":
-        with open(argv[1], encoding="utf-8") as f:
+    if argv[:1] == ["--write"] and len(argv) <= 2:
+        path = argv[1] if len(argv) == 2 else PAGE
+        with open(path, encoding="utf-8") as f:
             text = f.read()
-        with open(argv[1], "w", encoding="utf-8") as f:
+        with open(path, "w", encoding="utf-8") as f:
             f.write(replace_section(text, body))
         return 0
     sys.stdout.write(body)
