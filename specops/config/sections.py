@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field
 
 from specops.config.capture import Capture
 from specops.config.deploy import Deploy
@@ -170,13 +170,19 @@ def _inlined_schema(model: type[BaseModel]) -> dict:
     return walk(schema)
 
 
-# A step's schema is written inline: WithJsonSchema replaces ChainStep's own schema, so a `$ref` to it
-# would point at a definition pydantic never emits (`specops schema` failed with KeyError on it).
-ChainItem = Annotated[
-    ChainStep,
-    BeforeValidator(_method_name),
-    WithJsonSchema({"anyOf": [{"type": "string", "enum": [m.value for m in Method]}, _inlined_schema(ChainStep)]}),
-]
+class _StepOrMethodSchema:
+    """A chain step's JSON Schema: a method name, or the step written inline.
+
+    Inline, because replacing ChainStep's own schema leaves a `$ref` to a definition pydantic never emits
+    (`specops schema` failed with KeyError on it). Built when a schema is asked for, not at import: building
+    it costs more than the rest of this module and `render`/`validate` never need it.
+    """
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict:
+        return {"anyOf": [{"type": "string", "enum": [m.value for m in Method]}, _inlined_schema(ChainStep)]}
+
+
+ChainItem = Annotated[ChainStep, BeforeValidator(_method_name), _StepOrMethodSchema()]
 
 
 class Speculative(Section):

@@ -12,11 +12,32 @@ Importing this package is cheap: ``huggingface_hub`` and ``gguf`` load only when
 
 from __future__ import annotations
 
-from specops.resolve.check import Finding, check_loaded
-from specops.resolve.discover import Candidate
-from specops.resolve.huberrors import HubError
-from specops.resolve.lock import lock_path
-from specops.resolve.resolver import Resolution, lock_profile, resolve, resolve_profile, synthetic_profile
+import importlib
+
+#: public name -> the submodule that defines it; imported on first use (PEP 562), so ``render`` reading
+#: ``specops.resolve.lock.lock_path`` does not load the resolver, the checks and the Hub discovery.
+_EXPORTS = {
+    "Candidate": "discover",
+    "Finding": "check",
+    "HubError": "huberrors",
+    "Resolution": "resolver",
+    "check_loaded": "check",
+    "lock_path": "lock",
+    "lock_profile": "resolver",
+    "resolve": "resolver",
+    "resolve_profile": "resolver",
+    "synthetic_profile": "resolver",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Candidate",
