@@ -24,11 +24,17 @@ PROFILE = "examples/vllm-cpu-ngram.yaml"
 
 def run_once(tree: Path, argv: list[str]) -> tuple[float, float]:
     """(wall seconds, child CPU seconds) of one cold ``python -m specops.cli ARGV`` in TREE."""
-    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="")
+    env = dict(os.environ, PYTHONPATH=str(tree))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "specops.cli", *argv], cwd=tree, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "specops.cli", *argv],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        check=False,
+    )
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
@@ -42,11 +48,15 @@ def main() -> None:
     parser.add_argument("--tree", action="append", required=True, help="NAME=PATH of a source tree (repeatable)")
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--profile", default=PROFILE)
+    parser.add_argument("--backend-version", default="0.32.0", help="render for this version (no engine probe)")
     args = parser.parse_args()
     trees = [(name, Path(path).resolve()) for name, _, path in (t.partition("=") for t in args.tree)]
-    commands = {"render": ["render", args.profile], "validate": ["validate", args.profile]}
+    commands = {
+        "render": ["render", args.profile, "--backend-version", args.backend_version],
+        "validate": ["validate", args.profile],
+    }
     samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for name, tree in trees:  # one warm-up each: byte-code compiled, files in the page cache
+    for _name, tree in trees:  # one warm-up each: byte-code compiled, files in the page cache
         for argv in commands.values():
             run_once(tree, argv)
     for _ in range(args.runs):  # interleaved, so a load change hits every tree alike
