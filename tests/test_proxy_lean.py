@@ -7,12 +7,14 @@ loopback with the stand-in engine; and every proxy and security test file run ag
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 from support_upstream import Upstream, raw_http, running_proxy
 
@@ -246,3 +248,50 @@ def test_every_proxy_test_passes_on_the_lean_layer(suite):
         timeout=840,
     )
     assert proc.returncode == 0, f"{suite} on the lean layer ({time.monotonic() - t0:.0f}s):\n{proc.stdout[-6000:]}"
+
+
+@LAYERS
+def test_a_large_body_pipelined_with_the_next_request_is_no_header_overflow(engine, http):
+    """A 200 KB body and the start of the next request sent at once: only the next request's own bytes count
+    as headers still arriving, never the body before them (no 431)."""
+
+    async def body():
+        async with running_proxy(engine.url, http=http) as proxy:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            try:
+                big = b"b" * 200_000
+                writer.write(
+                    b"POST /debug/echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                    b"Content-Length: %d\r\n\r\n%sGET /v1/models HTTP/1.1\r\nHost: x\r\n" % (len(big), big)
+                )
+                await writer.drain()
+                [(status, got)] = await _read_answers(reader, 1)
+                assert status == 200 and json.loads(got)["body_len"] == 200_000, got[:200]
+                writer.write(b"\r\n")
+                [(status, got)] = await _read_answers(reader, 1)
+                assert status == 200 and b'"data"' in got, got[:200]
+            finally:
+                writer.close()
+            assert proxy.stats()["rejected_header_size"] == 0
+
+    run(body())
+
+
+@LAYERS
+@pytest.mark.parametrize("size", [100_000, 700_000, 3_000_000])
+def test_bodies_and_answers_of_every_size_pass_whole(engine, http, size):
+    """Engine answers over the 64 KiB read-ahead and under ``buffer_limit`` (1 MiB: read whole before they
+    are answered), and above it (streamed), pass back byte for byte; request bodies of the same sizes arrive
+    whole."""
+
+    async def body():
+        async with running_proxy(engine.url, http=http) as proxy, aiohttp.ClientSession() as s:
+            for _ in range(2):  # the second on a pooled engine connection
+                async with s.get(proxy.url + f"/debug/big?bytes={size}") as r:
+                    got = await r.read()
+                    assert r.status == 200 and got == b"x" * size, len(got)
+                async with s.post(proxy.url + "/debug/echo", data=b"y" * size) as r:
+                    assert r.status == 200 and (await r.json())["body_len"] == size
+            assert proxy.stats()["buffered_bytes"] == 0 and proxy.stats()["in_flight"] == 0
+
+    run(body())

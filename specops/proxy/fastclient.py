@@ -45,12 +45,13 @@ class EngineUnreachable(aiohttp.ClientConnectionError):
 class _Body:
     """An answer's body as it arrives (``readany`` as aiohttp's ``StreamReader``)."""
 
-    __slots__ = ("_chunks", "_conn", "_eof", "_exc", "_size", "_waiter")
+    __slots__ = ("_chunks", "_conn", "_eof", "_exc", "_size", "_waiter", "_whole")
 
     def __init__(self, conn: EngineConnection):
         self._conn = conn
         self._chunks: list[bytes] = []
         self._size = 0
+        self._whole = False  # read whole (read()): never paused, the caller reserved its size
         self._eof = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future | None = None
@@ -58,7 +59,7 @@ class _Body:
     def feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self._size += len(data)
-        if self._size > _BODY_HIGH_WATER:
+        if self._size > _BODY_HIGH_WATER and not self._whole:
             self._conn.pause()
         self._wake()
 
@@ -109,6 +110,8 @@ class _Body:
         return self._take()
 
     async def read(self) -> bytes:
+        self._whole = True
+        self._conn.resume()
         while not self._eof:
             if self._exc is not None:
                 raise self._exc

@@ -217,6 +217,7 @@ class LeanConnection(asyncio.Protocol):
         self._url: list[bytes] = []
         self._fields: list[tuple[bytes, bytes]] = []
         self._in_head = False  # a request's header section has begun and is not complete
+        self._begun = 0  # requests whose parsing began on this connection
         self._line = 0  # bytes of the header line arriving now (across reads)
         self._header_bytes = 0  # of the request whose headers are arriving, held in the budget
         self._parsing: LeanRequest | None = None  # the request whose body is arriving
@@ -324,6 +325,7 @@ class LeanConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._discard:
             return
+        begun = self._begun
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -338,10 +340,12 @@ class LeanConnection(asyncio.Protocol):
         # headers still arriving: their bytes are held in the budget until they are complete
         server, budget = self.server, self.server.budget
         n = len(data)
-        self._header_bytes += n
-        budget.hold_headers(n)
         nl = data.rfind(b"\n")
         self._line = self._line + n if nl < 0 else n - nl - 1
+        if begun != self._begun:  # they began in this read, after another request: count theirs only
+            n = min(n, sum(map(len, self._url)) + sum(len(k) + len(v) + 4 for k, v in self._fields) + self._line)
+        self._header_bytes += n
+        budget.hold_headers(n)
         if self._header_bytes > server.max_header_bytes:
             server.counters["rejected_header_size"] += 1
             self._refuse_head(
@@ -364,6 +368,7 @@ class LeanConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_head = True
+        self._begun += 1
         self._url = []
         self._fields = []
 
