@@ -83,6 +83,11 @@ def test_the_docs_site_builds_strictly(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "site" / "reference" / "profile" / "index.html").is_file()
     assert "speculative.method" in (tmp_path / "site" / "reference" / "profile" / "index.html").read_text()
+    results = (tmp_path / "site" / "results" / "index.html").read_text()
+    second_heading = [
+        line for line in (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines() if line[:3] == "## "
+    ]
+    assert "--8<--" not in results and second_heading[0][3:].split(":")[0] in results, "RESULTS.md not included"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The support matrix without engines: its committed data, the README table, the runner's pure parts.
+"""The support matrix without engines: its committed data, the docs table (docs/support-matrix.md), the runner's pure parts.
 
 The measured rows themselves are re-measured and compared by tests/test_matrix_engines.py (marked engines).
 """
