@@ -222,34 +222,6 @@ def test_status_names_the_http_layer(engine):
     run(body())
 
 
-# ------------------------------------------------------------------------------ the whole proxy suite, lean
-
-SUITES = [
-    "test_proxy.py",
-    "test_proxy_security.py",
-    "test_security_proxy2.py",
-    "test_proxy_switch.py",
-    "test_twins_more.py",
-]
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("suite", SUITES)
-def test_every_proxy_test_passes_on_the_lean_layer(suite):
-    """Each file's tests, in a pytest of their own, with every Proxy they make on the lean layer."""
-    env = {**os.environ, "SPECOPS_PROXY_HTTP": "lean"}
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(HERE / suite), "-q", "-p", "no:cacheprovider", "-x"],
-        cwd=HERE.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=840,
-    )
-    assert proc.returncode == 0, f"{suite} on the lean layer ({time.monotonic() - t0:.0f}s):\n{proc.stdout[-6000:]}"
-
-
 @LAYERS
 def test_a_large_body_pipelined_with_the_next_request_is_no_header_overflow(engine, http):
     """A 200 KB body and the start of the next request sent at once: only the next request's own bytes count
@@ -295,3 +267,46 @@ def test_bodies_and_answers_of_every_size_pass_whole(engine, http, size):
             assert proxy.stats()["buffered_bytes"] == 0 and proxy.stats()["in_flight"] == 0
 
     run(body())
+
+
+# ------------------------------------------------------------------------------ the whole proxy suite, lean
+
+SUITES = [
+    "test_proxy.py",
+    "test_proxy_security.py",
+    "test_security_proxy2.py",
+    "test_proxy_switch.py",
+    "test_twins_more.py",
+]
+
+
+#: the same, with real engines (llama-server on CPU)
+ENGINE_SUITES = ["test_proxy_engines.py", "test_twins_llamacpp.py"]
+
+
+def _suite_on_lean(suite: str, timeout: float) -> None:
+    """Run one test file in a pytest of its own, with every Proxy it makes on the lean layer."""
+    env = {**os.environ, "SPECOPS_PROXY_HTTP": "lean"}
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(HERE / suite), "-q", "-p", "no:cacheprovider", "-x"],
+        cwd=HERE.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{suite} on the lean layer ({time.monotonic() - t0:.0f}s):\n{proc.stdout[-6000:]}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("suite", SUITES)
+def test_every_proxy_test_passes_on_the_lean_layer(suite):
+    _suite_on_lean(suite, 840)
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("suite", ENGINE_SUITES)
+def test_every_engine_proxy_test_passes_on_the_lean_layer(suite):
+    _suite_on_lean(suite, 1740)
