@@ -108,3 +108,16 @@ def test_a_broken_docs_site_fails_the_build(tmp_path, breakage):
         (tmp_path / "docs" / "orphan.md").write_text("# Orphan\n\nA page no nav entry names.\n")
     done = _mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert done.returncode != 0, breakage
+
+
+def test_the_generator_refuses_a_file_without_the_markers(tmp_path):
+    """`--write README.md` was the old habit: the README no longer holds the reference, so it is refused, not
+    a traceback (and the file is left as it was)."""
+    readme = tmp_path / "README.md"
+    readme.write_text("# a README without the reference\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "specops.config.docs", "--write", str(readme)], capture_output=True, text=True
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "docs/reference/profile.md" in done.stderr
+    assert readme.read_text() == "# a README without the reference\n"

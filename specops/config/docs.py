@@ -126,6 +126,9 @@ def main(argv: list[str]) -> int:
         path = argv[1] if len(argv) == 2 else PAGE
         with open(path, encoding="utf-8") as f:
             text = f.read()
+        if START not in text or END not in text:
+            sys.stderr.write(f"error: {path}: no {START} ... {END} markers; the reference lives in {PAGE}\n")
+            return 1
         with open(path, "w", encoding="utf-8") as f:
             f.write(replace_section(text, body))
         return 0
