@@ -88,7 +88,9 @@ def main() -> None:
             lat = asyncio.run(latencies(eng.url, Path(tmp), args.rounds, args.requests))
     for name, v in lat.items():
         v.sort()
-        print(f"{name:4}  p50 {statistics.median(v) * 1e3:.3f} ms  p99 {v[int(len(v) * 0.99)] * 1e3:.3f} ms  n={len(v)}")
+        print(
+            f"{name:4}  p50 {statistics.median(v) * 1e3:.3f} ms  p99 {v[int(len(v) * 0.99)] * 1e3:.3f} ms  n={len(v)}"
+        )
 
 
 if __name__ == "__main__":
