@@ -217,7 +217,7 @@ class LeanConnection(asyncio.Protocol):
         self._url: list[bytes] = []
         self._fields: list[tuple[bytes, bytes]] = []
         self._in_head = False  # a request's header section has begun and is not complete
-        self._begun = 0  # requests whose parsing began on this connection
+        self._heads_done = 0  # requests whose headers were complete on this connection
         self._line = 0  # bytes of the header line arriving now (across reads)
         self._header_bytes = 0  # of the request whose headers are arriving, held in the budget
         self._parsing: LeanRequest | None = None  # the request whose body is arriving
@@ -325,7 +325,10 @@ class LeanConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._discard:
             return
-        begun = self._begun
+        # as aiohttp's Connection: a read that ends a body, or the headers of a request, is not counted (its
+        # part of the next request's headers, at most one read, neither); the reads after it are
+        req = self._parsing
+        counted = self._heads_done if req is None or req.content.is_eof() else -1
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -342,10 +345,9 @@ class LeanConnection(asyncio.Protocol):
         n = len(data)
         nl = data.rfind(b"\n")
         self._line = self._line + n if nl < 0 else n - nl - 1
-        if begun != self._begun:  # they began in this read, after another request: count theirs only
-            n = min(n, sum(map(len, self._url)) + sum(len(k) + len(v) + 4 for k, v in self._fields) + self._line)
-        self._header_bytes += n
-        budget.hold_headers(n)
+        if counted == self._heads_done:
+            self._header_bytes += n
+            budget.hold_headers(n)
         if self._header_bytes > server.max_header_bytes:
             server.counters["rejected_header_size"] += 1
             self._refuse_head(
@@ -368,7 +370,6 @@ class LeanConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_head = True
-        self._begun += 1
         self._url = []
         self._fields = []
 
@@ -380,6 +381,7 @@ class LeanConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._heads_done += 1
         self._line = 0
         if self.specops_deadline is not None:
             self.specops_deadline.cancel()
