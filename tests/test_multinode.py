@@ -168,3 +168,12 @@ def test_a_worker_rejoins_when_the_leader_starts_a_new_engine():
     same = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"], start_new_session=True)
     _follow(same, (0, 0), lambda: (None, None), lambda: False, interval=0.1)  # a silent leader is no change
     assert same.returncode == 0
+    # started before the leader answered: a later restart count is the baseline, a step change still counts
+    late = iter([(None, None), (0, 2), (0, 2), (0, 3)])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        _follow(child, (0, None), lambda: next(late, (0, 3)), lambda: False, interval=0.1)
+        assert child.poll() is not None
+    finally:
+        child.kill()
+        child.wait()

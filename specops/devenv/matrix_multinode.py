@@ -165,11 +165,23 @@ def write_readme(path: Path, data: dict | None = None) -> bool:
 
 
 def ray_problem(python: Path) -> str | None:
-    """None when ``ray`` imports in the vLLM venv and a head starts on 127.0.0.1, else why not."""
-    done = subprocess.run([str(python), "-c", "import ray"], capture_output=True, text=True, timeout=120)
+    """Why the Ray mode is not run here: a group's Ray cluster cannot be kept on loopback.
+
+    ``ray start --head --node-ip-address=127.0.0.1`` (ray 2.60.0 from the registry, in the vLLM venv) starts,
+    but its GCS server and raylet listen on every interface and register the node under the machine's
+    address; every pod of one machine would also share that address, which Ray tells nodes apart by.
+    """
+    done = subprocess.run(
+        [str(python), "-c", "import ray; print(ray.__version__)"], capture_output=True, text=True, timeout=180
+    )
     if done.returncode != 0:
-        return "ray is not installed in the vLLM venv (pip install 'ray[default]' there to measure the Ray mode)"
-    return None
+        return "ray is not installed in the vLLM venv (ray 2.60.0 is on the registry for Python 3.11/3.12)"
+    version = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "?"
+    return (
+        f"not run: ray {version} starts in the vLLM venv, but `ray start --head --node-ip-address=127.0.0.1` "
+        "has its GCS server and raylet listen on every interface under the machine's address, and the pods "
+        "of one machine would share one node address: a Ray group cannot be kept on loopback here"
+    )
 
 
 def profile_for(cell: GroupCell, models: Path, *, port: int, group_port: int) -> dict:

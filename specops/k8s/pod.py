@@ -287,7 +287,7 @@ def worker(profile: str, port: int, key_env: str | None) -> int:
         print(f"specops k8s worker: rank {rank}, step {index} ({at.profile.speculative.method.value})", flush=True)
         # its own process group: vLLM's worker processes go with it when it is stopped
         child = subprocess.Popen(argv, env={**os.environ, **dict(plan.env)}, start_new_session=True)
-        _follow(child, (step, restarts), lambda: leader_engine(port, key_env, os.environ), lambda: stopping)
+        _follow(child, (index, restarts), lambda: leader_engine(port, key_env, os.environ), lambda: stopping)
         if not stopping:
             time.sleep(3)  # the leader restarts its engine; follow it at its (maybe new) method
     return 0
@@ -302,19 +302,25 @@ def _follow(
     interval: float = 2.0,
     stop_timeout: float = 30.0,
 ) -> None:
-    """Wait for ``child``; stop it when the leader starts a new engine (another step, or a restart): a
-    headless rank does not always exit when the group's rank 0 goes, and would hold the next group up."""
+    """Wait for ``child``; stop it when the leader starts a new engine: another chain step than the one
+    ``child`` runs (``launched_at[0]``), or more engine restarts than first seen (``launched_at[1]``, or the
+    first answer when the leader did not answer yet). A headless rank does not exit when the group's rank
+    0 goes, and would hold the next group up."""
+    step, restarts = launched_at
     while child.poll() is None and not stopping():
         try:
             child.wait(timeout=interval)
             return
         except subprocess.TimeoutExpired:
             pass
-        now = leader_now()
-        changed = [i for i in (0, 1) if now[i] is not None and launched_at[i] is not None and now[i] != launched_at[i]]
-        if changed:
-            what = "step" if 0 in changed else "engine restarts"
-            print(f"specops k8s worker: the leader's {what} changed {launched_at} -> {now}: rejoining", flush=True)
+        now_step, now_restarts = leader_now()
+        if restarts is None:
+            restarts = now_restarts
+        moved = now_step is not None and now_step != (step or 0)
+        restarted = now_restarts is not None and restarts is not None and now_restarts != restarts
+        if moved or restarted:
+            what = f"step {step or 0} -> {now_step}" if moved else f"engine restarts {restarts} -> {now_restarts}"
+            print(f"specops k8s worker: the leader's {what}: rejoining", flush=True)
             _signal_group(child, signal.SIGTERM)
             try:
                 child.wait(timeout=stop_timeout)
@@ -323,8 +329,12 @@ def _follow(
             _signal_group(child, signal.SIGKILL)  # what is left of its group (vLLM's worker processes)
             child.wait()
             return
-    child.wait()
+    try:  # stopping (SIGTERM was passed on): a headless rank may not exit by itself
+        child.wait(timeout=stop_timeout)
+    except subprocess.TimeoutExpired:
+        pass
     _signal_group(child, signal.SIGKILL)
+    child.wait()
 
 
 def _signal_group(child: subprocess.Popen, sig: int) -> None:
