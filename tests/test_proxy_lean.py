@@ -198,7 +198,7 @@ def test_lean_layer_reads_nothing_after_an_upgrade_request(engine):
 
 
 def test_the_http_layer_is_a_profile_setting_and_bad_values_are_refused(tmp_path, monkeypatch):
-    from specops.config.profile import ProxySettings
+    from specops.config.profile import Profile, ProxySettings
     from specops.proxy import Proxy
 
     assert ProxySettings().http is None and ProxySettings(http="lean").http == "lean"
@@ -211,6 +211,9 @@ def test_the_http_layer_is_a_profile_setting_and_bad_values_are_refused(tmp_path
     assert Proxy("127.0.0.1", 0, queue_size=1, queue_timeout=1, drain_timeout=1, http="aiohttp").http == "aiohttp"
     monkeypatch.delenv("SPECOPS_PROXY_HTTP")
     assert Proxy("127.0.0.1", 0, queue_size=1, queue_timeout=1, drain_timeout=1).http == "aiohttp"
+    profile = Profile(name="x", backend="llamacpp", model={"id": "a/b"}, proxy={"http": "lean"})
+    assert Proxy.from_profile(profile).http == "lean"
+    assert Proxy.from_profile(profile.model_copy(update={"proxy": ProxySettings()})).http == "aiohttp"
 
 
 def test_status_names_the_http_layer(engine):
