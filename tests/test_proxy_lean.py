@@ -289,7 +289,13 @@ ENGINE_SUITES = ["test_proxy_engines.py", "test_twins_llamacpp.py"]
 
 def _suite_on_lean(suite: str, timeout: float) -> None:
     """Run one test file in a pytest of its own, with every Proxy it makes on the lean layer."""
+    from unittest import mock
+
+    from specops.proxy import Proxy
+
     env = {**os.environ, "SPECOPS_PROXY_HTTP": "lean"}
+    with mock.patch.dict(os.environ, env):  # what the file's proxies will be made on
+        assert Proxy("127.0.0.1", 0, queue_size=1, queue_timeout=1, drain_timeout=1).http == "lean"
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(HERE / suite), "-q", "-p", "no:cacheprovider", "-x"],
