@@ -177,3 +177,48 @@ def test_a_worker_rejoins_when_the_leader_starts_a_new_engine():
     finally:
         child.kill()
         child.wait()
+
+
+# ------------------------------------------------------------------------------------------- the multi-node rows
+
+
+def test_the_multinode_rows_are_committed_and_the_docs_table_is_theirs():
+    from pathlib import Path
+
+    from specops.devenv import matrix_multinode as mn
+    from specops.devenv.matrix_table import OUTCOMES
+
+    data = mn.load_data()
+    keys = {(r["engine"], r["mode"], r["method"]) for r in data["rows"]}
+    assert keys == {c.key for c in mn.CELLS}, "run: specops engines matrix --multi-node --readme docs/support-matrix.md"
+    for row in data["rows"]:
+        assert row["outcome"] in OUTCOMES and row["version"] and row["nodes"] >= 2, row
+        assert (row["ready_s"] is not None) == (row["outcome"] in ("speculating", "started-without-speculation"))
+        assert row["outcome"] == "speculating" or row["detail"], row  # a failure says why
+    page = (Path(__file__).resolve().parent.parent / "docs" / "support-matrix.md").read_text(encoding="utf-8")
+    section = page[page.index(mn.START) + len(mn.START) : page.index(mn.END)].strip()
+    assert section == mn.markdown_table(data).strip(), "run: specops engines matrix --multi-node --readme docs/..."
+
+
+@pytest.mark.parametrize("outcome,noted", [("engine-refused", True), ("speculating", False)])
+def test_k8s_render_notes_a_mode_and_method_a_group_was_seen_fail(tmp_path, monkeypatch, outcome, noted):
+    """Like single-node cells: a row where the group failed is said at render (a warning: measured on CPU)."""
+    from specops.devenv import matrix_multinode as mn
+
+    row = {
+        "engine": "vllm",
+        "version": "0.32.0",
+        "mode": "nnodes",
+        "method": "ngram",
+        "nodes": 2,
+        "outcome": outcome,
+        "detail": "ValueError: the engine's own line",
+    }
+    monkeypatch.setattr(mn, "shipped_rows", lambda: (row,))
+    text = "gpus: {tensor_parallel_size: 16}\ndeploy: {multi_node: {nodes: 2, mode: nnodes}}\n"
+    res = _render(_profile(tmp_path, text))
+    assert res.code == 0, res.stderr
+    note = [line for line in res.stderr.splitlines() if "engines matrix --multi-node" in line]
+    assert bool(note) == noted, res.stderr
+    if noted:
+        assert "nnodes group of vllm 0.32.0 with method ngram" in note[0] and "the engine's own line" in note[0]

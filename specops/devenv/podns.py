@@ -24,7 +24,10 @@ def main(argv: list[str]) -> None:
     if libc.mount(hosts.encode(), b"/etc/hosts", None, MS_BIND, None) != 0:
         err = ctypes.get_errno()
         sys.exit(f"podns: cannot bind {hosts} over /etc/hosts: {os.strerror(err)} (run it under unshare -rm)")
-    os.execvp(program[0], program)
+    try:
+        os.execvp(program[0], program)
+    except OSError as exc:
+        sys.exit(f"podns: cannot run {program[0]}: {exc.strerror} (is it on the pod's PATH?)")
 
 
 if __name__ == "__main__":
