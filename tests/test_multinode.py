@@ -203,7 +203,7 @@ def test_the_multinode_rows_are_committed_and_the_docs_table_is_theirs():
 @pytest.mark.parametrize("outcome,noted", [("engine-refused", True), ("speculating", False)])
 def test_k8s_render_notes_a_mode_and_method_a_group_was_seen_fail(tmp_path, monkeypatch, outcome, noted):
     """Like single-node cells: a row where the group failed is said at render (a warning: measured on CPU)."""
-    from specops.devenv import matrix_multinode as mn
+    from specops.backends import measured
 
     row = {
         "engine": "vllm",
@@ -214,7 +214,7 @@ def test_k8s_render_notes_a_mode_and_method_a_group_was_seen_fail(tmp_path, monk
         "outcome": outcome,
         "detail": "ValueError: the engine's own line",
     }
-    monkeypatch.setattr(mn, "shipped_rows", lambda: (row,))
+    monkeypatch.setattr(measured, "group_rows", lambda: (row,))
     text = "gpus: {tensor_parallel_size: 16}\ndeploy: {multi_node: {nodes: 2, mode: nnodes}}\n"
     res = _render(_profile(tmp_path, text))
     assert res.code == 0, res.stderr

@@ -165,3 +165,33 @@ def support(engine: str, method: str, version: str, display: str) -> tuple[str, 
 def _line(detail: str, limit: int = 200) -> str:
     text = " ".join(detail.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# ------------------------------------------------------------------------------- multi-node groups
+
+#: The multi-node rows (``specops engines matrix --multi-node``): groups of pods run on loopback.
+GROUP_DATA = "data/support_matrix_multinode.json"
+#: Outcomes of a group row that a render of the same engine, mode and method is warned about.
+GROUP_FAILED = ("engine-refused", "engine-timeout", "started-without-speculation")
+
+
+@lru_cache(maxsize=1)
+def group_rows() -> tuple[dict, ...]:
+    """The multi-node rows shipped with specops (none when the file is absent or unreadable)."""
+    try:
+        data = json.loads(resources.files("specops").joinpath(GROUP_DATA).read_text(encoding="utf-8"))
+        return tuple(r for r in data["rows"] if isinstance(r, dict))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+
+
+def group_refusal(engine: str, version: str | None, mode: str, method: str) -> dict | None:
+    """The measured row where a group of ``engine`` in ``mode`` failed with ``method`` (on ``version``,
+    when known; else on any version, when none was seen working), or None."""
+    rows = [r for r in group_rows() if (r.get("engine"), r.get("mode"), r.get("method")) == (engine, mode, method)]
+    if version:
+        rows = [r for r in rows if r.get("version") == version]
+    if not rows or any(r.get("outcome") == "speculating" for r in rows):
+        return None
+    failed = [r for r in rows if r.get("outcome") in GROUP_FAILED]
+    return failed[0] if failed else None

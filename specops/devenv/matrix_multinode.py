@@ -9,7 +9,7 @@ Outcomes as for single engines (:data:`specops.devenv.matrix_table.OUTCOMES`); `
 error line where it refused, or why a row could not run here (``not-measured``, e.g. Ray not installed).
 
 The rows are data in the package (``specops/data/support_matrix_multinode.json``); ``specops k8s render``
-reads them (:func:`group_refusal`) and the README's multi-node table is generated from them.
+reads them (:func:`specops.backends.measured.group_refusal`) and the README's multi-node table is generated from them.
 """
 
 from __future__ import annotations
@@ -25,16 +25,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 
 import yaml
 
 from specops import __version__
+from specops.backends.measured import GROUP_DATA, group_rows
 from specops.errors import ProfileError, SpecopsError
 
-DATA_NAME = "data/support_matrix_multinode.json"
+DATA_NAME = GROUP_DATA
 DATA_FILE = Path(__file__).resolve().parent.parent / DATA_NAME
 SCHEMA = 1
 START = (
@@ -43,8 +42,6 @@ START = (
 )
 END = "<!-- support-matrix-multinode:end -->"
 READY_TIMEOUT = {"vllm": 300.0, "llamacpp": 60.0}
-#: What a failed row says to a render of the same engine, mode and method.
-FAILED = ("engine-refused", "engine-timeout", "started-without-speculation")
 
 Say = Callable[[str], None]
 
@@ -107,28 +104,6 @@ def save_data(data: dict, path: Path | None = None) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
-
-
-@lru_cache(maxsize=1)
-def shipped_rows() -> tuple[dict, ...]:
-    """The rows shipped with specops (none when the file is absent or unreadable)."""
-    try:
-        data = json.loads(resources.files("specops").joinpath(DATA_NAME).read_text(encoding="utf-8"))
-        return tuple(r for r in data["rows"] if isinstance(r, dict))
-    except (OSError, ValueError, KeyError, TypeError):
-        return ()
-
-
-def group_refusal(engine: str, version: str | None, mode: str, method: str) -> dict | None:
-    """The measured row where a group of ``engine`` in ``mode`` failed with ``method`` (on ``version``,
-    when known; else on any version, when none was seen working), or None."""
-    rows = [r for r in shipped_rows() if (r.get("engine"), r.get("mode"), r.get("method")) == (engine, mode, method)]
-    if version:
-        rows = [r for r in rows if r.get("version") == version]
-    if not rows or any(r.get("outcome") == "speculating" for r in rows):
-        return None
-    failed = [r for r in rows if r.get("outcome") in FAILED]
-    return failed[0] if failed else None
 
 
 # ------------------------------------------------------------------------------------------- markdown
@@ -352,5 +327,5 @@ def run(
             have[key] = rec
             save_data({"rows": list(have.values())}, data_path)
             out.append(rec)
-    shipped_rows.cache_clear()
+    group_rows.cache_clear()
     return out

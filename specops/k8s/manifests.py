@@ -231,7 +231,7 @@ def _schedule_problems(loaded: LoadedProfile, source: dict) -> list[Problem]:
 def _group_notes(p: Profile, mode: str) -> list[str]:
     """What the multi-node rows of the support matrix saw a group of this engine and mode do with the methods
     of the profile's chain, where it failed (measured on CPU builds on loopback: a warning, not a refusal)."""
-    from specops.devenv.matrix_multinode import group_refusal
+    from specops.backends.measured import group_refusal
 
     out = []
     version = p.engine.version if p.engine.version and p.engine.version[:1].isdigit() else None
