@@ -254,7 +254,10 @@ class Gpus(Section):
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL, description="vLLM `--tensor-parallel-size`.")
     pipeline_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL, description="vLLM `--pipeline-parallel-size`.")
     memory_utilization: float | None = Field(
-        None, gt=0, le=1, description="vLLM `--gpu-memory-utilization` (engine default 0.9)."
+        None,
+        gt=0,
+        le=1,
+        description="vLLM `--gpu-memory-utilization` (unset: the engine's default, 0.92 in vLLM 0.32.0's CacheConfig).",
     )
     memory_gb: float | None = Field(
         None, gt=0, le=MAX_SHARE, description="Memory budget per GPU in GiB, for the fit check."
