@@ -94,7 +94,7 @@ def server_container(case: str) -> dict:
 
 
 def load(case: str):
-    from specops.k8s.manifests import pod_variables
+    from specops.k8s.layout import pod_variables
     from specops.k8s.source import load_for_render
     from specops.plugins import get_registry
 

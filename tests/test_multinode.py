@@ -10,7 +10,7 @@ import pytest
 from support_cli import run
 from support_k8s import objects
 
-from specops.k8s.manifests import nodes_for
+from specops.k8s.layout import nodes_for
 
 #: The rendering machine has no secrets (as in CI); the pods get them from Secrets.
 ENV = {"SPECOPS_API_KEY": None, "HF_TOKEN": None}

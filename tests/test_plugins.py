@@ -318,7 +318,8 @@ def test_a_plugin_backend_gets_the_engine_facts_of_k8s_and_the_profile_rules(tmp
     from specops.backends.base import Backend
     from specops.backends.llamacpp import LlamaCppBackend
     from specops.errors import ProfileError
-    from specops.k8s.manifests import gpus_per_pod, pod_variables, render
+    from specops.k8s.layout import gpus_per_pod, pod_variables
+    from specops.k8s.manifests import render
     from specops.k8s.source import load_for_render
     from specops.plugins import get_registry
 

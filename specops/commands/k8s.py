@@ -63,7 +63,7 @@ def render(profiles, output):
     """
     from specops.errors import ProfileError
     from specops.k8s import emit
-    from specops.k8s.manifests import pod_variables
+    from specops.k8s.layout import pod_variables
     from specops.k8s.manifests import render as render_profile
     from specops.k8s.source import load_for_render
     from specops.plugins import get_registry

@@ -54,7 +54,8 @@ def unshare_problem() -> str | None:
 def render_objects(profile: str | Path) -> dict[str, dict]:
     """The objects ``specops k8s render PROFILE`` writes, by kind (no Secrets: the variables the pods would
     get from them may be unset here, as in CI)."""
-    from specops.k8s.manifests import pod_variables, render
+    from specops.k8s.layout import pod_variables
+    from specops.k8s.manifests import render
     from specops.k8s.source import load_for_render
     from specops.plugins import get_registry
 
