@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from support_cli import ROOT, run
+from support_procs import stop_group
 
 from specops.errors import SpecopsError
 from specops.run.identity import proc_starttime, self_identity
@@ -49,7 +50,8 @@ print("stopped by SIGTERM" if stop else "timed out", flush=True)
 
 
 class Started:
-    """Processes this test started: the only ones the signal guard lets through; all ended at teardown."""
+    """Processes this test started: the only ones the signal guard lets through. Each leads its own process
+    group (so the guard's pid check also covers a killpg), and every group is stopped at teardown."""
 
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
@@ -60,7 +62,7 @@ class Started:
         return {p.pid for p in self.procs} | self.other_pids
 
     def stranger(self) -> subprocess.Popen:
-        p = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL)
+        p = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs.append(p)
         return p
 
@@ -77,6 +79,7 @@ class Started:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
         self.procs.append(p)
         line = p.stdout.readline()
@@ -85,9 +88,7 @@ class Started:
 
     def end(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
+            stop_group(p, timeout=5)
             for stream in (p.stdout, p.stderr):
                 if stream:
                     stream.close()
@@ -346,7 +347,9 @@ def test_a_lock_left_by_a_killed_instance_is_taken_over(state, started):
 
 def test_a_bare_pid_lock_of_a_running_older_specops_is_respected(state, started):
     """An older specops wrote a bare pid and held no flock: believed while that pid runs specops."""
-    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "specops", "up"])
+    older = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "specops", "up"], start_new_session=True
+    )
     started.procs.append(older)
     deadline = time.monotonic() + 10
     while b"specops" not in Path(f"/proc/{older.pid}/cmdline").read_bytes() and time.monotonic() < deadline:

@@ -16,6 +16,7 @@ import yaml
 from conftest import unavailable
 from fakekube import FakeKube, parse_micro
 from support_cli import ROOT, run
+from support_procs import stop_group
 
 from specops.config.profile import load_profile
 from specops.k8s.lease import LeaseGate, gate_for, lease_names, namespace
@@ -211,18 +212,17 @@ def test_a_dead_process_frees_its_directory_slot(tmp_path):
         f"g = DirectoryGate({str(tmp_path)!r}, 'chat', 1, 'child')\n"
         "print(g.try_enter()[0] is not None, flush=True); time.sleep(60)"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert child.stdout.readline().strip() == "True"
         me = DirectoryGate(tmp_path, "chat", 1, "me")
         assert me.try_enter() == (None, ["child"])
-        child.kill()
+        child.kill()  # SIGKILL to the holder alone: it cannot release the slot itself
         child.wait(timeout=10)
         assert me.try_enter()[0] is not None
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=10)
+        stop_group(child, timeout=5)
+        child.stdout.close()
 
 
 # ------------------------------------------------------------------------------------------- coordinator
@@ -460,7 +460,8 @@ class StandinUp:
     ``wait`` sends traffic while it polls the state file, so that the watcher has drafts to count."""
 
     def __init__(self, tmp_path: Path, slots: Path, fallback: dict):
-        from support_up import free_port, write_profile
+        from support_ports import free_port
+        from support_up import write_profile
 
         self.state_dir, self.port = tmp_path / "state", free_port()
         self.doc = {
@@ -481,7 +482,7 @@ class StandinUp:
         self.log = open(self.log_path, "w")
         script = str(Path(__file__).resolve().parent / "support_standin.py")
         self.proc = subprocess.Popen(
-            [sys.executable, script, str(self.path)], stdout=self.log, stderr=subprocess.STDOUT
+            [sys.executable, script, str(self.path)], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def state(self) -> dict:
@@ -520,9 +521,8 @@ class StandinUp:
         return self.proc.wait(30)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(15)
+        """Stop ``specops up``'s group (SIGTERM, so it stops its engine too; SIGKILL after 15 s)."""
+        stop_group(self.proc, timeout=15)
         self.log.close()
 
 

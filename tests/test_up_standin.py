@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from support_up import SPECOPS, free_port, http_json, http_text, write_profile
+from support_ports import free_port
+from support_procs import stop_group
+from support_up import SPECOPS, http_json, http_text, write_profile
 
 HERE = Path(__file__).resolve().parent
 
@@ -81,7 +83,9 @@ def test_fallback_status_and_down_through_the_real_wiring(tmp_path):
     entry = tmp_path / "bin" / "specops"  # `specops up PROFILE`'s command line, which `specops down` checks
     entry.parent.mkdir()
     entry.symlink_to(HERE / "support_standin.py")
-    proc = subprocess.Popen([sys.executable, str(entry), "up", str(profile)], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, str(entry), "up", str(profile)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         st = wait_for(state_dir, name, lambda s: s.get("state") == "ready", 30, "ready", proc)
         assert st["method"] == "ngram" and st["switches"] == 0 and st["last_decision"] is None
@@ -125,7 +129,6 @@ def test_fallback_status_and_down_through_the_real_wiring(tmp_path):
         )
         assert again.returncode == 0 and "not running" in again.stdout
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(15)
+        stop_group(proc, timeout=15)  # `specops down` stopped it when the test got that far; else SIGTERM here
+        log.close()
         log.close()
