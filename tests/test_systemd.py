@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import unavailable
 from support_cli import ROOT, ready_made_profiles, run
+from support_procs import stop_group
 
 from specops.config.durations import parse_duration
 
@@ -294,6 +295,7 @@ def test_exec_reload_sends_sighup_to_the_main_pid(tmp_path):
         ],
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
     try:
         assert child.stdout.readline().strip() == "ready"
@@ -301,6 +303,5 @@ def test_exec_reload_sends_sighup_to_the_main_pid(tmp_path):
         assert sent.returncode == 0, sent.stderr
         assert child.wait(timeout=10) == 7
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=10)
+        stop_group(child, timeout=5)
+        child.stdout.close()

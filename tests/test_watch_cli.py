@@ -7,6 +7,7 @@ every `specops watch` run is bounded by --once or a kill after a short time.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
 import os
@@ -19,7 +20,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from support_prometheus import free_port, llamacpp_text
+from support_ports import free_port
+from support_procs import stop_group
+from support_prometheus import llamacpp_text
 
 from specops.errors import SpecopsError
 from specops.urls import check_http_url, redact_text, redact_url, split_userinfo, url_problem
@@ -212,12 +215,10 @@ def test_interval_floor_holds_in_the_loop(exporter):
         time.sleep(2.0)
         reads = exporter.requests - start
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
+        proc.send_signal(signal.SIGINT)  # watch's own way out (Ctrl-C) ...
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_group(proc, timeout=5)  # ... then its whole group, whatever it left
     assert 5 <= reads <= 30, reads
 
 
