@@ -40,6 +40,12 @@ def engine_infos(profile) -> list[EngineInfo]:
     return out
 
 
+def _served_name(profile) -> str:
+    """The model name the engines serve, before a launch plan says it: ``model.served_name``, else the id (vLLM's
+    default; llama-server answers whatever name a request gives)."""
+    return profile.model.served_name or profile.model.id
+
+
 def _class_table(c) -> ClassTable | None:
     """The class windows ``routing.classes`` asks for (None: no learned routing)."""
     return ClassTable(c.max_classes, c.window, c.explore) if c.key != "none" else None
@@ -95,6 +101,7 @@ class TwinEngines:
         self.launch_problem = launch_problem
         self.classes = _class_table(profile.routing.classes)
         self.router = Router(profile.routing, engine_infos(profile), self.classes)
+        self.router.served = _served_name(profile)  # until an engine's launch plan says it (EngineReady)
         self.upstreams = RoutedUpstreams(self.router, on_route=self._on_route)
         self.supervisors: list[Supervisor] = []
         self._handles: list[EngineHandle] = []  # aligned with supervisors (position = index + 1)
@@ -144,6 +151,7 @@ class TwinEngines:
             isinstance(event, StateChanged) and event.state in (State.FATAL, State.STOPPED)
         ):
             self._ready[0].set()
+        self._plan_served(event)
         if isinstance(event, (EngineReady, StepChanged)):
             index = event.index if isinstance(event, EngineReady) else event.to_index
             method = event.method if isinstance(event, EngineReady) else event.to_method
@@ -172,7 +180,14 @@ class TwinEngines:
         self.on_change()
         return True
 
+    def _plan_served(self, event) -> None:
+        """The model name an engine serves, from its launch plan: what a model alias is replaced with."""
+        name = getattr(getattr(event, "plan", None), "model_name", None) if isinstance(event, EngineReady) else None
+        if name:
+            self.router.served = name
+
     def _on_twin_event(self, position: int, event) -> None:
+        self._plan_served(event)
         if isinstance(event, EngineReady) or (
             isinstance(event, StateChanged) and event.state in (State.FATAL, State.STOPPED)
         ):
@@ -236,11 +251,14 @@ class TwinEngines:
             changes.append("class settings (the class windows start over)")
         if profile.routing.rules != old.routing.rules:
             changes.append("route rules")
+        if profile.routing.aliases != old.routing.aliases:
+            changes.append("model aliases")
         if profile.routing.client_choice != old.routing.client_choice:
             changes.append(f"client_choice: {profile.routing.client_choice}")
         primary = self.router.engines[0]  # the primary engine runs on until its own supervisor reloads it
         router = Router(profile.routing, (primary, *new_infos[1:]), self.classes)
         router.load_off = self.router.load_off
+        router.served = self.router.served if old.model == profile.model else _served_name(profile)
         old_rows = list(
             zip(self.supervisors, self._handles, self._ports, self.upstreams.upstreams[1:], self._ready[1:])
         )
@@ -319,8 +337,10 @@ class TwinEngines:
         self.on_change()
         return True
 
-    def _on_route(self, route: Route, flight, ok: bool) -> None:
-        """After each answer: the class window gets the response's own counters."""
+    def _on_route(
+        self, route: Route, flight, ok: bool, tokens: int | None = None, seconds: float | None = None
+    ) -> None:
+        """After each answer: the class window gets the response's own counters, its tokens and wall time."""
         if self.classes is None or route.key is None or flight is None or not ok:
             return
         position = self.upstreams.position_of(flight.gen)
@@ -328,7 +348,15 @@ class TwinEngines:
         totals = flight.totals or {}
         draft_n = sum(n for n, _ in totals.values())
         accepted = sum(a for _, a in totals.values())
-        self.classes.note(route.key, time.monotonic(), speculative=speculative, draft_tokens=draft_n, accepted=accepted)
+        self.classes.note(
+            route.key,
+            time.monotonic(),
+            speculative=speculative,
+            draft_tokens=draft_n,
+            accepted=accepted,
+            tokens=tokens,
+            seconds=seconds,
+        )
 
     async def _decide_classes(self) -> None:
         interval = max(0.2, float(self.profile.monitor.interval))
@@ -377,6 +405,7 @@ class TwinEngines:
                 "route_changes": self.route_changes,
                 "client_choice": self.profile.routing.client_choice,
                 "class_key": self.profile.routing.classes.key,
+                "aliases": dict(self.profile.routing.aliases),
                 "refused": {str(k): v for k, v in self.upstreams.refused.items()},
                 "classes": self.classes.snapshot(now) if self.classes is not None else [],
                 "classes_forgotten": self.classes.forgotten if self.classes is not None else 0,
@@ -415,6 +444,19 @@ class _RoutingCollector:
         share = GaugeMetricFamily(
             "specops_class_on_share", "Share of a class's window served speculating", labels=["cls"]
         )
+        speed = GaugeMetricFamily(
+            "specops_class_tokens_per_second",
+            "Tokens per second a request class's clients saw over its window, by whether a speculating engine served "
+            "them (speculation on/off): the tokens its answers generated (llama-server timings.predicted_n, else "
+            "usage.completion_tokens; a vLLM stream is not counted) over their wall time from routing to the last byte",
+            labels=["cls", "speculation"],
+        )
+        length = GaugeMetricFamily(
+            "specops_class_mean_acceptance_length",
+            "Mean acceptance length of a request class's answers served speculating that drafted, over its window: "
+            "tokens per target forward pass, tokens / (tokens - accepted draft tokens) (1: nothing accepted)",
+            labels=["cls"],
+        )
         for row in t.classes.snapshot(time.monotonic()):
             if row["acceptance"] is not None:
                 acc.add_metric([row["class"]], row["acceptance"])
@@ -422,6 +464,13 @@ class _RoutingCollector:
                 spec.add_metric([row["class"]], 1.0 if row["speculate"] else 0.0)
             if row["on_share"] is not None:
                 share.add_metric([row["class"]], row["on_share"])
+            for side in ("on", "off"):
+                if row[f"tokens_per_s_{side}"] is not None:
+                    speed.add_metric([row["class"], side], row[f"tokens_per_s_{side}"])
+            if row["mean_acceptance_length"] is not None:
+                length.add_metric([row["class"]], row["mean_acceptance_length"])
         yield acc
         yield spec
         yield share
+        yield speed
+        yield length

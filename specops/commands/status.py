@@ -354,16 +354,26 @@ def _print_twins(st: dict) -> None:
         )
     routing = st.get("routing") if isinstance(st.get("routing"), dict) else {}
     classes = routing.get("classes") if isinstance(routing.get("classes"), list) else []
+    aliases = routing.get("aliases") if isinstance(routing.get("aliases"), dict) else {}
+    if aliases:
+        shown = ", ".join(f"{_text(k, 64)} → {_text(v, 8)}" for k, v in list(aliases.items())[:20])
+        click.echo(f"  aliases    {shown}")
     if classes:
-        click.echo(f"  classes    by {_text(routing.get('class_key'), 20)}: class, verdict, acceptance, served on/off")
+        click.echo(
+            f"  classes    by {_text(routing.get('class_key'), 20)}: class, verdict, acceptance, mean acceptance "
+            "length, served on/off, tok/s on/off"
+        )
     for row in classes[-20:]:
         if not isinstance(row, dict):
             continue
         verdict = {True: "speculate", False: "no speculation", None: "learning"}.get(row.get("speculate"), "?")
-        a = _num(row.get("acceptance"))
+        a, mal = _num(row.get("acceptance")), _num(row.get("mean_acceptance_length"))
+        on, off = _num(row.get("tokens_per_s_on")), _num(row.get("tokens_per_s_off"))
         click.echo(
             f"    {_text(row.get('class'), 64)}: {verdict}, acceptance {f'{a:.3f}' if a is not None else '-'}, "
-            f"{_text(row.get('served_on'), 20)}/{_text(row.get('served_off'), 20)}"
+            f"length {f'{mal:.2f}' if mal is not None else '-'}, "
+            f"{_text(row.get('served_on'), 20)}/{_text(row.get('served_off'), 20)}, "
+            f"{f'{on:.1f}' if on is not None else '-'}/{f'{off:.1f}' if off is not None else '-'} tok/s"
         )
 
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from specops.config.fields import Duration, Section
+from specops.config.located import quote_value
 from specops.methods import Method
 
 if TYPE_CHECKING:
@@ -32,6 +34,9 @@ SPECULATION_VALUES = ("on", "off", "auto")
 MAX_CLASSES = 4096
 #: Longest system-prompt pattern (a regex runs on every request that a rule with it is tried on).
 MAX_PATTERN = 1024
+#: Longest model alias, and how many a profile may have (each is looked up in every request's body).
+MAX_ALIAS = 256
+MAX_ALIASES = 256
 #: The key of ``routing.memory_utilization`` that names the primary engine (twins are named by their method).
 PRIMARY = "primary"
 #: What the engines share of each GPU when the profile sets no ``gpus.memory_utilization`` (vLLM's default until
@@ -159,8 +164,17 @@ class Routing(Section):
         description="Whether clients may choose with the `X-Specops-Speculation: on|off|auto` header (`forbid`: a "
         "request that sends it gets 403).",
     )
+    aliases: dict[str, Speculation] = Field(
+        default_factory=dict,
+        max_length=MAX_ALIASES,
+        description="Model names a client may send as the body's `model` to choose, e.g. `{mymodel-fast: on, "
+        "mymodel-exact: off}`: `on` a speculating engine, `off` one without speculation, `auto` the usual routing. "
+        "The proxy writes the engine's own model name in before forwarding and lists the aliases in `/v1/models`. "
+        "Aliases are the operator's, so they apply under `client_choice: forbid` too; a client's header wins over "
+        "them, and they are tried before the route rules.",
+    )
     rules: list[RouteRule] = Field(
-        default_factory=list, description="Route rules, tried in order after the client's header."
+        default_factory=list, description="Route rules, tried in order after the client's header and the aliases."
     )
     classes: RequestClasses = Field(default_factory=RequestClasses)
     memory_utilization: dict[str, Annotated[float, Field(gt=0, le=1)]] = Field(
@@ -174,6 +188,14 @@ class Routing(Section):
     def enabled(self) -> bool:
         """Whether requests are routed between engines at all (a profile without twins runs as it always did)."""
         return bool(self.twins)
+
+
+def served_names(p: Profile) -> set[str]:
+    """The names the engines answer to when no alias is used: ``model.served_name``, else the engine's default
+    (vLLM: the model id; llama-server: the id, or a local file's name)."""
+    if p.model.served_name:
+        return {p.model.served_name}
+    return {p.model.id, PurePath(p.model.id).name}
 
 
 def engine_names(p: Profile) -> list[str]:
@@ -272,8 +294,39 @@ def routing_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
             "with twins every engine gets a free loopback port of its own: remove proxy.engine_port",
         )
     yield from _share_problems(p)
+    yield from _alias_problems(p)
     if not r.twins:
         if r.rules:
             yield ("routing", "rules"), "route rules need an engine to route to: add routing.twins (e.g. [none])"
         if r.classes.key != "none":
             yield ("routing", "classes", "key"), "learned routing needs an engine to route to: add routing.twins"
+
+
+def _alias_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
+    r = p.routing
+    if not r.aliases:
+        return
+    if not r.twins:
+        yield ("routing", "aliases"), "model aliases need an engine to route to: add routing.twins (e.g. [none])"
+        return
+    served = served_names(p)
+    for name in r.aliases:
+        if not name or len(name) > MAX_ALIAS or name != name.strip() or not name.isprintable():
+            yield (  # located at the mapping: a key with odd characters is not printed as a field path
+                ("routing", "aliases"),
+                f"{quote_value(name)} is not a model name: 1 to {MAX_ALIAS} printable characters, no leading or "
+                "trailing spaces",
+            )
+        elif name in served:
+            yield (
+                ("routing", "aliases", name),
+                f"{name!r} is the model name the engines serve: an alias is another name (e.g. {name}-fast)",
+            )
+    for i, rule in enumerate(r.rules):
+        said = r.aliases.get(rule.match.model) if rule.match.model is not None else None
+        if said is not None and said != "auto":
+            yield (
+                ("routing", "rules", i, "match", "model"),
+                f"{rule.match.model!r} is an alias ({said}): aliases are tried before the rules, so this rule never "
+                "matches; remove it or make the alias `auto`",
+            )

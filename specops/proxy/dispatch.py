@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -197,6 +198,8 @@ class RequestPath:
             except RouteRefused as exc:
                 self.routes.refused[exc.status] += 1
                 return self._reject(exc.status, exc.kind, "specops: " + str(exc))
+            if route.body is not None:  # a model alias: sent with the engine's own model name (proxy.router)
+                body.data, route = route.body, replace(route, body=None)
         while True:
             try:
                 gen = (self.routes.pick(route) if route is not None else None) or (

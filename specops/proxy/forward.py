@@ -129,7 +129,7 @@ class Generation:
 class Flight:
     """One request on one generation, so drain/upstream_failed can cut it."""
 
-    __slots__ = ("cm", "cut_reason", "gen", "started", "tap", "totals")
+    __slots__ = ("cm", "cut_reason", "gen", "predicted", "started", "tap", "totals")
 
     def __init__(self, gen: Generation):
         self.gen = gen
@@ -137,6 +137,7 @@ class Flight:
         self.cut_reason: str | None = None
         self.started = False
         self.totals: dict | None = None  # timings running totals per choice index
+        self.predicted: dict | None = None  # timings predicted_n (tokens generated) per choice index
         self.tap = None  # a specops.proxy.capture.Tap: the streamed answer is copied into it (capture: on)
 
     def cut(self, reason: str) -> None:
@@ -448,15 +449,20 @@ class Timings:
         t = obj.get("timings")
         if not isinstance(t, dict):
             return
-        dn, da = t.get("draft_n"), t.get("draft_n_accepted")
-        if not isinstance(dn, int) or not isinstance(da, int):
-            return
         index = 0
         choices = obj.get("choices")
         if isinstance(choices, list) and choices and isinstance(choices[0], dict):
             index = choices[0].get("index", 0)
         elif "index" in obj:
             index = obj.get("index", 0)
+        pn = t.get("predicted_n")  # tokens generated so far (an engine without speculation says it too)
+        if isinstance(pn, int) and pn >= 0:
+            if flight.predicted is None:
+                flight.predicted = {}
+            flight.predicted[index] = pn
+        dn, da = t.get("draft_n"), t.get("draft_n_accepted")
+        if not isinstance(dn, int) or not isinstance(da, int):
+            return
         totals = flight.totals
         if totals is None:
             totals = flight.totals = {}

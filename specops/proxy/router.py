@@ -4,21 +4,24 @@ The order, first that speaks wins:
 
 1. the client's ``X-Specops-Speculation: on|off|auto`` header (a malformed or unknown value: 400 with a one-line
    reason; any value when ``routing.client_choice: forbid``: 403); ``auto`` passes on to the next;
-2. the profile's route rules (path, ``model``, a header, a pattern on the system prompt), in order; a rule
+2. a model alias (``routing.aliases``): the body's ``model`` names one; the operator's own names, so they hold
+   under ``client_choice: forbid`` too. Whatever decides, a request naming an alias is sent with the engine's own
+   model name (:attr:`Route.body`), and ``/v1/models`` lists the aliases (:meth:`Router.list_aliases`);
+3. the profile's route rules (path, ``model``, a header, a pattern on the system prompt), in order; a rule
    saying ``auto`` passes on;
-3. above the measured crossover load (the goodput surface: the decider sets :attr:`Router.load_off`), every
+4. above the measured crossover load (the goodput surface: the decider sets :attr:`Router.load_off`), every
    request goes to the engine without speculation (``load``);
-4. the choice learned for the request's class (``routing.classes``): the decider's verdict on its acceptance
+5. the choice learned for the request's class (``routing.classes``): the decider's verdict on its acceptance
    window, with a small share explored on the other engine; a class not decided yet is measured on the
    speculating engine;
-5. the step in effect (the primary, or the twin a fallback switched to).
+6. the step in effect (the primary, or the twin a fallback switched to).
 
 ``on`` means a speculating engine (the one in effect if it speculates, else the first that does); ``off`` an
 engine without speculation (the ``none`` twin). An engine that is not live does not get traffic: the request goes
 to a live one (``failover``); with none live the proxy's queue holds it, as it always did.
 
-The body is parsed only when a rule or the class key needs it (``model``, the system prompt): routing runs on every
-request (``benchmarks/bench_router.py`` measures it).
+The body is parsed only when an alias, a rule or the class key needs it (``model``, the system prompt): routing runs
+on every request (``benchmarks/bench_router.py`` measures it).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from specops.config.routing import SPECULATION_HEADER, SPECULATION_VALUES, RouteMatch, Routing
@@ -60,8 +63,11 @@ class Route:
 
     engine: int | None  # position in the router's engines; None: no engine is live (the proxy's queue waits)
     asked: str  # "on" | "off" | "default"
-    reason: str  # header | rule N | load | class | class-explore | class-learning | default (+ " failover")
+    reason: str  # header | alias | rule N | load | class | class-explore | class-learning | default (+ " failover")
     key: str | None = None  # the request's class (learned routing), else None
+    start: float = 0.0  # when it was routed (the clock the caller passed): a class's tokens/s counts from here
+    body: bytes | None = None  # the body to send instead (a model alias replaced by the served name), else None
+    lists_models: bool = False  # GET /v1/models with aliases: the answer gets them added (list_aliases)
 
 
 class _Request:
@@ -154,6 +160,9 @@ class Router:
         if self.class_key is not None and self.classes is None:
             c = routing.classes
             self.classes = ClassTable(c.max_classes, c.window, c.explore)
+        self.aliases = dict(routing.aliases)
+        #: the model name the engines serve, written over an alias (the run layer sets it from the launch plan)
+        self.served: str | None = None
         self.on_engine = next((i for i, e in enumerate(self.engines) if e.speculative), 0)
         self.off_engine = next((i for i, e in enumerate(self.engines) if not e.speculative), len(self.engines) - 1)
 
@@ -167,11 +176,45 @@ class Router:
     ) -> Route:
         """The engine for one request (``path`` without the query; ``live[i]``: engine i takes requests now).
         Raises :class:`RouteRefused` for a header the profile refuses or that is not on/off/auto."""
-        asked, reason, key = self._asked(path, headers, body, now)
-        return self._place(asked, reason, key, live)
+        req = _Request(path, headers, body)
+        alias = None
+        if self.aliases:
+            alias = req.model
+            if alias not in self.aliases:
+                alias = None
+        asked, reason, key = self._asked(req, alias, now)
+        route = self._place(asked, reason, key, live, now)
+        if alias is not None and self.served is not None:
+            route = replace(route, body=_with_model(req.json, self.served))
+        elif self.aliases and path == "/v1/models":
+            route = replace(route, lists_models=True)
+        return route
 
-    def _asked(self, path: str, headers: Mapping[str, str], body: bytes, now: float) -> tuple[str, str, str | None]:
-        raw = headers.get(SPECULATION_HEADER)
+    def list_aliases(self, answer: bytes) -> bytes | None:
+        """An engine's ``/v1/models`` answer with one entry per alias added (after the served model's), or None
+        when it is not the OpenAI list shape (then it is passed on as it came)."""
+        try:
+            doc = json.loads(answer)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return None
+        data = doc.get("data") if isinstance(doc, dict) else None
+        if not isinstance(data, list):
+            return None
+        served = next((m for m in data if isinstance(m, dict) and m.get("id") == self.served), None)
+        if served is None:
+            served = next((m for m in data if isinstance(m, dict)), {})
+        known = {m.get("id") for m in data if isinstance(m, dict)}
+        for name, speculation in self.aliases.items():
+            if name not in known:
+                entry = {"id": name, "object": "model", "owned_by": "specops", "root": served.get("id")}
+                if isinstance(served.get("created"), int):
+                    entry["created"] = served["created"]
+                entry["specops_speculation"] = speculation
+                data.append(entry)
+        return json.dumps(doc).encode()
+
+    def _asked(self, req: _Request, alias: str | None, now: float) -> tuple[str, str, str | None]:
+        raw = req.headers.get(SPECULATION_HEADER)
         if raw is not None:
             if not self.allow_client:
                 raise RouteRefused(
@@ -188,7 +231,10 @@ class Router:
                 )
             if value != "auto":
                 return value, "header", None
-        req = _Request(path, headers, body)
+        if alias is not None:
+            said = self.aliases[alias]
+            if said != "auto":
+                return said, "alias", None
         for i, rule, pattern in self._rules:
             if _matches(rule.match, req, pattern):
                 if rule.speculation != "auto":
@@ -227,7 +273,7 @@ class Router:
             )
         return "-" if not value else value[:MAX_KEY]
 
-    def _place(self, asked: str, reason: str, key: str | None, live: Sequence[bool]) -> Route:
+    def _place(self, asked: str, reason: str, key: str | None, live: Sequence[bool], now: float) -> Route:
         if asked == "on":
             want = self.current if self.engines[self.current].speculative else self.on_engine
         elif asked == "off":
@@ -235,12 +281,18 @@ class Router:
         else:
             want = self.current
         if live[want]:
-            return Route(want, asked, reason, key)
+            return Route(want, asked, reason, key, now)
         # the engine asked for is not live: the step in effect if it is, else the first live one
         for i in (self.current, *range(len(self.engines))):
             if live[i]:
-                return Route(i, asked, reason + " failover", key)
-        return Route(None, asked, reason, key)
+                return Route(i, asked, reason + " failover", key, now)
+        return Route(None, asked, reason, key, now)
+
+
+def _with_model(body: dict, served: str) -> bytes:
+    """The request body with ``model`` set to the engine's served name (serialized again: the engine reads the
+    same JSON object; ASCII escapes keep any text the client sent valid)."""
+    return json.dumps({**body, "model": served}, separators=(",", ":")).encode()
 
 
 def _shown(text: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -59,11 +60,13 @@ class EngineUpstream:
 class RoutedUpstreams:
     """Every engine behind the proxy (position 0: the primary, the proxy's own upstream) and the router.
 
-    ``on_route(route, flight, ok)`` (optional) is called after each answer: the run layer feeds the class windows
-    and the routed counts from it. It runs in the event loop: keep it quick.
+    ``on_route(route, flight, ok, tokens, seconds)`` (optional) is called after each answer of a request class
+    (``tokens``: what it generated, None when the answer does not say; ``seconds``: from routing to its last byte;
+    both None without a class): the run layer feeds the class windows from it. It runs in the event loop: keep it
+    quick.
     """
 
-    def __init__(self, router: Router, *, on_route: Callable[[Route, Flight | None, bool], Any] | None = None):
+    def __init__(self, router: Router, *, on_route: Callable[..., Any] | None = None):
         self.router = router
         self.upstreams = [EngineUpstream(i) for i in range(len(router.engines))]
         self.on_route = on_route
@@ -111,13 +114,24 @@ class RoutedUpstreams:
         return position > 0 and self.upstreams[position].gen is gen and self.live()[position]
 
     def finished(self, route: Route, flight: Flight | None, ok: bool, resp: Any = None) -> None:
+        """After an answer (before it is written, when it was read whole): count it, feed its class window
+        (``on_route(route, flight, ok, tokens, seconds)``), and add the aliases to a ``/v1/models`` list."""
         position = self.position_of(flight.gen) if flight is not None else route.engine
-        if route.key is not None and flight is not None and flight.totals is None:
-            flight.totals = vllm_spec_counts(getattr(resp, "body", None))  # vLLM's own counters, when it has them
+        body = getattr(resp, "body", None)
+        tokens = seconds = None
+        if route.key is not None and flight is not None:
+            if flight.totals is None:
+                flight.totals = vllm_spec_counts(body)  # vLLM's own counters, when it has them
+            tokens = completion_tokens(flight, body)
+            seconds = time.monotonic() - route.start
+        if route.lists_models and isinstance(body, bytes) and getattr(resp, "status", 0) == 200:
+            listed = self.router.list_aliases(body)
+            if listed is not None:
+                resp.body = listed
         self.routed[(position, route.reason)] += 1
         if self.on_route is not None:
             try:
-                self.on_route(route, flight, ok)
+                self.on_route(route, flight, ok, tokens, seconds)
             except Exception:  # the class windows must never fail a request
                 log.exception("proxy: on_route failed")
 
@@ -244,6 +258,22 @@ def vllm_spec_counts(body: Any) -> dict | None:
     if not isinstance(drafted, int) or not isinstance(accepted, int) or not 0 <= accepted <= drafted:
         return None
     return {0: (drafted, accepted)}
+
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})')
+
+
+def completion_tokens(flight: Flight, body: Any) -> int | None:
+    """The tokens an answer generated: llama-server's ``timings.predicted_n`` (every choice; streamed answers
+    too), else a whole answer's ``usage.completion_tokens`` (vLLM; a stream's usage chunk is not read); None
+    when the answer says neither."""
+    if flight.predicted:
+        return sum(flight.predicted.values())
+    if isinstance(body, bytes):
+        m = _COMPLETION_TOKENS.search(body)
+        if m is not None:
+            return int(m.group(1))
+    return None
 
 
 async def _reachable(url: str) -> bool:
