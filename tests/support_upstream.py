@@ -38,6 +38,7 @@ import urllib.request
 from pathlib import Path
 
 from support_ports import free_port  # noqa: F401 - re-exported: test modules import it from here
+from support_procs import stop_group
 
 HERE = Path(__file__).resolve().parent
 
@@ -406,7 +407,7 @@ class Upstream:
         ]
         if acceptance is not None:
             argv += ["--acceptance", str(acceptance)]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, text=True)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
         deadline = time.monotonic() + timeout
         line = ""
         while time.monotonic() < deadline:
@@ -417,8 +418,8 @@ class Upstream:
             if not line or line.startswith("LISTENING"):
                 break
         if not line.startswith("LISTENING"):
-            proc.kill()
-            proc.wait(5)
+            stop_group(proc, 5)
+            proc.stdout.close()
             raise RuntimeError(f"upstream {name} did not start within {timeout}s (exit {proc.poll()})")
         return cls(proc, int(line.split()[1]), name)
 
@@ -437,13 +438,7 @@ class Upstream:
         self.proc.wait(10)
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_group(self.proc, timeout)  # SIGTERM its group, SIGKILL after ``timeout`` s; after a kill() too
         if self.proc.stdout:
             self.proc.stdout.close()
 

@@ -7,6 +7,7 @@ build-failure test). Tests marked ``engines`` use the engines already set up in 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -371,10 +372,12 @@ def test_concurrent_setups_generate_once(cache):
     """Two set-ups at the same time (e.g. parallel test sessions): one generates, the other waits and reuses."""
     env = {**os.environ, "SPECOPS_CACHE": str(cache)}
     cmd = [sys.executable, "-m", "specops.cli", "engines", "setup", "models-gguf", "--json"]
-    procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
+    with contextlib.ExitStack() as stack:  # each set-up's group stopped however the test ends
+        procs = [
+            stack.enter_context(process_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+            for _ in range(3)
+        ]
+        outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1] for o in outs]
     statuses = sorted(json.loads(o[0])[0]["status"] for o in outs)
     assert statuses == ["cached", "cached", "installed"]

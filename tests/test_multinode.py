@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from support_cli import run
 from support_k8s import objects
+from support_procs import stop_group
 
 from specops.k8s.layout import nodes_for
 
@@ -163,11 +164,13 @@ def test_a_worker_rejoins_when_the_leader_starts_a_new_engine():
         _follow(child, (0, 0), lambda: next(seen, (1, 0)), lambda: False, interval=0.1)
         assert child.poll() is not None and time.monotonic() - t0 < 10
     finally:
-        child.kill()
-        child.wait()
+        stop_group(child, 5)
     same = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"], start_new_session=True)
-    _follow(same, (0, 0), lambda: (None, None), lambda: False, interval=0.1)  # a silent leader is no change
-    assert same.returncode == 0
+    try:
+        _follow(same, (0, 0), lambda: (None, None), lambda: False, interval=0.1)  # a silent leader is no change
+        assert same.returncode == 0
+    finally:
+        stop_group(same, 5)
     # started before the leader answered: a later restart count is the baseline, a step change still counts
     late = iter([(None, None), (0, 2), (0, 2), (0, 3)])
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
@@ -175,8 +178,7 @@ def test_a_worker_rejoins_when_the_leader_starts_a_new_engine():
         _follow(child, (0, None), lambda: next(late, (0, 3)), lambda: False, interval=0.1)
         assert child.poll() is not None
     finally:
-        child.kill()
-        child.wait()
+        stop_group(child, 5)
 
 
 # ------------------------------------------------------------------------------------------- the multi-node rows

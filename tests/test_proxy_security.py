@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from conftest import unavailable
 from pydantic import ValidationError
+from support_procs import stop_group
 from support_upstream import Canary, Upstream, check_completion, raw_http, running_proxy
 
 pytestmark = pytest.mark.timeout(60)
@@ -234,7 +235,11 @@ def test_the_console_shows_one_line_per_rejection_and_never_a_traceback(engine):
     import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CONSOLE_PROXY, engine.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", _CONSOLE_PROXY, engine.url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         port = int(proc.stdout.readline().split()[1])
@@ -257,8 +262,11 @@ def test_the_console_shows_one_line_per_rejection_and_never_a_traceback(engine):
 
         run(send_all())
     finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=10)
+        proc.terminate()  # the proxy alone first: its console lines are what the test reads
+        try:
+            _, err = proc.communicate(timeout=10)
+        finally:
+            stop_group(proc, timeout=5)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert "Traceback" not in err, err
     assert len(hostile) - 2 <= len(lines) <= len(hostile), err  # one line each (a few may be one parse error)

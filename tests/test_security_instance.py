@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 from support_cli import ROOT, SPECOPS, Result, run_subprocess
-from support_up import free_port
+from support_ports import free_port
+from support_procs import stop_group
 
 from specops.run.identity import is_specops_up_argv, proc_starttime, self_identity
 
@@ -72,14 +73,14 @@ def specops_backends():
 
 
 class Procs:
-    """The processes a test started; all ended at teardown."""
+    """The processes a test started, each leading its own process group; every group stopped at teardown."""
 
     def __init__(self, tmp: Path):
         self.tmp = tmp
         self.procs: list[subprocess.Popen] = []
 
     def start(self, argv: list[str], wait_ready: bool = False, **kw) -> subprocess.Popen:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=ROOT, **kw)
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True, **kw)
         self.procs.append(p)
         if wait_ready:
             line = p.stdout.readline()
@@ -100,9 +101,7 @@ class Procs:
 
     def end(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
+            stop_group(p, timeout=5)
             if p.stdout:
                 p.stdout.close()
 
@@ -397,7 +396,6 @@ def test_down_stops_a_real_specops_up_and_leaves_it_alone_when_forged_elsewhere(
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
-        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60

@@ -8,6 +8,7 @@ is read from /proc; the status test against `specops up` wired as in production,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from support_up import SPECOPS, free_port, write_profile
+from support_ports import free_port
+from support_procs import stop_group
+from support_up import SPECOPS, write_profile
 from support_upstream import Upstream, raw_http, running_proxy
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,7 +125,12 @@ def test_endless_header_lines_get_431_and_the_proxy_process_stays_small():
     the headers, no key): each used to hold ~2 MiB of the `specops up` process, kept after it closed."""
     env = {**os.environ, KEY_VAR: KEY}
     proc = subprocess.Popen(
-        [sys.executable, "-c", PROXY_PROCESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", PROXY_PROCESS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
     )
     try:
         port = int(proc.stdout.readline())
@@ -155,12 +163,11 @@ def test_endless_header_lines_get_431_and_the_proxy_process_stays_small():
         grown = peak - before
         assert grown < 50 * 512, f"the proxy grew {grown} KiB for 50 connections ({before} -> {peak} KiB)"
     finally:
-        proc.stdin.close()
-        try:
+        proc.stdin.close()  # the proxy process's own way out ...
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_group(proc, timeout=5)  # ... then its whole group, whatever is left
+        proc.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -301,6 +308,7 @@ def test_status_endpoint_keeps_the_engine_address_and_profile_path_to_the_local_
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -338,9 +346,7 @@ def test_status_endpoint_keeps_the_engine_address_and_profile_path_to_the_local_
         ).stdout
         assert f"(engine {engine_url}," in text_out and KEY not in text_out
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(15)
+        stop_group(proc, timeout=15)  # SIGTERM: specops up stops its engine too
         log.close()
 
 
