@@ -32,8 +32,9 @@ def twin_series() -> dict[str, set[str]]:
 
 
 def test_the_dashboard_shows_each_engine_and_each_class():
-    """A panel for the engines live, the routed share per engine, per-class acceptance and share; every twin series
-    they read is one a deployment with twins exports, grouped by labels it has."""
+    """A panel for the engines live, the routed share per engine, per-class acceptance, share, tokens/s and mean
+    acceptance length; every twin series they read is one a deployment with twins exports, grouped by labels it
+    has."""
     series = twin_series()
     doc = json.loads(DASHBOARD.read_text())
     exprs = {p["title"]: [t["expr"] for t in p.get("targets", [])] for p in doc["panels"]}
@@ -42,6 +43,9 @@ def test_the_dashboard_shows_each_engine_and_each_class():
     assert "specops_engine_live" in " ".join(exprs["Engines live"])
     assert "max by (cls) (specops_class_acceptance" in " ".join(exprs["Acceptance per request class"])
     assert "specops_class_on_share" in " ".join(exprs["Share of each class served speculating"])
+    speed = " ".join(exprs["Tokens/s per request class"])
+    assert "max by (cls, speculation) (specops_class_tokens_per_second" in speed
+    assert "specops_class_mean_acceptance_length" in " ".join(exprs["Mean acceptance length per request class"])
     for expr in (e for es in exprs.values() for e in es):
         for name in re.findall(r"specops_(?:engine_live|routed_requests_total|class_\w+)", expr):
             assert name in series, name
