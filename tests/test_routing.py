@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from support_procs import stop_group
+from support_routing import request_headers
 
 from specops.config.profile import load_profile
 from specops.errors import ProfileError
@@ -115,12 +117,6 @@ def _router(tmp_path, routing: str, base: str = BASE):
     return Router(profile.routing, engines), profile
 
 
-def _headers(**h):
-    from multidict import CIMultiDict
-
-    return CIMultiDict({k.replace("_", "-"): v for k, v in h.items()})
-
-
 BOTH = (True, True)
 
 
@@ -129,14 +125,14 @@ BOTH = (True, True)
 
 def test_router_header_on_off_auto(tmp_path):
     router, _ = _router(tmp_path, "routing: {twins: [none]}\n")
-    assert router.route("/v1/completions", _headers(), b"{}", BOTH).engine == 0  # the step in effect
-    off = router.route("/v1/completions", _headers(x_specops_speculation="off"), b"{}", BOTH)
+    assert router.route("/v1/completions", request_headers(), b"{}", BOTH).engine == 0  # the step in effect
+    off = router.route("/v1/completions", request_headers(x_specops_speculation="off"), b"{}", BOTH)
     assert (off.engine, off.reason) == (1, "header")
-    on = router.route("/v1/completions", _headers(x_specops_speculation=" ON "), b"{}", BOTH)
+    on = router.route("/v1/completions", request_headers(x_specops_speculation=" ON "), b"{}", BOTH)
     assert (on.engine, on.reason) == (0, "header")
     router.current = 1  # a fallback switched to the twin: auto and no header follow it; on still speculates
-    assert router.route("/x", _headers(x_specops_speculation="auto"), b"", BOTH).engine == 1
-    assert router.route("/x", _headers(x_specops_speculation="on"), b"", BOTH).engine == 0
+    assert router.route("/x", request_headers(x_specops_speculation="auto"), b"", BOTH).engine == 1
+    assert router.route("/x", request_headers(x_specops_speculation="on"), b"", BOTH).engine == 0
 
 
 @pytest.mark.parametrize("value", ["maybe", "", "on,off", "1", "yes\x01"])
@@ -145,7 +141,7 @@ def test_router_refuses_unknown_header_with_400(tmp_path, value):
 
     router, _ = _router(tmp_path, "routing: {twins: [none]}\n")
     with pytest.raises(RouteRefused) as err:
-        router.route("/v1/completions", _headers(x_specops_speculation=value), b"{}", BOTH)
+        router.route("/v1/completions", request_headers(x_specops_speculation=value), b"{}", BOTH)
     assert err.value.status == 400
     assert "\n" not in str(err.value) and "not one of on, off, auto" in str(err.value)
 
@@ -155,9 +151,9 @@ def test_router_client_choice_forbidden_is_403(tmp_path):
 
     router, _ = _router(tmp_path, "routing: {twins: [none], client_choice: forbid}\n")
     with pytest.raises(RouteRefused) as err:
-        router.route("/v1/completions", _headers(x_specops_speculation="off"), b"{}", BOTH)
+        router.route("/v1/completions", request_headers(x_specops_speculation="off"), b"{}", BOTH)
     assert err.value.status == 403 and "client_choice: forbid" in str(err.value)
-    assert router.route("/v1/completions", _headers(), b"{}", BOTH).engine == 0
+    assert router.route("/v1/completions", request_headers(), b"{}", BOTH).engine == 0
 
 
 def test_router_rules_by_path_model_header_and_system_prompt(tmp_path):
@@ -175,50 +171,52 @@ def test_router_rules_by_path_model_header_and_system_prompt(tmp_path):
     chat = lambda system, model="m": _body(  # noqa: E731
         model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
     )
-    assert router.route("/v1/embeddings/x", _headers(), b"", BOTH).reason == "rule 0"
-    assert router.route("/v1/chat/completions", _headers(), _body(model="creative"), BOTH).engine == 1
-    assert router.route("/v1/chat/completions", _headers(x_tenant="poets"), b"{}", BOTH).reason == "rule 2"
-    assert router.route("/v1/chat/completions", _headers(x_tenant="coders"), b"{}", BOTH).engine == 0
-    assert router.route("/v1/chat/completions", _headers(), chat("Please WRITE A POEM"), BOTH).reason == "rule 3"
+    assert router.route("/v1/embeddings/x", request_headers(), b"", BOTH).reason == "rule 0"
+    assert router.route("/v1/chat/completions", request_headers(), _body(model="creative"), BOTH).engine == 1
+    assert router.route("/v1/chat/completions", request_headers(x_tenant="poets"), b"{}", BOTH).reason == "rule 2"
+    assert router.route("/v1/chat/completions", request_headers(x_tenant="coders"), b"{}", BOTH).engine == 0
+    assert router.route("/v1/chat/completions", request_headers(), chat("Please WRITE A POEM"), BOTH).reason == "rule 3"
     parts = _body(messages=[{"role": "system", "content": [{"type": "text", "text": "write a poem"}]}])
-    assert router.route("/v1/chat/completions", _headers(), parts, BOTH).engine == 1
+    assert router.route("/v1/chat/completions", request_headers(), parts, BOTH).engine == 1
     # a rule saying auto ends the rules: the default decides; a client's header wins over every rule
-    assert router.route("/v1/chat/completions", _headers(), chat("hello", "coder"), BOTH).reason == "default"
-    hdr = router.route("/v1/chat/completions", _headers(x_specops_speculation="on"), _body(model="creative"), BOTH)
+    assert router.route("/v1/chat/completions", request_headers(), chat("hello", "coder"), BOTH).reason == "default"
+    hdr = router.route(
+        "/v1/chat/completions", request_headers(x_specops_speculation="on"), _body(model="creative"), BOTH
+    )
     assert (hdr.engine, hdr.reason) == (0, "header")
     # a body that is not JSON matches no body rule
-    assert router.route("/v1/chat/completions", _headers(), b"\xff not json", BOTH).reason == "default"
+    assert router.route("/v1/chat/completions", request_headers(), b"\xff not json", BOTH).reason == "default"
 
 
 def test_router_failover_to_a_live_engine(tmp_path):
     router, _ = _router(tmp_path, "routing: {twins: [none]}\n")
-    off = router.route("/v1/completions", _headers(x_specops_speculation="off"), b"{}", (True, False))
+    off = router.route("/v1/completions", request_headers(x_specops_speculation="off"), b"{}", (True, False))
     assert (off.engine, off.reason) == (0, "header failover")
-    default = router.route("/v1/completions", _headers(), b"{}", (False, True))
+    default = router.route("/v1/completions", request_headers(), b"{}", (False, True))
     assert (default.engine, default.reason) == (1, "default failover")
-    assert router.route("/v1/completions", _headers(), b"{}", (False, False)).engine is None
+    assert router.route("/v1/completions", request_headers(), b"{}", (False, False)).engine is None
 
 
 def test_router_learned_classes_measure_decide_and_explore(tmp_path):
     router, _ = _router(
         tmp_path, "routing:\n  twins: [none]\n  classes: {key: header, header: X-Task, explore: 0.25}\n"
     )
-    first = router.route("/v1/completions", _headers(x_task="poems"), b"{}", BOTH)
+    first = router.route("/v1/completions", request_headers(x_task="poems"), b"{}", BOTH)
     assert (first.engine, first.reason, first.key) == (0, "class-learning", "poems")  # measured where it drafts
     router.classes.decide("poems", False, "acceptance 0.1 is below min_acceptance 0.6")
-    routes = [router.route("/v1/completions", _headers(x_task="poems"), b"{}", BOTH) for _ in range(8)]
+    routes = [router.route("/v1/completions", request_headers(x_task="poems"), b"{}", BOTH) for _ in range(8)]
     assert [r.engine for r in routes].count(1) == 6 and [r.reason for r in routes].count("class-explore") == 2
     assert {r.engine for r in routes if r.reason == "class-explore"} == {0}
-    missing = router.route("/v1/completions", _headers(), b"{}", BOTH)
+    missing = router.route("/v1/completions", request_headers(), b"{}", BOTH)
     assert missing.key == "-"
 
 
 def test_router_class_key_by_system_prompt_is_a_hash(tmp_path):
     router, _ = _router(tmp_path, "routing:\n  twins: [none]\n  classes: {key: system}\n")
     body = _body(messages=[{"role": "system", "content": "secret instructions"}])
-    key = router.route("/v1/chat/completions", _headers(), body, BOTH).key
+    key = router.route("/v1/chat/completions", request_headers(), body, BOTH).key
     assert key.startswith("sys-") and "secret" not in key
-    assert router.route("/v1/chat/completions", _headers(), body, BOTH).key == key
+    assert router.route("/v1/chat/completions", request_headers(), body, BOTH).key == key
 
 
 # ------------------------------------------------------------------------------------------------ classes
@@ -348,7 +346,12 @@ def test_standin_twins_route_learn_and_stop_clean(tmp_path):
     entry.parent.mkdir()
     entry.symlink_to(here / "support_standin.py")
     with open(tmp_path / "up.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(entry), "up", str(profile)], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, str(entry), "up", str(profile)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     pids: list[int] = []
     try:
         st = wait(lambda s: len(s.get("engines", [])) == 2 and all(e["live"] for e in s["engines"]), "two engines")
@@ -370,7 +373,10 @@ def test_standin_twins_route_learn_and_stop_clean(tmp_path):
         assert 'specops_class_speculate{cls="chat"} 0.0' in metrics
         assert 'specops_engine_live{engine="1:none"} 1.0' in metrics
     finally:
-        proc.terminate()
-        rc = proc.wait(timeout=60)
+        proc.terminate()  # SIGTERM to specops up alone, as `specops down` sends it: it stops its engines
+        try:
+            rc = proc.wait(timeout=60)
+        finally:
+            stop_group(proc, timeout=5)
     assert rc == 0, (tmp_path / "up.log").read_text()[-3000:]
     assert all(not group_members(pid) for pid in pids)  # both engines stopped with specops

@@ -12,6 +12,8 @@ import json
 
 import pytest
 from support_goodput import Events
+from support_procs import stop_group
+from support_routing import request_headers
 
 from specops.config.profile import load_profile
 from specops.methods import Method
@@ -183,8 +185,6 @@ def test_a_class_verdict_changes_only_after_consecutive_disjoint_windows(tmp_pat
 
 
 def test_above_the_measured_crossover_every_class_goes_to_the_twin(tmp_path):
-    from test_routing import _headers
-
     from specops.watch.goodput import Load
     from specops.watch.surface import Surface
 
@@ -211,20 +211,20 @@ def test_above_the_measured_crossover_every_class_goes_to_the_twin(tmp_path):
     idle = WindowStats("no_data", window_s=60.0, reason="idle")
     decider.observe(idle, 2.0, Load(concurrency=1.0, source="proxy"))
     twins.decide_classes(2.0, 50)
-    assert twins.router.route("/v1/completions", _headers(x_task="code"), b"{}", live).engine == 0
+    assert twins.router.route("/v1/completions", request_headers(x_task="code"), b"{}", live).engine == 0
     for t in range(3, 80):  # 16 clients for a while: the mean load passes the crossover
         decider.observe(idle, float(t), Load(concurrency=16.0, source="proxy"))
     twins.decide_classes(80.0, 50)
-    code = twins.router.route("/v1/completions", _headers(x_task="code"), b"{}", live)
-    other = twins.router.route("/v1/completions", _headers(x_task="new"), b"{}", live)
+    code = twins.router.route("/v1/completions", request_headers(x_task="code"), b"{}", live)
+    other = twins.router.route("/v1/completions", request_headers(x_task="new"), b"{}", live)
     assert (code.engine, code.reason, other.engine) == (1, "load", 1)
-    assert twins.router.route("/x", _headers(x_specops_speculation="on"), b"{}", live).engine == 0  # asked: on
+    assert twins.router.route("/x", request_headers(x_specops_speculation="on"), b"{}", live).engine == 0  # asked: on
     [event] = [f for kind, f in twins.events.lines if kind == "route" and f.get("scope") == "load"]
     assert event["speculate"] is False and "crossover" in event["reason"]
     for t in range(81, 200):
         decider.observe(idle, float(t), Load(concurrency=1.0, source="proxy"))
     twins.decide_classes(200.0, 50)
-    assert twins.router.route("/v1/completions", _headers(x_task="code"), b"{}", live).engine == 0
+    assert twins.router.route("/v1/completions", request_headers(x_task="code"), b"{}", live).engine == 0
     assert json.dumps(twins.snapshot()["routing"]["load_off"]) == "false"
 
 
@@ -303,7 +303,12 @@ def test_standin_reload_changes_rules_and_adds_and_removes_a_twin(tmp_path):
     entry.parent.mkdir()
     entry.symlink_to(here / "support_standin.py")
     with open(tmp_path / "up.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(entry), "up", str(profile)], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, str(entry), "up", str(profile)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     pids: list[int] = []
     try:
         st = wait(serving(2), "two engines")
@@ -341,8 +346,11 @@ def test_standin_reload_changes_rules_and_adds_and_removes_a_twin(tmp_path):
         assert pids[1] != twin_pid and ask("x", {"X-Specops-Speculation": "off"}) == "none"
         pids.append(st["engine_pid"])
     finally:
-        proc.terminate()
-        rc = proc.wait(timeout=60)
+        proc.terminate()  # SIGTERM to specops up alone, as `specops down` sends it: it stops its engines
+        try:
+            rc = proc.wait(timeout=60)
+        finally:
+            stop_group(proc, timeout=5)
     assert rc == 0, (tmp_path / "up.log").read_text()[-3000:]
     assert all(not group_members(pid) for pid in pids if pid)
 
