@@ -28,10 +28,14 @@ def window(tau: float, *, k: int = 4, drafts: bool = True) -> WindowStats:
 
 
 class Events:
-    """The decider's event log, kept in memory: ``lines`` holds each ``(kind, fields)`` it was told."""
+    """An event log kept in memory (the decider's, the fleet coordinator's): ``lines`` holds each
+    ``(kind, fields)`` it was told."""
 
     def __init__(self):
         self.lines: list[tuple[str, dict]] = []
 
     def emit(self, kind, **kw):
         self.lines.append((kind, kw))
+
+    def kinds(self) -> list[str]:
+        return [k for k, _ in self.lines]

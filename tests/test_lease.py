@@ -16,6 +16,7 @@ import yaml
 from conftest import unavailable
 from fakekube import FakeKube, parse_micro
 from support_cli import ROOT, run
+from support_goodput import Events
 from support_procs import stop_group
 
 from specops.config.profile import load_profile
@@ -228,17 +229,6 @@ def test_a_dead_process_frees_its_directory_slot(tmp_path):
 # ------------------------------------------------------------------------------------------- coordinator
 
 
-class Events:
-    def __init__(self) -> None:
-        self.items: list[tuple[str, dict]] = []
-
-    def emit(self, kind: str, **fields) -> None:
-        self.items.append((kind, fields))
-
-    def kinds(self) -> list[str]:
-        return [k for k, _ in self.items]
-
-
 def order(to: str = "ngram") -> SwitchOrder:
     return SwitchOrder(1, "low acceptance", {"from": "draft_model", "to": to, "rule": "threshold"})
 
@@ -290,7 +280,7 @@ def test_one_replica_switches_while_the_other_waits_then_follows(kube):
         text = generate_latest(reg).decode()
         assert "specops_switch_waiting 0.0" in text and "specops_switch_slot_held 1.0" in text
         assert "specops_switch_slot_waits_total 1.0" in text
-        slot = dict(eb.items)["switch-slot"]
+        slot = dict(eb.lines)["switch-slot"]
         assert slot["waited_s"] > 0
         b.on_event(StateChanged(State.READY, State.STOPPED, 1, Method.NGRAM, 0))
         await b.close()

@@ -10,6 +10,7 @@ import warnings
 import pytest
 from conftest import unavailable
 from fakekube import FakeKube
+from support_goodput import Events
 
 from specops.k8s.lease import LeaseGate
 from specops.methods import Method
@@ -55,11 +56,7 @@ def test_the_coordinator_waits_and_says_why_when_the_api_answers_no_lease(kube):
     """Before: the slot task died on an AttributeError ("Task exception was never retrieved") and the status
     kept whatever error it had; now it is a fleet error, and it clears when the server answers properly."""
     executed: list = []
-    events: list[str] = []
-
-    class Events:
-        def emit(self, kind, **fields):
-            events.append(kind)
+    events = Events()
 
     def execute(order):
         executed.append(order)
@@ -73,11 +70,11 @@ def test_the_coordinator_waits_and_says_why_when_the_api_answers_no_lease(kube):
         raise AssertionError("timed out")
 
     async def main():
-        c = FleetCoordinator(gate(kube), execute=execute, events=Events(), say=lambda m: None, retry_interval=0.05)
+        c = FleetCoordinator(gate(kube), execute=execute, events=events, say=lambda m: None, retry_interval=0.05)
         kube.answer = {"metadata": None}
         order = SwitchOrder(1, "low acceptance", {"from": "draft_model", "to": "ngram", "rule": "threshold"})
         c.want(order)
-        await until(lambda: "fleet-error" in events)
+        await until(lambda: "fleet-error" in events.kinds())
         assert "without metadata" in c.snapshot()["fleet"]["error"] and not executed
         assert c._acquiring is not None and not c._acquiring.done()  # still asking, not dead
         kube.answer = None
