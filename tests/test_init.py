@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from fakehub import fake_hub, seed_llama31  # noqa: F401
+from support_procs import stop_group
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -193,13 +193,7 @@ def test_init_profile_for_a_local_gguf_starts_on_llama_server(tmp_path):
             answer = json.loads(resp.read())
         assert answer["usage"]["completion_tokens"] >= 1
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
+        stop_group(up, timeout=60)  # SIGTERM: specops up stops its engine; SIGKILL to the group after 60 s
 
 
 def test_init_takes_the_gpus_cuda_visible_devices_leaves_visible(fake_hub, tmp_path):
