@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from support_engines import need_llama_server, tiny_model
+from support_procs import process_group, stop_group
 from support_supervisor import Recorder, ScriptedDecider
 from support_up import SPECOPS, free_port, llama_profile
 
@@ -59,13 +60,10 @@ while time.monotonic() < deadline:
 @contextlib.contextmanager
 def held_port(lifetime_s: float = 300):
     """(port, pid) of a running holder; stopped on exit."""
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lifetime_s)], stdout=subprocess.PIPE, text=True)
-    try:
+    with process_group([sys.executable, "-c", HOLDER, str(lifetime_s)], stdout=subprocess.PIPE, text=True) as holder:
         port = int(holder.stdout.readline())
         yield port, holder.pid
-    finally:
-        holder.kill()
-        holder.wait(timeout=10)
+    holder.stdout.close()
 
 
 def specops(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -79,6 +77,8 @@ def specops(args: list[str], env: dict, timeout: float = 120) -> subprocess.Comp
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"`specops {' '.join(args)}` still ran after {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        stop_group(proc, 10)  # anything left in its group; all of it after a timeout or an error
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
