@@ -1,7 +1,7 @@
 """Twins on a real llama-server: a `none` engine kept warm beside the speculating primary, behind one proxy.
 
 Which engine answered is read from the answer itself: llama-server's ``timings`` carry ``draft_n`` only when the
-engine drafted. A route header lands on the engine it names; a twin killed under load loses no request and is
+engine drafted. A route header and a model alias land on the engine they name; a twin killed under load loses no request and is
 restarted while the primary serves; a fallback to the twin's step is a route change (no restart of the primary,
 no hold) under load with nothing lost."""
 
@@ -57,8 +57,14 @@ def twins_ready(run: UpRun, timeout: float = 180) -> dict:
 
 
 def test_route_header_lands_on_the_engine_it_names(tmp_path, models):
+    aliases = {"tiny-fast": "on", "tiny-exact": "off"}
     profile = llama_profile(
-        tmp_path, models, "twin-header", chain=["none"], routing={"twins": ["none"]}, monitor={"interval": "500ms"}
+        tmp_path,
+        models,
+        "twin-header",
+        chain=["none"],
+        routing={"twins": ["none"], "aliases": aliases},
+        monitor={"interval": "500ms"},
     )
     with UpRun(profile, tmp_path / "state", "twin-header") as run:
         st = twins_ready(run)
@@ -75,8 +81,26 @@ def test_route_header_lands_on_the_engine_it_names(tmp_path, models):
         assert status == 200 and drafted(default) > 0  # the step in effect: the primary
         status, bad = completion(url, {"X-Specops-Speculation": "sometimes"})
         assert status == 400 and "not one of on, off, auto" in bad["error"]["message"]
-        st = run.wait_for(lambda s: sum(e["routed"] for e in s.get("engines", [])) >= 3, 30, "routed counts")
-        assert [e["routed"] for e in st["engines"]] == [2, 1]
+        # a client that can only set `model`: the alias chooses, the engine gets its own name (chat, streamed too)
+        ask = {"prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0}
+        status, exact = post(url + "/v1/completions", {**ask, "model": "tiny-exact"})
+        assert status == 200 and drafted(exact) == 0 and exact["model"] != "tiny-exact", exact
+        status, fast = post(url + "/v1/completions", {**ask, "model": "tiny-fast"})
+        assert status == 200 and drafted(fast) > 0 and fast["model"] == exact["model"], fast
+        assert fast["choices"][0]["text"] == exact["choices"][0]["text"] == on["choices"][0]["text"]
+        chat = {"model": "tiny-exact", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+        req = urllib.request.Request(
+            url + "/v1/chat/completions", data=json.dumps(chat).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            lines = [ln for ln in r.read().decode().splitlines() if ln.startswith("data: {")]
+        last = json.loads(lines[-1][6:])
+        assert r.status == 200 and int(last.get("timings", {}).get("draft_n", 0) or 0) == 0, last
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+            ids = [m["id"] for m in json.loads(r.read())["data"]]
+        assert ids[-2:] == ["tiny-fast", "tiny-exact"] and exact["model"] in ids, ids
+        st = run.wait_for(lambda s: sum(e["routed"] for e in s.get("engines", [])) >= 7, 30, "routed counts")
+        assert [e["routed"] for e in st["engines"]] == [4, 3]
         assert run.stop() == 0
 
 
