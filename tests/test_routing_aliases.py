@@ -306,3 +306,26 @@ def test_status_prints_each_class_speed_and_the_aliases(tmp_path, capsys):
     assert "aliases    fast → on" in out
     line = next(ln for ln in out.splitlines() if ln.strip().startswith("code:"))
     assert "length 2.00" in line and "20.0/10.0 tok/s" in line and "1/1" in line
+
+
+def test_the_served_name_follows_the_launch_plan_and_a_reload_changes_the_aliases(tmp_path):
+    """Before any engine is ready an alias becomes `model.served_name` (else the id); an engine's launch plan then
+    says the name it serves. A reloaded profile's aliases apply from the next request, the name kept."""
+    from types import SimpleNamespace
+
+    from specops.methods import Method
+    from specops.run.events import EngineReady
+
+    base = BASE.replace(", served_name: tiny-test-model", "")
+    twins, _ = _twins(tmp_path, _load(tmp_path, TWINS + "  aliases: {fast: on}\n", base))
+    route = twins.router.route("/v1/completions", {}, b'{"model": "fast"}', BOTH)
+    assert json.loads(route.body)["model"] == "/models/target.gguf"  # vLLM's default; llama-server takes any name
+    twins.on_primary_event(EngineReady(0, Method.NGRAM, SimpleNamespace(model_name="target.gguf"), 1.0))
+    route = twins.router.route("/v1/completions", {}, b'{"model": "fast"}', BOTH)
+    assert json.loads(route.body)["model"] == "target.gguf"
+
+    changes = twins.reload(_load(tmp_path, TWINS + "  aliases: {fast: off, exact: off}\n", base).profile)
+    assert "model aliases" in changes
+    for name in ("fast", "exact"):
+        route = twins.router.route("/v1/completions", {}, json.dumps({"model": name}).encode(), BOTH)
+        assert (route.engine, route.reason) == (1, "alias") and json.loads(route.body)["model"] == "target.gguf"
