@@ -6,7 +6,8 @@ own supervisor through an :class:`EngineHandle` (the same four calls the supervi
 ``drain``, ``release``, ``upstream_failed``, acting on that engine only). :class:`RoutedUpstreams` asks the
 :class:`~specops.proxy.router.Router` where a request goes, hands the proxy that engine's generation (None when no
 engine is live: the proxy's queue then holds the request, as it always did), and after the answer feeds the
-request class's window with the response's own ``timings`` counters.
+request class's window with the response's own counters (``timings``, vLLM's per-request metrics), the tokens it
+generated and its wall time, and adds the model aliases to a ``/v1/models`` answer.
 
 Requests in flight finish where they started: a route change only changes where new requests go.
 """
