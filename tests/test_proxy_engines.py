@@ -16,7 +16,9 @@ import time
 import aiohttp
 import pytest
 from support_engines import need_llama_server, tiny_model
-from support_upstream import free_port, parse_sse, running_proxy, stream_error
+from support_ports import free_port
+from support_procs import stop_group
+from support_upstream import parse_sse, running_proxy, stream_error
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(180)]
 
@@ -26,7 +28,7 @@ AFTER_SWITCH = 2.0  # clients keep sending this long after the release (hard sto
 
 
 class LlamaServer:
-    """One llama-server process on a free loopback port."""
+    """One llama-server process on a free loopback port, in its own process group."""
 
     def __init__(self, args: list[str], log_path):
         self.port = free_port()
@@ -36,6 +38,7 @@ class LlamaServer:
             [str(need_llama_server()), *args, "--host", "127.0.0.1", "--port", str(self.port), "--metrics"],
             stdout=subprocess.DEVNULL,
             stderr=self.log,
+            start_new_session=True,
         )
 
     async def ready(self, session: aiohttp.ClientSession, timeout: float = 60.0) -> None:
@@ -58,13 +61,8 @@ class LlamaServer:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        """SIGTERM the server's group (SIGKILL after 15 s); called in ``finally``, after a ``kill()`` too."""
+        stop_group(self.proc, timeout=15)
         self.log.close()
 
 
