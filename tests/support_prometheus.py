@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 from conftest import unavailable
-from support_ports import free_port  # noqa: F401 - re-exported: test modules import it from here
+from support_ports import free_port
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))

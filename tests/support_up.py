@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
-from support_ports import free_port  # noqa: F401 - re-exported: test modules import it from here
+from support_ports import free_port
 
 from specops.run.process import group_members
 

@@ -37,7 +37,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from support_ports import free_port  # noqa: F401 - re-exported: test modules import it from here
 from support_procs import stop_group
 
 HERE = Path(__file__).resolve().parent

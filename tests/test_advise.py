@@ -238,7 +238,8 @@ def test_cli_reads_an_instance_state_file(tmp_path):
 @pytest.mark.timeout(180)
 def test_live_from_llama_server_metrics_and_instance(tmp_path):
     """A real `specops up` (llama-server, same-weights draft): advise reads its /metrics and its watcher."""
-    from support_up import UpRun, free_port, http_json, write_profile
+    from support_ports import free_port
+    from support_up import UpRun, http_json, write_profile
 
     from specops.devenv.testmodels import ensure_tiny_models
     from specops.paths import tiny_models_dir
@@ -298,8 +299,9 @@ def test_live_from_llama_server_metrics_and_instance(tmp_path):
 @pytest.mark.timeout(180)
 def test_live_from_prometheus_scraping_llama_server(tmp_path):
     """A real Prometheus scraping a real llama-server: advise PROFILE --prometheus reads the increase."""
+    from support_ports import free_port
     from support_prometheus import PrometheusServer, require_prometheus, wait_until
-    from support_up import UpRun, free_port, http_json, write_profile
+    from support_up import UpRun, http_json, write_profile
 
     from specops.devenv.testmodels import ensure_tiny_models
     from specops.paths import tiny_models_dir

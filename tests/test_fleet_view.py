@@ -117,7 +117,7 @@ def test_selector_is_parsed_into_matchers_or_a_located_error():
 
 
 def test_unreachable_prometheus_is_one_clear_line():
-    from support_prometheus import free_port
+    from support_ports import free_port
 
     port = free_port()  # nothing listens there
     with pytest.raises(FleetError, match=rf"Prometheus http://127.0.0.1:{port} unreachable: ConnectionError"):
@@ -199,7 +199,8 @@ class Replica(InProcessSpecops):
 
 @pytest.mark.prometheus
 def test_fleet_view_from_a_real_prometheus(tmp_path):
-    from support_prometheus import free_port, labelled_prometheus, require_prometheus, wait_until
+    from support_ports import free_port
+    from support_prometheus import labelled_prometheus, require_prometheus, wait_until
 
     from specops.backends.counters import SpecCounters
 

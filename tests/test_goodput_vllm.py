@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from support_up import UpRun, free_port, http_text, write_profile
+from support_ports import free_port
+from support_up import UpRun, http_text, write_profile
 
 from specops.perf.workload import Prompt, run_workload
 

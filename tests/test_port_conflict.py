@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 from support_engines import need_llama_server, tiny_model
+from support_ports import free_port
 from support_procs import process_group, stop_group
 from support_supervisor import Recorder, ScriptedDecider
-from support_up import SPECOPS, free_port, llama_profile
+from support_up import SPECOPS, llama_profile
 
 from specops.backends.base import LaunchPlan
 from specops.backends.render import render_plan

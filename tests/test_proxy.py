@@ -9,7 +9,8 @@ import time
 
 import aiohttp
 import pytest
-from support_upstream import Upstream, check_completion, check_stream, free_port, parse_sse, running_proxy, stream_error
+from support_ports import free_port
+from support_upstream import Upstream, check_completion, check_stream, parse_sse, running_proxy, stream_error
 
 from specops.proxy.forward import ask_timings_per_token
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 from support_load import Load
-from support_up import SPECOPS, UpRun, free_port, http_text
+from support_ports import free_port
+from support_up import SPECOPS, UpRun, http_text
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(300)]
 

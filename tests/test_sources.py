@@ -6,10 +6,10 @@ import socket
 import threading
 
 import pytest
+from support_ports import free_port
 from support_prometheus import (
     PrometheusServer,
     StaticExporter,
-    free_port,
     llamacpp_text,
     require_prometheus,
     vllm_one,

@@ -8,7 +8,8 @@ import json
 import subprocess
 
 import pytest
-from support_up import SPECOPS, UpRun, free_port, write_profile
+from support_ports import free_port
+from support_up import SPECOPS, UpRun, write_profile
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(300)]
 KEY = "sk-status-test-4f1d9c"
