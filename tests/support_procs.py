@@ -4,6 +4,7 @@ port or a core for the tests after it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -41,3 +42,18 @@ def process_group(argv: list[str], stop_timeout: float = 20.0, **popen) -> Itera
         yield proc
     finally:
         stop_group(proc, stop_timeout)
+
+
+async def stop_group_async(proc: asyncio.subprocess.Process, timeout: float = 20.0) -> int | None:
+    """:func:`stop_group` for a process started with ``asyncio.create_subprocess_exec(start_new_session=True)``."""
+    pgid = proc.pid
+    code = None
+    for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+        _killpg(pgid, sig)
+        try:
+            code = await asyncio.wait_for(proc.wait(), wait_s)
+            break
+        except asyncio.TimeoutError:
+            continue
+    _killpg(pgid, signal.SIGKILL)
+    return code

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from support_engines import need_llama_server
+from support_procs import stop_group_async
 
 from specops.config.profile import load_profile
 from specops.errors import ProfileError, SpecopsError
@@ -271,8 +272,12 @@ def test_spot_checks_on_llama_server(tmp_path):
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=env,
+                start_new_session=True,
             )
-            out, err = await asyncio.wait_for(proc.communicate(), 60)
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), 60)
+            finally:
+                await stop_group_async(proc, 5)  # its group, also when it ran past the 60 s
             return good, first, second, bad, broken, proc.returncode, out.decode(), err.decode(), drafted
 
     good, first, second, bad, broken, rc, out, err, drafted = asyncio.run(main())
