@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 from support_ports import free_port
+from support_procs import stop_group
 
 from specops.run.process import group_members
 
@@ -78,6 +79,8 @@ class UpRun:
     def __exit__(self, *exc) -> None:
         if self.proc and self.proc.poll() is None:
             self.stop(check=False)
+        if self.proc:
+            stop_group(self.proc, 5)  # whatever specops up left in its own group
         for pgid in self.engine_groups:  # never leave an engine behind, even when a test failed
             for pid in group_members(pgid):
                 try:
