@@ -338,6 +338,29 @@ def test_promote_refuses_a_draft_that_does_not_beat_the_current_by_the_margin():
     assert verdict["promote"] and "2.000 -> 2.200" in verdict["reason"]
 
 
+def test_promote_refuses_a_draft_that_is_not_lossless_whatever_its_acceptance():
+    """A draft whose greedy answers differ from the target's own is refused, and the reason says where."""
+    from specops.adapt.promote import compare
+    from specops.perf.certify_compare import Generation, compare_outputs, lossless_summary
+    from specops.perf.workload import RequestResult
+
+    def gen(tokens):
+        g = Generation(RequestResult(set="heldout", ok=True, start=0.0, end=1.0))
+        g.tokens, g.texts, g.by_id, g.text = list(tokens), [f"t{t}" for t in tokens], True, ""
+        return g
+
+    same = lossless_summary([compare_outputs(gen([5, 6, 7]), gen([5, 6, 7]))], 0.0)
+    differs = lossless_summary(
+        [compare_outputs(gen([5, 6, 7]), gen([5, 6, 7])), compare_outputs(gen([5, 9, 7]), gen([5, 6, 7]))], 0.0
+    )
+    better = (_figures("cur", 1.2), _figures("new", 3.0))
+    assert compare(*better, 0.05, same)["promote"]
+    verdict = compare(*better, 0.05, differs)
+    assert not verdict["promote"]
+    assert verdict["reason"].startswith("not lossless: 1 of 2 held-out greedy answers")
+    assert "token 1 (draft 't9', target 't6')" in verdict["reason"]
+
+
 def test_promote_writes_the_draft_keeping_comments_and_a_private_certificate(tmp_path, monkeypatch):
     from specops.adapt.promote import certificate_path, write_back
     from specops.config.profile import load_profile

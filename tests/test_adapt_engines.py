@@ -172,3 +172,38 @@ def test_an_interrupted_training_resumes_from_its_checkpoint(tmp_path):
     events = [json.loads(line) for line in proc.stdout.splitlines()]
     assert events[0] == {"resumed": 6} and events[-1]["steps"] == 10
     assert sys.executable  # the control plane's interpreter ran nothing of torch
+
+
+@pytest.mark.timeout(300)
+def test_promote_checks_the_new_draft_answers_as_the_target_does_and_refuses_one_that_does_not(tmp_path):
+    """On llama-server: the greedy answers with a draft are the target's own (the check passes); the same
+    answers checked against another model's (what a broken engine or a wrongly written file would give) are
+    refused by promote, whatever the acceptance."""
+    need_llama_server()
+    from specops.adapt.promote import compare, lossless_check, measure, target_answers
+    from specops.config.profile import load_profile
+    from specops.perf.workload import Prompt
+    from specops.plugins import get_registry
+
+    loaded = load_profile(_profile(tmp_path, tiny_model("gguf-draft-noisy.gguf")))
+    rng = random.Random(11)
+    prompts = [
+        Prompt(" ".join(rng.choice(WORDS) for _ in range(5)), max_tokens=16, temperature=0.0, set="heldout")
+        for _ in range(4)
+    ]
+    new = asyncio.run(measure(loaded, get_registry(), str(tiny_model("gguf-draft-noisy.gguf")), prompts, 4))
+    assert new.errors == 0 and new.acceptance and len(new.generations) == 4
+    own = lossless_check(new.generations, asyncio.run(target_answers(loaded, get_registry(), prompts)))
+    assert own["lossless"] and own["identical"] == 4, own
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other_path = _profile(other_dir, tiny_model("gguf-draft-noisy.gguf"))
+    text = other_path.read_text().replace(str(tiny_model("gguf-target.gguf")), str(tiny_model("gguf-draft-other.gguf")))
+    other_path.write_text(text)
+    other = load_profile(other_path)
+    foreign = lossless_check(new.generations, asyncio.run(target_answers(other, get_registry(), prompts)))
+    assert not foreign["lossless"] and foreign["diverged"] >= 1
+    current = new.__class__("cur", 0.0, 1.0, None, 1.0, 4, 0)
+    assert compare(current, new, 0.0, own)["promote"]
+    verdict = compare(current, new, 0.0, foreign)
+    assert not verdict["promote"] and verdict["reason"].startswith("not lossless")

@@ -1,7 +1,7 @@
 """``specops adapt train``: a new draft for the profile from the captured traffic, in the engine's own format.
 
-llama.cpp: a llama-architecture GGUF draft, started from the current draft (when it is a llama GGUF with the
-target's vocabulary) or from the target's first layers, trained on the captured prompts and the target's
+llama.cpp: a llama-architecture GGUF draft, started from the target's own first layers (by default; or the
+current draft, or random weights: :func:`initial_draft`), trained on the captured prompts and the target's
 answers, written with the target's tokenizer so llama-server takes it as ``-md``. The training runs in a
 subprocess with torch (the vLLM venv's interpreter, or ``--python``): :mod:`specops.adapt.train_worker`.
 This module reads and writes GGUF (the ``gguf`` package, numpy), plans, estimates memory and reports
@@ -41,7 +41,7 @@ class TrainOptions:
     seq: int = 256
     seed: int = 0
     layers: int = 1  # of the target, when the draft starts from it
-    init: str = "auto"  # auto | draft | target
+    init: str = "auto"  # auto (= target) | target | draft | scratch
     checkpoint_every: int = 50
     threads: int | None = None
     only_class: str | None = None
@@ -151,31 +151,71 @@ def _tensor_order(name: str):
 
 
 def initial_draft(target: Path, draft: Path | None, opts: TrainOptions) -> tuple[dict, dict, dict, str]:
-    """(dims, tensors, vocab, where from): the current draft when it can be fine-tuned, else the target's first layers."""
+    """(dims, tensors, vocab, where from) of the draft before training.
+
+    ``auto`` (the default) and ``target``: the target's own first ``--layers`` (its embeddings, first blocks,
+    norm and head, as the layer-skip draft is made): it starts out computing most of what the target computes,
+    so distillation only has to close the gap, which a draft from scratch rarely does on the traffic one
+    captures. ``draft``: fine-tune the current draft (a llama GGUF with the target's vocabulary). ``scratch``:
+    random weights in the target's shape with ``--layers`` blocks (the reference point, or where the target's
+    blocks are not llama's: what ``auto`` falls back to then).
+    """
     t_dims, t_tensors, vocab = read_gguf(target)
     if vocab["model"] != "llama":
         raise SpecopsError(
             f"{target}: tokenizer {vocab['model']!r}: `specops adapt train` reads SPM (`llama`) vocabularies only"
         )
-    if opts.init in ("auto", "draft") and draft is not None and draft.suffix == ".gguf" and draft.is_file():
-        try:
-            d_dims, d_tensors, d_vocab = read_gguf(draft)
-        except SpecopsError:
-            if opts.init == "draft":
-                raise
-        else:
-            if d_vocab["tokens"] == vocab["tokens"]:
-                return d_dims, d_tensors, vocab, f"the current draft {draft.name}"
-            if opts.init == "draft":
-                raise SpecopsError(f"{draft}: its vocabulary is not the target's: cannot fine-tune it")
-    elif opts.init == "draft":
-        raise SpecopsError("--init draft: the profile names no local GGUF draft")
+    if opts.init == "draft":
+        if draft is None or draft.suffix != ".gguf" or not draft.is_file():
+            raise SpecopsError("--init draft: the profile names no local GGUF draft")
+        d_dims, d_tensors, d_vocab = read_gguf(draft)
+        if d_vocab["tokens"] != vocab["tokens"]:
+            raise SpecopsError(f"{draft}: its vocabulary is not the target's: cannot fine-tune it")
+        return d_dims, d_tensors, vocab, f"the current draft {draft.name}"
     n = max(1, min(opts.layers, t_dims["layers"]))
     keep = {k: v for k, v in t_tensors.items() if not k.startswith("blk.") or int(k.split(".")[1]) < n}
     missing = [f"blk.0.{p}.weight" for p in _LAYER if f"blk.0.{p}.weight" not in keep]
+    if opts.init == "scratch" or (missing and opts.init == "auto"):
+        return (
+            {**t_dims, "layers": n},
+            scratch_tensors(t_dims, len(vocab["tokens"]), n, opts.seed),
+            vocab,
+            (f"random weights ({n} layer(s), the target's shape)"),
+        )
     if missing:
-        raise SpecopsError(f"{target}: no {', '.join(missing)}: not a llama layout specops can start a draft from")
+        raise SpecopsError(
+            f"{target}: no {', '.join(missing)}: not a llama layout specops can start a draft from "
+            "(--init scratch trains one from random weights)"
+        )
     return {**t_dims, "layers": n}, keep, vocab, f"the target's first {n} layer(s)"
+
+
+def scratch_tensors(dims: dict, n_vocab: int, layers: int, seed: int) -> dict:
+    """Random llama weights (scaled by fan-in, norms at one) in the target's shape, ``layers`` blocks."""
+    rng = np.random.default_rng(seed)
+    E, FF = dims["hidden"], dims["ffn"]
+    kv = E // dims["heads"] * dims["heads_kv"]
+
+    def w(*shape, fan):
+        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan)).astype(np.float32)
+
+    t = {
+        "token_embd.weight": (rng.standard_normal((n_vocab, E), dtype=np.float32)).astype(np.float32),
+        "output_norm.weight": np.ones(E, np.float32),
+        "output.weight": w(n_vocab, E, fan=E),
+    }
+    for i in range(layers):
+        b = f"blk.{i}."
+        t[b + "attn_norm.weight"] = np.ones(E, np.float32)
+        t[b + "ffn_norm.weight"] = np.ones(E, np.float32)
+        t[b + "attn_q.weight"] = w(E, E, fan=E)
+        t[b + "attn_k.weight"] = w(kv, E, fan=E)
+        t[b + "attn_v.weight"] = w(kv, E, fan=E)
+        t[b + "attn_output.weight"] = w(E, E, fan=E)
+        t[b + "ffn_gate.weight"] = w(FF, E, fan=E)
+        t[b + "ffn_up.weight"] = w(FF, E, fan=E)
+        t[b + "ffn_down.weight"] = w(E, FF, fan=FF)
+    return t
 
 
 # ------------------------------------------------------------------------------------------- memory

@@ -142,31 +142,54 @@ def _batches(examples, batch: int, rng: np.random.Generator):
         yield [examples[j] for j in order[s : s + batch]]
 
 
-def _loss(model, group, teacher=None) -> torch.Tensor:
-    """Cross-entropy of the draft against the target's greedy choice at every position of the captured text
-    (with ``teacher``, the target itself run on it), else against the captured answer's next token."""
+def _inputs(group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, next tokens) of a group of examples, padded; padding is -100 in the targets."""
     T = max(len(ids) for ids, _ in group) - 1
     inp = torch.zeros((len(group), T), dtype=torch.long)
     tgt = torch.full((len(group), T), -100, dtype=torch.long)
-    for r, (ids, start) in enumerate(group):
+    for r, (ids, _start) in enumerate(group):
         t = torch.tensor(ids, dtype=torch.long)
         inp[r, : len(ids) - 1] = t[:-1]
-        y = t[1:].clone()
-        if teacher is None:
-            y[: max(0, start - 1)] = -100  # only the answer's tokens are learned
-        tgt[r, : len(ids) - 1] = y
-    if teacher is not None:
-        with torch.no_grad():
+        tgt[r, : len(ids) - 1] = t[1:]
+    return inp, tgt
+
+
+def teacher_labels(teacher, examples, batch: int) -> tuple[list[list[int]], int, int]:
+    """The target's greedy choice after every prefix of every example, computed once (the teacher is frozen,
+    so every epoch would compute the same), and how many of the captured answer's tokens it reproduces
+    (agreeing, compared): the check that this forward and this tokenization are the engine's."""
+    labels, agree, seen = [], 0, 0
+    with torch.no_grad():
+        for s in range(0, len(examples), batch):
+            group = examples[s : s + batch]
+            inp, tgt = _inputs(group)
             greedy = teacher(inp).argmax(-1)
-        tgt = torch.where(tgt == -100, tgt, greedy)
+            for r, (ids, start) in enumerate(group):
+                g = greedy[r, : len(ids) - 1]
+                labels.append(g.tolist())
+                ans = slice(max(0, start - 1), len(ids) - 1)
+                agree += int((g[ans] == tgt[r, ans]).sum())
+                seen += len(ids) - start
+    return labels, agree, seen
+
+
+def _loss(model, group, labels=None) -> torch.Tensor:
+    """Cross-entropy of the draft against the target's greedy choice at every position of the captured text
+    (``labels``: :func:`teacher_labels`), else against the captured answer's next token."""
+    inp, tgt = _inputs([(ids, start) for ids, start, _ in group])
+    for r, (ids, start, lab) in enumerate(group):
+        if labels is None or lab is None:
+            tgt[r, : max(0, start - 1)] = -100  # only the answer's tokens are learned
+        else:
+            tgt[r, : len(ids) - 1] = torch.tensor(lab, dtype=torch.long)
     logits = model(inp)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
 
 
-def _mean_loss(model, examples, batch: int, teacher) -> float:
+def _mean_loss(model, examples, batch: int, labels) -> float:
     with torch.no_grad():
         groups = [examples[s : s + batch] for s in range(0, len(examples), batch)]
-        return sum(float(_loss(model, g, teacher)) * len(g) for g in groups) / len(examples)
+        return sum(float(_loss(model, g, labels)) * len(g) for g in groups) / len(examples)
 
 
 def run(job_path: Path) -> int:
@@ -181,10 +204,19 @@ def run(job_path: Path) -> int:
         return 2
     init = np.load(job["init"])
     model = LlamaDraft({k: init[k] for k in init.files}, job["dims"])
-    teacher = None
+    labels, agreement = None, None
     if job.get("teacher"):
         tt = np.load(job["teacher"])
         teacher = LlamaDraft({k: tt[k] for k in tt.files}, job["teacher_dims"]).requires_grad_(False)
+        t0 = time.monotonic()
+        found, agree, seen = teacher_labels(teacher, examples, job["batch"])
+        labels = True
+        examples = [(ids, start, lab) for (ids, start), lab in zip(examples, found)]
+        agreement = round(agree / max(1, seen), 4)
+        _say(teacher_s=round(time.monotonic() - t0, 1), teacher_agreement=agreement)
+        del teacher, tt
+    else:
+        examples = [(ids, start, None) for ids, start in examples]
     opt = torch.optim.AdamW(model.parameters(), lr=job["lr"], weight_decay=0.0)
     ckpt = folder / "checkpoint.pt"
     step, first_loss, rng_state = 0, None, None
@@ -196,7 +228,7 @@ def run(job_path: Path) -> int:
             step, first_loss, rng_state = state["step"], state["first_loss"], state["rng"]
             _say(resumed=step)
     if first_loss is None:
-        first_loss = _mean_loss(model, examples, job["batch"], teacher)
+        first_loss = _mean_loss(model, examples, job["batch"], labels)
         _say(step=0, of=job["steps"], loss=round(first_loss, 4))
     rng = np.random.default_rng(job["seed"])
     if rng_state is not None:
@@ -207,7 +239,7 @@ def run(job_path: Path) -> int:
         for group in _batches(examples, job["batch"], rng):
             if step >= steps:
                 break
-            loss = _loss(model, group, teacher)
+            loss = _loss(model, group, labels)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -230,7 +262,7 @@ def run(job_path: Path) -> int:
                 tmp = folder / "checkpoint.pt.tmp"
                 torch.save(state, tmp)
                 os.replace(tmp, ckpt)
-    final = _mean_loss(model, examples, job["batch"], teacher)
+    final = _mean_loss(model, examples, job["batch"], labels)
     np.savez(folder / "draft.npz", **model.tensors())
     result = {
         "steps": step,
@@ -238,6 +270,9 @@ def run(job_path: Path) -> int:
         "first_loss": first_loss,
         "last_loss": final,
         "seconds": round(time.monotonic() - t0, 1),
+        # the share of the captured answers' tokens the target, run here on that text, chooses itself: near 1
+        # when the text round-trips through the tokenizer (an answer cut into invalid UTF-8 does not)
+        "teacher_agreement": agreement,
     }
     (folder / "result.json").write_text(json.dumps(result), encoding="utf-8")
     _say(done=True, **result)

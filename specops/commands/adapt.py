@@ -84,12 +84,21 @@ def capture_stats(profile, from_path, as_json):
 )
 @click.option(
     "--init",
-    type=click.Choice(["auto", "draft", "target"]),
+    type=click.Choice(["auto", "target", "draft", "scratch"]),
     default="auto",
     show_default=True,
-    help="Start from the current draft (auto: when it is a llama GGUF with the target's vocabulary) or the target's first --layers.",
+    help="Where the draft starts. auto/target: the target's own first --layers (its embeddings, blocks, norm "
+    "and head, read from its GGUF), then distilled: it starts out computing most of what the target does; auto "
+    "falls back to scratch when the target's blocks are not llama's. draft: fine-tune the current draft. "
+    "scratch: random weights in the target's shape (--layers blocks).",
 )
-@click.option("--layers", type=click.IntRange(1, 1000), default=1, show_default=True)
+@click.option(
+    "--layers",
+    type=click.IntRange(1, 1000),
+    default=1,
+    show_default=True,
+    help="Blocks of the new draft (auto/target/scratch).",
+)
 @click.option("--class", "only_class", help="Train on one request class only.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
@@ -103,6 +112,8 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
     """Train a new draft for PROFILE on the captured traffic (llama.cpp: a GGUF draft for `-md`).
 
     \b
+    By default the draft starts from the target's own first --layers (read from its GGUF) and is distilled on
+    the target's greedy choices over the captured text; --init scratch trains from random weights instead.
     The held-out tenth of the capture (by prompt) is never trained on: `specops adapt promote` measures on it.
     An interrupted run resumes from its last checkpoint when run again with the same --out.
 
@@ -182,10 +193,31 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
 @click.option(
     "--limit", type=click.IntRange(1, 100_000), default=64, show_default=True, help="Held-out prompts measured at most."
 )
+@click.option(
+    "--lossless",
+    "lossless_n",
+    type=click.IntRange(1, 1000),
+    default=4,
+    show_default=True,
+    help="Held-out prompts whose greedy answers with DRAFT must equal the target's own (speculation off).",
+)
+@click.option(
+    "--tolerance",
+    type=click.FloatRange(0, 10),
+    default=0.0,
+    show_default=True,
+    help="Accept a first differing token that was a near tie in the target's answer (nats), as `certify --tolerance`.",
+)
 @click.option("--dry-run", is_flag=True, help="Measure and print the diff; write nothing.")
 @json_option
-def promote(profile, draft, heldout, margin, max_tokens, limit, dry_run, as_json):
+def promote(profile, draft, heldout, margin, max_tokens, limit, lossless_n, tolerance, dry_run, as_json):
     """Measure DRAFT against PROFILE's current draft on held-out traffic; write it in when it wins by --margin.
+
+    \b
+    DRAFT must be lossless first: the greedy answers to the first --lossless held-out prompts with DRAFT
+    must be the target's own (speculation cannot change a greedy answer; a draft that does reveals a broken
+    engine or file), compared token by token as `specops certify` does. Then its mean acceptance length
+    must beat the current draft's by --margin.
 
     \b
     Examples:
@@ -198,20 +230,23 @@ def promote(profile, draft, heldout, margin, max_tokens, limit, dry_run, as_json
 
     loaded = load(profile)
     new_draft = str(Path(draft).resolve())
-    current, new = run_compare(
+    current, new, lossless = run_compare(
         loaded,
         get_registry(),
         new_draft,
         Path(heldout) if heldout else Path(draft).parent / "heldout.jsonl",
         max_tokens=max_tokens,
         limit=limit,
+        lossless=lossless_n,
+        tolerance=tolerance,
     )
-    verdict = compare(current, new, margin)
+    verdict = compare(current, new, margin, lossless)
     certificate = {
         "date": time.strftime("%Y-%m-%d"),
         "margin": margin,
         "current": current.to_dict(),
         "new": new.to_dict(),
+        "lossless": lossless,
         **verdict,
     }
     diff = cert = None
@@ -232,6 +267,11 @@ def promote(profile, draft, heldout, margin, max_tokens, limit, dry_run, as_json
             acc = "-" if f.acceptance is None else f"{f.acceptance:.3f}"
             click.echo(
                 f"{name:8} acceptance {acc}  mean acceptance length {mal}  {f.tokens_per_s:.1f} tok/s  ({f.draft})"
+            )
+        if lossless is not None:
+            click.echo(
+                f"lossless: {lossless['verdict']} ({lossless['identical']} of {lossless['requests']} greedy answers "
+                "identical to the target's own)"
             )
         click.echo(verdict["reason"])
         if diff:
