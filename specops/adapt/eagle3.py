@@ -1,0 +1,289 @@
+"""``specops adapt train`` for vLLM: an EAGLE-3 head trained on the target's own hidden states, in the
+``speculators`` checkpoint layout that ``vllm serve`` loads as a Hub head (``config.json`` with
+``speculators_config`` + ``model.safetensors``).
+
+The profile's target must be a local Hugging Face Llama checkpoint (a folder with ``config.json``). The
+training runs in a subprocess with torch and transformers (the vLLM venv's interpreter, or ``--python``):
+:mod:`specops.adapt.eagle3_worker`, which runs the target on the captured prompts and answers, builds the
+draft vocabulary (d2t/t2d) from the captured tokens and trains the head with a training-time test. This module
+plans, checks the target's config (a located error, never a traceback), estimates memory, writes the job and
+reads progress back; it never imports torch.
+
+Held-out examples (one in ten, by prompt) are never trained on: they go to ``heldout.jsonl`` for
+``specops adapt promote``, as for llama.cpp drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specops.adapt.dataset import read_examples
+from specops.adapt.train import MEMORY_SHARE, TrainOptions, TrainOutcome, _digest, _write, available_memory
+from specops.errors import SpecopsError
+
+#: The ``speculators`` release whose Eagle3SpeculatorConfig fields the written config follows.
+SPECULATORS_VERSION = "0.9.0"
+#: Architectures the head's layer is written for (vLLM maps model_type llama → Eagle3LlamaForCausalLM).
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+@dataclass
+class Eagle3Options:
+    """What only an EAGLE-3 run needs beyond :class:`~specops.adapt.train.TrainOptions`."""
+
+    draft_vocab: int | None = None  # None: the fewest ids covering ``coverage`` of the captured tokens
+    coverage: float = 0.995
+    ttt_steps: int = 3  # draft steps unrolled in training (EAGLE-3's training-time test)
+    ttt_decay: float = 0.8
+    speculative_tokens: int = 3  # written into speculators_config.proposal_methods
+    answers: str = "target"  # target: the target's greedy continuation of each prompt; captured: the captured text
+
+
+def read_target_config(target: Path) -> dict:
+    """The target's config.json, checked for what the head is built from; SpecopsError naming file and field."""
+    path = target / "config.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecopsError(
+            f"{path}: cannot read the target's config ({exc.strerror or exc}): "
+            "`specops adapt train` needs the target as a local Hugging Face folder"
+        ) from None
+    try:
+        cfg = json.loads(text)
+    except ValueError as exc:
+        raise SpecopsError(
+            f"{path}:{getattr(exc, 'lineno', 1)}:{getattr(exc, 'colno', 1)}: not JSON ({getattr(exc, 'msg', exc)})"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise SpecopsError(f"{path}: not a JSON object")
+    if cfg.get("model_type") != "llama":
+        raise SpecopsError(
+            f"{path}: field `model_type` is {cfg.get('model_type')!r}: the EAGLE-3 head is trained for Llama targets"
+        )
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_hidden_layers",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
+        value = cfg.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SpecopsError(f"{path}: field `{name}` is missing or not a positive integer")
+    return cfg
+
+
+def default_aux_layers(n_layers: int) -> list[int]:
+    """vLLM's default (2, n//2, n-3) where all three are distinct layers; else (0, n//2, n), as the fixtures do.
+
+    Id i is the residual stream entering layer i; id n is the last layer's output."""
+    ids = [2, n_layers // 2, n_layers - 3]
+    if n_layers >= 6 and len(set(ids)) == 3:
+        return ids
+    return sorted({0, n_layers // 2, n_layers})
+
+
+def aux_layers_of(draft: str | None) -> list[int] | None:
+    """The aux layer ids of the head in service when it is a local EAGLE-3 head that names them."""
+    if not draft:
+        return None
+    try:
+        cfg = json.loads((Path(draft) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") if isinstance(cfg, dict) else None
+    if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return ids
+    return None
+
+
+def speculators_config(target: Path, tcfg: dict, aux: list[int], e3: Eagle3Options) -> dict:
+    """The head's config.json without ``draft_vocab_size`` (the worker sets it once the vocabulary is counted).
+
+    Fields as speculators' Eagle3SpeculatorConfig writes them; vLLM 0.32 reads ``speculators_model_type``,
+    ``transformer_layer_config``, ``speculators_config.proposal_methods[0].speculative_tokens`` and
+    ``verifier.name_or_path``. The layer config carries the full Llama fields (vLLM fails at init without
+    ``hidden_act``)."""
+    H = tcfg["hidden_size"]
+    layer = {
+        "architectures": list(LLAMA_ARCHITECTURES),
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_act": tcfg.get("hidden_act", "silu"),
+        "hidden_size": H,
+        "intermediate_size": tcfg["intermediate_size"],
+        "num_attention_heads": tcfg["num_attention_heads"],
+        "num_key_value_heads": tcfg.get("num_key_value_heads", tcfg["num_attention_heads"]),
+        "head_dim": tcfg.get("head_dim") or H // tcfg["num_attention_heads"],
+        "vocab_size": tcfg["vocab_size"],
+        "max_position_embeddings": tcfg["max_position_embeddings"],
+        "rms_norm_eps": tcfg.get("rms_norm_eps", 1e-6),
+        "rope_parameters": tcfg.get("rope_parameters")
+        or {"rope_theta": tcfg.get("rope_theta", 10000.0), "rope_type": "default"},
+        "bos_token_id": tcfg.get("bos_token_id"),
+        "eos_token_id": tcfg.get("eos_token_id"),
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "norm_before_residual": False,
+        "target_hidden_size": H,
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": e3.speculative_tokens}],
+            "verifier": {"name_or_path": str(target), "architectures": tcfg.get("architectures") or []},
+        },
+        "speculators_version": SPECULATORS_VERSION,
+    }
+
+
+def memory_estimate(tcfg: dict, n_aux: int, opts: TrainOptions, e3: Eagle3Options) -> int:
+    """Bytes at most: the target (float32, no gradient), the head with gradients and two AdamW moments, and
+    the activations of one batch (the target's and every unrolled draft step's)."""
+    H, FF, L, V = tcfg["hidden_size"], tcfg["intermediate_size"], tcfg["num_hidden_layers"], tcfg["vocab_size"]
+    heads = tcfg["num_attention_heads"]
+    target = 2 * V * H + L * (4 * H * H + 3 * H * FF + 2 * H)
+    dv = min(e3.draft_vocab or 32000, V)
+    head = n_aux * H * H + 2 * H * 3 * H + H * H + 3 * H * FF + dv * H + 4 * H
+    B, T = opts.batch, opts.seq
+    acts = B * T * (L * (8 * H + 2 * FF + heads * T) + V + e3.ttt_steps * (16 * H + 3 * FF + 2 * heads * T + 2 * dv))
+    return 4 * (target + 4 * head + 2 * acts) + (512 << 20)  # + the interpreter, torch and transformers
+
+
+def train_vllm_eagle3(
+    prof,
+    capture: Path,
+    out: Path,
+    opts: TrainOptions,
+    *,
+    python: Path,
+    on_progress: Callable[[dict], None] = lambda d: None,
+    e3: Eagle3Options | None = None,
+) -> TrainOutcome:
+    """Train an EAGLE-3 head for the vLLM profile ``prof`` into ``out/head`` (resuming a run of the same job)."""
+    from specops.paths import private_dir
+
+    e3 = e3 or Eagle3Options(speculative_tokens=prof.speculative.num_speculative_tokens or 3)
+    target = Path(prof.model.id)
+    if not target.is_dir():
+        raise SpecopsError(
+            f"model.id {prof.model.id!r} is not a local folder: `specops adapt train` runs the target on the "
+            "captured text, so it needs the target's Hugging Face checkpoint on disk (download it and name the folder)"
+        )
+    target = target.resolve()
+    tcfg = read_target_config(target)
+    aux = aux_layers_of(prof.speculative.draft) or default_aux_layers(tcfg["num_hidden_layers"])
+    bad = [i for i in aux if not 0 <= i <= tcfg["num_hidden_layers"]]
+    if bad:
+        raise SpecopsError(
+            f"{prof.speculative.draft}/config.json: field `eagle_aux_hidden_state_layer_ids` names {bad}, "
+            f"outside the target's 0..{tcfg['num_hidden_layers']}"
+        )
+    train, held = [], []
+    for ex in read_examples(capture):
+        if opts.only_class is not None and ex.cls != opts.only_class:
+            continue
+        (held if ex.held_out else train).append({"prompt": ex.prompt, "output": ex.output, "class": ex.cls})
+    if not train:
+        raise SpecopsError(
+            f"{capture}: no captured example to train on"
+            + (f" of class {opts.only_class!r}" if opts.only_class else "")
+        )
+    need = memory_estimate(tcfg, len(aux), opts, e3)
+    have = available_memory()
+    if have is not None and need > MEMORY_SHARE * have:
+        raise SpecopsError(
+            f"the training would need about {need / 2**30:.1f} GiB and {have / 2**30:.1f} GiB is available: "
+            f"lower --batch ({opts.batch}) or --seq ({opts.seq}), or train where more memory is free"
+        )
+    out = private_dir(out)
+    examples_text = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in train)
+    _write(out / "examples.jsonl", examples_text)
+    _write(out / "heldout.jsonl", "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in held))
+    job = {
+        "kind": "eagle3",
+        "target": str(target),
+        "examples": str(out / "examples.jsonl"),
+        "aux_layer_ids": aux,
+        "config": speculators_config(target, tcfg, aux, e3),
+        "draft_vocab": e3.draft_vocab,
+        "coverage": e3.coverage,
+        "answers": e3.answers,
+        "ttt_steps": e3.ttt_steps,
+        "ttt_decay": e3.ttt_decay,
+        "steps": opts.steps,
+        "lr": opts.lr,
+        "batch": opts.batch,
+        "seq": opts.seq,
+        "seed": opts.seed,
+        "checkpoint_every": opts.checkpoint_every,
+        "threads": opts.threads,
+    }
+    weights = sorted(p.name + str(p.stat().st_size) + str(p.stat().st_mtime_ns) for p in target.glob("*.safetensors"))
+    job["id"] = _digest(
+        examples_text.encode(), {k: v for k, v in job.items() if k not in ("threads", "steps")}, weights
+    )
+    _write(out / "job.json", json.dumps(job))
+    result = run_worker(python, out, on_progress)
+    info = {"target": str(target), "train_examples": len(train), "heldout_examples": len(held), "memory_estimate": need}
+    _write(out / "train-info.json", json.dumps({**info, **result}, indent=1))
+    return TrainOutcome(
+        Path(result["head"]), out, result, len(train), len(held), "a new head (lm_head from the target's)", need
+    )
+
+
+def run_worker(python: Path, out: Path, on_progress: Callable[[dict], None]) -> dict:
+    """Run :mod:`specops.adapt.eagle3_worker` on ``out/job.json``, passing its progress events on; its result."""
+    import specops
+
+    source = str(Path(specops.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": source, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    log = out / "train.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        proc = subprocess.Popen(
+            [str(python), "-m", "specops.adapt.eagle3_worker", str(out / "job.json")],
+            stdout=subprocess.PIPE,
+            stderr=fd,
+            text=True,
+            cwd=out,
+            env=env,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise SpecopsError(f"cannot start the training interpreter {python}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    last: dict = {}
+    try:
+        for line in proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            last = event
+            on_progress(event)
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait()
+        raise SpecopsError(
+            f"training interrupted; run the same command again to resume from {out / 'checkpoint.pt'}"
+        ) from None
+    if code != 0 or not last.get("done"):
+        tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-5:]
+        why = last.get("error") or " | ".join(tail) or f"exit status {code}"
+        raise SpecopsError(f"training failed ({python}): {why} (log: {log})")
+    return json.loads((out / "result.json").read_text(encoding="utf-8"))
