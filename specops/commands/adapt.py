@@ -133,13 +133,14 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
     prof = loaded.profile
     folder = Path(from_path) if from_path else capture_dir(prof)
     work = Path(out) if out else folder.parent / "adapt"
-    if get_registry().backend(prof.backend).model_format != "gguf":
+    hf = get_registry().backend(prof.backend).model_format != "gguf"
+    if hf and str(prof.speculative.method) != "eagle3":
         raise SpecopsError(
-            f"{profile}: `specops adapt train` trains GGUF drafts (llama.cpp) so far (backend {prof.backend!r} "
-            "loads Hugging Face models); an EAGLE-3 head for vLLM is not trained yet"
+            f"{profile}: `specops adapt train` trains GGUF drafts (llama.cpp) and EAGLE-3 heads (vLLM, method "
+            f"eagle3); backend {prof.backend!r} with method {prof.speculative.method} is not trained yet"
         )
     target = Path(prof.model.id)
-    if not target.is_file():
+    if not hf and not target.is_file():
         raise SpecopsError(f"{profile}: model.id {prof.model.id!r} is not a local GGUF file")
     draft = Path(prof.speculative.draft) if prof.speculative.draft else None
     opts = TrainOptions(
@@ -152,7 +153,12 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
         if line and not as_json:
             click.echo(line, err=True)
 
-    outcome = train_llamacpp(target, draft, folder, work, opts, python=_train_python(python), on_progress=show)
+    if hf:  # an EAGLE-3 head in the speculators layout, trained on the target's hidden states
+        from specops.adapt.eagle3 import train_vllm_eagle3
+
+        outcome = train_vllm_eagle3(prof, folder, work, opts, python=_train_python(python), on_progress=show)
+    else:
+        outcome = train_llamacpp(target, draft, folder, work, opts, python=_train_python(python), on_progress=show)
     doc = {
         "draft": str(outcome.draft),
         "folder": str(outcome.folder),
