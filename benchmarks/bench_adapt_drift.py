@@ -4,12 +4,13 @@
 
 1. A target whose greedy answers are learnable but not given away: a layer-skip-style llama GGUF (random
    weights, generated here) whose deeper layers are *not* zero but scaled by ``--alpha``, and whose output
-   head is tied to its embeddings (``--tie``), so it tends to answer with tokens like the ones it read: word
-   prompts get word answers, letter-and-digit prompts get letter-and-digit answers. Its first layer alone
-   (the "layer-skip" draft) agrees with it only part of the time.
+   head is its embeddings shifted along a random cycle per token family (``--tie``): its first layer alone
+   continues a token with the next one in its family's cycle (word prompts get word answers, letter prompts
+   letter answers), and the deeper layers change that choice depending on the context. The first layer
+   alone (the "layer-skip" draft) agrees with the target only part of the time.
 2. Traffic A (function words) is captured through a real `specops up` with `capture:` on; `specops adapt
    train` makes draft_A (from the target's first layer, the default init).
-3. Traffic B (single letters and digits) is served with draft_A (acceptance falls), captured the same way,
+3. Traffic B (single letters) is served with draft_A (acceptance falls), captured the same way,
    and `specops adapt train` makes draft_B; `specops adapt promote` (lossless check, then acceptance against
    draft_A on B's held-out capture) writes it into the profile.
 4. On held-out prompts of each distribution (never captured), each draft serves at one client, greedy:
@@ -39,14 +40,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _harness import Up  # noqa: E402
 
-#: Traffic A: function words; traffic B: single letters and digits (each a token of the shared vocabulary).
+#: Traffic A: function words; traffic B: single letters (each one token of the shared vocabulary).
 A_WORDS = "the and of to in is it that for on with as was at by this be from or are".split()
-B_WORDS = list("abcdefghijklmnopqrstuvwxyz") + list("0123456789")
+B_LETTERS = list("abcdefghijklmnopqrstuvwxyz")
 
 
 def prompts_of(kind: str, n: int, seed: int) -> list[str]:
     rng = random.Random(f"{kind}-{seed}")
-    pool = A_WORDS if kind == "A" else B_WORDS
+    pool = A_WORDS if kind == "A" else B_LETTERS
     return [" ".join(rng.choice(pool) for _ in range(rng.randint(4, 9))) for _ in range(n)]
 
 
@@ -72,10 +73,23 @@ def make_models(folder: Path, hidden: int, layers: int, ffn: int, heads: int, al
 
     E, FF = hidden, ffn
     emb = w(n_vocab, E, std=1.0)
+    # the head scores token j by how like the embedding of its predecessor the last state is: the first layer
+    # alone continues a token with its successor in a random cycle of its own family (A's words, B's letters)
+    succ = np.arange(n_vocab)
+    index = {tok: i for i, tok in enumerate(vocab[0])}
+    families = [[index["\u2581" + x] for x in A_WORDS], [index["\u2581" + x] for x in B_LETTERS]]
+    rest = sorted(set(range(n_vocab)) - {i for f in families for i in f})
+    for fam in [*families, rest]:
+        order = rng.permutation(fam)
+        succ[order] = np.roll(order, -1)
+    pred = np.empty_like(succ)
+    pred[succ] = np.arange(n_vocab)
+    head = tie * emb[pred] / np.sqrt(E) + w(n_vocab, E, std=0.1)
+    head[rest] *= 0.2  # byte and other pieces seldom win: the answers stay text (a capture keeps text)
     t = {
         "token_embd.weight": emb,
         "output_norm.weight": np.ones(E, np.float32),
-        "output.weight": (tie * emb / np.sqrt(E) + w(n_vocab, E, std=0.1)).astype(np.float32),
+        "output.weight": head.astype(np.float32),
     }
     for i in range(layers):
         p, scale = f"blk.{i}.", 1.0 if i == 0 else alpha
@@ -238,7 +252,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--alpha", type=float, default=0.5, help="Scale of the deeper layers' outputs (0: layer-skip).")
+    ap.add_argument("--alpha", type=float, default=1.0, help="Scale of the deeper layers' outputs (0: layer-skip).")
     ap.add_argument("--tie", type=float, default=1.0, help="How much the output head is the embedding.")
     args = ap.parse_args(argv)
     from specops.run.start import free_port

@@ -383,3 +383,37 @@ def test_promote_writes_the_draft_keeping_comments_and_a_private_certificate(tmp
     assert "# the draft we ship" in after and "# specops adapt " in after and "# # " not in after
     assert load_profile(path).profile.speculative.draft == str(new_draft)
     assert stat.S_IMODE(certificate_path(path).stat().st_mode) == 0o600
+
+
+# ------------------------------------------------------------------------------------ where a draft starts
+
+
+def test_a_new_draft_starts_from_the_targets_own_first_layers_by_default(tmp_path):
+    """auto (the default) copies the target's embeddings, first blocks, norm and head from its GGUF; scratch
+    is random in the target's shape; draft is the current draft; a foreign vocabulary is refused."""
+    import numpy as np
+
+    from specops.adapt.train import TrainOptions, initial_draft, read_gguf
+    from specops.devenv import testmodels
+    from specops.errors import SpecopsError
+
+    target = testmodels.model_path("gguf-target.gguf")
+    other = testmodels.model_path("gguf-draft-other.gguf")
+    t_dims, t_tensors, _ = read_gguf(target)
+    dims, tensors, _, where = initial_draft(target, other, TrainOptions())
+    assert where == "the target's first 1 layer(s)" and dims["layers"] == 1 and dims["hidden"] == t_dims["hidden"]
+    assert sorted(k for k in tensors if k.startswith("blk.")) == sorted(k for k in t_tensors if k.startswith("blk.0."))
+    for name in ("token_embd.weight", "output.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
+        assert np.array_equal(tensors[name], t_tensors[name])
+    dims2, _, _, _ = initial_draft(target, other, TrainOptions(layers=2))
+    assert dims2["layers"] == 2
+    _, scratch, _, where = initial_draft(target, other, TrainOptions(init="scratch"))
+    assert where.startswith("random weights") and scratch["blk.0.attn_q.weight"].shape == (
+        t_tensors["blk.0.attn_q.weight"].shape
+    )
+    assert not np.array_equal(scratch["blk.0.attn_q.weight"], t_tensors["blk.0.attn_q.weight"])
+    _, current, _, where = initial_draft(target, other, TrainOptions(init="draft"))
+    assert where == "the current draft gguf-draft-other.gguf"
+    assert np.array_equal(current["blk.0.attn_q.weight"], read_gguf(other)[1]["blk.0.attn_q.weight"])
+    with pytest.raises(SpecopsError, match="its vocabulary is not the target's"):
+        initial_draft(target, testmodels.model_path("gguf-draft-badvocab.gguf"), TrainOptions(init="draft"))

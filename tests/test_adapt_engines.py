@@ -122,7 +122,7 @@ def test_a_draft_trained_on_captured_traffic_lowers_its_loss_and_llama_server_dr
     assert figures.errors == 0 and figures.acceptance is not None
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_an_interrupted_training_resumes_from_its_checkpoint(tmp_path):
     need_vllm_python()
     folder = tmp_path / "cap"
@@ -148,7 +148,7 @@ def test_an_interrupted_training_resumes_from_its_checkpoint(tmp_path):
     path = _profile(tmp_path, tiny_model("gguf-draft-other.gguf"))
     out = tmp_path / "work"
     args = ("adapt", "train", path, "--from", folder, "--out", out, "--batch", "4", "--json")
-    first = run_subprocess(*args, "--steps", "6", timeout=100)
+    first = run_subprocess(*args, "--steps", "6", timeout=140)
     assert first.code == 0, first.stderr
     job = json.loads((out / "job.json").read_text())
     job["steps"] = 10  # the same job asked for more steps: what `--steps 10` after an interruption at 6 does
@@ -166,7 +166,7 @@ def test_an_interrupted_training_resumes_from_its_checkpoint(tmp_path):
         text=True,
         cwd=out,
         env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"},
-        timeout=100,
+        timeout=140,
     )
     assert proc.returncode == 0, proc.stderr
     events = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -207,3 +207,58 @@ def test_promote_checks_the_new_draft_answers_as_the_target_does_and_refuses_one
     assert compare(current, new, 0.0, own)["promote"]
     verdict = compare(current, new, 0.0, foreign)
     assert not verdict["promote"] and verdict["reason"].startswith("not lossless")
+
+
+@pytest.mark.timeout(300)
+def test_the_training_reads_a_prompt_as_llama_server_tokenizes_it(tmp_path):
+    """The worker's SPM merges give llama-server's own token ids for prompts (whole words the merges cannot
+    reach included), so the draft is trained on the contexts the engine reads."""
+    need_llama_server()
+    import subprocess
+
+    import aiohttp
+
+    from specops.config.profile import load_profile
+    from specops.devenv.engines import vllm_python
+    from specops.perf.launch import launched, without_speculation
+    from specops.plugins import get_registry
+
+    need_vllm_python()
+    loaded = load_profile(_profile(tmp_path, tiny_model("gguf-draft-other.gguf")))
+    rng = random.Random(17)
+    texts = [
+        " ".join(rng.choice(WORDS + ["fox", "quick", "x9", "héllo", "ab,cd"]) for _ in range(6)) for _ in range(12)
+    ]
+
+    async def engine_ids():
+        async with launched(loaded, get_registry(), profile=without_speculation(loaded.profile)) as eng:
+            root = eng.base_url.rstrip("/").removesuffix("/v1")
+            async with aiohttp.ClientSession() as s:
+                out = []
+                for t in texts:
+                    async with s.post(root + "/tokenize", json={"content": t, "add_special": False}) as r:
+                        out.append((await r.json())["tokens"])
+                return out
+
+    want = asyncio.run(engine_ids())
+    from specops.adapt.train import read_gguf
+
+    _, _, vocab = read_gguf(tiny_model("gguf-target.gguf"))
+    job = tmp_path / "vocab.json"
+    job.write_text(json.dumps({"vocab": {k: v for k, v in vocab.items() if k != "kv"}, "texts": texts}))
+    code = (
+        "import json, sys; from specops.adapt.train_worker import SpmMerges; j = json.load(open(sys.argv[1])); "
+        "m = SpmMerges(j['vocab']); print(json.dumps([m.encode((' ' + t).replace(' ', '\\u2581')) for t in j['texts']]))"
+    )
+    src = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run(
+        [str(vllm_python()), "-c", code, str(job)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got == want
+    assert any(len(w) > len(t.split()) for w, t in zip(want, texts))  # some words are split, as the engine does

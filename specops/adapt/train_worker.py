@@ -54,14 +54,78 @@ def spm_tokenizer(vocab: dict):
     return tok
 
 
+class SpmMerges:
+    """llama.cpp's SPM tokenization of a prompt (``llm_tokenizer_spm``): characters merged pairwise, the
+    highest-scoring merge whose result is a piece first (the leftmost on a tie), bytes for what stays unknown.
+
+    This is how the engine reads a prompt, and it can differ from the best segmentation: a piece that no chain
+    of merges reaches (a whole word in a vocabulary not built by merging) is never used for a prompt, though
+    the model may emit it. Training on another segmentation of the prompt trains on contexts the engine never
+    sees."""
+
+    def __init__(self, vocab: dict):
+        self.ids = {}
+        for i, piece in enumerate(vocab["tokens"]):
+            self.ids.setdefault(piece, i)
+        self.scores = [float(x) for x in vocab["scores"]]
+        self.unk = vocab.get("unk", 0)
+
+    def encode(self, text: str) -> list[int]:
+        import heapq
+
+        sym = list(text)
+        nxt = list(range(1, len(sym))) + [-1]
+        prv = list(range(-1, len(sym) - 1))
+        heap: list = []
+
+        def push(left: int) -> None:
+            right = nxt[left] if left >= 0 else -1
+            if left < 0 or right < 0:
+                return
+            merged = sym[left] + sym[right]
+            tid = self.ids.get(merged)
+            if tid is not None:
+                heapq.heappush(heap, (-self.scores[tid], left, merged))
+
+        for i in range(len(sym) - 1):
+            push(i)
+        while heap:
+            _score, left, merged = heapq.heappop(heap)
+            right = nxt[left]
+            if right < 0 or not sym[left] or sym[left] + sym[right] != merged:
+                continue  # one side changed since this pair was seen
+            sym[left], sym[right] = merged, ""
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prv[nxt[right]] = left
+            push(prv[left])
+            push(left)
+        out: list[int] = []
+        i = 0 if sym else -1
+        while i >= 0:
+            piece = sym[i]
+            tid = self.ids.get(piece)
+            if tid is not None:
+                out.append(tid)
+            else:
+                for b in piece.encode("utf-8"):
+                    out.append(self.ids.get(f"<0x{b:02X}>", self.unk))
+            i = nxt[i]
+        return out
+
+
 def encode_examples(job: dict, tok) -> list[tuple[list[int], int]]:
-    """(token ids, where the answer starts) per example: BOS, the prompt (a space prefix, as llama.cpp adds), the answer."""
+    """(token ids, where the answer starts) per example: BOS, the prompt as llama.cpp tokenizes it (a space
+    prefix, then :class:`SpmMerges`), and the answer in its best segmentation (``tok``: the pieces a model
+    emits; re-merging its text could split a piece the target produced whole)."""
     out = []
     bos, seq = job["vocab"].get("bos"), job["seq"]
+    merges = SpmMerges(job["vocab"])
+    prefix = " " if job["vocab"].get("space_prefix", True) else ""
     with open(job["examples"], encoding="utf-8") as fh:
         for line in fh:
             ex = json.loads(line)
-            prompt = tok.encode(("\u2581" if job["vocab"].get("space_prefix", True) else "") + ex["prompt"]).ids
+            prompt = merges.encode((prefix + ex["prompt"]).replace(" ", "\u2581"))
             answer = tok.encode(ex["output"]).ids
             if not answer:
                 continue
@@ -245,7 +309,7 @@ def run(job_path: Path) -> int:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
-            losses.append(float(loss))
+            losses.append(loss.item())
             per = (time.monotonic() - t0) / (step - done_at_start)
             if step % max(1, steps // 50) == 0 or step == steps:
                 recent = sum(losses[-20:]) / len(losses[-20:])
