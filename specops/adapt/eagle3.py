@@ -216,6 +216,7 @@ def train_vllm_eagle3(
         "kind": "eagle3",
         "target": str(target),
         "examples": str(out / "examples.jsonl"),
+        "heldout": str(out / "heldout.jsonl") if held else None,
         "aux_layer_ids": aux,
         "config": speculators_config(target, tcfg, aux, e3),
         "draft_vocab": e3.draft_vocab,
@@ -260,7 +261,6 @@ def run_worker(python: Path, out: Path, on_progress: Callable[[dict], None]) -> 
             text=True,
             cwd=out,
             env=env,
-            start_new_session=True,
         )
     except OSError as exc:
         raise SpecopsError(f"cannot start the training interpreter {python}: {exc.strerror or exc}") from None

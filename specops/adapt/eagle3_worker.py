@@ -100,7 +100,7 @@ class Target:
         return torch.cat([self._kept[i] for i in self.aux_ids], dim=-1), logits.argmax(-1)
 
 
-def encode_examples(job: dict, tokenizer, target: Target | None = None) -> list[list[int]]:
+def encode_examples(job: dict, tokenizer, target: Target | None = None, key: str = "examples") -> list[list[int]]:
     """Token ids per example, at most ``seq``: the prompt as vLLM tokenizes a completion prompt, then the answer.
 
     With ``answers: target`` the answer is the target's own greedy continuation in token space, as long as the
@@ -108,13 +108,13 @@ def encode_examples(job: dict, tokenizer, target: Target | None = None) -> list[
     to the tokens that made it, e.g. a byte-level token cut in the middle of a character), and what EAGLE
     training recipes do (they regenerate the answers with the target). ``answers: captured`` tokenizes the
     captured text. Cached in ``tokens.json`` for a resumed run."""
-    cache = Path(job["examples"]).with_name("tokens.json")
+    cache = Path(job[key]).with_name(Path(job[key]).stem + ".tokens.json")
     if cache.exists():
         saved = json.loads(cache.read_text(encoding="utf-8"))
         if saved.get("job") == job["id"]:
             return saved["ids"]
     pairs = []
-    with open(job["examples"], encoding="utf-8") as fh:
+    with open(job[key], encoding="utf-8") as fh:
         for line in fh:
             ex = json.loads(line)
             prompt = tokenizer(ex["prompt"])["input_ids"][: job["seq"] - 1]
@@ -366,8 +366,11 @@ def run(job_path: Path) -> int:
             opt.load_state_dict(state["opt"])
             step, first, rng_state = state["step"], state["first"], state["rng"]
             _say(resumed=step)
+    heldout = encode_examples(job, tokenizer, target, "heldout") if job.get("heldout") else []
     if first is None:
         first = _mean(head, embed, target, examples, d_of_t, job)
+        if heldout:
+            first = (*first, _mean(head, embed, target, heldout, d_of_t, job)[1])
         _say(step=0, of=job["steps"], loss=round(first[0], 4))
     rng = np.random.default_rng(job["seed"])
     if rng_state is not None:
@@ -402,6 +405,8 @@ def run(job_path: Path) -> int:
                 torch.save(state, folder / "checkpoint.pt.tmp")
                 os.replace(folder / "checkpoint.pt.tmp", ckpt)
     last = _mean(head, embed, target, examples, d_of_t, job)
+    if heldout:
+        last = (*last, _mean(head, embed, target, heldout, d_of_t, job)[1])
     config = {**config, "draft_vocab_size": dv}
     path = _write_head(folder, config, head.tensors(d2t, t2d))
     result = {
@@ -411,6 +416,9 @@ def run(job_path: Path) -> int:
         "last_loss": last[0],
         "first_agreement": first[1],
         "last_agreement": last[1],
+        "heldout_examples": len(heldout),
+        "heldout_first_agreement": first[2] if len(first) > 2 else None,
+        "heldout_last_agreement": last[2] if len(last) > 2 else None,
         "draft_vocab_size": dv,
         "draft_vocab_coverage": round(sum(counts[i] for i in draft_ids.tolist()) / max(1, sum(counts.values())), 4),
         "head": str(path),
