@@ -8,7 +8,10 @@
 - a test that starts or probes an engine must be marked ``engines`` (:func:`require_engines_marker`, called
   by tests/support_engines.py), so that ``-m "not engines"`` is the fast tier it claims to be;
 - a test marked ``engines`` that names no timeout gets :data:`ENGINES_TIMEOUT_S` (pyproject's ``timeout``
-  is for the others).
+  is for the others);
+- under pytest-xdist with ``--dist loadgroup`` (scripts/test runs ``-n 4 --dist loadgroup``) the tests that start engines run in
+  :func:`lane` order: one lane of vLLM tests, one of vLLM matrix cells, one of llama-server and Prometheus
+  tests, each lane on one worker at a time, beside the tests that start nothing, which spread over all workers.
 """
 
 from __future__ import annotations
@@ -31,10 +34,36 @@ ENGINES_TIMEOUT_S = 900
 _RUNNING: dict[str, pytest.Item | None] = {"item": None}
 
 
+def lane(item: pytest.Item) -> str | None:
+    """The xdist group of a test that starts engines, ``None`` for one that starts none.
+
+    Two vLLM starts at once on two cores make both slower than one after the other, and a test's engine and its
+    load generator share the machine: a lane keeps its tests one at a time. vLLM tests are those that name vLLM
+    or take the HF tiny models (made for vLLM); the matrix cells are a lane of their own.
+    """
+    if item.get_closest_marker("engines") is None and item.get_closest_marker("prometheus") is None:
+        return None
+    if "vllm" in item.nodeid.lower() or "tiny_models" in getattr(item, "fixturenames", ()):
+        return "vllm-matrix" if "test_matrix_engines.py" in item.nodeid else "vllm"
+    return "llama"
+
+
+#: The lanes, longest first: each starts as soon as a worker is free, and the suite lasts as long as its longest
+#: lane, so that one goes first.
+LANES = ("vllm", "vllm-matrix", "llama")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups off the marks
 def pytest_collection_modifyitems(config, items):
+    # the workers collect (the controller does not): there xdist sets the option `loadgroup` for --dist loadgroup
+    lanes = config.pluginmanager.hasplugin("xdist") and getattr(config.option, "loadgroup", False)
     for item in items:
         if item.get_closest_marker("engines") is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(ENGINES_TIMEOUT_S))
+        if lanes and (name := lane(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(name))
+    if lanes:  # stable: within a lane, and among the tests that start nothing, the order stays as collected
+        items.sort(key=lambda item: LANES.index(name) if (name := lane(item)) is not None else len(LANES))
 
 
 @pytest.hookimpl(tryfirst=True)
