@@ -3,7 +3,7 @@
 Compares two source trees side by side (e.g. a ``git worktree add /tmp/base <commit>`` copy of an older commit
 and the current tree), each imported through ``PYTHONPATH`` with the tree as the working directory, with the same
 interpreter. Reports medians of wall time and of CPU time (user+sys of the child): on a shared machine the CPU
-time is the steadier of the two.
+time is the steadier of the two. Byte-code is written and used in both trees (a fresh worktree has none).
 
     .venv/bin/python benchmarks/bench_cli_start.py --tree base=/tmp/base --tree now=. --runs 15
 """
@@ -25,6 +25,9 @@ PROFILE = "examples/vllm-cpu-ngram.yaml"
 def run_once(tree: Path, argv: list[str]) -> tuple[float, float]:
     """(wall seconds, child CPU seconds) of one cold ``python -m specops.cli ARGV`` in TREE."""
     env = dict(os.environ, PYTHONPATH=str(tree))
+    # Byte-code is written (the warm-up compiles every tree alike, as an install does): with
+    # PYTHONDONTWRITEBYTECODE set, a fresh worktree would compile its sources in every run and lose for that alone.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(

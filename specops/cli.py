@@ -8,9 +8,11 @@ lines on stderr with exit code 1 (2 for usage errors), never as a traceback.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
 import sys
+from contextlib import contextmanager
 
 import click
 
@@ -59,7 +61,8 @@ class LazyGroup(click.Group):
         if spec is None:
             return self.commands.get(name) if name in self.plugin_commands() else None
         module, _, attr = spec.partition(":")
-        return getattr(importlib.import_module(f"specops.commands.{module}"), attr)
+        with _imports_without_gc():
+            return getattr(importlib.import_module(f"specops.commands.{module}"), attr)
 
     def plugin_commands(self) -> dict:
         """Plugin command name -> the plugin (and distribution) that added it."""
@@ -76,6 +79,24 @@ class LazyGroup(click.Group):
             return None
         module = spec.partition(":")[0]
         return spec if importlib.util.find_spec(f"specops.commands.{module}") is not None else None
+
+
+@contextmanager
+def _imports_without_gc():
+    """Import a command with the cyclic GC paused, then freeze what the import made.
+
+    Importing a command builds the profile's pydantic models: tens of thousands of objects that live as long as
+    the process, which the collector would scan dozens of times for nothing (about 4% of a cold ``render``).
+    Frozen, later collections skip them too. Nothing is lost: import-time objects are module state.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.freeze()
+            gc.enable()
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -106,10 +106,14 @@ def _load() -> Plugins:
     pm.add_hookspecs(hookspecs)
     plugins = Plugins(pm)
     for dist in list(importlib.metadata.distributions()):
+        label = None  # "name version", read once per distribution: each read parses its METADATA (the README)
         for ep in dist.entry_points:
             if ep.group != GROUP or pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
                 continue
-            where = f"{ep.name} ({dist.metadata['Name']} {dist.version})"
+            if label is None:
+                meta = dist.metadata
+                label = f"{meta['Name']} {meta['Version']}"
+            where = f"{ep.name} ({label})"
             try:
                 module = ep.load()
             except Exception as exc:

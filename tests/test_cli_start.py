@@ -77,3 +77,15 @@ def test_json_schema_is_not_built_to_render(tmp_path):
     """The profile's JSON Schema (for `specops schema`) is built on demand, not when the models are defined."""
     modules = loaded_modules(tmp_path, "render", str(PROFILE), "--backend-version", "0.32.0")
     assert "pydantic.type_adapter" not in modules
+
+
+def test_command_import_turns_the_collector_back_on():
+    """The CLI pauses the cyclic GC only while it imports a command (start time); the command runs with it on."""
+    import gc
+
+    from specops.cli import cli
+
+    assert gc.isenabled()
+    command = cli.get_command(None, "validate")
+    assert command is not None and command.name == "validate"
+    assert gc.isenabled()
