@@ -19,6 +19,11 @@ from support_policy import require_engines_marker
 from specops.devenv import engines
 from specops.devenv import testmodels as fixtures
 
+#: The suite's vLLM engines run without torch.compile (``server.extra_args``): the tests check specops (launch,
+#: watch, switch, measure), not vLLM's compiler, and the tiny target is ready in 0.63x the time this way
+#: (``benchmarks/bench_vllm_start.py --tiny --variants aot-off,eager``, benchmarks/RESULTS.md).
+VLLM_TEST_ARGS = ["--enforce-eager"]
+
 
 def need_vllm_python() -> Path:
     """The vLLM venv's python, or skip the test (naming the set-up command; a failure in CI)."""

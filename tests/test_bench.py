@@ -218,7 +218,7 @@ def test_bench_vllm_interleaved_with_user_prompts(tmp_path):
     profile.write_text(
         f"name: bench-vllm\nbackend: vllm\nmodel:\n  id: {models['hf-target']}\n  dtype: float32\n"
         f"  max_model_len: 256\nspeculative:\n  method: draft_model\n  draft: {models['hf-target']}\n"
-        '  num_speculative_tokens: 2\nserver:\n  env:\n    VLLM_CPU_KVCACHE_SPACE: "1"\n'
+        '  num_speculative_tokens: 2\nserver:\n  extra_args: ["--enforce-eager"]\n  env:\n    VLLM_CPU_KVCACHE_SPACE: "1"\n'
         "supervisor:\n  stop_timeout: 20\n"
     )
     out = tmp_path / "out"

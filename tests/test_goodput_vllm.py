@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from support_engines import VLLM_TEST_ARGS
 from support_ports import free_port
 from support_up import UpRun, http_text, write_profile
 
@@ -58,7 +59,12 @@ def test_a_per_batch_schedule_is_followed_on_both_sides_of_its_threshold(tmp_pat
                 "num_speculative_tokens": 3,
                 "per_batch_size": SCHEDULE,
             },
-            "server": {"port": free_port(), "parallel": 16, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+            "server": {
+                "port": free_port(),
+                "parallel": 16,
+                "extra_args": VLLM_TEST_ARGS,
+                "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+            },
             "fallback": {"enabled": False},
             "supervisor": {"stop_timeout": 30},
             "engine": {"ready_timeout": "5m"},

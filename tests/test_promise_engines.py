@@ -23,6 +23,7 @@ import time
 
 import pytest
 import yaml
+from support_engines import VLLM_TEST_ARGS
 from support_load import Load
 from support_ports import free_port
 from support_up import UpRun, http_json, write_profile
@@ -69,7 +70,7 @@ def vllm_profile(tmp_path, models, name: str, draft: str):
             "backend": "vllm",
             "model": {"id": str(models / "hf-target"), "dtype": "float32", "max_model_len": 512},
             "speculative": {"method": "draft_model", "draft": str(models / draft), "num_speculative_tokens": 3},
-            "server": {"port": free_port(), "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+            "server": {"port": free_port(), "extra_args": VLLM_TEST_ARGS, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
             "fallback": {
                 "window": "6s",
                 "min_draft_tokens": 60,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from support_engines import VLLM_TEST_ARGS
 from support_load import one_client
 from support_ports import free_port
 from support_up import UpRun, http_json, http_text, write_profile
@@ -35,7 +36,7 @@ def vllm_profile(tmp_path, models, name, draft: str):
             "backend": "vllm",
             "model": {"id": str(models / "hf-target"), "dtype": "float32", "max_model_len": 512},
             "speculative": {"method": "draft_model", "draft": str(models / draft), "num_speculative_tokens": 3},
-            "server": {"port": free_port(), "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+            "server": {"port": free_port(), "extra_args": VLLM_TEST_ARGS, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
             "fallback": {
                 "window": f"{WINDOW}s",
                 "min_draft_tokens": 60,
