@@ -45,6 +45,7 @@ class TrainOptions:
     checkpoint_every: int = 50
     threads: int | None = None
     only_class: str | None = None
+    min_agreement: float = 0.9  # of the captured answer tokens the target must choose again (0: no check)
 
 
 @dataclass
@@ -305,10 +306,11 @@ def train_llamacpp(
         "seed": opts.seed,
         "checkpoint_every": opts.checkpoint_every,
         "threads": opts.threads,
+        "min_agreement": opts.min_agreement,
     }
     job["id"] = _digest(
         examples_text.encode(),
-        {k: v for k, v in job.items() if k not in ("threads",)},
+        {k: v for k, v in job.items() if k not in ("threads", "min_agreement")},
         [tensors[k].tobytes()[:4096] for k in sorted(tensors)],
     )
     _write(out / "job.json", json.dumps(job))

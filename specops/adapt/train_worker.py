@@ -126,7 +126,9 @@ def encode_examples(job: dict, tok) -> list[tuple[list[int], int]]:
         for line in fh:
             ex = json.loads(line)
             prompt = merges.encode((prefix + ex["prompt"]).replace(" ", "\u2581"))
-            answer = tok.encode(ex["output"]).ids
+            # up to the first U+FFFD: past it the text was cut from bytes that are not UTF-8 (a model emitting
+            # byte tokens), its tokens are lost, and re-tokenizing would invent a context the engine never saw
+            answer = tok.encode(ex["output"].split("\ufffd", 1)[0]).ids
             if not answer:
                 continue
             ids = ([bos] if bos is not None else []) + prompt
@@ -279,6 +281,15 @@ def run(job_path: Path) -> int:
         agreement = round(agree / max(1, seen), 4)
         _say(teacher_s=round(time.monotonic() - t0, 1), teacher_agreement=agreement)
         del teacher, tt
+        if agreement < float(job.get("min_agreement") or 0):
+            _say(
+                error=f"the target reproduces only {agreement:.0%} of the captured answers' tokens on the "
+                "re-tokenized text (--min-agreement "
+                f"{job['min_agreement']}): the capture is not this target's greedy output as this tokenizer "
+                "reads it (another model, sampled answers, or a vocabulary specops does not tokenize as the "
+                "engine does), and a draft trained on it would learn contexts the engine never sees"
+            )
+            return 2
     else:
         examples = [(ids, start, None) for ids, start in examples]
     opt = torch.optim.AdamW(model.parameters(), lr=job["lr"], weight_decay=0.0)

@@ -100,6 +100,14 @@ def capture_stats(profile, from_path, as_json):
     help="Blocks of the new draft (auto/target/scratch).",
 )
 @click.option("--class", "only_class", help="Train on one request class only.")
+@click.option(
+    "--min-agreement",
+    type=click.FloatRange(0, 1),
+    default=0.9,
+    show_default=True,
+    help="llama.cpp: refuse to train when the target, run by the trainer on the captured text, chooses fewer "
+    "of the captured answers' tokens than this (the capture would not be what the engine saw). 0: no check.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--python",
@@ -108,7 +116,9 @@ def capture_stats(profile, from_path, as_json):
     help="An interpreter with torch (default: $SPECOPS_TRAIN_PYTHON, else the vLLM venv's).",
 )
 @json_option
-def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_class, seed, python, as_json):
+def train(
+    profile, from_path, out, steps, lr, batch, seq, init, layers, only_class, min_agreement, seed, python, as_json
+):
     """Train a new draft for PROFILE on the captured traffic (llama.cpp: a GGUF draft for `-md`).
 
     \b
@@ -144,7 +154,15 @@ def train(profile, from_path, out, steps, lr, batch, seq, init, layers, only_cla
         raise SpecopsError(f"{profile}: model.id {prof.model.id!r} is not a local GGUF file")
     draft = Path(prof.speculative.draft) if prof.speculative.draft else None
     opts = TrainOptions(
-        steps=steps, lr=lr, batch=batch, seq=seq, seed=seed, layers=layers, init=init, only_class=only_class
+        steps=steps,
+        lr=lr,
+        batch=batch,
+        seq=seq,
+        seed=seed,
+        layers=layers,
+        init=init,
+        only_class=only_class,
+        min_agreement=min_agreement,
     )
     started = time.monotonic()
 
