@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from support_cli import run_subprocess
-from support_engines import need_vllm_python, tiny_model
+from support_engines import VLLM_TEST_ARGS, need_vllm_python, tiny_model
 
 from specops.errors import SpecopsError
 
@@ -69,6 +69,7 @@ def _profile(tmp_path: Path, target: Path, draft, method: str = "eagle3", captur
         "server:",
         "  host: 127.0.0.1",
         "  port: 8080",
+        f"  extra_args: {json.dumps(VLLM_TEST_ARGS)}",
         "  env:",
         "    VLLM_CPU_KVCACHE_SPACE: '1'",
     ]
