@@ -417,3 +417,18 @@ def test_a_new_draft_starts_from_the_targets_own_first_layers_by_default(tmp_pat
     assert np.array_equal(current["blk.0.attn_q.weight"], read_gguf(other)[1]["blk.0.attn_q.weight"])
     with pytest.raises(SpecopsError, match="its vocabulary is not the target's"):
         initial_draft(target, testmodels.model_path("gguf-draft-badvocab.gguf"), TrainOptions(init="draft"))
+
+
+def test_promote_takes_an_eagle3_heads_folder_and_reads_the_held_out_examples_beside_it(tmp_path):
+    """`adapt train` writes a vLLM EAGLE-3 head as a folder (config.json + safetensors) with heldout.jsonl beside
+    it: promote takes the folder, looks for the examples next to it, and refuses a draft that is not there."""
+    profile = tmp_path / "p.yaml"
+    profile.write_text(
+        f"name: p\nbackend: vllm\nmodel: {{id: {tmp_path}/t}}\nspeculative: {{method: eagle3, draft: {tmp_path}/old}}\n"
+    )
+    (tmp_path / "out" / "head").mkdir(parents=True)
+    res = run_subprocess("adapt", "promote", profile, tmp_path / "out" / "head")
+    assert res.code == 1 and "Traceback" not in res.stderr, res.stderr
+    assert f"{tmp_path}/out/heldout.jsonl: cannot read the held-out examples" in res.stderr
+    missing = run_subprocess("adapt", "promote", profile, tmp_path / "out" / "nothere")
+    assert missing.code == 2 and "does not exist" in missing.stderr

@@ -200,7 +200,7 @@ def train(
 
 @adapt.command("promote")
 @profile_argument
-@click.argument("draft", type=click.Path(dir_okay=False, path_type=str))
+@click.argument("draft", type=click.Path(exists=True, path_type=str))  # a GGUF file, or a vLLM head's folder
 @click.option(
     "--heldout",
     type=click.Path(dir_okay=False, path_type=str),
@@ -247,6 +247,7 @@ def promote(profile, draft, heldout, margin, max_tokens, limit, lossless_n, tole
     Examples:
       specops adapt promote profiles/llama.yaml adapt/draft.gguf --dry-run
       specops adapt promote profiles/llama.yaml adapt/draft.gguf --margin 0.1
+      specops adapt promote profiles/vllm-eagle3.yaml adapt/head --dry-run   # an EAGLE-3 head's folder
     """
     from specops.adapt.promote import compare, run_compare, write_back
     from specops.errors import SpecopsError
