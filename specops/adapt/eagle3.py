@@ -16,14 +16,20 @@ Held-out examples (one in ten, by prompt) are never trained on: they go to ``hel
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from specops.adapt.dataset import read_examples
-from specops.adapt.train import MEMORY_SHARE, TrainOptions, TrainOutcome, _digest, _write, available_memory
+from specops.adapt.train import (
+    MEMORY_SHARE,
+    TrainOptions,
+    TrainOutcome,
+    _digest,
+    _write,
+    available_memory,
+    run_worker,
+)
 from specops.errors import SpecopsError
 
 #: The ``speculators`` release whose Eagle3SpeculatorConfig fields the written config follows.
@@ -237,53 +243,9 @@ def train_vllm_eagle3(
         examples_text.encode(), {k: v for k, v in job.items() if k not in ("threads", "steps")}, weights
     )
     _write(out / "job.json", json.dumps(job))
-    result = run_worker(python, out, on_progress)
+    result = run_worker(python, out, on_progress, module="specops.adapt.eagle3_worker")
     info = {"target": str(target), "train_examples": len(train), "heldout_examples": len(held), "memory_estimate": need}
     _write(out / "train-info.json", json.dumps({**info, **result}, indent=1))
     return TrainOutcome(
         Path(result["head"]), out, result, len(train), len(held), "a new head (lm_head from the target's)", need
     )
-
-
-def run_worker(python: Path, out: Path, on_progress: Callable[[dict], None]) -> dict:
-    """Run :mod:`specops.adapt.eagle3_worker` on ``out/job.json``, passing its progress events on; its result."""
-    import specops
-
-    source = str(Path(specops.__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": source, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    log = out / "train.log"
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        proc = subprocess.Popen(
-            [str(python), "-m", "specops.adapt.eagle3_worker", str(out / "job.json")],
-            stdout=subprocess.PIPE,
-            stderr=fd,
-            text=True,
-            cwd=out,
-            env=env,
-        )
-    except OSError as exc:
-        raise SpecopsError(f"cannot start the training interpreter {python}: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    last: dict = {}
-    try:
-        for line in proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            last = event
-            on_progress(event)
-        code = proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        proc.wait()
-        raise SpecopsError(
-            f"training interrupted; run the same command again to resume from {out / 'checkpoint.pt'}"
-        ) from None
-    if code != 0 or not last.get("done"):
-        tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-5:]
-        why = last.get("error") or " | ".join(tail) or f"exit status {code}"
-        raise SpecopsError(f"training failed ({python}): {why} (log: {log})")
-    return json.loads((out / "result.json").read_text(encoding="utf-8"))

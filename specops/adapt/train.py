@@ -314,7 +314,7 @@ def train_llamacpp(
         [tensors[k].tobytes()[:4096] for k in sorted(tensors)],
     )
     _write(out / "job.json", json.dumps(job))
-    result = _run_worker(python, out, on_progress)
+    result = run_worker(python, out, on_progress)
     path = out / "draft.gguf"
     trained = np.load(out / "draft.npz")
     write_gguf(path, {k: trained[k] for k in trained.files}, dims, vocab, "specops-adapt-draft")
@@ -336,7 +336,11 @@ def _write(path: Path, text: str) -> None:
         fh.write(text)
 
 
-def _run_worker(python: Path, out: Path, on_progress: Callable[[dict], None]) -> dict:
+def run_worker(
+    python: Path, out: Path, on_progress: Callable[[dict], None], module: str = "specops.adapt.train_worker"
+) -> dict:
+    """Run the training worker ``module`` on ``out/job.json`` in ``python`` (the engine's venv, which has torch),
+    passing its progress events on; its result. Its stderr goes to ``out/train.log`` (0600)."""
     import specops
 
     source = str(Path(specops.__file__).resolve().parent.parent)
@@ -345,7 +349,7 @@ def _run_worker(python: Path, out: Path, on_progress: Callable[[dict], None]) ->
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         proc = subprocess.Popen(
-            [str(python), "-m", "specops.adapt.train_worker", str(out / "job.json")],
+            [str(python), "-m", module, str(out / "job.json")],
             stdout=subprocess.PIPE,
             stderr=fd,
             text=True,
