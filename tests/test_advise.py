@@ -260,7 +260,8 @@ def test_live_from_llama_server_metrics_and_instance(tmp_path):
             "gpus": {"devices": []},
             "server": {"port": free_port(), "parallel": 2},
             "proxy": {"enabled": False},
-            "fallback": {"window": "3s", "min_draft_tokens": 20},
+            # a window long enough that the drafts are still in it when `advise PROFILE` (a new process) reads it
+            "fallback": {"window": "20s", "min_draft_tokens": 20},
             "monitor": {"interval": "300ms"},
             "supervisor": {"stop_timeout": 10},
         },

@@ -38,6 +38,8 @@ VALIDATION = {
     "properties",
     "required",
     "additionalProperties",
+    "minProperties",
+    "maxProperties",
 }
 TYPES = {
     "string": str,
@@ -98,6 +100,8 @@ def errors(schema: dict, data, node: dict | None = None, path: str = "$") -> lis
             if sub is not None:
                 out += errors(schema, item, sub, f"{path}[{i}]")
     if isinstance(data, dict):
+        if not node.get("minProperties", 0) <= len(data) <= node.get("maxProperties", float("inf")):
+            out.append(f"{path}: {len(data)} keys")
         props = node.get("properties", {})
         for key in node.get("required", []):
             if key not in data:
@@ -199,3 +203,12 @@ def test_with_jsonschema(schema):
     validator = jsonschema.Draft202012Validator(schema)
     for path in ready_made_profiles():
         assert not list(validator.iter_errors(_merged(path))), path
+
+
+def test_a_bounded_mapping_is_bounded_in_the_schema_too(schema):
+    """``routing.aliases`` holds at most 256 names (maxProperties): the loader's bound, seen by an editor too."""
+    base = {"name": "x", "backend": "llamacpp", "model": {"id": "a/b"}, "routing": {"twins": ["none"]}}
+    ok = {**base, "routing": {**base["routing"], "aliases": {f"m{i}": "on" for i in range(256)}}}
+    over = {**base, "routing": {**base["routing"], "aliases": {f"m{i}": "on" for i in range(257)}}}
+    assert errors(schema, ok) == []
+    assert any("257 keys" in e for e in errors(schema, over)), errors(schema, over)

@@ -55,7 +55,7 @@ def llama_profile(tmp_path, models, name: str, draft: str, **over) -> os.PathLik
         },
         "monitor": {"interval": "300ms", "timeout": "1s"},
         "supervisor": {"stop_timeout": 10, "restart_backoff": 0.2},
-        "proxy": {"queue_timeout": "5m", "drain_timeout": "30s"},
+        "proxy": {"queue_timeout": "5m", "drain_timeout": "120s"},  # answers run slower beside the other lanes
     }
     for section, values in over.items():
         data[section] = {**data.get(section, {}), **values}
