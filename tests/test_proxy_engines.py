@@ -267,7 +267,9 @@ def test_real_engine_sees_the_client_disconnect(tmp_path):
             eng.stop()
 
     waited, st = asyncio.run(asyncio.wait_for(body(), 90))
-    assert waited < 1.0, f"the engine kept generating for {waited:.2f}s after the client left"
+    # 2000 tokens left would take the tiny engine many seconds; dropping them takes well under one, 3 s beside
+    # other tests on 2 cores
+    assert waited < 3.0, f"the engine kept generating for {waited:.2f}s after the client left"
     assert st["client_disconnects"] == 1
 
 
