@@ -22,12 +22,11 @@ from pathlib import Path
 
 from specops.adapt.dataset import read_examples
 from specops.adapt.train import (
-    MEMORY_SHARE,
     TrainOptions,
     TrainOutcome,
     _digest,
     _write,
-    available_memory,
+    prepare_run,
     run_worker,
 )
 from specops.errors import SpecopsError
@@ -179,7 +178,6 @@ def train_vllm_eagle3(
     e3: Eagle3Options | None = None,
 ) -> TrainOutcome:
     """Train an EAGLE-3 head for the vLLM profile ``prof`` into ``out/head`` (resuming a run of the same job)."""
-    from specops.paths import private_dir
 
     e3 = e3 or Eagle3Options(speculative_tokens=prof.speculative.num_speculative_tokens or 3)
     target = Path(prof.model.id)
@@ -208,16 +206,7 @@ def train_vllm_eagle3(
             + (f" of class {opts.only_class!r}" if opts.only_class else "")
         )
     need = memory_estimate(tcfg, len(aux), opts, e3)
-    have = available_memory()
-    if have is not None and need > MEMORY_SHARE * have:
-        raise SpecopsError(
-            f"the training would need about {need / 2**30:.1f} GiB and {have / 2**30:.1f} GiB is available: "
-            f"lower --batch ({opts.batch}) or --seq ({opts.seq}), or train where more memory is free"
-        )
-    out = private_dir(out)
-    examples_text = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in train)
-    _write(out / "examples.jsonl", examples_text)
-    _write(out / "heldout.jsonl", "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in held))
+    out, examples_text = prepare_run(out, train, held, need, opts)
     job = {
         "kind": "eagle3",
         "target": str(target),

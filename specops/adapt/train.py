@@ -231,6 +231,24 @@ def memory_estimate(dims: dict, n_vocab: int, opts: TrainOptions) -> int:
     return 4 * (4 * params + 2 * activations) + (256 << 20)  # + the interpreter and torch
 
 
+def prepare_run(out: Path, train: list, held: list, need: int, opts: TrainOptions) -> tuple[Path, str]:
+    """Refuse a run that would not fit in memory (``need`` bytes), before anything is written; then the private
+    run folder with the examples to train on and the held-out ones. → the folder and the examples' text."""
+    from specops.paths import private_dir
+
+    have = available_memory()
+    if have is not None and need > MEMORY_SHARE * have:
+        raise SpecopsError(
+            f"the training would need about {need / 2**30:.1f} GiB and {have / 2**30:.1f} GiB is available: "
+            f"lower --batch ({opts.batch}) or --seq ({opts.seq}), or train where more memory is free"
+        )
+    out = private_dir(out)
+    examples_text = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in train)
+    _write(out / "examples.jsonl", examples_text)
+    _write(out / "heldout.jsonl", "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in held))
+    return out, examples_text
+
+
 def available_memory() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as fh:
@@ -263,7 +281,6 @@ def train_llamacpp(
     on_progress: Callable[[dict], None] = lambda d: None,
 ) -> TrainOutcome:
     """Train a GGUF draft into ``out`` (resuming a run of the same job there). See the module docstring."""
-    from specops.paths import private_dir
 
     train, held = [], []
     for ex in read_examples(capture):
@@ -277,16 +294,7 @@ def train_llamacpp(
         )
     dims, tensors, vocab, init_from = initial_draft(target, draft, opts)
     need = memory_estimate(dims, len(vocab["tokens"]), opts)
-    have = available_memory()
-    if have is not None and need > MEMORY_SHARE * have:
-        raise SpecopsError(
-            f"the training would need about {need / 2**30:.1f} GiB and {have / 2**30:.1f} GiB is available: "
-            f"lower --batch ({opts.batch}) or --seq ({opts.seq}), or train where more memory is free"
-        )
-    out = private_dir(out)
-    examples_text = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in train)
-    _write(out / "examples.jsonl", examples_text)
-    _write(out / "heldout.jsonl", "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in held))
+    out, examples_text = prepare_run(out, train, held, need, opts)
     np.savez(out / "init.npz", **tensors)
     t_dims, t_tensors, _ = read_gguf(target)
     np.savez(out / "teacher.npz", **t_tensors)
