@@ -427,3 +427,37 @@ def test_a_vllm_answer_with_its_own_counters_feeds_its_class_window(tmp_path):
     for body in (b'{"choices": []}', b'{"metrics": {"speculative_decoding": {"num_draft_tokens": "9"}}}'):
         twins.upstreams.finished(route, Flight(primary), True, web.Response(body=body))
     assert twins.classes.stats("code", time.monotonic()).draft_tokens == 32.0
+
+
+def test_a_vllm_stream_feeds_its_class_window_from_its_usage_event(tmp_path):
+    """A stream's counters come in its last event (``stream_options.include_usage``): the flight keeps the
+    stream's end and the window reads it; a stream whose client asked for no usage adds nothing."""
+    import time
+
+    from aiohttp import web
+
+    from specops.proxy.forward import STREAM_TAIL, Flight, Generation
+
+    twins, _ = _twins(tmp_path, _profile(tmp_path, "  classes: {key: model, min_draft_tokens: 10}\n"))
+    route = twins.router.route("/v1/completions", {}, b'{"model": "code"}', (True, True), 1.0)
+    spec = {"num_draft_tokens": 40, "num_accepted_draft_tokens": 30, "mean_acceptance_length": 3.0}
+    usage = {"prompt_tokens": 5, "completion_tokens": 47, "total_tokens": 52}
+    events = [{"choices": [{"index": 0, "text": "tok"}]}] * 3 + [
+        {"choices": [], "usage": usage, "metrics": {"speculative_decoding": spec}}
+    ]
+    stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    primary = Generation(1, "http://127.0.0.1:9")
+    flight = Flight(primary)
+    flight.tail = (b"x" * STREAM_TAIL + stream)[-STREAM_TAIL:]  # what _stream keeps: the stream's end
+    seen = []
+    twins.upstreams.on_route, on_route = (lambda *a: seen.append(a[3:5])), twins.upstreams.on_route
+    twins.upstreams.finished(route, flight, True, web.StreamResponse())
+    assert seen[0][0] == 47 and seen[0][1] > 0  # the tokens the stream generated, and its wall time
+    twins.upstreams.on_route = on_route
+    twins.upstreams.finished(route, flight, True, web.StreamResponse())
+    stats = twins.classes.stats("code", time.monotonic())
+    assert (stats.draft_tokens, stats.accepted) == (40.0, 30.0)
+    plain = Flight(primary)
+    plain.tail = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events[:3]) + b"data: [DONE]\n\n"
+    twins.upstreams.finished(route, plain, True, web.StreamResponse())
+    assert twins.classes.stats("code", time.monotonic()).draft_tokens == 40.0

@@ -88,6 +88,9 @@ _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 _TIMINGS = b'"timings"'
 _TIMINGS_PER_TOKEN = b'"timings_per_token"'
 _SSE_TAIL_LIMIT = 1 << 20
+#: How much of a stream's end a flight keeps when asked (``Flight.tail``): vLLM's final usage chunk, with its
+#: per-request speculative decoding metrics, is well under 2 KiB.
+STREAM_TAIL = 8192
 
 
 def engine_session(connect_timeout: float, read_timeout: float | None) -> aiohttp.ClientSession:
@@ -129,7 +132,7 @@ class Generation:
 class Flight:
     """One request on one generation, so drain/upstream_failed can cut it."""
 
-    __slots__ = ("cm", "cut_reason", "gen", "predicted", "started", "tap", "totals")
+    __slots__ = ("cm", "cut_reason", "gen", "predicted", "started", "tail", "tap", "totals")
 
     def __init__(self, gen: Generation):
         self.gen = gen
@@ -139,6 +142,7 @@ class Flight:
         self.totals: dict | None = None  # timings running totals per choice index
         self.predicted: dict | None = None  # timings predicted_n (tokens generated) per choice index
         self.tap = None  # a specops.proxy.capture.Tap: the streamed answer is copied into it (capture: on)
+        self.tail: bytes | None = None  # b"" asks for a stream's last STREAM_TAIL bytes (its usage chunk)
 
     def cut(self, reason: str) -> None:
         if self.cut_reason is None:
@@ -344,6 +348,7 @@ class Forwarder:
         flight = ex.flight
         tail = b""
         tap = flight.tap.feed if flight.tap is not None else None
+        keep_tail = flight.tail is not None
         read = ex.up.content.readany
         write = ex.resp.write
         while True:
@@ -364,6 +369,8 @@ class Forwarder:
                 tail = from_sse(tail + chunk if tail else chunk, flight)
             if tap is not None:
                 tap(chunk)
+            if keep_tail:
+                flight.tail = (flight.tail + chunk)[-STREAM_TAIL:]
 
     async def _finish(self, ex: _Exchange) -> web.StreamResponse:
         """End a streamed answer: its last chunk, or an error event when the engine broke off."""

@@ -121,9 +121,10 @@ class RoutedUpstreams:
         body = getattr(resp, "body", None)
         tokens = seconds = None
         if route.key is not None and flight is not None:
+            answer = body if isinstance(body, bytes) else stream_usage(flight.tail)
             if flight.totals is None:
-                flight.totals = vllm_spec_counts(body)  # vLLM's own counters, when it has them
-            tokens = completion_tokens(flight, body)
+                flight.totals = vllm_spec_counts(answer)  # vLLM's own counters, when it has them
+            tokens = completion_tokens(flight, answer)
             seconds = time.monotonic() - route.start
         if route.lists_models and isinstance(body, bytes) and getattr(resp, "status", 0) == 200:
             listed = self.router.list_aliases(body)
@@ -243,12 +244,25 @@ async def drain_generation(gen: Generation, timeout: float, proxy: Proxy | None)
 
 #: What marks an answer carrying vLLM's per-request counters (``--per-request-spec-decode-metrics``).
 _SPEC_METRICS = b'"speculative_decoding"'
+_USAGE = b'"usage"'
+
+
+def stream_usage(tail: bytes | None) -> bytes | None:
+    """The last SSE event of a stream's end that carries ``usage`` (with ``stream_options.include_usage`` vLLM
+    sends it last, ``choices: []``, with ``metrics.speculative_decoding`` beside it when the per-request metrics
+    are on); None when the stream ended without one (the client did not ask for usage)."""
+    if not tail or _USAGE not in tail:
+        return None
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data:") and _USAGE in line:
+            return line[5:].strip()
+    return None
 
 
 def vllm_spec_counts(body: Any) -> dict | None:
-    """``{0: (draft tokens, accepted draft tokens)}`` from a whole vLLM answer's ``metrics.speculative_decoding``
-    (the shape the class windows take from llama-server's ``timings``); None when the body has none. Streamed
-    answers carry it on the final usage chunk only, and are not read here."""
+    """``{0: (draft tokens, accepted draft tokens)}`` from a vLLM answer's ``metrics.speculative_decoding``
+    (the shape the class windows take from llama-server's ``timings``): a whole answer, or a stream's usage
+    event (:func:`stream_usage`); None when it has none."""
     if not isinstance(body, bytes) or _SPEC_METRICS not in body:
         return None
     try:
@@ -266,7 +280,7 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})')
 
 def completion_tokens(flight: Flight, body: Any) -> int | None:
     """The tokens an answer generated: llama-server's ``timings.predicted_n`` (every choice; streamed answers
-    too), else a whole answer's ``usage.completion_tokens`` (vLLM; a stream's usage chunk is not read); None
+    too), else the ``usage.completion_tokens`` of a whole answer or of a stream's usage event (vLLM); None
     when the answer says neither."""
     if flight.predicted:
         return sum(flight.predicted.values())
