@@ -9,9 +9,9 @@
   by tests/support_engines.py), so that ``-m "not engines"`` is the fast tier it claims to be;
 - a test marked ``engines`` that names no timeout gets :data:`ENGINES_TIMEOUT_S` (pyproject's ``timeout``
   is for the others);
-- under pytest-xdist with ``--dist loadgroup`` (scripts/test runs ``-n 4 --dist loadgroup``) the tests that start engines run in
-  :func:`lane` order: one lane of vLLM tests, one of vLLM matrix cells, one of llama-server and Prometheus
-  tests, each lane on one worker at a time, beside the tests that start nothing, which spread over all workers.
+- under pytest-xdist with ``--dist loadgroup`` (scripts/test's engine pass runs ``-n 2 --dist loadgroup``) the
+  tests that start engines keep to the two lanes of :func:`lane`, each lane one test at a time on one worker,
+  longest lane first; tests that start nothing are in no lane and spread over all workers.
 """
 
 from __future__ import annotations
@@ -37,20 +37,23 @@ _RUNNING: dict[str, pytest.Item | None] = {"item": None}
 def lane(item: pytest.Item) -> str | None:
     """The xdist group of a test that starts engines, ``None`` for one that starts none.
 
-    Two vLLM starts at once on two cores make both slower than one after the other, and a test's engine and its
-    load generator share the machine: a lane keeps its tests one at a time. vLLM tests are those that name vLLM
-    or take the HF tiny models (made for vLLM); the matrix cells are a lane of their own.
+    A test's engine and its load generator share the machine, so a lane runs its tests one at a time, and two
+    lanes balance on two cores: ``vllm``, the vLLM tests (those that name vLLM or take the HF tiny models, made
+    for vLLM) but the support-matrix cells, 14.6 min one after the other in a fresh-clone run here; and
+    ``cells-llama``, the matrix cells of every engine with the llama-server and Prometheus tests, 13.2 min.
     """
     if item.get_closest_marker("engines") is None and item.get_closest_marker("prometheus") is None:
         return None
+    if "test_matrix_engines.py" in item.nodeid:
+        return "cells-llama"
     if "vllm" in item.nodeid.lower() or "tiny_models" in getattr(item, "fixturenames", ()):
-        return "vllm-matrix" if "test_matrix_engines.py" in item.nodeid else "vllm"
-    return "llama"
+        return "vllm"
+    return "cells-llama"
 
 
 #: The lanes, longest first: each starts as soon as a worker is free, and the suite lasts as long as its longest
 #: lane, so that one goes first.
-LANES = ("vllm", "vllm-matrix", "llama")
+LANES = ("vllm", "cells-llama")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups off the marks

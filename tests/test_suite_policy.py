@@ -134,7 +134,8 @@ def test_plain(request):
 
 def test_engine_tests_keep_to_their_lanes_under_xdist(inner, tmp_path):
     """Under ``-n`` the tests that start engines run one at a time a lane (the vLLM tests on one worker, the
-    matrix cells on one, the rest on one), lanes first, and the tests that start nothing are in no lane."""
+    matrix cells with the llama-server tests on another), lanes first, and the tests that start nothing are in
+    no lane."""
     here = str(Path(__file__).resolve().parent)  # xdist's workers import the hooks' module too
     inner.makeconftest(f"import sys\nsys.path.insert(0, {here!r})\n" + HOOKS)
     record = tmp_path / "ran.jsonl"
@@ -149,23 +150,25 @@ def note(request):
     tests = {
         "test_inner_vllm": ["test_vllm_a", "test_vllm_b", "test_vllm_c"],
         "test_inner_llama": ["test_llama_a", "test_llama_b", "test_llama_c"],
+        "test_matrix_engines": ["test_vllm_cell_a", "test_vllm_cell_b"],
     }
     for module, names in tests.items():
         code = body + "".join(f"\n@pytest.mark.engines\ndef {n}(request):\n    note(request)\n" for n in names)
         code += "".join(f"\ndef {n.replace('test_', 'test_plain_')}(request):\n    note(request)\n" for n in names)
         inner.makepyfile(**{module: code})
-    inner.runpytest("-p", "no:cacheprovider", "-n", "3", "--dist", "loadgroup").assert_outcomes(passed=12)
+    inner.runpytest("-p", "no:cacheprovider", "-n", "3", "--dist", "loadgroup").assert_outcomes(passed=16)
     ran = [json.loads(line) for line in record.read_text().splitlines()]
     lanes = {name: lane for name, _, lane in ran}
     assert {n: lanes[n] for n in tests["test_inner_vllm"]} == dict.fromkeys(tests["test_inner_vllm"], "vllm")
-    assert {n: lanes[n] for n in tests["test_inner_llama"]} == dict.fromkeys(tests["test_inner_llama"], "llama")
+    llama_and_cells = tests["test_inner_llama"] + tests["test_matrix_engines"]
+    assert {n: lanes[n] for n in llama_and_cells} == dict.fromkeys(llama_and_cells, "cells-llama")
     assert all(lane is None for name, lane in lanes.items() if "plain" in name)
-    for lane in ("vllm", "llama"):
+    for lane in ("vllm", "cells-llama"):
         assert len({worker for _, worker, got in ran if got == lane}) == 1, ran
     # without xdist nothing is grouped and the order is the collected one
     record.unlink()
-    inner.runpytest("-p", "no:cacheprovider", "-p", "no:xdist").assert_outcomes(passed=12)
-    assert [lane for _, _, lane in map(json.loads, record.read_text().splitlines())] == [None] * 12
+    inner.runpytest("-p", "no:cacheprovider", "-p", "no:xdist").assert_outcomes(passed=16)
+    assert [lane for _, _, lane in map(json.loads, record.read_text().splitlines())] == [None] * 16
 
 
 def test_the_project_sets_a_default_timeout_and_lists_the_slowest_tests(pytestconfig):
