@@ -13,13 +13,13 @@ from specops.config.profile import LoadedProfile
 from specops.config.rules import multi_node_mode
 from specops.config.sections import Profile
 from specops.errors import Problem
+from specops.k8s.pod import RPC_WORKERS_VAR
 from specops.k8s.source import env_reference, merged_source
 from specops.k8s.twins import twin_problems
 from specops.redact import looks_secret
 
 #: Variables LeaderWorkerSet injects; the profile may read them, and they are no secrets.
 LWS_VARS = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
-RPC_WORKERS_VAR = "SPECOPS_RPC_WORKERS"
 
 
 def backend_of(p: Profile) -> Any:

@@ -29,6 +29,8 @@ from typing import Any
 
 from specops.errors import SpecopsError
 
+#: The pod variable holding a llama.cpp group's ``host:port`` workers, read by the leader's ``--rpc`` (the rendered
+#: profile names it; k8s.layout writes that reference).
 RPC_WORKERS_VAR = "SPECOPS_RPC_WORKERS"
 #: What the metrics relay serves: specops' own metrics and the engine's (through the proxy).
 METRICS_PATHS = ("/specops/metrics", "/metrics")
