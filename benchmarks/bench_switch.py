@@ -40,6 +40,7 @@ from _harness import PROMPTS, Up  # noqa: E402 - benchmarks/ is the script's fol
 
 from specops.perf.bench import machine  # noqa: E402
 from specops.perf.stats import percentile  # noqa: E402
+from specops.perf.workload import sse_payloads  # noqa: E402
 from specops.run.start import free_port  # noqa: E402
 
 KINDS = ("twin", "restart")
@@ -118,15 +119,7 @@ class Clients:
             r.end = time.time()
 
     async def _read_stream(self, resp, r: Req) -> None:
-        buf = b""
-        async for raw in resp.content:
-            buf += raw
-            if not buf.endswith(b"\n"):
-                continue
-            line, buf = buf.strip(), b""
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
+        async for payload in sse_payloads(resp.content):
             if payload == b"[DONE]":
                 r.ok = True
                 return

@@ -314,3 +314,16 @@ def test_fitting_asks_the_running_engine_for_its_context_and_its_tokenizer():
         assert (fit.context, fit.counted_by) == (96, "the engine's /tokenize")
         assert words(fit.prompts[0].text) + 32 <= 96 - 8  # 56 words at most
         assert "counted by the engine's /tokenize: 100 → " in fit.notes[0]
+
+
+def test_sse_payloads_joins_a_line_that_came_in_parts_and_skips_other_fields():
+    from specops.perf.workload import sse_payloads
+
+    async def body():  # what aiohttp's StreamReader yields: lines, a long one in parts
+        for part in (b": ping\n", b'data: {"a"', b": 1}\n", b"\n", b"event: x\n", b"data: [DONE]\n"):
+            yield part
+
+    async def collect():
+        return [p async for p in sse_payloads(body())]
+
+    assert asyncio.run(collect()) == [b'{"a": 1}', b"[DONE]"]

@@ -31,7 +31,7 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -419,18 +419,23 @@ async def _one_request(
     return res
 
 
-async def _read_stream(resp, res: RequestResult, start: float) -> None:
-    last_text_at: float | None = None
-    done = False
+async def sse_payloads(content) -> AsyncIterator[bytes]:
+    """The payload of each ``data:`` line of an SSE answer (``[DONE]`` included) as it completes; ``content``
+    is an aiohttp response's body, which yields lines (a line longer than its buffer comes in parts)."""
     buf = b""
-    async for raw in resp.content:
+    async for raw in content:
         buf += raw
         if not buf.endswith(b"\n"):
             continue
         line, buf = buf.strip(), b""
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
+        if line.startswith(b"data:"):
+            yield line[5:].strip()
+
+
+async def _read_stream(resp, res: RequestResult, start: float) -> None:
+    last_text_at: float | None = None
+    done = False
+    async for payload in sse_payloads(resp.content):
         if payload == b"[DONE]":
             done = True
             break
