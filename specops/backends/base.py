@@ -15,6 +15,7 @@ from functools import cached_property
 
 from specops.backends import measured
 from specops.config.profile import check_version_text  # re-exported for backends
+from specops.errors import SpecopsError
 from specops.methods import Method
 from specops.redact import MARK, MIN_SUBSTRING, Redactor, looks_secret, shell_quote, unmark
 from specops.urls import http_url  # re-exported for backends
@@ -30,6 +31,7 @@ __all__ = [
     "flag_of",
     "http_url",
     "looks_secret",
+    "pinned_version",
 ]
 
 
@@ -418,6 +420,15 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+def pinned_version(profile, version: str | None) -> tuple[str | None, str]:
+    """The engine version asked for (``--backend-version``, else the profile's ``engine.version``; None when
+    neither names one) and where it came from, for messages; a malformed version is an error naming its source."""
+    pinned, source = (version, "--backend-version") if version else (profile.engine.version, "profile engine.version")
+    if pinned and (problem := check_version_text(pinned)):
+        raise SpecopsError(f"{source}: {problem}")
+    return pinned, source
 
 
 def counter_total(metrics_text: str, name: str) -> float:

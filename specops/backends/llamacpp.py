@@ -19,8 +19,8 @@ from specops.backends.base import (
     EngineInfo,
     RenderError,
     check_extra_args,
-    check_version_text,
     counter_total,
+    pinned_version,
 )
 from specops.backends.devengines import DEV_ENGINE, dev_engine_for
 from specops.backends.versions import LLAMA_GENERATIONS, llama_generation, llama_generation_from_help
@@ -249,11 +249,7 @@ class LlamaCppBackend(Backend):
         return self.search(profile)[0]
 
     def engine_info(self, profile, version=None, *, probe=True):
-        pinned, source = (
-            (version, "--backend-version") if version else (profile.engine.version, "profile engine.version")
-        )
-        if pinned and check_version_text(pinned):
-            raise SpecopsError(f"{source}: {check_version_text(pinned)}")
+        pinned, source = pinned_version(profile, version)
         if pinned and not (probe and profile.engine.executable):
             try:
                 llama_generation(pinned)
