@@ -78,3 +78,19 @@ def test_llamacpp_spec_type_generation_enables_a_draft_model_with_md_alone(tmp_p
     assert argv[argv.index("-md") + 1] == "/m/d.gguf" and argv[argv.index("--draft-max") + 1] == "5"
     current = list(_plan(tmp_path, body, "current").argv)
     assert current[current.index("--spec-type") + 1] == "draft-simple"
+
+
+def test_a_malformed_version_is_refused_naming_where_it_came_from(tmp_path):
+    """``--backend-version`` is refused by either backend; the profile's own field already by the loader, located."""
+    import pytest
+
+    from specops.errors import SpecopsError
+
+    llama = "name: m\nbackend: llamacpp\nmodel: {id: t.gguf}\nspeculative: {method: ngram}\n"
+    for body in (EAGLE + "}\n", llama):
+        with pytest.raises(SpecopsError, match=r"^--backend-version: not a version"):
+            _plan(tmp_path, body, "0.8.2; rm -rf /")
+    path = tmp_path / "v.yaml"
+    path.write_text(EAGLE + "}\nengine: {version: '0.8.2; rm'}\n", encoding="utf-8")
+    with pytest.raises(SpecopsError, match=r"v\.yaml:5:19: engine\.version: not a version"):
+        load_profile(path, env={})
