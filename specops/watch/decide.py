@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specops.run.events import EngineReady, FallbackOrder, StepChanged, StepFailed, SupervisorEvent
+from specops.watch.canary import CanaryTally
 from specops.watch.classes import RequestClass
 from specops.watch.decision import Decision
 from specops.watch.goodput import Load
@@ -190,6 +191,31 @@ class FallbackDecider:
         c.streak = 0
         return raw, f"{why} for {need} consecutive windows"
 
+    def judge_canary(
+        self, tally: CanaryTally, *, min_draft_tokens: int, tolerance: float, elapsed: float, max_duration: float
+    ) -> tuple[bool | None, str]:
+        """A new draft measured on live traffic (``routing.canary``): True (roll it out) once the canary and the
+        current draft have each drafted ``min_draft_tokens`` over the same period and the canary's acceptance is
+        not lower than the current one's by more than ``tolerance``; False (roll it back) when it is, or when
+        ``max_duration`` passed without that evidence (not proven); None: keep measuring."""
+        new, old = tally.canary, tally.current
+        shown = f"canary {_acc(new.acceptance)} of {new.draft_tokens} drafted, current {_acc(old.acceptance)} of "
+        shown += f"{old.draft_tokens} drafted"
+        if new.draft_tokens >= min_draft_tokens and old.draft_tokens >= min_draft_tokens:
+            a_new, a_old = new.acceptance or 0.0, old.acceptance or 0.0
+            if a_new < a_old - tolerance:
+                return (
+                    False,
+                    f"live acceptance {shown}: worse by {a_old - a_new:.3f}, more than tolerance {tolerance:g}",
+                )
+            return True, f"live acceptance {shown}: not worse by more than tolerance {tolerance:g}"
+        if elapsed >= max_duration:
+            return False, (
+                f"{shown} after {elapsed:.0f}s: fewer than min_draft_tokens={min_draft_tokens} on a side within "
+                f"max_duration ({max_duration:g}s); not proven"
+            )
+        return None, f"measuring: {shown} (min_draft_tokens={min_draft_tokens})"
+
     def load_route(self, now: float, step: int = 0) -> tuple[bool | None, str]:
         """With a measured goodput surface: False (every class to the engine without speculation) while the
         mean live concurrency is at or above the crossover load where step ``step``'s speculation stops beating
@@ -270,3 +296,7 @@ class FallbackDecider:
             **({"last_goodput": self.last_goodput} if self.policy.goodput is not None else {}),
             "policy": self.policy.snapshot(self.clock() if now is None else now),
         }
+
+
+def _acc(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
