@@ -75,6 +75,7 @@ class RoutedUpstreams:
         self.proxy: Proxy | None = None
         self.routed: Counter = Counter()  # (engine position, reason) → requests
         self.refused: Counter = Counter()  # status → requests refused by the router
+        self.counting = False  # a canary is measured: every answer's own counters are read (not only a class's)
 
     def attach(self, proxy: Proxy) -> None:
         self.proxy = proxy
@@ -94,7 +95,7 @@ class RoutedUpstreams:
         None when no engine is live (the proxy's queue waits for the primary)."""
         live = self.live()
         engine = route.engine
-        if engine is None or not live[engine]:
+        if engine is None or engine >= len(live) or not live[engine]:  # a canary retired since it was routed
             engine = next((i for i in (self.router.current, *range(len(live))) if live[i]), None)
             if engine is None:
                 return None
@@ -120,10 +121,11 @@ class RoutedUpstreams:
         position = self.position_of(flight.gen) if flight is not None else route.engine
         body = getattr(resp, "body", None)
         tokens = seconds = None
-        if route.key is not None and flight is not None:
+        if (route.key is not None or self.counting) and flight is not None:
             answer = body if isinstance(body, bytes) else stream_usage(flight.tail)
             if flight.totals is None:
                 flight.totals = vllm_spec_counts(answer)  # vLLM's own counters, when it has them
+        if route.key is not None and flight is not None:
             tokens = completion_tokens(flight, answer)
             seconds = time.monotonic() - route.start
         if route.lists_models and isinstance(body, bytes) and getattr(resp, "status", 0) == 200:
