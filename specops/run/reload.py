@@ -194,8 +194,8 @@ class ReloadMetrics:
 class ProfileReloader:
     """Watches ``running`` (the profile as written) and reloads it; see the module docstring.
 
-    ``apply(resolved, changes) -> bool`` hands a valid profile to the supervisor (False: it cannot take it now,
-    e.g. during a switch: the next poll tries again); it raises SpecopsError when the profile cannot run (it
+    ``apply(resolved, changes) -> bool | str`` hands a valid profile to the supervisor (False: it cannot take it
+    now, e.g. during a switch: the next poll tries again; a string: taken, and what happens instead of a restart); it raises SpecopsError when the profile cannot run (it
     does not render, its policy cannot be built). ``on_status(snapshot)`` runs after every report.
     """
 
@@ -204,7 +204,7 @@ class ProfileReloader:
         running: LoadedProfile,
         resolved: LoadedProfile,
         *,
-        apply: Callable[[LoadedProfile, list[str]], bool],
+        apply: Callable[[LoadedProfile, list[str]], bool | str],
         events: Any,
         say: Callable[[str], None],
         offline: bool = False,
@@ -250,18 +250,16 @@ class ProfileReloader:
             "rejected": self.rejected,
         }
 
-    def rolled_back(self, why: str) -> None:
-        """The applied profile's engine did not start and the supervisor runs the previous one again: report it
-        as rejected (the file on disk stays what it is, reported once)."""
+    def rolled_back(self, why: str, cause: str = "the reloaded profile's engine did not start") -> None:
+        """The applied profile's engine did not start (or its new draft was refused live, ``cause`` says) and
+        the previous one runs again: report it as rejected (the file on disk stays what it is, reported once)."""
         if self._previous is None:
             return
         self.running, self.resolved, sha = self._previous
         self._previous = None
         reported, self.running_sha = self._reported, sha
         self._report(
-            Outcome(
-                "rejected", f"{self.path}: the reloaded profile's engine did not start ({why}); running the old config"
-            ),
+            Outcome("rejected", f"{self.path}: {cause} ({why}); running the old config"),
             reported or fingerprint(self.files),
         )
 
@@ -375,7 +373,8 @@ class ProfileReloader:
         self._previous = (self.running, self.resolved, self.running_sha)
         self._accept(step.loaded, step.resolved, step.sha)
         self.applied += 1
-        return self._report(Outcome("applied", "restarting the engine with the new profile", step.changes), step.sha)
+        how = taken if isinstance(taken, str) else "restarting the engine with the new profile"
+        return self._report(Outcome("applied", how, step.changes), step.sha)
 
     def _restart_problems(self, loaded: LoadedProfile) -> list[Problem]:
         old, new = _dump(self.running), _dump(loaded)
