@@ -327,6 +327,7 @@ def _print(st: dict) -> None:
         )
     print_goodput(st)
     _print_twins(st)
+    _print_canary(st.get("canary"))
     _print_reload(st.get("profile_reload"))
     _print_spot(st.get("spot_check"))
     _print_fleet_slot(st.get("fleet"))
@@ -375,6 +376,24 @@ def _print_twins(st: dict) -> None:
             f"{_text(row.get('served_on'), 20)}/{_text(row.get('served_off'), 20)}, "
             f"{f'{on:.1f}' if on is not None else '-'}/{f'{off:.1f}' if off is not None else '-'} tok/s"
         )
+
+
+def _print_canary(canary) -> None:
+    """``routing.canary``: the new draft measured on live traffic now, else how the last canary ended."""
+    if not isinstance(canary, dict):
+        return
+    for key, what in (("running", "measuring"), ("last", "last")):
+        c = canary.get(key)
+        if not isinstance(c, dict):
+            continue
+        a, b = _num(c.get("canary_acceptance")), _num(c.get("current_acceptance"))
+        state = _text(c.get("state") or c.get("outcome"), 20)
+        click.echo(
+            f"  canary     {what}: {_text(c.get('draft'), 200)} {state}, live acceptance "
+            f"{f'{a:.3f}' if a is not None else '-'} against {f'{b:.3f}' if b is not None else '-'} "
+            f"(current draft): {_text(c.get('reason'), 300)}"
+        )
+        return
 
 
 def print_goodput(st: dict) -> None:
