@@ -39,6 +39,8 @@ MAX_ALIAS = 256
 MAX_ALIASES = 256
 #: The key of ``routing.memory_utilization`` that names the primary engine (twins are named by their method).
 PRIMARY = "primary"
+#: The key of ``routing.memory_utilization`` that names the canary engine (``routing.canary``).
+CANARY = "canary"
 #: What the engines share of each GPU when the profile sets no ``gpus.memory_utilization`` (vLLM's default until
 #: 0.31; 0.32.0's is 0.92, read in its CacheConfig): passed explicitly, split between the engines.
 DEFAULT_GPU_SHARE = 0.9
@@ -151,6 +153,45 @@ class RequestClasses(Section):
         return self
 
 
+class Canary(Section):
+    """A new draft served to a share of live traffic, and compared there, before the primary restarts on it."""
+
+    enabled: bool = Field(
+        False,
+        description="When a reload changes the speculative draft (`speculative`), start it first as a canary engine "
+        "beside the primary and send it `share` of the primary's requests; roll it out (the primary restarts on "
+        "it) only when its live acceptance is not worse than the primary's by more than `tolerance`, else keep the "
+        "old draft (a `canary_rolled_back` event; the reload shows as rejected). Needs `routing.twins`.",
+    )
+    share: float = Field(
+        0.1,
+        gt=0,
+        le=0.5,
+        description="Share of the requests the speculating primary would serve that go to the canary instead "
+        "(evenly spread, not random).",
+    )
+    min_draft_tokens: int = Field(
+        500,
+        ge=1,
+        le=1_000_000_000,
+        description="Decide only once the canary and the primary have each drafted this many tokens since the "
+        "canary became ready (their answers' own counters).",
+    )
+    tolerance: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="How much lower the canary's live acceptance (accepted / drafted draft tokens) may be than the "
+        "primary's over the same period and still roll out, in acceptance points (0.05: 0.80 against 0.84 passes).",
+    )
+    max_duration: Duration = Field(
+        600.0,
+        gt=0,
+        description="The longest a canary measures once ready: without `min_draft_tokens` on both sides by then it "
+        "is rolled back (not proven); a file reloaded again starts a new one.",
+    )
+
+
 class Routing(Section):
     """Engines kept warm beside the primary (twins) and per-request routing between them (needs the proxy)."""
 
@@ -177,10 +218,11 @@ class Routing(Section):
         default_factory=list, description="Route rules, tried in order after the client's header and the aliases."
     )
     classes: RequestClasses = Field(default_factory=RequestClasses)
+    canary: Canary = Field(default_factory=Canary)
     memory_utilization: dict[str, Annotated[float, Field(gt=0, le=1)]] = Field(
         default_factory=dict,
         description="vLLM: each engine's `--gpu-memory-utilization` when twins share the GPUs, by engine (`primary`, "
-        "or a twin's method), e.g. `{primary: 0.55, none: 0.35}`; every engine named, the sum at most "
+        "a twin's method, or `canary` when `canary.enabled`), e.g. `{primary: 0.55, none: 0.35}`; every engine named, the sum at most "
         "`gpus.memory_utilization` (else 1). Unset: `gpus.memory_utilization` (else 0.9) split evenly.",
     )
 
@@ -199,8 +241,10 @@ def served_names(p: Profile) -> set[str]:
 
 
 def engine_names(p: Profile) -> list[str]:
-    """The engines of a profile with twins, as ``routing.memory_utilization`` names them: primary, then the twins."""
-    return [PRIMARY, *(m.value for m in p.routing.twins)]
+    """The engines of a profile with twins, as ``routing.memory_utilization`` names them: primary, the twins, then
+    the canary when one may run (it needs memory of its own while it runs beside the others)."""
+    canary = [CANARY] if p.routing.canary.enabled else []
+    return [PRIMARY, *(m.value for m in p.routing.twins), *canary]
 
 
 def gpu_shares(p: Profile) -> dict[str, float]:
@@ -295,6 +339,7 @@ def routing_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
         )
     yield from _share_problems(p)
     yield from _alias_problems(p)
+    yield from _canary_problems(p)
     if not r.twins:
         if r.rules:
             yield ("routing", "rules"), "route rules need an engine to route to: add routing.twins (e.g. [none])"
@@ -330,3 +375,16 @@ def _alias_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
                 f"{rule.match.model!r} is an alias ({said}): aliases are tried before the rules, so this rule never "
                 "matches; remove it or make the alias `auto`",
             )
+
+
+def _canary_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
+    if not p.routing.canary.enabled:
+        return
+    path = ("routing", "canary", "enabled")
+    if not p.routing.twins:
+        yield (
+            path,
+            "a canary is an engine beside the primary, routed per request as twins are: add routing.twins (e.g. [none])",
+        )
+    elif p.speculative.method is Method.NONE:
+        yield path, "the primary does not speculate (speculative.method: none): a canary compares draft acceptance"

@@ -16,6 +16,9 @@ The order, first that speaks wins:
    speculating engine;
 6. the step in effect (the primary, or the twin a fallback switched to).
 
+While a new draft is measured on live traffic (``routing.canary``), a share of the requests placed on the
+speculating primary by any of these goes to the canary engine instead (``canary``), evenly spread.
+
 ``on`` means a speculating engine (the one in effect if it speculates, else the first that does); ``off`` an
 engine without speculation (the ``none`` twin). An engine that is not live does not get traffic: the request goes
 to a live one (``failover``); with none live the proxy's queue holds it, as it always did.
@@ -63,7 +66,7 @@ class Route:
 
     engine: int | None  # position in the router's engines; None: no engine is live (the proxy's queue waits)
     asked: str  # "on" | "off" | "default"
-    reason: str  # header | alias | rule N | load | class | class-explore | class-learning | default (+ " failover")
+    reason: str  # header | alias | rule N | load | class | class-explore | class-learning | default | canary (+ " failover")
     key: str | None = None  # the request's class (learned routing), else None
     start: float = 0.0  # when it was routed (the clock the caller passed): a class's tokens/s counts from here
     body: bytes | None = None  # the body to send instead (a model alias replaced by the served name), else None
@@ -165,10 +168,29 @@ class Router:
         self.served: str | None = None
         self.on_engine = next((i for i, e in enumerate(self.engines) if e.speculative), 0)
         self.off_engine = next((i for i, e in enumerate(self.engines) if not e.speculative), len(self.engines) - 1)
+        #: the canary engine's position (the last engine) while a new draft is measured, else None
+        self.canary: int | None = None
+        self.canary_share = 0.0
+        self._canary_credit = 0.0
+
+    def start_canary(self, info: EngineInfo, share: float) -> int:
+        """Add the canary engine (last) and send it ``share`` of the requests placed on the speculating primary;
+        returns its position."""
+        if self.canary is not None:
+            raise ValueError("a canary is already routed")
+        self.engines = (*self.engines, info)
+        self.canary, self.canary_share, self._canary_credit = len(self.engines) - 1, float(share), 0.0
+        return self.canary
+
+    def end_canary(self) -> None:
+        """No more requests to the canary; its engine leaves the router (requests in flight finish there)."""
+        if self.canary is not None:
+            self.engines = self.engines[: self.canary] + self.engines[self.canary + 1 :]
+            self.canary = None
 
     def engine_for_step(self, step: int) -> int | None:
-        """The engine running chain step ``step`` (None: no twin runs it)."""
-        return next((i for i, e in enumerate(self.engines) if e.step == step), None)
+        """The engine running chain step ``step`` (None: no twin runs it; never the canary)."""
+        return next((i for i, e in enumerate(self.engines) if e.step == step and i != self.canary), None)
 
     # ------------------------------------------------------------------------------------------ the decision
     def route(
@@ -281,6 +303,12 @@ class Router:
         else:
             want = self.current
         if live[want]:
+            canary = self.canary
+            if want == 0 and canary is not None and live[canary] and self.engines[0].speculative:
+                self._canary_credit += self.canary_share
+                if self._canary_credit >= 1.0:
+                    self._canary_credit -= 1.0
+                    return Route(canary, asked, "canary", key, now)
             return Route(want, asked, reason, key, now)
         # the engine asked for is not live: the step in effect if it is, else the first live one
         for i in (self.current, *range(len(self.engines))):
