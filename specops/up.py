@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from specops.backends.render import render_plan
 from specops.config.profile import LoadedProfile
-from specops.config.routing import PRIMARY, splits_gpu_by_share, with_gpu_share
+from specops.config.routing import CANARY, PRIMARY, splits_gpu_by_share, with_gpu_share
 from specops.errors import SpecopsError
 from specops.resolve.prelaunch import Address, check_before_launch, resolve_for_launch
 from specops.run.events import EngineLine, SwitchOrder
@@ -452,7 +452,7 @@ def _reloader(up: _Instance, registry, opts: UpOptions) -> ProfileReloader:
     return reloader
 
 
-def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[str], rolled_back) -> bool:
+def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[str], rolled_back) -> bool | str:
     """Hand a valid reloaded profile to the supervisor (a zero-loss restart on its primary step) and point the
     watcher at its policy and monitor settings. Raises SpecopsError, changing nothing, when it does not render
     or its policy cannot be built; False when the supervisor cannot take it now. When its engine does not
@@ -465,6 +465,40 @@ def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[
     render = _step_renderer(loaded, registry, up.engine, host, int(port))
     render(0)
     policy = Policy.from_profile(loaded)  # a relative surface: from the reloaded profile's folder
+    if up.twins is not None:  # a new draft is measured on live traffic first (routing.canary, specops.twins)
+        if up.twins.abort_canary("a newer profile file was reloaded before the canary concluded"):
+            if loaded.profile == up.loaded.profile:  # back to what the primary runs: nothing to restart
+                return True
+        if up.twins.wants_canary(up.loaded.profile, loaded.profile):
+            up.twins.start_canary(
+                loaded.profile,
+                _canary_renderer(loaded, registry, up.engine),
+                roll_out=lambda: _reload_now(up, loaded, render, policy, changes, rolled_back),
+                refuse=rolled_back,
+            )
+            return "a canary measures the new draft on live traffic before the primary restarts on it"
+    return _reload_now(up, loaded, render, policy, changes, rolled_back)
+
+
+def _canary_renderer(loaded: LoadedProfile, registry, engine):
+    """``render(port)``: the launch plans of ``loaded``'s primary step as a canary, on a loopback port."""
+    canary = loaded.profile
+    if splits_gpu_by_share(canary.backend):  # its own share of the GPUs (routing.memory_utilization: canary)
+        canary = with_gpu_share(canary, CANARY)
+    return lambda port: (
+        lambda index: render_plan(
+            LoadedProfile(canary.at_step(index), loaded.document, loaded.path),
+            registry,
+            engine=engine,
+            host="127.0.0.1",
+            port=port,
+        )
+    )
+
+
+def _reload_now(up: _Instance, loaded: LoadedProfile, render, policy, changes: list[str], rolled_back) -> bool:
+    """The reload itself: the supervisor restarts the primary on ``loaded`` (through a fleet switch slot), the
+    watcher and the twins follow it. False when it cannot be taken now."""
     reader = AcceptanceReader.for_profile(loaded.profile, up.backend, live=up.watcher.reader.live)
     before, before_policy = up.loaded, up.decider.policy
 
