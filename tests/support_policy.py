@@ -44,7 +44,7 @@ def lane(item: pytest.Item) -> str | None:
     """
     if item.get_closest_marker("engines") is None and item.get_closest_marker("prometheus") is None:
         return None
-    if "test_matrix_engines.py" in item.nodeid:
+    if item.path.stem.endswith("matrix_engines"):  # tests/test_matrix_engines.py
         return "cells-llama"
     if "vllm" in item.nodeid.lower() or "tiny_models" in getattr(item, "fixturenames", ()):
         return "vllm"

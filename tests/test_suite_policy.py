@@ -150,7 +150,8 @@ def note(request):
     tests = {
         "test_inner_vllm": ["test_vllm_a", "test_vllm_b", "test_vllm_c"],
         "test_inner_llama": ["test_llama_a", "test_llama_b", "test_llama_c"],
-        "test_matrix_engines": ["test_vllm_cell_a", "test_vllm_cell_b"],
+        # not test_matrix_engines: the suite's own module of that name is imported in this process already
+        "test_inner_matrix_engines": ["test_vllm_cell_a", "test_vllm_cell_b"],
     }
     for module, names in tests.items():
         code = body + "".join(f"\n@pytest.mark.engines\ndef {n}(request):\n    note(request)\n" for n in names)
@@ -160,7 +161,7 @@ def note(request):
     ran = [json.loads(line) for line in record.read_text().splitlines()]
     lanes = {name: lane for name, _, lane in ran}
     assert {n: lanes[n] for n in tests["test_inner_vllm"]} == dict.fromkeys(tests["test_inner_vllm"], "vllm")
-    llama_and_cells = tests["test_inner_llama"] + tests["test_matrix_engines"]
+    llama_and_cells = tests["test_inner_llama"] + tests["test_inner_matrix_engines"]
     assert {n: lanes[n] for n in llama_and_cells} == dict.fromkeys(llama_and_cells, "cells-llama")
     assert all(lane is None for name, lane in lanes.items() if "plain" in name)
     for lane in ("vllm", "cells-llama"):
