@@ -11,8 +11,8 @@ decider's (:meth:`specops.watch.decide.FallbackDecider.route_class`), asked here
 the decider orders to a step a live twin runs is a route change (:meth:`TwinEngines.route_to`): no hold, no drain,
 no restart, and every change of route is a ``route`` event with its reason.
 
-A reloaded profile whose draft changed, with ``routing.canary`` on, is measured first (:meth:`TwinEngines.start_canary`):
-the new primary step runs as one more engine behind the proxy (its own supervisor, ``engine.canary.log``), takes an
+A reloaded profile whose draft changed, with ``routing.canary`` on, is measured first
+(:meth:`TwinEngines.start_canary`): the new primary step runs as one more engine behind the proxy (its own supervisor, ``engine.canary.log``), takes an
 even share of the requests placed on the speculating primary, and both sides' answers' own counters are tallied
 over the same period (:mod:`specops.watch.canary`). The decider judges the tally
 (:meth:`~specops.watch.decide.FallbackDecider.judge_canary`): passed, the reload goes on as without a canary (the
@@ -421,8 +421,8 @@ class TwinEngines:
     ) -> None:
         """Run ``profile``'s primary step (``render(port)``: its launch plans on a loopback port) as a canary
         engine beside the others and measure it on live traffic; ``roll_out()`` once it passes (False: not now,
-        asked again every ``monitor.interval``), ``refuse(why, cause)`` when it is rolled back or aborted. Raises what rendering
-        raises before changing anything."""
+        asked again every ``monitor.interval``), ``refuse(why, cause)`` when it is rolled back or aborted. Raises
+        what rendering raises before changing anything."""
         if self.canary is not None:
             raise RuntimeError("a canary is already running")
         cfg = profile.routing.canary

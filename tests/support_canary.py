@@ -1,9 +1,10 @@
 """`specops up` wired as in production, with stand-in engines whose acceptance is the draft's: for canary tests.
 
 Like support_standin.py, but a ``draft_model`` step's simulated acceptance is read from its draft file's name
-(``draft-0.9.gguf`` accepts 0.9 of its draft tokens; ``draft-broken.gguf`` exits before it is ready), and each engine answers with the draft's file name as
-``system_fingerprint``, so a test sees which draft served a request. Run ``python tests/support_canary.py up
-PROFILE`` through a link named ``specops`` (``specops down`` checks the command line).
+(``draft-0.9.gguf`` accepts 0.9 of its draft tokens; ``draft-broken.gguf`` exits before it is ready), and each
+engine answers with the draft's file name as ``system_fingerprint``, so a test sees which draft served a request.
+Run ``python tests/support_canary.py up PROFILE`` through a link named ``specops`` (``specops down`` checks the
+command line).
 """
 
 from __future__ import annotations

@@ -222,7 +222,8 @@ class Routing(Section):
     memory_utilization: dict[str, Annotated[float, Field(gt=0, le=1)]] = Field(
         default_factory=dict,
         description="vLLM: each engine's `--gpu-memory-utilization` when twins share the GPUs, by engine (`primary`, "
-        "a twin's method, or `canary` when `canary.enabled`), e.g. `{primary: 0.55, none: 0.35}`; every engine named, the sum at most "
+        "a twin's method, or `canary` when `canary.enabled`), e.g. `{primary: 0.55, none: 0.35}`; every engine "
+        "named, the sum at most "
         "`gpus.memory_utilization` (else 1). Unset: `gpus.memory_utilization` (else 0.9) split evenly.",
     )
 
@@ -384,7 +385,8 @@ def _canary_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
     if not p.routing.twins:
         yield (
             path,
-            "a canary is an engine beside the primary, routed per request as twins are: add routing.twins (e.g. [none])",
+            "a canary is an engine beside the primary, routed per request as twins are: add routing.twins "
+            "(e.g. [none])",
         )
     elif p.speculative.method is Method.NONE:
         yield path, "the primary does not speculate (speculative.method: none): a canary compares draft acceptance"

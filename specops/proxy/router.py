@@ -66,7 +66,8 @@ class Route:
 
     engine: int | None  # position in the router's engines; None: no engine is live (the proxy's queue waits)
     asked: str  # "on" | "off" | "default"
-    reason: str  # header | alias | rule N | load | class | class-explore | class-learning | default | canary (+ " failover")
+    # header | alias | rule N | load | class | class-explore | class-learning | default | canary (+ " failover")
+    reason: str
     key: str | None = None  # the request's class (learned routing), else None
     start: float = 0.0  # when it was routed (the clock the caller passed): a class's tokens/s counts from here
     body: bytes | None = None  # the body to send instead (a model alias replaced by the served name), else None
