@@ -31,19 +31,29 @@ sys.path.insert(0, str(ROOT))
 WORDS = "the quick brown fox jumps over lazy dog speculative decoding draft model accepts tokens".split()
 
 
-def _profile(folder: Path, target: Path, head: Path) -> Path:
-    path = folder / "bench-eagle3.yaml"
+def _profile(
+    folder: Path,
+    target: Path,
+    head: Path,
+    *,
+    capture: Path | None = None,
+    method: str = "eagle3",
+    name: str = "bench-eagle3",
+) -> Path:
+    """``folder/<name>.yaml``: the target on vLLM-CPU with ``head`` as its draft, k = 3, every request captured
+    (into ``capture``, default ``folder/cap``)."""
+    path = folder / f"{name}.yaml"
     path.write_text(
         "\n".join(
             [
-                "name: bench-eagle3",
+                f"name: {name}",
                 "backend: vllm",
                 "model:",
                 f"  id: {target}",
                 "  dtype: float32",
                 "  max_model_len: 512",
                 "speculative:",
-                "  method: eagle3",
+                f"  method: {method}",
                 f"  draft: {head}",
                 "  num_speculative_tokens: 3",
                 "server:",
@@ -53,7 +63,7 @@ def _profile(folder: Path, target: Path, head: Path) -> Path:
                 "    VLLM_CPU_KVCACHE_SPACE: '1'",
                 "capture:",
                 "  enabled: true",
-                f"  path: {folder / 'cap'}",
+                f"  path: {capture or folder / 'cap'}",
                 "  sample: 1.0",
             ]
         )
