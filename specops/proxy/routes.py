@@ -115,13 +115,18 @@ class RoutedUpstreams:
         position = self.position_of(gen)
         return position > 0 and self.upstreams[position].gen is gen and self.live()[position]
 
+    def reads_counters(self, route: Route) -> bool:
+        """Whether the answer's own counters are read: for a request class's window, or while a canary is
+        measured (then a stream's end is kept for its usage event: :attr:`Flight.tail`)."""
+        return route.key is not None or self.counting
+
     def finished(self, route: Route, flight: Flight | None, ok: bool, resp: Any = None) -> None:
         """After an answer (before it is written, when it was read whole): count it, feed its class window
         (``on_route(route, flight, ok, tokens, seconds)``), and add the aliases to a ``/v1/models`` list."""
         position = self.position_of(flight.gen) if flight is not None else route.engine
         body = getattr(resp, "body", None)
         tokens = seconds = None
-        if (route.key is not None or self.counting) and flight is not None:
+        if self.reads_counters(route) and flight is not None:
             answer = body if isinstance(body, bytes) else stream_usage(flight.tail)
             if flight.totals is None:
                 flight.totals = vllm_spec_counts(answer)  # vLLM's own counters, when it has them
