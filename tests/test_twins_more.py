@@ -461,3 +461,57 @@ def test_a_vllm_stream_feeds_its_class_window_from_its_usage_event(tmp_path):
     plain.tail = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events[:3]) + b"data: [DONE]\n\n"
     twins.upstreams.finished(route, plain, True, web.StreamResponse())
     assert twins.classes.stats("code", time.monotonic()).draft_tokens == 40.0
+
+
+def test_only_answers_of_the_engine_in_effect_feed_the_fallback_window(tmp_path):
+    """The fallback window (``on_timings``) measures the step in effect: a canary's answers (another draft) are
+    counted by the proxy but kept out of it, as a speculating twin's are until a route change makes its step the
+    one in effect."""
+    import aiohttp
+    from support_upstream import Upstream, running_proxy
+
+    from specops.proxy.router import EngineInfo
+    from specops.proxy.routes import EngineUpstream
+
+    base = BASE.replace("chain: [none]", "chain: [ngram, none]")
+    base = base.replace("speculative: {method: ngram}", "speculative: {method: draft_model, draft: /d.gguf}")
+    window: list[tuple[int, int]] = []
+
+    def seen() -> tuple[int, int]:
+        return sum(n for n, _ in window), sum(a for _, a in window)
+
+    async def body(primary, twin, canary):
+        twins, _ = _twins(tmp_path, _profile(tmp_path, base=base.replace("twins: [none]", "twins: [ngram]")))
+        async with running_proxy(primary.url, on_timings=lambda n, a: window.append((n, a))) as proxy:
+            twins.attach(proxy)
+            twins.upstreams.handle(1).release(twin.url)
+            async with aiohttp.ClientSession() as s:
+
+                async def ask() -> None:
+                    async with s.post(proxy.url + "/v1/completions", json={"prompt": "p", "max_tokens": 8}) as r:
+                        assert r.status == 200, await r.text()
+
+                await ask()  # the primary, in effect, accepts every draft token
+                drafted, accepted = seen()
+                assert drafted > 0 and accepted == drafted
+                # a canary that gets every request placed on the primary, and accepts nothing
+                at = twins.router.start_canary(EngineInfo(0, "canary", True), 1.0)
+                up = EngineUpstream(at)
+                twins.upstreams.upstreams.append(up)
+                up.release(canary.url)
+                proxied = proxy.stats()["timings_draft_n"]
+                await ask()
+                assert proxy.stats()["timings_draft_n"] > proxied  # the proxy saw the canary's drafts ...
+                assert seen() == (drafted, accepted)  # ... and the window did not
+                twins.router.end_canary()
+                twins.upstreams.upstreams.remove(up)
+                assert twins.route_to(1, "test")  # the twin (n-gram, accepting nothing) is the step in effect
+                await ask()
+                assert seen()[0] > drafted and seen()[1] == accepted  # now its drafts are the window's
+
+    with (
+        Upstream.start("P", acceptance=1.0) as primary,
+        Upstream.start("T", acceptance=0.0) as twin,
+        Upstream.start("C", acceptance=0.0) as canary,
+    ):
+        asyncio.run(asyncio.wait_for(body(primary, twin, canary), 30))

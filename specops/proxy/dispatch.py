@@ -211,8 +211,10 @@ class RequestPath:
                     c["upstream_errors"] += 1
                 return self._reject(503, "specops_" + rej.kind, "specops: " + str(rej))
             flight = Flight(gen)
-            if route is not None and self.on_timings is None and self.routes.reads_counters(route):
-                flight.tail = b""  # a stream's usage chunk carries vLLM's per-request counters (routes.py)
+            if route is not None:
+                flight.window = self.routes.in_effect(gen)
+                if self.on_timings is None and self.routes.reads_counters(route):
+                    flight.tail = b""  # a stream's usage chunk carries vLLM's per-request counters (routes.py)
             if self.capture is not None:  # decided before sending: a streamed answer is copied only if kept
                 flight.tap = self.capture.tap(request.method, request.raw_path, body.data, route and route.key)
             resp, failure = await self._attempt(request, body, headers, flight)

@@ -132,7 +132,7 @@ class Generation:
 class Flight:
     """One request on one generation, so drain/upstream_failed can cut it."""
 
-    __slots__ = ("cm", "cut_reason", "gen", "predicted", "started", "tail", "tap", "totals")
+    __slots__ = ("cm", "cut_reason", "gen", "predicted", "started", "tail", "tap", "totals", "window")
 
     def __init__(self, gen: Generation):
         self.gen = gen
@@ -143,6 +143,9 @@ class Flight:
         self.predicted: dict | None = None  # timings predicted_n (tokens generated) per choice index
         self.tap = None  # a specops.proxy.capture.Tap: the streamed answer is copied into it (capture: on)
         self.tail: bytes | None = None  # b"" asks for a stream's last STREAM_TAIL bytes (its usage chunk)
+        # whether its timings feed the fallback window (on_timings): only answers of the engine of the step in
+        # effect do; a twin's or a canary's measure another draft
+        self.window = True
 
     def cut(self, reason: str) -> None:
         if self.cut_reason is None:
@@ -481,6 +484,8 @@ class Timings:
         if d_n or d_a:
             self.counters["timings_draft_n"] += d_n
             self.counters["timings_draft_n_accepted"] += d_a
+            if not flight.window:
+                return
             try:
                 self.on_timings(d_n, d_a)
             except Exception:

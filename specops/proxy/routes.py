@@ -115,6 +115,11 @@ class RoutedUpstreams:
         position = self.position_of(gen)
         return position > 0 and self.upstreams[position].gen is gen and self.live()[position]
 
+    def in_effect(self, gen: Generation) -> bool:
+        """Whether ``gen`` is the engine of the step in effect: only its answers feed the fallback window (a
+        twin at another step, or a canary, runs another draft)."""
+        return self.position_of(gen) == self.router.current
+
     def reads_counters(self, route: Route) -> bool:
         """Whether the answer's own counters are read: for a request class's window, or while a canary is
         measured (then a stream's end is kept for its usage event: :attr:`Flight.tail`)."""
