@@ -324,6 +324,7 @@ class TwinEngines:
             c = self.canary
             if c.state == "passed":
                 self._retire_canary(c, "rolled_out", "the primary restarts on the new draft")
+                self.on_change()
             else:
                 self.abort_canary("a newer profile was reloaded before the canary concluded")
         old, new_infos = self.profile, engine_infos(profile)
@@ -553,6 +554,7 @@ class TwinEngines:
         )
         self.say(f"canary rolled back: {why}; the primary keeps {draft_of(self.profile)}")
         c.refuse(why, "the new draft was refused live by its canary")
+        self.on_change()  # after the refusal: status never shows the rollback without its rejected reload
 
     def abort_canary(self, why: str) -> bool:
         """A newer profile replaces the one under measure: the canary retires without a verdict, and its reload
@@ -564,10 +566,12 @@ class TwinEngines:
         self.events.emit("canary_aborted", draft=draft_of(c.profile), reason=why, **self._acceptances(c))
         self.say(f"canary aborted: {why}")
         c.refuse(why, "the new draft's canary was aborted")
+        self.on_change()
         return True
 
     def _retire_canary(self, c: _Canary, outcome: str, why: str) -> None:
-        """No new requests to the canary (at once); those in flight finish, then its engine stops."""
+        """No new requests to the canary (at once); those in flight finish, then its engine stops. The caller
+        says the change (``on_change``) once what follows from it is done too."""
         self.router.end_canary()
         del self.upstreams.upstreams[c.upstream.position]
         self.upstreams.counting = False
@@ -583,7 +587,6 @@ class TwinEngines:
             **self._acceptances(c),
         }
         self._tasks.append(asyncio.get_running_loop().create_task(self._stop_canary(c, why)))
-        self.on_change()
 
     async def _stop_canary(self, c: _Canary, why: str) -> None:
         upstream = c.upstream
