@@ -119,6 +119,19 @@ def test_validate_refuses_llamacpp_twins_that_do_not_fit_memory_gb(tmp_path):
     assert fits.returncode == 0, fits.stdout + fits.stderr
 
 
+def test_a_canary_counts_as_one_more_engine_in_the_fit(tmp_path):
+    """With `routing.canary` on, a new draft runs beside the primary and its twin while it is measured: at half the
+    context the pair fits 0.14 GiB (4 MiB mapped once + 2 × 48 MiB of KV cache), the pair and a canary (one more
+    KV cache: 148 MiB) do not, and the line names the canary."""
+    twin = _llama_profile(tmp_path, twins=True, memory_gb=0.14, ctx=1024)
+    assert _cli("validate", str(twin)).returncode == 0
+    twin.write_text(twin.read_text() + "  canary: {enabled: true}\n")
+    bad = _cli("validate", str(twin))
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "3 engines need 148 MiB" in bad.stdout and "canary 48 MiB" in bad.stdout, bad.stdout
+    assert "over 143 MiB (gpus.memory_gb)" in bad.stdout, bad.stdout
+
+
 def test_up_refuses_twins_beyond_available_memory_before_any_launch(tmp_path):
     """`specops up` with KV caches no machine here holds (4 Mi tokens × 48 KiB, twice): refused before anything
     starts, against this machine's MemAvailable, with the field to change; no engine log, exit 1 or 2."""

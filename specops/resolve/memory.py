@@ -344,7 +344,7 @@ class TwinFit:
                 room = (e.share or 0) * self.budget
                 if e.own is not None and e.own > room:
                     path = ("routing", "memory_utilization", e.engine) if self.explicit_shares else ("routing", "twins")
-                    who = "the primary" if e.engine == "primary" else f"the {e.engine} twin"
+                    who = {"primary": "the primary", "canary": "a canary"}.get(e.engine, f"the {e.engine} twin")
                     out.append(
                         (
                             path,
@@ -379,9 +379,11 @@ def twin_fit(
 
     ``parallel_layout`` (vLLM): on GPUs each engine takes its share of them; on CPU each loads its own weights.
     Otherwise (llama.cpp) the engines memory-map the target GGUF: on CPU its pages are shared, on GPU each engine
-    uploads its own copy. ``drafts``: each draft's size by its reference (a missing one counts as unknown). None
-    without twins or when the target's size is unknown."""
-    from specops.config.routing import PRIMARY, gpu_shares
+    uploads its own copy. ``drafts``: each draft's size by its reference (a missing one counts as unknown). With
+    ``routing.canary`` on, a canary runs the primary's step beside them while a new draft is measured: it is
+    counted as one more engine, its draft taken as the size of the current one. None without twins or when the
+    target's size is unknown."""
+    from specops.config.routing import CANARY, PRIMARY, gpu_shares
     from specops.methods import NEEDS_DRAFT
 
     twins = profile.routing.twins
@@ -389,6 +391,8 @@ def twin_fit(
         return None
     steps = profile.steps
     engines = [(PRIMARY, 0)] + [(m.value, next(i for i, s in enumerate(steps) if s.method is m)) for m in twins]
+    if profile.routing.canary.enabled:
+        engines.append((CANARY, 0))
     cpu = not profile.gpus.devices  # [] (CPU) or unset (the engine's default; a CPU profile, as doctor counts it)
     by_share = parallel_layout and profile.gpus.devices != []
     shares = gpu_shares(profile) if by_share else {}
