@@ -18,6 +18,16 @@
 
 Every stage's result is kept in ``--work`` and reused when the script runs again (``--fresh`` starts over),
 so an interrupted run resumes. The engine and the training share the machine: run it alone.
+
+A drift the draft genuinely lacks (``--first 0 --alpha 0 --init scratch``): with every layer's outputs at zero
+the target's greedy answer is the current token's successor in its family's cycle, whatever the context, so A's
+answers never reach B's letters. The layer-skip draft is then exact (the upper reference), and drafts trained
+from random weights (``specops adapt train --init scratch``, the small distilled draft's case) learn only the
+cycle of the traffic they saw: draft_A knows A's words, not B's letters. (With the first layer left on, its
+attention sends some word prompts' answers into the letters' cycle, and a draft trained on A learns B too.)
+
+    .venv/bin/python benchmarks/bench_adapt_drift.py --work /tmp/adapt-drift-scratch --first 0 --alpha 0 \\
+        --layers 16 --init scratch --lr 3e-3 --steps 60 --json benchmarks/results-llamacpp-adapt-drift-scratch.json
 """
 
 from __future__ import annotations
@@ -54,13 +64,16 @@ def prompts_of(kind: str, n: int, seed: int) -> list[str]:
 # ------------------------------------------------------------------------------------------- the models
 
 
-def make_models(folder: Path, hidden: int, layers: int, ffn: int, heads: int, alpha: float, tie: float) -> dict:
+def make_models(
+    folder: Path, hidden: int, layers: int, ffn: int, heads: int, alpha: float, tie: float, first: float = 1.0
+) -> dict:
     """target.gguf, layerskip.gguf (its first layer) and random.gguf (one random layer) in ``folder``."""
     from specops.adapt.train import scratch_tensors
     from specops.devenv.testmodels.gguf_models import Dims, build_vocab, write_gguf
 
     done = folder / "models.json"
     want = {"hidden": hidden, "layers": layers, "ffn": ffn, "heads": heads, "alpha": alpha, "tie": tie}
+    want |= {"first": first} if first != 1.0 else {}
     if done.exists() and json.loads(done.read_text()) == want:
         return want
     folder.mkdir(parents=True, exist_ok=True)
@@ -92,7 +105,7 @@ def make_models(folder: Path, hidden: int, layers: int, ffn: int, heads: int, al
         "output.weight": head.astype(np.float32),
     }
     for i in range(layers):
-        p, scale = f"blk.{i}.", 1.0 if i == 0 else alpha
+        p, scale = f"blk.{i}.", first if i == 0 else alpha
         t[p + "attn_norm.weight"] = np.ones(E, np.float32)
         t[p + "ffn_norm.weight"] = np.ones(E, np.float32)
         for name in ("attn_q", "attn_k", "attn_v"):
@@ -174,10 +187,12 @@ def capture(profile: Path, state: Path, prompts: list[str], max_tokens: int) -> 
 def train(profile: Path, folder: Path, out: Path, args) -> dict:
     cmd = [sys.executable, "-m", "specops.cli", "adapt", "train", str(profile), "--from", str(folder)]
     cmd += ["--out", str(out), "--steps", str(args.steps), "--lr", str(args.lr), "--batch", "8", "--json"]
+    cmd += ["--init", args.init]
+    t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if res.returncode != 0:
         raise SystemExit(f"adapt train failed: {res.stderr[-2000:]}")
-    return json.loads(res.stdout)
+    return {"wall_seconds": round(time.monotonic() - t0, 1), **json.loads(res.stdout)}
 
 
 def promote(profile: Path, draft: Path, args) -> dict:
@@ -190,39 +205,35 @@ def promote(profile: Path, draft: Path, args) -> dict:
         return {"exit": res.returncode, "error": res.stderr[-2000:]}
 
 
-def evaluate(profile: Path, drafts: dict[str, Path], sets: dict[str, list[str]], tokens: int) -> dict:
-    """Each draft on each held-out set, on the real engine (one launch per draft and set), and the target alone."""
-    from specops.adapt.promote import measure
+def evaluate(profile: Path, drafts: dict[str, Path], sets: dict[str, list[str]], tokens: int, runs: int) -> dict:
+    """Each draft on each held-out set, and the target alone, on the real engine: one launch each, a warm-up,
+    then the prompts ``runs`` times at one client (tokens/s median; acceptance over all runs)."""
+    from bench_adapt_eagle3_drift import measure_runs
+
     from specops.config.profile import load_profile
-    from specops.perf.launch import launched, without_speculation
-    from specops.perf.workload import Prompt, run_workload
-    from specops.plugins import get_registry
+    from specops.perf.workload import Prompt
 
     loaded = load_profile(profile)
     out: dict = {}
-
-    async def alone(prompts):
-        async with launched(loaded, get_registry(), profile=without_speculation(loaded.profile)) as eng:
-            await run_workload(eng.base_url, eng.model_name, prompts[:2], concurrency=1)
-            res = await run_workload(eng.base_url, eng.model_name, prompts, concurrency=1)
-        return res.tokens_per_s
-
     for set_name, texts in sets.items():
         prompts = [Prompt(t, max_tokens=tokens, temperature=0.0, set=set_name) for t in texts]
-        row = {"target alone": {"tokens_per_s": round(asyncio.run(alone(prompts)), 1)}}
-        for name, path in drafts.items():
-            f = asyncio.run(measure(loaded, get_registry(), str(path), prompts))
-            row[name] = {
-                "acceptance": None if f.acceptance is None else round(f.acceptance, 3),
-                "mean_acceptance_length": None
-                if f.mean_acceptance_length is None
-                else round(f.mean_acceptance_length, 3),
-                "tokens_per_s": round(f.tokens_per_s, 1),
-                "errors": f.errors,
-            }
+        row = {}
+        for name, path in {"target alone": None, **drafts}.items():
+            row[name] = asyncio.run(measure_runs(loaded, None if path is None else str(path), prompts, runs))
             print(f"  {set_name} {name}: {row[name]}", flush=True)
         out[set_name] = row
     return out
+
+
+def overlap(cap_a: Path, cap_b: Path) -> dict:
+    """How many of B's captured answer words A's captured answers show (0: draft_A never saw B's continuations)."""
+
+    def words(folder: Path) -> set[str]:
+        lines = (json.loads(x) for f in sorted(folder.glob("*.jsonl")) for x in f.read_text().splitlines() if x)
+        return {w for rec in lines for w in rec.get("output", "").split()}
+
+    a, b = words(cap_a), words(cap_b)
+    return {"A_answer_words": len(a), "B_answer_words": len(b), "B_words_in_A": len(a & b)}
 
 
 def stage(work: Path, name: str, fn):
@@ -254,6 +265,20 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--alpha", type=float, default=1.0, help="Scale of the deeper layers' outputs (0: layer-skip).")
     ap.add_argument("--tie", type=float, default=1.0, help="How much the output head is the embedding.")
+    ap.add_argument(
+        "--first",
+        type=float,
+        default=1.0,
+        help="Scale of the first layer's outputs (0 with --alpha 0: the next token is the current one's successor "
+        "in its family's cycle, whatever the context, so a family's answers never leave its cycle).",
+    )
+    ap.add_argument(
+        "--init",
+        choices=["auto", "target", "scratch"],
+        default="auto",
+        help="Where `specops adapt train` starts draft_A and draft_B (scratch: random weights, knowing no cycle).",
+    )
+    ap.add_argument("--runs", type=int, default=3, help="Runs over the held-out prompts per launch (tok/s median).")
     args = ap.parse_args(argv)
     from specops.run.start import free_port
 
@@ -265,7 +290,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("SPECOPS_STATE", str(work / "state"))
     models = work / "models"
-    spec = make_models(models, args.hidden, args.layers, args.ffn, args.heads, args.alpha, args.tie)
+    spec = make_models(models, args.hidden, args.layers, args.ffn, args.heads, args.alpha, args.tie, args.first)
     target = models / "target.gguf"
     seen = set()
     sets = {}
@@ -284,6 +309,7 @@ def main(argv=None) -> int:
 
     write_profile(profile, target, draft_a, work / "capB", port)
     results["capture_B"] = stage(work, "capture-B", lambda: capture(profile, work / "state", sets["B"][0], args.tokens))
+    results["overlap"] = overlap(work / "capA", work / "capB")
     results["train_B"] = stage(work, "train-B", lambda: train(profile, work / "capB", work / "trainB", args))
     draft_b = work / "trainB" / "draft.gguf"
     results["promote_B"] = stage(work, "promote-B", lambda: promote(profile, draft_b, args))
@@ -295,7 +321,7 @@ def main(argv=None) -> int:
         "draft_B": draft_b,
     }
     held = {f"held-out {k}": v[1] for k, v in sets.items()}
-    results["evaluate"] = stage(work, "evaluate", lambda: evaluate(profile, drafts, held, args.tokens))
+    results["evaluate"] = stage(work, "evaluate", lambda: evaluate(profile, drafts, held, args.tokens, args.runs))
     text = json.dumps(results, indent=1)
     if args.json:
         args.json.write_text(text + "\n")
