@@ -55,9 +55,9 @@ A_WORDS = "the and of to in is it that for on with as was at by this be from or 
 B_LETTERS = list("abcdefghijklmnopqrstuvwxyz")
 
 
-def prompts_of(kind: str, n: int, seed: int) -> list[str]:
+def prompts_of(kind: str, n: int, seed: int, a_words: list[str] | None = None) -> list[str]:
     rng = random.Random(f"{kind}-{seed}")
-    pool = A_WORDS if kind == "A" else B_LETTERS
+    pool = (a_words or A_WORDS) if kind == "A" else B_LETTERS
     return [" ".join(rng.choice(pool) for _ in range(rng.randint(4, 9))) for _ in range(n)]
 
 
@@ -278,6 +278,12 @@ def main(argv=None) -> int:
         default="auto",
         help="Where `specops adapt train` starts draft_A and draft_B (scratch: random weights, knowing no cycle).",
     )
+    ap.add_argument(
+        "--a-words",
+        type=lambda text: text.split(),
+        help="The words A's prompts are drawn from (default: all of A's family). llama.cpp splits some of them "
+        "into pieces that start with one of B's letters, so A's traffic then reaches B's cycle.",
+    )
     ap.add_argument("--runs", type=int, default=3, help="Runs over the held-out prompts per launch (tok/s median).")
     args = ap.parse_args(argv)
     from specops.run.start import free_port
@@ -295,8 +301,8 @@ def main(argv=None) -> int:
     seen = set()
     sets = {}
     for kind, seed in (("A", 1), ("B", 2)):
-        cap = [p for p in prompts_of(kind, args.capture, seed) if not (p in seen or seen.add(p))]
-        held = [p for p in prompts_of(kind, args.eval * 3, seed + 100) if p not in seen][: args.eval]
+        cap = [p for p in prompts_of(kind, args.capture, seed, args.a_words) if not (p in seen or seen.add(p))]
+        held = [p for p in prompts_of(kind, args.eval * 3, seed + 100, args.a_words) if p not in seen][: args.eval]
         sets[kind] = (cap, held)
     port = free_port()
     profile = work / "profile.yaml"
