@@ -48,6 +48,21 @@ def http_text(url: str, timeout: float = 10.0) -> str:
         return resp.read().decode()
 
 
+def standin_up(tmp_path: Path, profile: Path, script: str) -> subprocess.Popen:
+    """``specops up PROFILE`` run through a stand-in entry point (``script``, a file beside this one, named
+    ``specops`` so its engines are what it launches), leading its own process group; output in ``up.log``."""
+    entry = tmp_path / "bin" / "specops"
+    entry.parent.mkdir()
+    entry.symlink_to(Path(__file__).resolve().parent / script)
+    with open(tmp_path / "up.log", "w") as log:
+        return subprocess.Popen(
+            [sys.executable, str(entry), "up", str(profile)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 class UpRun:
     """`specops up PROFILE` in the background; always stopped (and checked for orphans) on exit."""
 

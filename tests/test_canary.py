@@ -20,7 +20,7 @@ from support_load import Load
 from support_ports import free_port
 from support_procs import stop_group
 from support_routing import request_headers
-from support_up import write_profile
+from support_up import standin_up, write_profile
 
 from specops.config.profile import load_profile
 from specops.errors import ProfileError
@@ -214,16 +214,7 @@ def _events(state_dir: Path, kind: str) -> list[dict]:
 
 def _start_up(tmp_path, doc: dict):
     profile = write_profile(tmp_path / "canary.yaml", doc)
-    entry = tmp_path / "bin" / "specops"
-    entry.parent.mkdir()
-    entry.symlink_to(HERE / "support_canary.py")
-    with open(tmp_path / "up.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(entry), "up", str(profile)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = standin_up(tmp_path, profile, "support_canary.py")
     state_dir = Path(doc["supervisor"]["state_dir"])
 
     def wait(pred, what: str, timeout: float = 40) -> dict:
@@ -349,16 +340,7 @@ def test_standin_up_rolls_a_worse_draft_back_and_a_good_one_out_under_load(tmp_p
         },
     }
     profile = write_profile(tmp_path / "canary.yaml", doc)
-    entry = tmp_path / "bin" / "specops"
-    entry.parent.mkdir()
-    entry.symlink_to(HERE / "support_canary.py")
-    with open(tmp_path / "up.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(entry), "up", str(profile)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = standin_up(tmp_path, profile, "support_canary.py")
 
     def wait(pred, what: str, timeout: float = 40) -> dict:
         deadline = time.monotonic() + timeout

@@ -281,18 +281,14 @@ def test_decider_routes_a_class_by_the_policy_rule(tmp_path):
 def test_standin_twins_route_learn_and_stop_clean(tmp_path):
     """`specops up` as in production with the stand-in engine (support_standin.py): ngram "accepts" 0.2, so the
     class learns to go to the `none` twin; the header overrides; a bad header is 400; both engines stop."""
-    import subprocess
-    import sys
     import time
     import urllib.request
-    from pathlib import Path
 
     from support_ports import free_port
-    from support_up import http_text, write_profile
+    from support_up import http_text, standin_up, write_profile
 
     from specops.run.process import group_members
 
-    here = Path(__file__).resolve().parent
     state_dir, port = tmp_path / "state", free_port()
     (tmp_path / "target.gguf").write_bytes(b"GGUF")  # the stand-in reads no weights; the launch check wants a file
     profile = write_profile(
@@ -342,16 +338,7 @@ def test_standin_twins_route_learn_and_stop_clean(tmp_path):
             time.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what}: {state()}")
 
-    entry = tmp_path / "bin" / "specops"
-    entry.parent.mkdir()
-    entry.symlink_to(here / "support_standin.py")
-    with open(tmp_path / "up.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(entry), "up", str(profile)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = standin_up(tmp_path, profile, "support_standin.py")
     pids: list[int] = []
     try:
         st = wait(lambda s: len(s.get("engines", [])) == 2 and all(e["live"] for e in s["engines"]), "two engines")

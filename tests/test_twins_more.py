@@ -235,18 +235,14 @@ def test_above_the_measured_crossover_every_class_goes_to_the_twin(tmp_path):
 def test_standin_reload_changes_rules_and_adds_and_removes_a_twin(tmp_path):
     """`specops up` with the stand-in engine (support_standin.py): a reloaded profile's route rule takes effect;
     a reload without the twin drains and stops it; one that lists it again starts a new one."""
-    import subprocess
-    import sys
     import time
     import urllib.request
-    from pathlib import Path
 
     from support_ports import free_port
-    from support_up import write_profile
+    from support_up import standin_up, write_profile
 
     from specops.run.process import group_members
 
-    here = Path(__file__).resolve().parent
     state_dir, port = tmp_path / "state", free_port()
     (tmp_path / "target.gguf").write_bytes(b"GGUF")
     doc = {
@@ -299,16 +295,7 @@ def test_standin_reload_changes_rules_and_adds_and_removes_a_twin(tmp_path):
             and all(e["live"] and e.get("state", "ready") == "ready" for e in s["engines"])
         )
 
-    entry = tmp_path / "bin" / "specops"
-    entry.parent.mkdir()
-    entry.symlink_to(here / "support_standin.py")
-    with open(tmp_path / "up.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(entry), "up", str(profile)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = standin_up(tmp_path, profile, "support_standin.py")
     pids: list[int] = []
     try:
         st = wait(serving(2), "two engines")
