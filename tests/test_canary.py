@@ -9,6 +9,7 @@ Real parts: profiles loaded by the real loader, the real router and decider, `sp
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -370,8 +371,9 @@ def test_standin_up_rolls_a_worse_draft_back_and_a_good_one_out_under_load(tmp_p
         assert st["engines"][-1]["canary"] is True
         back = wait(lambda s: s["canary"]["outcomes"]["rolled_back"] == 1, "the rollback", 60)
         ev = _events(state_dir, "canary_rolled_back")[0]
-        assert ev["canary_acceptance"] == pytest.approx(0.3, abs=0.02)
-        assert ev["current_acceptance"] == pytest.approx(0.9, abs=0.02)
+        # the stand-ins accept int(drafted × acceptance) per answer: a short answer rounds down by up to 1/drafted
+        assert ev["canary_acceptance"] == pytest.approx(0.3, abs=0.05)
+        assert ev["current_acceptance"] == pytest.approx(0.9, abs=0.05)
         assert ev["tally"]["canary"]["draft_tokens"] >= 300 and ev["draft"].endswith("draft-0.3.gguf")
         assert back["engine_pid"] == primary_pid and len(back["engines"]) == 2
         rejected = back["profile_reload"]["rejected"]
@@ -382,7 +384,7 @@ def test_standin_up_rolls_a_worse_draft_back_and_a_good_one_out_under_load(tmp_p
         text = subprocess.run(
             [sys.executable, "-m", "specops.cli", "status", str(profile)], capture_output=True, text=True, timeout=30
         ).stdout
-        assert "canary     last:" in text and "rolled_back, live acceptance 0.2" in text, text
+        assert "canary     last:" in text and re.search(r"rolled_back, live acceptance 0\.[23]", text), text
         assert "the new draft was refused live by its canary" in text, text
         live = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/specops/status", timeout=10).read())
         assert live["canary"]["last"]["outcome"] == "rolled_back"
@@ -406,7 +408,7 @@ def test_standin_up_rolls_a_worse_draft_back_and_a_good_one_out_under_load(tmp_p
         )
         pids.append(out["engine_pid"])
         passed = _events(state_dir, "canary_passed")[0]
-        assert passed["canary_acceptance"] == pytest.approx(0.88, abs=0.02)
+        assert passed["canary_acceptance"] == pytest.approx(0.88, abs=0.05)  # rounded down as above
         assert out["profile_reload"]["rejected"] is None and len(out["engines"]) == 2
         starts = [e for e in _events(state_dir, "start") if e.get("engine") is None]
         assert "draft-0.88.gguf" in " ".join(starts[-1]["argv"])
