@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "specops.up",
             "specops.twins",
+            "specops.canary",
             "specops.doctor",
             "specops.doctor_hub",
             "specops.doctor_profile",
