@@ -484,7 +484,8 @@ class _RoutingCollector:
             "specops_class_tokens_per_second",
             "Tokens per second a request class's clients saw over its window, by whether a speculating engine served "
             "them (speculation on/off): the tokens its answers generated (llama-server timings.predicted_n, else "
-            "usage.completion_tokens; a vLLM stream is not counted) over their wall time from routing to the last byte",
+            "usage.completion_tokens, a vLLM stream's only when it carries its usage event) over their wall time "
+            "from routing to the last byte",
             labels=["cls", "speculation"],
         )
         length = GaugeMetricFamily(
