@@ -236,6 +236,17 @@ def overlap(cap_a: Path, cap_b: Path) -> dict:
     return {"A_answer_words": len(a), "B_answer_words": len(b), "B_words_in_A": len(a & b)}
 
 
+def work_folder(work: Path, fresh: bool) -> Path:
+    """The run's folder (emptied first with ``fresh``), with specops' state kept in it unless SPECOPS_STATE says."""
+    if fresh and work.exists():
+        import shutil
+
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("SPECOPS_STATE", str(work / "state"))
+    return work
+
+
 def stage(work: Path, name: str, fn):
     """A stage's result, computed once and kept in ``work`` (so a rerun resumes after the last finished one)."""
     path = work / f"stage-{name}.json"
@@ -288,13 +299,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from specops.run.start import free_port
 
-    work = args.work
-    if args.fresh and work.exists():
-        import shutil
-
-        shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("SPECOPS_STATE", str(work / "state"))
+    work = work_folder(args.work, args.fresh)
     models = work / "models"
     spec = make_models(models, args.hidden, args.layers, args.ffn, args.heads, args.alpha, args.tie, args.first)
     target = models / "target.gguf"

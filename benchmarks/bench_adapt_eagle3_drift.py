@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -43,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_adapt_drift import stage  # noqa: E402
+from bench_adapt_drift import stage, work_folder  # noqa: E402
 from bench_adapt_eagle3 import _profile, capture  # noqa: E402
 
 #: Traffic A: words whose greedy continuations (on hf-cycle) end in its two largest cycles;
@@ -205,13 +204,7 @@ def main(argv=None) -> int:
     from specops.config.profile import load_profile
     from specops.devenv import testmodels
 
-    work = args.work
-    if args.fresh and work.exists():
-        import shutil
-
-        shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("SPECOPS_STATE", str(work / "state"))
+    work = work_folder(args.work, args.fresh)
     target = testmodels.model_path(args.target)
     random_head = testmodels.model_path("hf-eagle3-speculators")
     seen: set = set()
@@ -230,23 +223,21 @@ def main(argv=None) -> int:
     ls = stage(work, "layerskip", lambda: make_layerskip(target, work / "layerskip"))
     results["layerskip"] = ls
 
-    profile = _profile(work, target, random_head, capture=work / "capA", name="drift-eagle3")
-    results["capture_A"] = stage(
-        work,
-        "capture-A",
-        lambda: in_service(asyncio.run(capture(load_profile(profile), captured["A"], args.max_tokens))),
-    )
-    results["train_A"] = stage(work, "train-A", lambda: train(profile, work / "capA", work / "trainA", args))
-    head_a = results["train_A"]["value"]["draft"]
+    def capture_and_train(kind: str, head: Path) -> tuple[Path, str]:
+        """Traffic ``kind`` captured while ``head`` serves it, and a head trained on that capture (its folder)."""
+        profile = _profile(work, target, head, capture=work / f"cap{kind}", name="drift-eagle3")
+        results[f"capture_{kind}"] = stage(
+            work,
+            f"capture-{kind}",
+            lambda: in_service(asyncio.run(capture(load_profile(profile), captured[kind], args.max_tokens))),
+        )
+        results[f"train_{kind}"] = stage(
+            work, f"train-{kind}", lambda: train(profile, work / f"cap{kind}", work / f"train{kind}", args)
+        )
+        return profile, results[f"train_{kind}"]["value"]["draft"]
 
-    profile = _profile(work, target, Path(head_a), capture=work / "capB", name="drift-eagle3")
-    results["capture_B"] = stage(
-        work,
-        "capture-B",
-        lambda: in_service(asyncio.run(capture(load_profile(profile), captured["B"], args.max_tokens))),
-    )
-    results["train_B"] = stage(work, "train-B", lambda: train(profile, work / "capB", work / "trainB", args))
-    head_b = results["train_B"]["value"]["draft"]
+    _, head_a = capture_and_train("A", random_head)
+    profile, head_b = capture_and_train("B", Path(head_a))
     results["untrained_B"] = stage(work, "untrained-B", lambda: untrained(profile, work / "capB", work / "untrainedB"))
     head_0 = results["untrained_B"]["value"]["draft"]
     results["overlap"] = overlap(work)
