@@ -340,21 +340,7 @@ def test_standin_up_rolls_a_worse_draft_back_and_a_good_one_out_under_load(tmp_p
             "canary": {"enabled": True, "share": 0.25, "min_draft_tokens": 300, "tolerance": 0.05},
         },
     }
-    profile = write_profile(tmp_path / "canary.yaml", doc)
-    proc = standin_up(tmp_path, profile, "support_canary.py")
-
-    def wait(pred, what: str, timeout: float = 40) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = _state(state_dir)
-            if st and pred(st):
-                return st
-            assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
-            time.sleep(0.05)
-        raise AssertionError(
-            f"timed out waiting for {what}: {_state(state_dir)}\n{(tmp_path / 'up.log').read_text()[-3000:]}"
-        )
-
+    profile, proc, wait = _start_up(tmp_path, doc)
     pids: list[int] = []
     load = Load(f"http://127.0.0.1:{port}", clients=16, max_tokens=16, request_timeout=30, max_seconds=100)
     try:
