@@ -135,9 +135,9 @@ class RoutedUpstreams:
             answer = body if isinstance(body, bytes) else stream_usage(flight.tail)
             if flight.totals is None:
                 flight.totals = vllm_spec_counts(answer)  # vLLM's own counters, when it has them
-        if route.key is not None and flight is not None:
-            tokens = completion_tokens(flight, answer)
-            seconds = time.monotonic() - route.start
+            if route.key is not None:  # a class's window also takes the answer's tokens and wall time
+                tokens = completion_tokens(flight, answer)
+                seconds = time.monotonic() - route.start
         if route.lists_models and isinstance(body, bytes) and getattr(resp, "status", 0) == 200:
             listed = self.router.list_aliases(body)
             if listed is not None:
