@@ -58,6 +58,17 @@ class Up:
             time.sleep(0.2)
         raise RuntimeError("specops up not ready in time")
 
+    def wait_engines(self, count: int, timeout: float = 120) -> dict:
+        """Ready, and ``count`` engines live behind the proxy (the primary and its twins): the state then."""
+        deadline = time.monotonic() + timeout
+        st = self.wait_ready(timeout)
+        while count > 1 and not (len(st.get("engines", [])) == count and all(e["live"] for e in st["engines"])):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"the twins did not come up: {st.get('engines')}")
+            time.sleep(0.2)
+            st = self.st()
+        return st
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -9,6 +9,8 @@
    greedy at 1 again, then temperature 1.5 at 1 (the draft is rarely accepted):
 
    - **managed**: ``fallback.mode: goodput`` with the measured surface (chain ``[none]``);
+   - **twin** (``--configs``): the same policy with a warm ``none`` twin (``routing.twins: [none]``): a switch is a
+     route change, and above the crossover load every request goes to the twin;
    - **static speculation**: the draft, ``fallback.enabled: false``;
    - **static none**: no speculation.
 
@@ -20,6 +22,7 @@ one against the best static configuration of that phase, the whole run, and the 
     .venv/bin/python benchmarks/bench_goodput.py --phase 120 --together --json out.json
     .venv/bin/python benchmarks/bench_goodput.py --surface-only --high 16 --levels 8 --parallel 16 --draft-layers 6
     .venv/bin/python benchmarks/bench_goodput.py --engine vllm --surface vllm.surface.json --together
+    .venv/bin/python benchmarks/bench_goodput.py --engine vllm --configs twin static-spec static-none --phase 120
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +48,9 @@ from specops.perf.bench import machine  # noqa: E402
 from specops.perf.workload import Prompt, run_workload  # noqa: E402
 from specops.run.start import free_port  # noqa: E402
 
-CONFIGS = ("managed", "static-spec", "static-none")
+CONFIGS = ("managed", "twin", "static-spec", "static-none")
+#: The configurations a policy runs (the others are static).
+POLICIES = ("managed", "twin")
 #: The model name requests carry (vLLM checks it against the served name; llama-server ignores it).
 MODEL = {"name": "x"}
 
@@ -55,14 +61,16 @@ def profile_yaml(config: str, paths: dict, port: int, args, surface: Path | None
         if config == "static-none"
         else f"speculative:\n  method: draft_model\n  draft: {paths['draft']}\n  num_speculative_tokens: {args.k}\n"
     )
-    if config == "managed" and schedule:  # vLLM: the engine follows load by itself, goodput handles the rest
+    if config in POLICIES and schedule:  # vLLM: the engine follows load by itself, goodput handles the rest
         spec += f"  per_batch_size: {json.dumps(schedule)}\n"
-    if config == "managed":
+    if config in POLICIES:
         fallback = (
             f"fallback:\n  mode: goodput\n  window: {args.window}\n  min_draft_tokens: 50\n  chain: [none]\n"
             f"  max_switches_per_hour: 60\n  goodput:\n    surface: {surface}\n    sustain: {args.sustain}\n"
             f"    min_dwell: {args.dwell}\n    regime: 1m\n"
         )
+        if config == "twin":
+            fallback += "routing:\n  twins: [none]\n"
     else:
         fallback = "fallback:\n  enabled: false\n"
     if args.engine == "vllm":
@@ -138,14 +146,28 @@ async def phase_load(url: str, concurrency: int, seconds: float, temperature: fl
     }
 
 
+def warm_twin(url: str) -> None:
+    """One request on the twin (the client's ``X-Specops-Speculation: off``), as the primary got its warm-up."""
+    body = json.dumps({"model": MODEL["name"], "prompt": PROMPTS[0], "max_tokens": 8}).encode()
+    req = urllib.request.Request(
+        url.rstrip("/") + "/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json", "X-Specops-Speculation": "off"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        resp.read()
+
+
 def run_config(config: str, paths: dict, work: Path, args, surface: Path, phases, say) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     prof = work / f"{config}.yaml"
     prof.write_text(profile_yaml(config, paths, free_port(), args, surface, args.schedule))
     up = Up(prof, work, f"goodput-{config}")
     try:
-        st = up.wait_ready(timeout=900 if args.engine == "vllm" else 120)
+        st = up.wait_engines(2 if config == "twin" else 1, timeout=900 if args.engine == "vllm" else 120)
         asyncio.run(phase_load(st["url"], 1, 1.0, 0.0, 8))  # warm-up
+        if config == "twin":
+            warm_twin(st["url"])
         t0 = time.time()
         out: dict = {"phases": {}}
         for name, conc, temp in phases:
@@ -154,6 +176,7 @@ def run_config(config: str, paths: dict, work: Path, args, surface: Path, phases
             out["phases"][name]["start_s"] = start
         out["decisions"] = _decisions(up, t0)
         out["verdicts"] = _verdicts(up, t0)
+        out["routes"] = _routes(up, t0)
         say(
             f"  {config}: "
             + ", ".join(f"{p} {v['tokens_per_s']:.1f}" for p, v in out["phases"].items())
@@ -170,6 +193,17 @@ def _verdicts(up: Up, t0: float) -> list[str]:
         f"{e['ts'] - t0:.1f}s {e.get('rule')} (best {e['numbers'].get('best')})"
         for e in up.events()
         if e["event"] == "goodput" and e["ts"] >= t0
+    ]
+
+
+def _routes(up: Up, t0: float) -> list[str]:
+    """A twin deployment's route changes (``route`` events): time, scope, where to, why."""
+    return [
+        f"{e['ts'] - t0:.1f}s {e.get('scope')} "
+        + (f"{e.get('from')} → {e.get('to')}" if "to" in e else f"speculate {e.get('speculate')}")
+        + f": {e.get('reason')}"
+        for e in up.events()
+        if e["event"] == "route" and e["ts"] >= t0
     ]
 
 
@@ -202,33 +236,42 @@ def _decisions(up: Up, t0: float) -> list[dict]:
 
 
 def run_together(paths: dict, work: Path, args, surface: Path, phases, say) -> dict[str, dict]:
-    """All three deployments up at once, each with its own clients, every phase on all three at the same time:
+    """All the deployments up at once, each with its own clients, every phase on all three at the same time:
     drift and contention on the shared machine hit them alike (each llama-server runs one thread)."""
     work.mkdir(parents=True, exist_ok=True)
     ups = {}
     try:
-        for config in CONFIGS:
+        for config in args.configs:
             prof = work / f"{config}.yaml"
             prof.write_text(profile_yaml(config, paths, free_port(), args, surface, args.schedule))
             ups[config] = Up(prof, work, f"goodput-{config}")
-        urls = {c: up.wait_ready(timeout=900 if args.engine == "vllm" else 120)["url"] for c, up in ups.items()}
-        for url in urls.values():
+        urls = {
+            c: up.wait_engines(2 if c == "twin" else 1, timeout=900 if args.engine == "vllm" else 120)["url"]
+            for c, up in ups.items()
+        }
+        for c, url in urls.items():
             asyncio.run(phase_load(url, 1, 1.0, 0.0, 8))  # warm-up
+            if c == "twin":
+                warm_twin(url)
         t0 = time.time()
-        out: dict[str, dict] = {c: {"phases": {}} for c in CONFIGS}
+        out: dict[str, dict] = {c: {"phases": {}} for c in args.configs}
 
         async def phase(conc: int, temp: float) -> list[dict]:
-            return await asyncio.gather(*(phase_load(urls[c], conc, args.phase, temp, args.tokens) for c in CONFIGS))
+            return await asyncio.gather(
+                *(phase_load(urls[c], conc, args.phase, temp, args.tokens) for c in args.configs)
+            )
 
         for name, conc, temp in phases:
             start = round(time.time() - t0, 1)
-            for c, res in zip(CONFIGS, asyncio.run(phase(conc, temp))):
+            for c, res in zip(args.configs, asyncio.run(phase(conc, temp))):
                 out[c]["phases"][name] = {**res, "start_s": start}
-        for c in CONFIGS:
+        for c in args.configs:
             out[c]["decisions"] = _decisions(ups[c], t0)
             out[c]["verdicts"] = _verdicts(ups[c], t0)
+            out[c]["routes"] = _routes(ups[c], t0)
             say(f"  {c}: " + ", ".join(f"{p} {v['tokens_per_s']:.1f}" for p, v in out[c]["phases"].items()))
-        say(f"  managed switched at {[d['t'] for d in out['managed']['decisions']]}")
+        for c in set(args.configs) & set(POLICIES):
+            say(f"  {c} switched at {[d['t'] for d in out[c]['decisions']]}")
         return out
     finally:
         for up in ups.values():
@@ -308,8 +351,16 @@ def main() -> None:
         help="vllm: the layer-skip fixture on vLLM-CPU; the managed deployment also runs the k per batch size "
         "rendered from the surface (speculative.per_batch_size), so load changes need no restart",
     )
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        choices=CONFIGS,
+        default=["managed", "static-spec", "static-none"],
+        help="the deployments to run (static-spec and static-none always: the ratios are against them)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
+    args.configs = list(dict.fromkeys([*args.configs, "static-spec", "static-none"]))
     say = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
     from specops.devenv.testmodels import ensure_layerskip
     from specops.watch.surface import Surface
@@ -327,7 +378,7 @@ def main() -> None:
         ("4 temperature 1.5 c=1", 1, 1.5),
     ]
     load_before = os.getloadavg()
-    runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    runs: dict[str, list[dict]] = {c: [] for c in args.configs}
     with tempfile.TemporaryDirectory(prefix="specops-bench-goodput-") as tmp:
         work = Path(tmp)
         record = work / "surface.tune.json"
@@ -355,61 +406,71 @@ def main() -> None:
                 for config, res in run_together(paths, work / f"r{rnd}", args, record, phases, say).items():
                     runs[config].append(res)
                 continue
-            order = CONFIGS[rnd % 3 :] + CONFIGS[: rnd % 3]
+            n = rnd % len(args.configs)
+            order = args.configs[n:] + args.configs[:n]
             say(f"round {rnd + 1}/{args.rounds}: {', '.join(order)}")
             for config in order:
                 runs[config].append(run_config(config, paths, work / f"r{rnd}", args, record, phases, say))
     load_after = os.getloadavg()
     names = [p[0] for p in phases]
-    med = {c: {p: statistics.median(r["phases"][p]["tokens_per_s"] for r in runs[c]) for p in names} for c in CONFIGS}
+    med = {c: {p: statistics.median(r["phases"][p]["tokens_per_s"] for r in runs[c]) for p in names} for c in runs}
     total = {
         c: statistics.median(
             sum(r["phases"][p]["tokens"] for p in names) / sum(r["phases"][p]["wall_s"] for p in names) for r in runs[c]
         )
-        for c in CONFIGS
+        for c in runs
     }
+    policies = [c for c in args.configs if c in POLICIES]
     m = machine()
     print(
         f"Goodput policy, {'vLLM-CPU' if args.engine == 'vllm' else 'llama-server'}, layer-skip {args.hidden}x{args.layers}, draft_model k={args.k}, "
         f"server.parallel {args.parallel}; machine: {m['cpu']}, {m['cores']} cores; "
         + (f"llama-server threads {args.llama_threads or 'default'}; " if args.engine == "llamacpp" else "")
-        + (f"managed per_batch_size {args.schedule}; " if args.schedule else "")
+        + (f"policy per_batch_size {args.schedule}; " if args.schedule else "")
         + f"{args.tokens} tokens/request (ignore_eos); phases of {args.phase:g}s; "
-        f"managed: window {args.window}, sustain {args.sustain}, min_dwell {args.dwell}; draft: layer-skip target "
+        f"policy: window {args.window}, sustain {args.sustain}, min_dwell {args.dwell}; draft: layer-skip target "
         f"with {args.draft_layers} layer(s); "
-        + ("the three deployments at once, " if args.together else "deployments one after the other, order rotating; ")
+        + ("the deployments at once, " if args.together else "deployments one after the other, order rotating; ")
         + f"medians of {args.rounds} round(s); load average {load_before[0]:.1f} before, "
         f"{load_after[0]:.1f} after\n"
     )
     print_surface(surface)
-    print("| phase | managed tok/s | static spec tok/s | static none tok/s | managed ÷ best static |")
-    print("|---|---|---|---|---|")
-    for p in names:
-        best = max(med["static-spec"][p], med["static-none"][p])
+    cols = [*policies, "static-spec", "static-none"]
+    print(
+        "| phase | "
+        + " | ".join(f"{c} tok/s" for c in cols)
+        + " | "
+        + " | ".join(f"{c} ÷ best static" for c in policies)
+        + " |"
+    )
+    print("|---|" + "---|" * (len(cols) + len(policies)))
+    rows = [(p, lambda c, p=p: med[c][p]) for p in names] + [("whole run", lambda c: total[c])]
+    for label, value in rows:
+        best = max(value("static-spec"), value("static-none"))
         print(
-            f"| {p} | {med['managed'][p]:.1f} | {med['static-spec'][p]:.1f} | {med['static-none'][p]:.1f} | "
-            f"**{med['managed'][p] / best:.2f}** |"
+            f"| {label} | "
+            + " | ".join(f"{value(c):.1f}" for c in cols)
+            + " | "
+            + " | ".join(f"**{value(c) / best:.2f}**" for c in policies)
+            + " |"
         )
-    best_total = max(total["static-spec"], total["static-none"])
-    print(
-        f"| whole run | {total['managed']:.1f} | {total['static-spec']:.1f} | {total['static-none']:.1f} | "
-        f"**{total['managed'] / best_total:.2f}** |"
-    )
-    print(
-        "\nmanaged decisions (seconds into the run; phases start at "
-        + ", ".join(f"{p} {runs['managed'][0]['phases'][p]['start_s']}" for p in names)
-        + "):"
-    )
-    for i, r in enumerate(runs["managed"]):
-        for d in r["decisions"]:
-            print(
-                f"  round {i + 1}: t={d['t']}s {d['from']} → {d['to']} [{d['rule']}] concurrency {d['concurrency']}, "
-                f"mean acceptance length {d.get('mean_acceptance_length')}, predicted {d['predicted']}, sustained "
-                f"{d.get('sustained_s')}s, cost {d.get('switch_cost_s')}s ({d.get('switch_cost_basis')}); switch took "
-                f"{d.get('switch') or '?'}"
-            )
-    for i, r in enumerate(runs["managed"]):
-        print(f"  round {i + 1} verdicts: " + "; ".join(r.get("verdicts", [])))
+    for c in policies:
+        print(
+            f"\n{c} decisions (seconds into the run; phases start at "
+            + ", ".join(f"{p} {runs[c][0]['phases'][p]['start_s']}" for p in names)
+            + "):"
+        )
+        for i, r in enumerate(runs[c]):
+            for d in r["decisions"]:
+                print(
+                    f"  round {i + 1}: t={d['t']}s {d['from']} → {d['to']} [{d['rule']}] concurrency "
+                    f"{d['concurrency']}, mean acceptance length {d.get('mean_acceptance_length')}, predicted "
+                    f"{d['predicted']}, sustained {d.get('sustained_s')}s, cost {d.get('switch_cost_s')}s "
+                    f"({d.get('switch_cost_basis')}); switch took {d.get('switch') or '?'}"
+                )
+            for e in r.get("routes", []):
+                print(f"  round {i + 1}: route {e}")
+            print(f"  round {i + 1} verdicts: " + "; ".join(r.get("verdicts", [])))
     if args.json:
         Path(args.json).write_text(
             json.dumps(

@@ -195,14 +195,7 @@ def run(paths: dict, work: Path, args, say) -> dict:
                 os.sched_setaffinity(ups[kind].proc.pid, cpus)
         urls = {}
         for kind, up in ups.items():
-            st = up.wait_ready(timeout=180 if args.engine == "llamacpp" else 900)
-            if kind == "twin":
-                deadline = time.monotonic() + (180 if args.engine == "llamacpp" else 900)
-                while not (len(st.get("engines", [])) == 2 and all(e["live"] for e in st["engines"])):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"the twin did not come up: {st.get('engines')}")
-                    time.sleep(0.2)
-                    st = up.st()
+            st = up.wait_engines(2 if kind == "twin" else 1, timeout=180 if args.engine == "llamacpp" else 900)
             urls[kind] = st["url"]
             say(f"{kind}: ready on {st['url']}")
         for kind, url in urls.items():  # warm-up: every engine once

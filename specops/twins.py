@@ -116,6 +116,7 @@ class TwinEngines(CanaryMixin):
         self.route_changes = 0
         for position, info in enumerate(self.router.engines[1:], start=1):
             self._add_twin(position, info, free_port())
+        decider.set_warm(self.warm_steps)
         if metrics is not None:
             metrics.registry.register(_RoutingCollector(self))
 
@@ -330,6 +331,13 @@ class TwinEngines(CanaryMixin):
         sup.request_stop("the reloaded profile no longer lists this twin")
 
     # ------------------------------------------------------------------ route changes
+    def warm_steps(self) -> set[int]:
+        """The chain steps a live engine runs now (not the canary's): a switch to one is a route change."""
+        live = self.upstreams.live()
+        return {
+            e.step for i, e in enumerate(self.router.engines) if i < len(live) and live[i] and i != self.router.canary
+        }
+
     def route_to(self, step: int, reason: str, decision: dict | None = None) -> bool:
         """A switch to chain step ``step`` as a route change, when a live engine runs it: new requests go there
         at once; requests in flight finish where they started. False when no live engine runs it (the caller

@@ -202,6 +202,24 @@ def test_the_switch_cost_must_be_earned_over_the_regime():
     assert (d.action, d.to_index) == (SWITCH, 1)
 
 
+def test_a_switch_to_a_warm_engine_costs_no_start():
+    """A twin already runs none: the same gain that could not pay for a 200 s restart switches at once (a route
+    change), and only while that engine is live."""
+    p = policy(switch_cost_s=200.0)
+    warm: set[int] = set()
+    p.goodput.warm = lambda: warm
+    p.observe(IDLE, 0.0, at(16))
+    assert p.observe(IDLE, 10.0, at(16)).rule == "goodput-switch-cost"  # the twin is down: a restart's price
+    warm.add(1)
+    d = p.observe(IDLE, 12.0, at(16))
+    assert (d.action, d.to_index, d.numbers["switch_cost_s"], d.numbers["switch_cost_basis"]) == (
+        SWITCH,
+        1,
+        0.0,
+        "warm engine: a route change",
+    )
+
+
 def test_a_measured_switch_replaces_the_configured_cost():
     p = policy(switch_cost_s=None)
     assert p.goodput.switch_cost_s == (30.0, "default")

@@ -228,6 +228,19 @@ def test_above_the_measured_crossover_every_class_goes_to_the_twin(tmp_path):
     assert json.dumps(twins.snapshot()["routing"]["load_off"]) == "false"
 
 
+def test_goodput_prices_a_switch_to_a_live_twin_as_a_route_change(tmp_path):
+    """The decider's goodput policy asks the twins which steps a live engine runs: the `none` twin, once released
+    and while live; the primary only while the proxy serves."""
+    loaded = _profile(tmp_path, base=BASE.replace("fallback: {", "fallback: {mode: goodput, "))
+    twins, decider = _twins(tmp_path, loaded)
+    warm = decider.policy.goodput.warm
+    assert warm() == set()  # nothing started yet
+    twins.upstreams.handle(1).release("http://127.0.0.1:8")
+    assert warm() == {1}
+    twins.upstreams.handle(1).upstream_failed("killed")  # the twin died: a switch to none is a restart again
+    assert warm() == set()
+
+
 # ------------------------------------------------------------------------------------------ reload
 
 

@@ -346,7 +346,7 @@ class Goodput(Section):
     switch_cost: Duration | None = Field(
         None,
         description="Seconds without service per switch (drain + restart + warm-up) until one is measured. Unset: "
-        "the engine's measured start time.",
+        "the engine's measured start time. A switch to a step a live twin runs costs nothing (a route change).",
     )
     stale_half_life: Duration = Field(
         600.0,

@@ -18,7 +18,7 @@ and shows all of it in :meth:`FallbackDecider.snapshot` for ``specops status``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from specops.run.events import EngineReady, FallbackOrder, StepChanged, StepFailed, SupervisorEvent
@@ -215,6 +215,12 @@ class FallbackDecider:
                 f"max_duration ({max_duration:g}s); not proven"
             )
         return None, f"measuring: {shown} (min_draft_tokens={min_draft_tokens})"
+
+    def set_warm(self, steps: Callable[[], Collection[int]]) -> None:
+        """``steps()`` names the chain steps a live engine runs now (warm twins): mode goodput prices a switch to
+        one as a route change (no engine start) instead of a restart."""
+        if self.policy.goodput is not None:
+            self.policy.goodput.warm = steps
 
     def load_route(self, now: float, step: int = 0) -> tuple[bool | None, str]:
         """With a measured goodput surface: False (every class to the engine without speculation) while the

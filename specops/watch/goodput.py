@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,6 +252,9 @@ class GoodputPolicy:
         model.stale_half_life_s = config.stale_half_life_s
         self.running: int | None = None  # the option choose() last saw running
         self.probes: dict[int, float] = {}  # option -> when it was entered on aged acceptance
+        #: The options a live engine runs right now besides the current one (a warm twin): switching to one is a
+        #: route change, which costs no engine start. Set by whoever keeps the engines (twins); empty without.
+        self.warm: Callable[[], Collection[int]] = tuple
 
     # ---- inputs
     def note_switch_cost(self, seconds: float) -> None:
@@ -378,7 +381,7 @@ class GoodputPolicy:
                 f"(min_dwell {cfg.min_dwell_s:g}s)",
                 numbers,
             )
-        cost_s, cost_basis = self.switch_cost_s
+        cost_s, cost_basis = (0.0, "warm engine: a route change") if best in self.warm() else self.switch_cost_s
         regime = max(cfg.regime_s, sustained)
         gain_tokens, cost_tokens = gain * regime, p_cur * cost_s
         numbers.update(
