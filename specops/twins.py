@@ -409,7 +409,7 @@ class TwinEngines(CanaryMixin):
         changed = 0
         on_step = self.router.engines[self.router.on_engine].step
         verdict, why = self.decider.load_route(now, on_step)
-        if (verdict is False) != self.router.load_off:
+        if verdict is not None and (verdict is False) != self.router.load_off:
             self.router.load_off = verdict is False
             changed += 1
             self.events.emit("route", scope="load", speculate=not self.router.load_off, reason=why)

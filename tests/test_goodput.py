@@ -220,6 +220,18 @@ def test_a_switch_to_a_warm_engine_costs_no_start():
     )
 
 
+def test_the_load_counts_while_the_engine_metrics_are_unreadable():
+    """The concurrency is the proxy's: a tick whose acceptance source timed out decides nothing, but its load
+    still enters the window's mean (the crossover route reads it)."""
+    from specops.watch.window import WindowStats
+
+    p = policy()
+    for t in (0.0, 1.0, 2.0):
+        d = p.observe(WindowStats.unavailable(t, "timed out", 60.0), t, at(16))
+        assert d.rule == "source-unavailable"
+    assert p.goodput.concurrency(2.0) == 16.0
+
+
 def test_a_measured_switch_replaces_the_configured_cost():
     p = policy(switch_cost_s=None)
     assert p.goodput.switch_cost_s == (30.0, "default")

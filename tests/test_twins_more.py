@@ -221,6 +221,8 @@ def test_above_the_measured_crossover_every_class_goes_to_the_twin(tmp_path):
     assert twins.router.route("/x", request_headers(x_specops_speculation="on"), b"{}", live).engine == 0  # asked: on
     [event] = [f for kind, f in twins.events.lines if kind == "route" and f.get("scope") == "load"]
     assert event["speculate"] is False and "crossover" in event["reason"]
+    twins.decide_classes(1000.0, 50)  # no load reading in the window: the route stays as it was
+    assert twins.router.load_off is True
     for t in range(81, 200):
         decider.observe(idle, float(t), Load(concurrency=1.0, source="proxy"))
     twins.decide_classes(200.0, 50)

@@ -225,26 +225,27 @@ class FallbackDecider:
     def load_route(self, now: float, step: int = 0) -> tuple[bool | None, str]:
         """With a measured goodput surface: False (every class to the engine without speculation) while the
         mean live concurrency is at or above the crossover load where step ``step``'s speculation stops beating
-        ``none`` on that surface; None (the classes' own verdicts stand) below it, or without a surface or a
-        load reading. The vLLM goodput rule, applied as a route instead of a restart."""
+        ``none`` on that surface; True (the classes' own verdicts stand) below it, or without a surface; None
+        (keep the route as it is) without a load reading. The vLLM goodput rule, applied as a route instead of
+        a restart."""
         g = self.policy.goodput
         if g is None or g.model.surface is None or not 0 <= step < len(g.options):
-            return None, "no goodput surface"
+            return True, "no goodput surface"
         option = g.options[step]
         if option.method.value == "none":
-            return None, "the step does not speculate"
+            return True, "the step does not speculate"
         conc = g.concurrency(now)
         if conc is None:
-            return None, "no load reading yet"
+            return None, "no load reading"
         crossover = g.model.surface.crossover(option.method, option.k)
         if crossover is None:
-            return None, f"{option.label} beats none at every load the surface measured"
+            return True, f"{option.label} beats none at every load the surface measured"
         if conc >= crossover:
             return False, (
                 f"concurrency {conc:.1f} is at or above {option.label}'s measured crossover {crossover:g}: "
                 "none serves more tokens/s there"
             )
-        return None, f"concurrency {conc:.1f} is below {option.label}'s measured crossover {crossover:g}"
+        return True, f"concurrency {conc:.1f} is below {option.label}'s measured crossover {crossover:g}"
 
     @property
     def routed_step(self) -> int | None:

@@ -313,10 +313,15 @@ class GoodputPolicy:
         return sum(c for _, c in self.samples) / len(self.samples) if self.samples else None
 
     # ---- the choice
-    def choose(self, current: int, load: Load | None, now: float) -> Choice:
-        cfg = self.config
+    def note_load(self, load: Load | None, now: float) -> None:
+        """A tick's live concurrency, for the window's mean (also on ticks that decide nothing: the proxy's count
+        holds while the engine's metrics are unreadable)."""
         if load is not None and load.concurrency is not None:
             self.samples.append((now, float(load.concurrency)))
+
+    def choose(self, current: int, load: Load | None, now: float) -> Choice:
+        """The verdict at ``now`` on the window's load (the caller notes each tick's first: :meth:`note_load`)."""
+        cfg = self.config
         conc = self.concurrency(now)
         numbers: dict[str, Any] = {"concurrency": conc, "concurrency_source": load.source if load else ""}
         if conc is None:

@@ -178,6 +178,8 @@ class Policy:
     def observe(self, stats: WindowStats, now: float, load: Load | None = None) -> Decision:
         """The decision for the window ``stats`` observed at ``now`` (call once per monitor tick); ``load`` is the
         live concurrency and tokens/s (mode goodput decides with it)."""
+        if self.goodput is not None:  # the load is the proxy's: it counts on every tick (a crossover route reads it)
+            self.goodput.note_load(load, now)
         if self.pending is not None:
             p = self.pending
             return self._decision(
