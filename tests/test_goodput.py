@@ -330,7 +330,7 @@ def test_decider_logs_each_change_of_verdict_and_shows_the_numbers():
     assert snap["policy"]["goodput"]["surface"]["crossover"]["draft_model k=4"] == pytest.approx(4.76, abs=0.01)
 
 
-def test_watcher_prefers_the_proxys_in_flight_over_engine_gauges():
+def test_watcher_prefers_the_proxys_in_flight_over_engine_gauges(tmp_path):
     class B:
         metric_prefix = "llamacpp:"
 
@@ -342,10 +342,15 @@ def test_watcher_prefers_the_proxys_in_flight_over_engine_gauges():
         class monitor:
             interval = 1.0
 
-    w = Watcher(P(), reader=None, decider=None, say=print, concurrency=lambda: 7)
+    loaded = load_profile(_profile(tmp_path, "  chain: [none]\n"))
+    decider = FallbackDecider.from_profile(loaded, events=Events(), say=lambda m: None)
+    w = Watcher(P(), reader=None, decider=decider, say=print, concurrency=lambda: 7)
     assert w.load(Reading(IDLE, 10.0, engine_load=5.0)) == Load(7, 10.0, "proxy in flight + waiting")
     w.concurrency = lambda: None
     assert w.load(Reading(IDLE, 10.0, engine_load=5.0)) == Load(5.0, 10.0, "engine running + waiting")
+    # a twin serves the step in effect (a route change): the watched primary idles, its tokens/s is not the step's
+    decider.on_route_change(1, "test")
+    assert w.load(Reading(IDLE, 10.0, engine_load=5.0)) == Load(5.0, None, "engine running + waiting")
 
 
 def _profile(tmp_path, fallback: str):

@@ -434,13 +434,16 @@ class Watcher:
         return self.handle(reading, now)
 
     def load(self, reading: Reading) -> Load:
-        """This tick's concurrency (the proxy's requests in flight and waiting, else the engine's gauges) and tokens/s."""
+        """This tick's concurrency (the proxy's requests in flight and waiting, else the engine's gauges) and tokens/s
+        (the watched engine's; none while a twin serves the step in effect: the idle primary's would say the step
+        makes nothing)."""
         conc, source = None, ""
         if self.concurrency is not None:
             conc, source = self.concurrency(), "proxy in flight + waiting"
         if conc is None and reading.engine_load is not None:
             conc, source = reading.engine_load, "engine running + waiting"
-        return Load(conc, reading.tokens_per_s, source)
+        tps = reading.tokens_per_s if self.decider.routed_step is None else None
+        return Load(conc, tps, source)
 
     def handle(self, reading: Reading, now: float) -> Decision:
         stats = reading.stats
