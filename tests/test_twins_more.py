@@ -397,6 +397,27 @@ def test_vllm_per_request_spec_metrics_are_rendered_when_classes_need_them(tmp_p
     assert mine.count("--per-request-spec-decode-metrics=detailed") == 1 and "summary" not in mine
 
 
+def test_vllm_engines_side_by_side_are_not_pinned_to_the_same_cores(tmp_path):
+    """vLLM-CPU's default thread binding puts every engine on the same cores: with twins each engine is rendered
+    unbound (from the version that has the setting), unless the operator chose a binding."""
+    from specops.backends.render import render_plan
+    from specops.config.profile import LoadedProfile
+    from specops.plugins import get_registry
+
+    def env(extra: str, version: str, step: int, base: str = VLLM) -> dict:
+        path = tmp_path / "v.yaml"
+        path.write_text(base + extra)
+        loaded = load_profile(path, env={})
+        at = LoadedProfile(loaded.profile.at_step(step), loaded.document, loaded.path)
+        return dict(render_plan(at, get_registry(), backend_version=version, probe=False).env)
+
+    assert [env("", "0.32.0", step).get("VLLM_CPU_OMP_THREADS_BIND") for step in (0, 1)] == ["nobind", "nobind"]
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env("", "0.27.1", 0)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env("", "0.32.0", 0, base=VLLM.replace("routing:\n  twins: [none]\n", ""))
+    mine = env("server: {env: {VLLM_CPU_OMP_THREADS_BIND: '0|1'}}\n", "0.32.0", 0)
+    assert mine["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+
+
 def test_a_vllm_answer_with_its_own_counters_feeds_its_class_window(tmp_path):
     import time
 

@@ -85,6 +85,13 @@ VLLM_METHOD_UNTIL = {"medusa": Version("0.33.0"), "mlp_speculator": Version("0.1
 #: ``ObservabilityConfig``; the first release that has it (after 0.28.0, by third-party reports) was only read
 #: about, not installed, so the gate is the version seen.
 VLLM_PER_REQUEST_SPEC_METRICS = Version("0.32.0")
+#: ≥ this: ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (added by vLLM PR #27953, November 2025). Its default, ``auto``, binds
+#: each engine's OpenMP threads to the cores of a NUMA node less one it reserves
+#: (``vllm/utils/ompmultiprocessing.py``, read in 0.32.0), so two engines on one host share the same cores. Measured
+#: on vLLM-CPU 0.32.0 (2 cores): a ``none`` twin beside its idle primary made 44 tok/s at 16 clients with ``auto``,
+#: 170 with ``nobind`` (a lone ``none`` engine: 172). The first release with it was not installed here: the gate
+#: is the version seen.
+VLLM_CPU_NOBIND = Version("0.32.0")
 #: Methods the legacy flag set (≤ 0.8.1) can express: the method is implied by the draft's config.
 VLLM_LEGACY_METHODS = {"ngram", "draft_model", "medusa", "mlp_speculator", "eagle"}
 #: Separate draft models: V0 only before 0.10 (``VLLM_USE_V1=0``), nothing in 0.10–0.14, V1 from 0.15.

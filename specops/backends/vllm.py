@@ -26,6 +26,7 @@ from specops.backends.base import (
 )
 from specops.backends.devengines import DEV_ENGINE, dev_engine_for
 from specops.backends.versions import (
+    VLLM_CPU_NOBIND,
     VLLM_LEGACY_METHODS,
     VLLM_METHOD_SINCE,
     VLLM_PER_REQUEST_SPEC_METRICS,
@@ -267,6 +268,8 @@ class VllmBackend(Backend):
         env = dict(spec_env)
         if g.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in g.devices)
+        if p.routing.twins and version >= VLLM_CPU_NOBIND:  # engines side by side: vLLM-CPU must not pin them
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # to the same cores (CUDA builds ignore it)
         env.update(p.server.env)
         if p.server.api_key:  # in the environment, not argv: argv is visible to every user in `ps`
             env["VLLM_API_KEY"] = p.server.api_key
