@@ -22,7 +22,8 @@ one against the best static configuration of that phase, the whole run, and the 
     .venv/bin/python benchmarks/bench_goodput.py --phase 120 --together --json out.json
     .venv/bin/python benchmarks/bench_goodput.py --surface-only --high 16 --levels 8 --parallel 16 --draft-layers 6
     .venv/bin/python benchmarks/bench_goodput.py --engine vllm --surface vllm.surface.json --together
-    .venv/bin/python benchmarks/bench_goodput.py --engine vllm --configs twin static-spec static-none --phase 120
+    .venv/bin/python benchmarks/bench_goodput.py --engine vllm --configs twin static-spec static-none --phase 120 \
+        --env VLLM_CPU_OMP_THREADS_BIND=nobind
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def profile_yaml(config: str, paths: dict, port: int, args, surface: Path | None
             # vLLM 0.32.0 cannot load its AOT compile cache and compiles again at every start; the older cache
             # loads (a start 53 s instead of 86-95 s here, the same tokens/s; bench_vllm_start.py): cheaper switches
             f"    VLLM_USE_AOT_COMPILE: '0'\n"
+            + "".join(f"    {k}: '{v}'\n" for k, v in args.env)
             + fallback
             + "monitor:\n  interval: 1s\nengine:\n  ready_timeout: 900\nsupervisor:\n  stop_timeout: 20\n"
         )
@@ -357,6 +359,15 @@ def main() -> None:
         choices=CONFIGS,
         default=["managed", "static-spec", "static-none"],
         help="the deployments to run (static-spec and static-none always: the ratios are against them)",
+    )
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        type=lambda v: tuple(v.split("=", 1)),
+        metavar="KEY=VALUE",
+        help="vllm: server.env of every deployment (e.g. VLLM_CPU_OMP_THREADS_BIND=nobind, which specops renders "
+        "for twins: the static ones then bind alike)",
     )
     ap.add_argument("--json")
     args = ap.parse_args()
