@@ -71,7 +71,7 @@ def profile_yaml(kind: str, paths: dict, port: int, args) -> str:
         rest = (
             f"fallback:\n  chain: [none]\n  mode: {args.policy}\n  draft_cost_ratio: {args.draft_cost_ratio}\n"
             f"routing:\n  twins: [none]\n  classes:\n    {key}\n    min_draft_tokens: {args.min_draft_tokens}\n"
-            f"    explore: {args.explore}\n    window: {args.class_window}\n"
+            f"    explore: {args.explore}\n    window: {args.class_window}\n    learn: {args.learn}\n"
         )
     else:
         rest = "fallback:\n  enabled: false\n"
@@ -80,6 +80,8 @@ def profile_yaml(kind: str, paths: dict, port: int, args) -> str:
             f"name: routing-{kind}\nbackend: vllm\nmodel:\n  id: {paths['target']}\n  dtype: float32\n"
             f"  max_model_len: 1024\n{spec}server:\n  port: {port}\n  parallel: {args.parallel}\n  env:\n"
             "    VLLM_CPU_KVCACHE_SPACE: '1'\n    VLLM_USE_AOT_COMPILE: '0'\n"
+            # every deployment's threads unbound, as specops renders a twin pair's (fair: not one core each)
+            "    VLLM_CPU_OMP_THREADS_BIND: nobind\n"
             + rest
             + "monitor:\n  interval: 1s\nengine:\n  ready_timeout: 900\nsupervisor:\n  stop_timeout: 20\n"
         )
@@ -276,7 +278,7 @@ def report(res: dict, summary: dict, args, m: dict, load: tuple) -> None:
         f"llama-server -t {args.llama_threads} (llamacpp), {args.parallel} slots per engine; {args.clients} client(s) per class "
         f"(code greedy, creative temperature 1.3), {args.tokens} tokens/request (ignore_eos); "
         f"{args.slot:g} s per mode per round, {args.rounds} rounds, order rotating; twin policy {args.policy} "
-        f"(classes: min_draft_tokens {args.min_draft_tokens}, explore {args.explore}); "
+        f"(classes: min_draft_tokens {args.min_draft_tokens}, explore {args.explore}, learn {args.learn}); "
         f"load average {load[0]:.1f} before, {load[1]:.1f} after\n"
     )
     print("Requests each class took to learn (the router's count when its verdict appeared):\n")
@@ -325,6 +327,7 @@ def main() -> None:
     ap.add_argument("--min-draft-tokens", type=int, default=100, help="routing.classes.min_draft_tokens")
     ap.add_argument("--explore", type=float, default=0.05, help="routing.classes.explore")
     ap.add_argument("--class-window", default="60s", help="routing.classes.window")
+    ap.add_argument("--learn", default="together", choices=("together", "one_at_a_time"), help="routing.classes.learn")
     ap.add_argument("--learn-timeout", type=float, default=120.0)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=16)

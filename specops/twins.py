@@ -451,6 +451,7 @@ class TwinEngines(CanaryMixin):
                 "refused": {str(k): v for k, v in self.upstreams.refused.items()},
                 "classes": self.classes.snapshot(now) if self.classes is not None else [],
                 "classes_forgotten": self.classes.forgotten if self.classes is not None else 0,
+                "learning": self.classes.learner(now) if self.classes is not None else None,
             },
             "canary": self._canary_snapshot(),
         }

@@ -211,6 +211,36 @@ def test_router_learned_classes_measure_decide_and_explore(tmp_path):
     assert missing.key == "-"
 
 
+def test_router_learns_one_class_at_a_time(tmp_path):
+    router, _ = _router(
+        tmp_path,
+        "routing:\n  twins: [none]\n  classes: {key: header, header: X-Task, window: 32s, explore: 0.5, "
+        "learn: one_at_a_time}\n",
+    )
+
+    def to(task: str, now: float):
+        r = router.route("/v1/completions", request_headers(x_task=task), b"{}", BOTH, now)
+        return r.engine, r.reason
+
+    assert to("code", 0.0) == (0, "class-learning")  # the first undecided class takes the turn
+    assert to("poems", 0.5) == (1, "class-waiting")  # another waits on the engine without speculation
+    assert to("code", 1.0) == (0, "class-learning")
+    router.classes.decide("code", False, "acceptance 0.1")  # a verdict hands the turn on
+    assert to("poems", 1.5) == (0, "class-learning")
+    # while poems learns, a class whose verdict is off does not explore onto the speculating engine
+    assert [to("code", 2.0 + i / 10) for i in range(4)] == [(1, "class")] * 4
+    assert to("chat", 2.6) == (1, "class-waiting")
+    # the holder not seen for a bucket (window/16 = 2 s) loses the turn; then code's explore share returns
+    assert to("chat", 5.0) == (0, "class-learning")
+    router.classes.decide("chat", True, "acceptance 0.9")
+    assert router.classes.learner(5.1) is None
+    assert (0, "class-explore") in [to("code", 5.2 + i / 10) for i in range(2)]
+    # learn: together (the default): every undecided class is measured on the speculating engine at once
+    together, _ = _router(tmp_path, "routing:\n  twins: [none]\n  classes: {key: header, header: X-Task}\n")
+    reasons = {together.route("/v1/completions", request_headers(x_task=t), b"{}", BOTH).reason for t in "ab"}
+    assert reasons == {"class-learning"}
+
+
 def test_router_class_key_by_system_prompt_is_a_hash(tmp_path):
     router, _ = _router(tmp_path, "routing:\n  twins: [none]\n  classes: {key: system}\n")
     body = _body(messages=[{"role": "system", "content": "secret instructions"}])

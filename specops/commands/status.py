@@ -368,6 +368,8 @@ def _print_twins(st: dict) -> None:
         if not isinstance(row, dict):
             continue
         verdict = {True: "speculate", False: "no speculation", None: "learning"}.get(row.get("speculate"), "?")
+        if verdict == "learning" and routing.get("learning") not in (None, row.get("class")):
+            verdict = "waiting to learn"  # routing.classes.learn: one_at_a_time, another class holds the turn
         a, mal = _num(row.get("acceptance")), _num(row.get("mean_acceptance_length"))
         on, off = _num(row.get("tokens_per_s_on")), _num(row.get("tokens_per_s_off"))
         click.echo(

