@@ -211,13 +211,25 @@ def _routes(up: Up, t0: float) -> list[str]:
 
 def _decisions(up: Up, t0: float) -> list[dict]:
     """The managed deployment's switches: when (seconds into the run), why, the numbers it decided on, and how long
-    the switch took (drain, stop, start to ready: the next ``switch-complete`` event)."""
+    the switch took (drain, stop, start to ready: the next ``switch-complete`` event; to a warm twin: the
+    milliseconds to the ``route`` event that moved the default route)."""
     events = up.events()
     out = []
     for i, e in enumerate(events):
         if e["event"] != "decision" or e.get("action") != "switch":
             continue
-        done = next((x for x in events[i + 1 :] if x["event"] == "switch-complete"), {})
+        done = next(
+            (
+                x
+                for x in events[i + 1 :]
+                if x["event"] == "switch-complete" or (x["event"] == "route" and x.get("scope") == "default")
+            ),
+            {},
+        )
+        if done.get("event") == "route":
+            took = {"route_ms": round((done["ts"] - e["ts"]) * 1000, 1)}
+        else:
+            took = {k: done.get(k) for k in ("drain_s", "stop_s", "start_to_ready_s", "total_s") if k in done}
         out.append(
             {
                 "t": round(e["ts"] - t0, 1),
@@ -231,7 +243,7 @@ def _decisions(up: Up, t0: float) -> list[dict]:
                     k: e["numbers"].get(k)
                     for k in ("sustained_s", "switch_cost_s", "switch_cost_basis", "gain_tokens", "cost_tokens")
                 },
-                "switch": {k: done.get(k) for k in ("drain_s", "stop_s", "start_to_ready_s", "total_s") if k in done},
+                "switch": took,
             }
         )
     return out
