@@ -82,6 +82,7 @@ def profile_yaml(kind: str, paths: dict, port: int, args) -> str:
             "    VLLM_CPU_KVCACHE_SPACE: '1'\n    VLLM_USE_AOT_COMPILE: '0'\n"
             # every deployment's threads unbound, as specops renders a twin pair's (fair: not one core each)
             "    VLLM_CPU_OMP_THREADS_BIND: nobind\n"
+            + "".join(f"    {k}: '{v}'\n" for k, v in args.env)
             + rest
             + "monitor:\n  interval: 1s\nengine:\n  ready_timeout: 900\nsupervisor:\n  stop_timeout: 20\n"
         )
@@ -327,6 +328,14 @@ def main() -> None:
     ap.add_argument("--min-draft-tokens", type=int, default=100, help="routing.classes.min_draft_tokens")
     ap.add_argument("--explore", type=float, default=0.05, help="routing.classes.explore")
     ap.add_argument("--class-window", default="60s", help="routing.classes.window")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        type=lambda v: tuple(v.split("=", 1)),
+        metavar="KEY=VALUE",
+        help="vllm: server.env of every deployment, beside VLLM_CPU_OMP_THREADS_BIND=nobind (repeatable)",
+    )
     ap.add_argument("--learn", default="together", choices=("together", "one_at_a_time"), help="routing.classes.learn")
     ap.add_argument("--learn-timeout", type=float, default=120.0)
     ap.add_argument("--hidden", type=int, default=768)

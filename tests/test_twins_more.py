@@ -411,11 +411,15 @@ def test_vllm_engines_side_by_side_are_not_pinned_to_the_same_cores(tmp_path):
         at = LoadedProfile(loaded.profile.at_step(step), loaded.document, loaded.path)
         return dict(render_plan(at, get_registry(), backend_version=version, probe=False).env)
 
-    assert [env("", "0.32.0", step).get("VLLM_CPU_OMP_THREADS_BIND") for step in (0, 1)] == ["nobind", "nobind"]
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in env("", "0.27.1", 0)
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in env("", "0.32.0", 0, base=VLLM.replace("routing:\n  twins: [none]\n", ""))
-    mine = env("server: {env: {VLLM_CPU_OMP_THREADS_BIND: '0|1'}}\n", "0.32.0", 0)
-    assert mine["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    twins = [env("", "0.32.0", step) for step in (0, 1)]
+    assert [e.get("VLLM_CPU_OMP_THREADS_BIND") for e in twins] == ["nobind", "nobind"]
+    assert [e.get("OMP_WAIT_POLICY") for e in twins] == ["PASSIVE", "PASSIVE"]  # no spinning beside the other
+    old = env("", "0.27.1", 0)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in old and old["OMP_WAIT_POLICY"] == "PASSIVE"
+    alone = env("", "0.32.0", 0, base=VLLM.replace("routing:\n  twins: [none]\n", ""))
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in alone and "OMP_WAIT_POLICY" not in alone
+    mine = env("server: {env: {VLLM_CPU_OMP_THREADS_BIND: '0|1', OMP_WAIT_POLICY: ACTIVE}}\n", "0.32.0", 0)
+    assert (mine["VLLM_CPU_OMP_THREADS_BIND"], mine["OMP_WAIT_POLICY"]) == ("0|1", "ACTIVE")
 
 
 def test_a_vllm_answer_with_its_own_counters_feeds_its_class_window(tmp_path):

