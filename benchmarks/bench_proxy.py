@@ -16,13 +16,19 @@ to measure against a real engine instead (vLLM / llama-server), with ``--model``
     .venv/bin/python benchmarks/bench_proxy.py --json out.json      # also write the results as JSON
     .venv/bin/python benchmarks/bench_proxy.py --baseline HEAD~1 --loops asyncio uvloop   # before/after
     .venv/bin/python benchmarks/bench_proxy.py --http aiohttp lean --concurrency 16        # the two HTTP layers
+    .venv/bin/python benchmarks/bench_proxy.py --bare aiohttp uvicorn      # bare pass-through HTTP layers beside it
 
 ``--baseline REV`` runs a second proxy process from ``specops/proxy`` as it was at git revision REV (on
 asyncio's loop, as before), and ``--loops`` runs the current proxy once per event loop given; every proxy
 takes its turn in the same alternating rounds as the direct runs, so before and after are measured side by
 side under the same load. ``--http`` runs the current proxy once per HTTP layer of its public port
-(``proxy.http``: ``aiohttp``, ``lean``), in the same rounds. Each row reports the pooled p50/p99 and the median over rounds of each round's
-added p50 (robust to drift between rounds).
+(``proxy.http``: ``aiohttp``, ``lean``), in the same rounds. ``--bare`` adds bare pass-through proxies, the
+HTTP layer alone with none of specops' checks, queue or routing (a lower bound of what a proxy on that layer
+costs): ``aiohttp`` (aiohttp's server) and ``uvicorn`` (an ASGI app on uvicorn with httptools and uvloop), both
+forwarding through one pooled aiohttp ``ClientSession``, so they differ only in the server side. uvicorn is no
+dependency of specops: install it where the bench can import it (``pip install --target DIR uvicorn`` and
+``PYTHONPATH=DIR``). Each row reports the pooled p50/p99 and the median over rounds of each round's added p50
+(robust to drift between rounds).
 """
 
 from __future__ import annotations
@@ -99,6 +105,97 @@ async def _serve_proxy(upstream: str, module_path: str | None = None, http: str 
     loop.add_signal_handler(signal.SIGINT, stop.set)
     await stop.wait()
     await proxy.stop()
+
+
+#: not forwarded by the bare proxies (hop-by-hop, or set by the server that answers)
+_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "host", "proxy-connection"})
+
+
+async def _serve_bare(kind: str, upstream: str) -> None:
+    """A bare pass-through proxy on ``kind``'s server (``aiohttp`` or ``uvicorn``), aiohttp's pooled client
+    to the engine: method, target, headers less hop-by-hop, body; the answer streamed back as it comes."""
+    import signal
+    import socket
+
+    import aiohttp
+
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+        auto_decompress=False,
+        timeout=aiohttp.ClientTimeout(total=None),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    sock.setblocking(False)
+    if kind == "aiohttp":
+        from aiohttp import web
+
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
+            body = await request.read()
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+            async with session.request(request.method, upstream + request.raw_path, data=body, headers=headers) as r:
+                resp = web.StreamResponse(status=r.status)
+                resp.headers.update({k: v for k, v in r.headers.items() if k.lower() not in _HOP})
+                await resp.prepare(request)
+                async for chunk in r.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+
+        runner = web.ServerRunner(web.Server(handle, access_log=None), handle_signals=False)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        print(f"LISTENING {sock.getsockname()[1]}", flush=True)
+        await stop.wait()
+        await runner.cleanup()
+    else:
+        import uvicorn
+
+        async def app(scope, receive, send):
+            body, more = b"", True
+            while more:
+                msg = await receive()
+                body += msg.get("body", b"")
+                more = msg.get("more_body", False)
+            target = scope["raw_path"].decode("latin-1") + (
+                "?" + scope["query_string"].decode("latin-1") if scope["query_string"] else ""
+            )
+            headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+            headers = {k: v for k, v in headers if k.lower() not in _HOP}
+            async with session.request(scope["method"], upstream + target, data=body, headers=headers) as r:
+                out = [
+                    (k.encode("latin-1"), v.encode("latin-1")) for k, v in r.headers.items() if k.lower() not in _HOP
+                ]
+                await send({"type": "http.response.start", "status": r.status, "headers": out})
+                async for chunk in r.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        config = uvicorn.Config(
+            app,
+            http="httptools",
+            loop="none",
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            timeout_keep_alive=30,
+        )
+        server = uvicorn.Server(config)
+        server.install_signal_handlers = lambda: None  # uvicorn < 0.29; later ones read capture_signals
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        print(f"LISTENING {sock.getsockname()[1]}", flush=True)
+        await asyncio.wait([task, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await task
+    await session.close()
 
 
 def _spawn(argv: list[str], timeout: float = 20.0) -> tuple[subprocess.Popen, int]:
@@ -255,6 +352,7 @@ async def _bench(args, engine_url: str, proxies: dict[str, tuple[str, int | None
             round_p50: dict[str, list[float]] = {n: [] for n in names}
             round_p99: dict[str, list[float]] = {n: [] for n in names}
             cpu0 = {n: _cpu_seconds(pid) for n, (_, pid) in proxies.items()}
+            results.setdefault("loadavg_1m_at_blocks", []).append(os.getloadavg()[0])
             n_req = args.requests if not service_ms else args.requests // 4
             per_client = max(8 if service_ms else 1, n_req // c)
             for rnd in range(args.rounds):
@@ -296,6 +394,7 @@ async def _bench(args, engine_url: str, proxies: dict[str, tuple[str, int | None
         for c in args.concurrency:
             tok = {n: [0, 0.0] for n in names}
             cpu0 = {n: _cpu_seconds(pid) for n, (_, pid) in proxies.items()}
+            results.setdefault("loadavg_1m_at_blocks", []).append(os.getloadavg()[0])
             per_client = max(2, args.stream_requests // c)
             for rnd in range(args.stream_rounds):
                 for name in order(rnd):
@@ -418,12 +517,25 @@ def main(argv=None) -> int:
         default=None,
         help="HTTP layer(s) of the current proxy's public port, one proxy process each (default: the proxy's default)",
     )
+    p.add_argument(
+        "--bare",
+        nargs="+",
+        choices=("aiohttp", "uvicorn"),
+        default=[],
+        help="also run bare pass-through proxies on these servers (uvloop, aiohttp's client to the engine)",
+    )
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--serve-proxy", help=argparse.SUPPRESS)  # internal: run the proxy process
     p.add_argument("--serve-module", help=argparse.SUPPRESS)  # internal: the proxy module file to run
     p.add_argument("--serve-loop", default="asyncio", help=argparse.SUPPRESS)
     p.add_argument("--serve-http", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--serve-bare", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.serve_proxy and args.serve_bare:
+        import uvloop
+
+        uvloop.run(_serve_bare(args.serve_bare, args.serve_proxy))
+        return 0
     if args.serve_proxy:
         if args.serve_loop == "uvloop":
             import uvloop
@@ -490,6 +602,11 @@ def main(argv=None) -> int:
                     + (f", proxy.http {http}" if http else ""),
                 )
             )
+        for kind in args.bare:
+            server = "aiohttp's server" if kind == "aiohttp" else "uvicorn (httptools, ASGI)"
+            specs.append(
+                (f"bare-{kind}", None, "uvloop", f"bare:{kind}", f"bare pass-through: {server}, aiohttp client, uvloop")
+            )
         proxies: dict[str, tuple[str, int | None]] = {}
         for name, module, loop_name, http, _ in specs:
             argv = [
@@ -502,7 +619,9 @@ def main(argv=None) -> int:
             ]
             if module:
                 argv += ["--serve-module", module]
-            if http:
+            if http and http.startswith("bare:"):
+                argv += ["--serve-bare", http[5:]]
+            elif http:
                 argv += ["--serve-http", http]
             proc, pport = _spawn(argv)
             procs.append(proc)
@@ -514,11 +633,16 @@ def main(argv=None) -> int:
         load0 = os.getloadavg()[0]
         res = asyncio.run(_bench(args, engine_url, proxies, stream_extra))
         res["loadavg_1m"] = [load0, os.getloadavg()[0]]
+        res["utc"] = [
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(time.time() - (time.monotonic() - t0))),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        ]
         text = _report(args, res, engine_desc, {name: desc for name, _, _, _, desc in specs})
         print(text)
         print(
             f"total {time.monotonic() - t0:.1f}s, cpus={os.cpu_count()}, python {sys.version.split()[0]}, "
-            f"1-min load average before/after {res['loadavg_1m'][0]:.2f}/{res['loadavg_1m'][1]:.2f}"
+            f"1-min load average before/after {res['loadavg_1m'][0]:.2f}/{res['loadavg_1m'][1]:.2f}, "
+            f"at each block {' '.join(f'{v:.1f}' for v in res['loadavg_1m_at_blocks'])}"
         )
         if args.json:
             Path(args.json).write_text(
