@@ -423,6 +423,41 @@ async def _bench(args, engine_url: str, proxies: dict[str, tuple[str, int | None
     return results
 
 
+#: the figures :func:`_summary` gives as [median, min, max] over runs
+_SUMMED = {
+    "latency": (
+        "direct_p50_ms",
+        "added_p50_ms",
+        "median_round_added_p50_ms",
+        "added_p99_ms",
+        "median_round_added_p99_ms",
+        "proxy_cpu_us_per_request",
+    ),
+    "throughput": ("direct_tok_s", "ratio", "proxy_cpu_us_per_token"),
+}
+
+
+def _summary(runs: list[dict]) -> dict:
+    """Per proxy and concurrency (and service time): each figure of :data:`_SUMMED` as [median, min, max]
+    over the runs."""
+    out: dict = {}
+    for kind, figures in _SUMMED.items():
+        rows: dict[tuple, list[dict]] = {}
+        for res in runs:
+            for r in res[kind]:
+                rows.setdefault((r["proxy"], r["clients"], r.get("service_ms")), []).append(r)
+        out[kind] = []
+        for (proxy, clients, service_ms), rs in rows.items():
+            row: dict = {"proxy": proxy, "clients": clients}
+            if service_ms is not None:
+                row["service_ms"] = service_ms
+            for f in figures:
+                vals = [r[f] for r in rs if r[f] is not None]
+                row[f] = [_median(vals), min(vals), max(vals)] if vals else None
+            out[kind].append(row)
+    return out
+
+
 def _us(v) -> str:
     return "n/a" if v is None else f"{v:.0f} us"
 
@@ -524,6 +559,7 @@ def main(argv=None) -> int:
         default=[],
         help="also run bare pass-through proxies on these servers (uvloop, aiohttp's client to the engine)",
     )
+    p.add_argument("--runs", type=int, default=1, help="repeat the whole measurement; the JSON adds a summary")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--serve-proxy", help=argparse.SUPPRESS)  # internal: run the proxy process
     p.add_argument("--serve-module", help=argparse.SUPPRESS)  # internal: the proxy module file to run
@@ -629,28 +665,41 @@ def main(argv=None) -> int:
         # the stand-in reads a per-request token delay from the body (a real engine ignores no such field,
         # so it is only sent to the stand-in)
         stream_extra = {} if args.engine_url else {"x_token_delay": args.token_delay}
-        t0 = time.monotonic()
-        load0 = os.getloadavg()[0]
-        res = asyncio.run(_bench(args, engine_url, proxies, stream_extra))
-        res["loadavg_1m"] = [load0, os.getloadavg()[0]]
-        res["utc"] = [
-            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(time.time() - (time.monotonic() - t0))),
-            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        ]
-        text = _report(args, res, engine_desc, {name: desc for name, _, _, _, desc in specs})
-        print(text)
-        print(
-            f"total {time.monotonic() - t0:.1f}s, cpus={os.cpu_count()}, python {sys.version.split()[0]}, "
-            f"1-min load average before/after {res['loadavg_1m'][0]:.2f}/{res['loadavg_1m'][1]:.2f}, "
-            f"at each block {' '.join(f'{v:.1f}' for v in res['loadavg_1m_at_blocks'])}"
-        )
-        if args.json:
-            Path(args.json).write_text(
-                json.dumps(
-                    {"args": {k: v for k, v in vars(args).items() if not k.startswith("serve_")}, "results": res},
-                    indent=1,
-                )
+        runs = []
+        for run in range(args.runs):
+            t0 = time.monotonic()
+            load0 = os.getloadavg()[0]
+            res = asyncio.run(_bench(args, engine_url, proxies, stream_extra))
+            res["loadavg_1m"] = [load0, os.getloadavg()[0]]
+            res["utc"] = [
+                time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(time.time() - (time.monotonic() - t0))),
+                time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            ]
+            runs.append(res)
+            if args.runs > 1:
+                print(f"--- run {run + 1} of {args.runs}")
+            print(_report(args, res, engine_desc, {name: desc for name, _, _, _, desc in specs}))
+            print(
+                f"total {time.monotonic() - t0:.1f}s, cpus={os.cpu_count()}, python {sys.version.split()[0]}, "
+                f"1-min load average before/after {res['loadavg_1m'][0]:.2f}/{res['loadavg_1m'][1]:.2f}, "
+                f"at each block {' '.join(f'{v:.1f}' for v in res['loadavg_1m_at_blocks'])}",
+                flush=True,
             )
+        summary = _summary(runs)
+        if args.runs > 1:
+            print(f"--- median (min..max) of {args.runs} runs")
+            for row in summary["latency"] + summary["throughput"]:
+                print(
+                    "  ".join(
+                        f"{k} {v}" if not isinstance(v, list) else f"{k} {v[0]:.3g} ({v[1]:.3g}..{v[2]:.3g})"
+                        for k, v in row.items()
+                    )
+                )
+        if args.json:
+            doc = {"args": {k: v for k, v in vars(args).items() if not k.startswith("serve_")}}
+            doc["proxies"] = {name: desc for name, _, _, _, desc in specs}
+            doc.update({"results": runs[0]} if args.runs == 1 else {"runs": runs, "summary": summary})
+            Path(args.json).write_text(json.dumps(doc, indent=1))
     finally:
         for proc in reversed(procs):
             _stop(proc)
