@@ -1,7 +1,7 @@
 """The profile: one deployment described in YAML, validated by pydantic models.
 
 This is the module to import: :func:`load_profile` reads, merges, interpolates and validates a profile file
-into a :class:`LoadedProfile`. The pieces live beside it: the section models in
+into a :class:`~specops.config.loaded.LoadedProfile`. The pieces live beside it: the section models in
 :mod:`specops.config.sections` (the single source of truth for validation, defaults, the JSON Schema and
 the README's field reference), the mapping of pydantic's errors to YAML locations in
 :mod:`specops.config.validation`, and the cross-field rules in :mod:`specops.config.rules`, so every error
@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specops.config import yamlsource
-from specops.config.located import Document, format_path, redact_problems
+from specops.config.loaded import LoadedProfile
 from specops.config.rules import semantic_problems
 from specops.config.sections import (
     ENV_NAME,
@@ -54,7 +53,7 @@ from specops.config.sections import (
     check_version_text,
 )
 from specops.config.validation import validate_document
-from specops.errors import Problem, ProfileError
+from specops.errors import ProfileError
 from specops.paths import builtin_env
 
 if TYPE_CHECKING:
@@ -99,23 +98,6 @@ __all__ = [
     "semantic_problems",
     "validate_document",
 ]
-
-
-@dataclass(frozen=True)
-class LoadedProfile:
-    """A validated profile plus the document it came from (for locating later findings)."""
-
-    profile: Profile
-    document: Document
-    path: str
-
-    def problem(self, path: tuple, message: str, *, key: bool = False, field: str | None = None) -> Problem:
-        """A problem located at field ``path`` (at its key when ``key``) of this profile's source.
-
-        Values that ``${VAR}`` took from the environment are hidden in the message.
-        """
-        problem = Problem(self.document.locate(path, key=key), format_path(path) if field is None else field, message)
-        return redact_problems([problem], self.document.env_texts)[0]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from specops.config.deploy import K8S_LABEL_KEY, K8S_LABEL_VALUE
+from specops.config.loaded import LoadedProfile
 from specops.config.located import quote_value
 from specops.config.routing import routing_problems
 from specops.config.sections import (
@@ -27,7 +28,6 @@ from specops.methods import NEEDS_DRAFT, Method
 from specops.redact import secret_flag
 
 if TYPE_CHECKING:
-    from specops.config.profile import LoadedProfile
     from specops.plugins import Registry
 
 #: What a rule finds: the path of the field to fix and what is wrong with it.

@@ -31,6 +31,7 @@ from specops.config.located import (
     redact_problems,
     shown_path,
 )
+from specops.config.sections import TOP_LEVEL_FIELDS
 from specops.errors import Location, Problem, ProfileError
 
 MAX_EXTENDS_DEPTH = 16
@@ -106,12 +107,6 @@ def profile_roots(path: Path, env: Mapping[str, str] | None = None) -> tuple[Pat
     return tuple(roots)
 
 
-def _profile_fields() -> frozenset[str]:
-    from specops.config.profile import Profile  # here: profile imports this module
-
-    return frozenset(Profile.model_fields) | {"extends"}
-
-
 @dataclass
 class _LoadContext:
     env: Mapping[str, str] | None
@@ -164,7 +159,7 @@ def _parse_base(text: str, display: str, ctx: _LoadContext, where: Location | No
             f"{name} is not a specops profile: not valid YAML{at} (details are not shown for a file "
             f"that does not read as a profile)"
         ) from None
-    fields = ctx.fields if ctx.fields is not None else _profile_fields()
+    fields = ctx.fields if ctx.fields is not None else TOP_LEVEL_FIELDS
     if not isinstance(node, yaml.MappingNode) or node.tag != "tag:yaml.org,2002:map":
         raise refuse(f"{name} is not a specops profile (a profile is a YAML mapping of profile fields)")
     keys = [k for k, _v in node.value]
