@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specops.errors import SpecopsError
+from specops.k8s.names import lease_names
 from specops.run.switchgate import DirectoryGate, GateError, Slot
 
 __all__ = ["LeaseGate", "gate_for", "identity", "lease_names"]
@@ -36,13 +37,6 @@ REQUEST_TIMEOUT = (3.0, 5.0)  # connect, read: seconds of one socket operation o
 #: Seconds one gate call (its requests and their retries together) may take; below the coordinator's 10 s
 #: call timeout, so that its thread is free again when the coordinator gives up on it.
 CALL_DEADLINE = 8.0
-
-
-def lease_names(profile_name: str, slots: int) -> list[str]:
-    """The Leases of a deployment's switch slots (also what the rendered Role allows)."""
-    from specops.k8s.manifests import k8s_name
-
-    return [f"specops-{k8s_name(profile_name)}-switch-{i}" for i in range(slots)]
 
 
 def identity(env: Mapping[str, str]) -> str:

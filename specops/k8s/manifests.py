@@ -40,6 +40,7 @@ from specops.k8s.layout import (
     group_notes,
     profile_problems,
 )
+from specops.k8s.names import k8s_name
 from specops.k8s.source import content_hash, dump, env_reference, merged_source
 from specops.k8s.twins import twin_notes
 from specops.methods import Method
@@ -79,14 +80,6 @@ class Rendered:
     name: str
     objects: list[tuple[str, dict]] = field(default_factory=list)  # (file name, object)
     notes: list[str] = field(default_factory=list)
-
-
-def k8s_name(name: str) -> str:
-    """A profile name as a DNS-1035 label usable by every object and by LeaderWorkerSet pod hostnames."""
-    out = "".join(c if c.isalnum() and c.isascii() else "-" for c in name.lower())
-    if not out[:1].isalpha():
-        out = "specops-" + out
-    return out[:50].strip("-")
 
 
 def labels(p: Profile) -> dict[str, str]:

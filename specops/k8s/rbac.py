@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specops.config.sections import Profile
-from specops.k8s.lease import lease_names
+from specops.k8s.names import lease_names
 
 GROUP = "coordination.k8s.io"
 
