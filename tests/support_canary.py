@@ -67,7 +67,7 @@ class CanaryRegistry:
 
 def main(argv: list[str]) -> int:
     from specops.config.profile import load_profile
-    from specops.up import UpOptions, up_blocking
+    from specops.serve.up import UpOptions, up_blocking
 
     loaded = load_profile(argv[1] if argv[:1] == ["up"] else argv[0], registry=CanaryRegistry())
     return up_blocking(

@@ -1,6 +1,6 @@
 """`specops up` wired exactly as in production, with the stand-in engine (support_upstream.py) as its engine.
 
-Run ``python tests/support_standin.py PROFILE`` to run :func:`specops.up.up_blocking` for PROFILE with a
+Run ``python tests/support_standin.py PROFILE`` to run :func:`specops.serve.up.up_blocking` for PROFILE with a
 registry whose ``llamacpp`` backend renders the stand-in instead of llama-server (it keeps every other
 capability of the llama.cpp backend: metrics prefix, live timings, log acceptance). Each method gets the
 acceptance in :data:`ACCEPTANCE`, so a threshold fallback is quick and certain.
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     """``[up] PROFILE``: run through a link named ``specops`` with ``up``, it has the command line of the
     real entry script, which ``specops down`` checks before it signals."""
     from specops.config.profile import load_profile
-    from specops.up import UpOptions, up_blocking
+    from specops.serve.up import UpOptions, up_blocking
 
     loaded = load_profile(argv[1] if argv[:1] == ["up"] else argv[0])
     return up_blocking(

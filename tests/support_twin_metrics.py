@@ -1,6 +1,6 @@
 """A real `/specops/metrics` exposition of a deployment with a twin and learned classes.
 
-Built from the real parts `specops up` builds (the profile loader, :class:`~specops.twins.TwinEngines` with its
+Built from the real parts `specops up` builds (the profile loader, :class:`~specops.serve.twins.TwinEngines` with its
 router, routed upstreams and class windows, the watcher's metrics registry); no engine is started: a routed request
 is counted as the proxy counts an answered one, and a class window is fed the counters a response reports. For the
 dashboard and alert-rule tests, which must query only series that exist.
@@ -34,7 +34,7 @@ def twin_metrics_text() -> str:
 
     from specops.config.profile import load_profile
     from specops.run.instance import EventLog
-    from specops.twins import TwinEngines
+    from specops.serve.twins import TwinEngines
     from specops.watch.decide import FallbackDecider
     from specops.watch.watcher import SpecopsMetrics
 

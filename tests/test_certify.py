@@ -266,7 +266,7 @@ def test_a_pinned_hub_revision_is_the_revision(hf_profile):
 
 
 def test_up_warns_on_a_stale_certificate_and_refuses_when_required(hf_profile):
-    from specops.up import _check_certificate
+    from specops.serve.up import _check_certificate
 
     profile, _, draft = hf_profile
     certify_now(profile)

@@ -1,12 +1,13 @@
 """The package's layers point one way: a module imports only from its own layer or the layers below it.
 
-    base → config → backends → resolve → run → watch → proxy → perf → k8s → app
+    base → config → backends → resolve → run → watch → proxy → perf → adapt → k8s → serve → app
     devenv (beside them: it may use any layer but app; only app may use it)
 
 `base` is the handful of small modules every layer needs (errors, paths, methods, redaction, hook specs
-and the plugin registry, which finds backends through entry points and imports none of them). `app` is
-the command line and the wiring of `specops up`; only it may use `devenv` (the CPU engines, test models
-and the support-matrix runner for development), so nothing that runs in production depends on them. Imports inside functions count too: a lazy import is still a dependency.
+and the plugin registry, which finds backends through entry points and imports none of them). `serve` is the
+running deployment (`specops up`'s wiring, its twins and canary). `app` is the command line and the doctor; only
+it may use `devenv` (the CPU engines, test models and the support-matrix runner for development), so nothing
+that runs in production depends on them. Imports inside functions count too: a lazy import is still a dependency.
 """
 
 from __future__ import annotations
@@ -41,15 +42,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("perf", ("specops.perf",)),
     ("adapt", ("specops.adapt",)),
     ("k8s", ("specops.k8s",)),
+    ("serve", ("specops.serve",)),
     (
         "app",
         (
-            "specops.up",
-            "specops.twins",
-            "specops.canary",
             "specops.doctor",
-            "specops.doctor_hub",
-            "specops.doctor_profile",
             "specops.commands",
             "specops.cli",
             "specops.__main__",

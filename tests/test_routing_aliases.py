@@ -176,7 +176,7 @@ def test_class_speed_and_mean_acceptance_length_from_answers():
 def _twins(tmp_path, loaded):
     from support_goodput import Events
 
-    from specops.twins import TwinEngines
+    from specops.serve.twins import TwinEngines
     from specops.watch.decide import FallbackDecider
     from specops.watch.watcher import SpecopsMetrics
 

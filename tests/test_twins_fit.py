@@ -213,7 +213,7 @@ def test_each_vllm_engine_is_rendered_with_its_share(tmp_path):
     from specops.config.profile import LoadedProfile
     from specops.config.routing import with_gpu_share
     from specops.plugins import get_registry
-    from specops.up import _step_renderer
+    from specops.serve.up import _step_renderer
 
     path = _vllm_profile(tmp_path, GIB)
     path.write_text(path.read_text().replace("memory_gb: 24", "memory_gb: 24, memory_utilization: 0.8"))

@@ -42,7 +42,7 @@ def _profile(tmp_path, extra: str = "", base: str = BASE):
 
 def _twins(tmp_path, loaded, events=None, surface=None):
     """TwinEngines as `specops up` builds them (their supervisors are built, never run), the real decider."""
-    from specops.twins import TwinEngines
+    from specops.serve.twins import TwinEngines
 
     events = events or Events()
     decider = FallbackDecider.from_profile(loaded.profile, events=events, say=lambda m: None, surface=surface)

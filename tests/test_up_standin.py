@@ -1,4 +1,4 @@
-"""`specops up` as wired in production (specops.up), on the stand-in engine: a threshold fallback under
+"""`specops up` as wired in production (specops.serve.up), on the stand-in engine: a threshold fallback under
 traffic through the proxy, then `specops status` and `specops down` from outside, like an operator.
 
 The stand-in (support_standin.py) renders support_upstream.py for every method; ngram "accepts" 0.2, so

@@ -93,12 +93,12 @@ class Layout:
 def detect_gpus(wanted: str | None) -> tuple[list[Gpu], str]:
     """The GPUs the profile may use and how they were found: ``wanted`` (``--gpus``: ``all``, ``none``/``cpu``,
     or indices ``0,1``), nvidia-smi's list, less what ``CUDA_VISIBLE_DEVICES`` hides."""
-    from specops.doctor import _nvidia_smi
+    from specops.doctor.base import nvidia_smi
 
     wanted = (wanted or "all").strip().lower()
     if wanted in ("none", "cpu", ""):
         return [], "CPU only (--gpus none)"
-    listed, how = _nvidia_smi()
+    listed, how = nvidia_smi()
     seen = {g["index"]: Gpu(g["index"], g["name"], g["memory_mib"] / 1024) for g in listed or []}
     if wanted != "all":
         try:

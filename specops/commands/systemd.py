@@ -1,6 +1,6 @@
 """``specops systemd``: a systemd unit that runs ``specops up PROFILE`` as a service.
 
-The unit follows how ``specops up`` itself stops (:mod:`specops.up`, :mod:`specops.run.supervise`,
+The unit follows how ``specops up`` itself stops (:mod:`specops.serve.up`, :mod:`specops.run.supervise`,
 :mod:`specops.run.process`, :meth:`specops.proxy.Proxy.drain`):
 
 - SIGTERM (or SIGINT) makes specops stop: a switch in progress finishes its drain (``proxy.drain_timeout``,

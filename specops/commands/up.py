@@ -6,7 +6,7 @@ import click
 
 from specops.commands._common import load, profile_argument, version_param
 from specops.plugins import get_registry
-from specops.up import UpOptions, up_blocking
+from specops.serve.up import UpOptions, up_blocking
 
 
 @click.command()

@@ -114,7 +114,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
             say=console.say,
             on_check=up.write_state,
         )
-    if profile.routing.enabled:  # twins: engines beside the primary, routed per request (specops.twins)
+    if profile.routing.enabled:  # twins: engines beside the primary, routed per request (specops.serve.twins)
         up.twins = _twins(up, registry, metrics, opts)
     up.sup = _supervisor(up, _step_renderer(loaded, registry, engine, engine_host, engine_port), opts)
     up.fleet = _fleet(up, metrics)
@@ -331,7 +331,7 @@ def _proxy(up: _Instance, live: LiveCounters | None, metrics: SpecopsMetrics):
 
 def _twins(up: _Instance, registry, metrics: SpecopsMetrics, opts: UpOptions):
     """The twins of ``routing.twins``: one supervisor each, on a loopback port of its own, behind the proxy."""
-    from specops.twins import TwinEngines
+    from specops.serve.twins import TwinEngines
 
     loaded = up.loaded
 
@@ -465,7 +465,7 @@ def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[
     render = _step_renderer(loaded, registry, up.engine, host, int(port))
     render(0)
     policy = Policy.from_profile(loaded)  # a relative surface: from the reloaded profile's folder
-    if up.twins is not None:  # a new draft is measured on live traffic first (routing.canary, specops.twins)
+    if up.twins is not None:  # a new draft is measured on live traffic first (routing.canary, specops.serve.twins)
         if up.twins.abort_canary("a newer profile file was reloaded before the canary concluded"):
             if loaded.profile == up.loaded.profile:  # back to what the primary runs: nothing to restart
                 return True
@@ -525,7 +525,7 @@ def _reload_now(up: _Instance, loaded: LoadedProfile, render, policy, changes: l
         return False
     up.watcher.repoint(loaded.profile, policy, reader)
     up.loaded = loaded
-    if up.twins is not None:  # route rules, class settings, twins added, removed or restarted (specops.twins)
+    if up.twins is not None:  # route rules, class settings, twins added, removed or restarted (specops.serve.twins)
         up.twins.reload(loaded.profile)
     return True
 

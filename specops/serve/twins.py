@@ -12,7 +12,7 @@ the decider orders to a step a live twin runs is a route change (:meth:`TwinEngi
 no restart, and every change of route is a ``route`` event with its reason.
 
 A reloaded profile whose draft changed, with ``routing.canary`` on, is measured first by a canary engine beside
-the others (:mod:`specops.canary`, whose methods :class:`TwinEngines` has).
+the others (:mod:`specops.serve.canary`, whose methods :class:`TwinEngines` has).
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from specops.canary import Canary, CanaryMixin, TaggedEvents, canary_metrics
 from specops.proxy.router import EngineInfo, Route, Router
 from specops.proxy.routes import EngineHandle, EngineUpstream, RoutedUpstreams, drain_generation
 from specops.run.events import EngineReady, FallbackOrder, State, StateChanged, StepChanged, StepFailed
 from specops.run.start import free_port
 from specops.run.supervise import ReloadOrder, Supervisor
+from specops.serve.canary import Canary, CanaryMixin, TaggedEvents, canary_metrics
 from specops.watch.canary import CANARY, CURRENT
 from specops.watch.classes import ClassTable
 
 __all__ = ["TwinEngines", "engine_infos"]
 
-log = logging.getLogger("specops.twins")
+log = logging.getLogger("specops.serve.twins")
 
 
 def engine_infos(profile) -> list[EngineInfo]:

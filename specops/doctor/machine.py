@@ -1,18 +1,4 @@
-"""``specops doctor``: check the machine (and a profile) and say what to fix, one line per finding.
-
-Each check gives a :class:`Check`: ``ok``, ``warning`` (works, but not as you may think) or ``error``
-(``specops up`` would fail, or the profile is wrong), what was found, and one line of what to do. Nothing
-here starts an engine or binds a port beyond a loopback bind test; the Hub is asked one small question
-(unless offline), Prometheus one ``/-/ready``. A check that fails in an unforeseen way becomes an error
-row naming the check, never a traceback.
-
-The checks, in order: specops itself; the profile (validation); the engines (where each was found, its
-version and llama-server flag generation, and how discovery searched: ``engine.python``,
-``engine.executable``, PATH, specops' CPU development engines); the GPUs the engine would see
-(``nvidia-smi``, ``CUDA_VISIBLE_DEVICES``); the profile's ports; the state folder; the Hub (or offline
-mode), the HF cache and token; Prometheus for ``promql`` profiles; then for a profile the lock, the
-resolution and compatibility checks, the render, and the memory fit.
-"""
+"""``specops doctor``: the machine: specops itself, the engines, the GPUs, the profile's ports, the state folder."""
 
 from __future__ import annotations
 
@@ -21,184 +7,19 @@ import os
 import shutil
 import socket
 import stat
-import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from specops import __version__
-from specops.errors import ProfileError, SpecopsError
-
-OK, WARNING, ERROR = "ok", "warning", "error"
-LEVELS = (OK, WARNING, ERROR)
-#: How long an outside program (nvidia-smi, an engine's --version) may take.
-TOOL_TIMEOUT_S = 15.0
+from specops.doctor.base import ERROR, OK, WARNING, Check, Context, one_line
+from specops.errors import SpecopsError
 
 
-@dataclass
-class Check:
-    """One finding: ``level`` ok | warning | error, what was found (``summary``), what to do (``fix``)."""
-
-    name: str
-    level: str
-    summary: str
-    fix: str = ""
-    details: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "check": self.name,
-            "level": self.level,
-            "summary": self.summary,
-            "fix": self.fix,
-            "details": self.details,
-        }
-
-
-@dataclass
-class Report:
-    checks: list[Check] = field(default_factory=list)
-    profile: str | None = None
-
-    @property
-    def errors(self) -> int:
-        return sum(c.level == ERROR for c in self.checks)
-
-    @property
-    def warnings(self) -> int:
-        return sum(c.level == WARNING for c in self.checks)
-
-    @property
-    def ok(self) -> bool:
-        return self.errors == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "profile": self.profile,
-            "errors": self.errors,
-            "warnings": self.warnings,
-            "checks": [c.to_dict() for c in self.checks],
-        }
-
-    def lines(self) -> list[str]:
-        out = [f"specops doctor{f' {self.profile}' if self.profile else ''}"]
-        width = max((len(c.name) for c in self.checks), default=8)
-        for c in self.checks:
-            out.append(f"  {c.level:<7}  {c.name:<{width}}  {c.summary}")
-            pad = " " * (2 + 7 + 2 + width + 2)
-            out += [f"{pad}{d}" for d in c.details]
-            if c.fix:
-                out.append(f"{pad}fix: {c.fix}")
-        n_err, n_warn = self.errors, self.warnings
-        out.append(
-            f"{n_err} error{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)}"
-            + ("" if n_err else ": nothing blocks `specops up`" if self.profile else "")
-        )
-        return out
-
-
-@dataclass
-class _Context:
-    """What the checks share: the loaded profile (None without one or when it did not load), settings."""
-
-    registry: Any
-    offline: bool
-    profile_path: str | None = None
-    loaded: Any = None
-    gpus: list[dict] | None = None  # what nvidia-smi listed
-    _smi: tuple[list[dict] | None, str] | None = None
-
-    def nvidia(self) -> tuple[list[dict] | None, str]:
-        """nvidia-smi's answer, asked once."""
-        if self._smi is None:
-            self._smi = _nvidia_smi()
-        return self._smi
-
-    hub_ok: bool = False
-    resolved: Any = None  # the LoadedProfile after resolution
-    resolution: Any = None
-
-
-def run_doctor(profile_path: str | None, *, offline: bool = False, registry=None) -> Report:
-    """Every check, for the machine and (when given) one profile."""
-    if registry is None:
-        from specops.plugins import get_registry
-
-        registry = get_registry()
-    from specops.doctor_hub import _hf_cache, _hf_token, _hub, _prometheus
-    from specops.doctor_profile import _lock, _memory, _render, _resolve
-
-    ctx = _Context(registry=registry, offline=offline, profile_path=profile_path)
-    report = Report(profile=profile_path)
-    steps: list[tuple[str, Callable[[_Context], list[Check]]]] = [
-        ("specops", _specops),
-        ("profile", _profile),
-        ("engine", _engines),
-        ("gpus", _gpus),
-        ("ports", _ports),
-        ("state", _state),
-        ("hub", _hub),
-        ("hf-cache", _hf_cache),
-        ("hf-token", _hf_token),
-        ("prometheus", _prometheus),
-        ("lock", _lock),
-        ("resolve", _resolve),
-        ("render", _render),
-        ("memory", _memory),
-    ]
-    for name, step in steps:
-        try:
-            report.checks += step(ctx)
-        except Exception as exc:  # a check must never end the report: say which one broke, and go on
-            report.checks.append(
-                Check(name, ERROR, f"doctor could not check this: {type(exc).__name__}: {_one_line(str(exc))}")
-            )
-    return report
-
-
-def _one_line(text: str, limit: int = 400) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# ------------------------------------------------------------------------------------------ specops
-
-
-def _specops(ctx: _Context) -> list[Check]:
+def check_specops(ctx: Context) -> list[Check]:
     return [Check("specops", OK, f"specops {__version__} on Python {sys.version.split()[0]} ({sys.executable})")]
-
-
-def _profile(ctx: _Context) -> list[Check]:
-    if ctx.profile_path is None:
-        return []
-    from specops.config.profile import load_profile
-
-    try:
-        ctx.loaded = load_profile(ctx.profile_path, registry=ctx.registry)
-    except ProfileError as exc:
-        problems = [str(p) for p in exc.problems]
-        return [
-            Check(
-                "profile",
-                ERROR,
-                f"does not validate: {_one_line(problems[0])}",
-                "fix the field named above (`specops validate` lists every problem); "
-                "the profile checks below are skipped",
-                [_one_line(p) for p in problems[1:8]],
-            )
-        ]
-    except SpecopsError as exc:
-        return [Check("profile", ERROR, f"cannot load: {_one_line(str(exc))}", "the profile checks below are skipped")]
-    p = ctx.loaded.profile
-    layout = (
-        "CPU only" if p.gpus.devices == [] else f"GPUs {p.gpus.devices}" if p.gpus.devices else "GPUs: engine default"
-    )
-    return [Check("profile", OK, f"{p.name}: {p.backend}, method {p.speculative.method.value}, {layout}")]
 
 
 # ------------------------------------------------------------------------------------------ engines
@@ -217,7 +38,7 @@ def _describe(backend, info) -> str:
     return f"{info.version}" + (f" (flag generation {gen})" if gen else "")
 
 
-def _engines(ctx: _Context) -> list[Check]:
+def check_engines(ctx: Context) -> list[Check]:
     if ctx.profile_path is not None and ctx.loaded is None:
         return []
     if ctx.loaded is not None:
@@ -252,7 +73,7 @@ def _engines(ctx: _Context) -> list[Check]:
                 info = backend.engine_info(_with_program(backend, program), probe=True)
                 version = _describe(backend, info)
             except SpecopsError as exc:
-                version = f"unusable: {_one_line(str(exc), 200)}"
+                version = f"unusable: {one_line(str(exc), 200)}"
             out.append(
                 Check(
                     f"engine {name}",
@@ -289,7 +110,7 @@ def _probed(label: str, backend, where: str, looked: list[str], probe_with) -> t
         info = backend.engine_info(probe_with, probe=True)
     except SpecopsError as exc:
         check = Check(
-            label, ERROR, f"found {where} but it does not work: {_one_line(str(exc))}", _fix_of(backend.install_hint)
+            label, ERROR, f"found {where} but it does not work: {one_line(str(exc))}", _fix_of(backend.install_hint)
         )
         return check, None
     return Check(
@@ -297,7 +118,7 @@ def _probed(label: str, backend, where: str, looked: list[str], probe_with) -> t
     ), info
 
 
-def _profile_engine(ctx: _Context) -> Check:
+def _profile_engine(ctx: Context) -> Check:
     from specops.backends.devengines import DEV_ENGINE
 
     p = ctx.loaded.profile
@@ -308,7 +129,7 @@ def _profile_engine(ctx: _Context) -> Check:
         try:
             info = backend.engine_info(p, probe=True)
         except SpecopsError as exc:
-            return Check(label, ERROR, _one_line(str(exc)), _fix_of(getattr(backend, "install_hint", "")))
+            return Check(label, ERROR, one_line(str(exc)), _fix_of(getattr(backend, "install_hint", "")))
         return Check(label, OK, f"{_display(backend)} {_describe(backend, info)} ({info.source})")
     where, looked = found
     pinned = p.engine.version
@@ -352,35 +173,7 @@ def _profile_engine(ctx: _Context) -> Check:
 # --------------------------------------------------------------------------------------------- GPUs
 
 
-def _nvidia_smi() -> tuple[list[dict] | None, str]:
-    """GPUs nvidia-smi lists (None when it is missing or fails) and what happened, in words."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None, "no nvidia-smi on PATH"
-    query = "--query-gpu=index,name,memory.total,memory.used"
-    try:
-        res = subprocess.run(
-            [exe, query, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"{exe} did not run: {type(exc).__name__}"
-    if res.returncode != 0:
-        first = (res.stderr or res.stdout).strip().splitlines()
-        return None, f"{exe} failed (exit {res.returncode}): {_one_line(first[0] if first else '', 200)}"
-    gpus = []
-    for line in res.stdout.splitlines():
-        parts = [x.strip() for x in line.split(",")]
-        if len(parts) < 4 or not parts[0].isdigit():
-            continue
-        try:
-            total, used = float(parts[2]), float(parts[3])
-        except ValueError:
-            total = used = float("nan")
-        gpus.append({"index": int(parts[0]), "name": parts[1][:100], "memory_mib": total, "used_mib": used})
-    return gpus, exe
-
-
-def _gpus(ctx: _Context) -> list[Check]:
+def check_gpus(ctx: Context) -> list[Check]:
     p = ctx.loaded.profile if ctx.loaded is not None else None
     devices = p.gpus.devices if p is not None else None
     gpus, how = ctx.nvidia()
@@ -449,7 +242,7 @@ def _gpus(ctx: _Context) -> list[Check]:
 # -------------------------------------------------------------------------------------------- ports
 
 
-def _ports(ctx: _Context) -> list[Check]:
+def check_ports(ctx: Context) -> list[Check]:
     if ctx.loaded is None:
         return []
     p = ctx.loaded.profile
@@ -518,7 +311,7 @@ def _running_instance(p) -> bool:
 # -------------------------------------------------------------------------------------------- state
 
 
-def _state(ctx: _Context) -> list[Check]:
+def check_state(ctx: Context) -> list[Check]:
     from specops.paths import state_dir
 
     setting = ctx.loaded.profile.supervisor.state_dir if ctx.loaded is not None else None

@@ -7,7 +7,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from specops.doctor import ERROR, OK, WARNING, Check, _Context, _one_line
+from specops.doctor.base import ERROR, OK, WARNING, Check, Context, one_line
 
 #: A small public repo that always exists: asked for when the profile names no Hub model.
 PROBE_REPO = "openai-community/gpt2"
@@ -15,7 +15,7 @@ PROBE_REPO = "openai-community/gpt2"
 # ---------------------------------------------------------------------------------------------- Hub
 
 
-def _hub(ctx: _Context) -> list[Check]:
+def check_hub(ctx: Context) -> list[Check]:
     from specops.resolve.hub import Hub, env_offline, hub_endpoint
     from specops.resolve.huberrors import HubError
 
@@ -51,19 +51,19 @@ def _hub(ctx: _Context) -> list[Check]:
                 Check(
                     "hub",
                     ERROR,
-                    f"{endpoint} reachable, but model.id {repo}: {_one_line(str(exc))}",
+                    f"{endpoint} reachable, but model.id {repo}: {one_line(str(exc))}",
                     "accept the model's license on the Hub and set HF_TOKEN"
                     if exc.kind != "not_found"
                     else "check model.id (and HF_TOKEN for a private repo)",
                 )
             ]
         if exc.kind == "unauthorized":
-            return [Check("hub", ERROR, _one_line(str(exc)), "renew the token (HF_TOKEN or `hf auth login`)")]
+            return [Check("hub", ERROR, one_line(str(exc)), "renew the token (HF_TOKEN or `hf auth login`)")]
         return [
             Check(
                 "hub",
                 WARNING,
-                f"{endpoint} not usable: {_one_line(str(exc))}",
+                f"{endpoint} not usable: {one_line(str(exc))}",
                 "resolution falls back to lock files, the HF cache and the catalog; on a machine without "
                 "internet set HF_HUB_OFFLINE=1 (and run `specops lock` where the Hub is reachable)",
             )
@@ -78,7 +78,7 @@ def _hub_timeout() -> float:
     return default_timeout()
 
 
-def _hf_cache(ctx: _Context) -> list[Check]:
+def check_hf_cache(ctx: Context) -> list[Check]:
     from specops.resolve.hub import Hub, hf_cache_dir
 
     cache = hf_cache_dir()
@@ -131,7 +131,7 @@ def _hf_cache(ctx: _Context) -> list[Check]:
     return out
 
 
-def _hf_token(ctx: _Context) -> list[Check]:
+def check_hf_token(ctx: Context) -> list[Check]:
     """Whether a token is set, and where from: never its value."""
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
         if os.environ.get(var, "").strip():
@@ -162,7 +162,7 @@ def _hf_token(ctx: _Context) -> list[Check]:
 # ------------------------------------------------------------------------------------------ Prometheus
 
 
-def _prometheus(ctx: _Context) -> list[Check]:
+def check_prometheus(ctx: Context) -> list[Check]:
     if ctx.loaded is None or ctx.loaded.profile.monitor.source != "promql":
         return []
     from specops.urls import redact_url, split_userinfo
@@ -190,7 +190,7 @@ def _prometheus(ctx: _Context) -> list[Check]:
             Check(
                 "prometheus",
                 ERROR,
-                f"cannot reach Prometheus at {shown}: {_one_line(str(reason), 200)}",
+                f"cannot reach Prometheus at {shown}: {one_line(str(reason), 200)}",
                 "start Prometheus or fix monitor.prometheus_url; `monitor.source: scrape` reads the engine directly",
             )
         ]

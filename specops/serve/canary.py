@@ -9,8 +9,8 @@ tally (:meth:`~specops.watch.decide.FallbackDecider.judge_canary`): passed, the 
 retired); worse, or not proven in ``max_duration``, the canary is retired, the primary keeps its draft, and the
 reload is reported rejected (``canary_rolled_back``).
 
-Kept apart from :mod:`specops.twins` (the engines kept warm beside the primary), whose
-:class:`~specops.twins.TwinEngines` runs the canary with the methods of :class:`CanaryMixin`: they share its
+Kept apart from :mod:`specops.serve.twins` (the engines kept warm beside the primary), whose
+:class:`~specops.serve.twins.TwinEngines` runs the canary with the methods of :class:`CanaryMixin`: they share its
 router, upstreams, events and task list.
 """
 
@@ -33,7 +33,7 @@ from specops.watch.canary import CANARY, CanaryTally
 
 __all__ = ["Canary", "CanaryMixin", "TaggedEvents", "canary_metrics", "draft_changed", "draft_of"]
 
-log = logging.getLogger("specops.twins")  # the canary is part of the twins' runtime
+log = logging.getLogger("specops.serve.twins")  # the canary is part of the twins' runtime
 
 
 class TaggedEvents:
@@ -103,7 +103,7 @@ class Canary:
 
 
 class CanaryMixin:
-    """The canary's part of :class:`~specops.twins.TwinEngines` (``self.canary``: the one measured now, else None;
+    """The canary's part of :class:`~specops.serve.twins.TwinEngines` (``self.canary``: the one measured now, else None;
     ``last_canary`` and ``canary_outcomes``: how they ended)."""
 
     def wants_canary(self, old, new) -> str | None:

@@ -1,14 +1,40 @@
-"""``specops doctor`` for a profile: its lock, resolution, render and memory fit."""
+"""``specops doctor`` for a profile: its validation, lock, resolution, render and memory fit."""
 
 from __future__ import annotations
 
-from specops.doctor import ERROR, OK, WARNING, Check, _Context, _one_line
+from specops.doctor.base import ERROR, OK, WARNING, Check, Context, one_line
 from specops.errors import ProfileError, SpecopsError
 
-# -------------------------------------------------------------------------------- lock, resolve, render
+
+def check_profile(ctx: Context) -> list[Check]:
+    if ctx.profile_path is None:
+        return []
+    from specops.config.profile import load_profile
+
+    try:
+        ctx.loaded = load_profile(ctx.profile_path, registry=ctx.registry)
+    except ProfileError as exc:
+        problems = [str(p) for p in exc.problems]
+        return [
+            Check(
+                "profile",
+                ERROR,
+                f"does not validate: {one_line(problems[0])}",
+                "fix the field named above (`specops validate` lists every problem); "
+                "the profile checks below are skipped",
+                [one_line(p) for p in problems[1:8]],
+            )
+        ]
+    except SpecopsError as exc:
+        return [Check("profile", ERROR, f"cannot load: {one_line(str(exc))}", "the profile checks below are skipped")]
+    p = ctx.loaded.profile
+    layout = (
+        "CPU only" if p.gpus.devices == [] else f"GPUs {p.gpus.devices}" if p.gpus.devices else "GPUs: engine default"
+    )
+    return [Check("profile", OK, f"{p.name}: {p.backend}, method {p.speculative.method.value}, {layout}")]
 
 
-def _lock(ctx: _Context) -> list[Check]:
+def check_lock(ctx: Context) -> list[Check]:
     if ctx.loaded is None:
         return []
     from specops.resolve.lock import lock_path, read_lock, stale_reason
@@ -30,16 +56,14 @@ def _lock(ctx: _Context) -> list[Check]:
     try:
         lock = read_lock(path)
     except SpecopsError as exc:
-        return [Check("lock", ERROR, _one_line(str(exc)), f"`specops lock {ctx.loaded.path}` rewrites it")]
+        return [Check("lock", ERROR, one_line(str(exc)), f"`specops lock {ctx.loaded.path}` rewrites it")]
     stale = stale_reason(lock, ctx.loaded.profile)
     if stale:
-        return [
-            Check("lock", WARNING, f"{path.name} is stale: {_one_line(stale)}", f"`specops lock {ctx.loaded.path}`")
-        ]
+        return [Check("lock", WARNING, f"{path.name} is stale: {one_line(stale)}", f"`specops lock {ctx.loaded.path}`")]
     return [Check("lock", OK, f"{path.name} is current")]
 
 
-def _resolve(ctx: _Context) -> list[Check]:
+def check_resolve(ctx: Context) -> list[Check]:
     if ctx.loaded is None:
         return []
     from specops.config.profile import LoadedProfile
@@ -60,16 +84,16 @@ def _resolve(ctx: _Context) -> list[Check]:
             Check(
                 "resolve",
                 ERROR,
-                f"{what}: {_one_line(errors[0].message)}",
+                f"{what}: {one_line(errors[0].message)}",
                 "`up` would start the next method of the fallback chain (checks: enforce); "
                 "`specops resolve` lists drafts that fit",
-                [_one_line(f.message) for f in errors[1:6]],
+                [one_line(f.message) for f in errors[1:6]],
             )
         )
     else:
         out.append(Check("resolve", OK, f"{what}: the compatibility checks pass{how}"))
     for f in warnings[:6]:
-        out.append(Check("resolve", WARNING, _one_line(f.message), _field_fix(f.path)))
+        out.append(Check("resolve", WARNING, one_line(f.message), _field_fix(f.path)))
     return out
 
 
@@ -77,7 +101,7 @@ def _field_fix(path: tuple) -> str:
     return f"see {'.'.join(str(p) for p in path)} in the profile" if path else ""
 
 
-def _render(ctx: _Context) -> list[Check]:
+def check_render(ctx: Context) -> list[Check]:
     if ctx.loaded is None:
         return []
     from specops.backends.render import render_plan
@@ -86,25 +110,25 @@ def _render(ctx: _Context) -> list[Check]:
     try:
         plan = render_plan(loaded, ctx.registry)
     except ProfileError as exc:
-        return [Check("render", ERROR, _one_line(str(exc.problems[0])), "fix the field named above")]
+        return [Check("render", ERROR, one_line(str(exc.problems[0])), "fix the field named above")]
     except SpecopsError as exc:
         pinned = "" if loaded.profile.engine.version else " (or pin engine.version to render without an engine)"
-        return [Check("render", ERROR, f"cannot render: {_one_line(str(exc))}", "see the engine check above" + pinned)]
+        return [Check("render", ERROR, f"cannot render: {one_line(str(exc))}", "see the engine check above" + pinned)]
     return [
         Check(
             "render",
             OK,
             f"{plan.backend} {plan.engine_version}, method {plan.method.value}",
-            details=[_one_line(plan.shell(), 1000), *[_one_line(n, 300) for n in plan.notes]],
+            details=[one_line(plan.shell(), 1000), *[one_line(n, 300) for n in plan.notes]],
         )
     ]
 
 
-def _memory(ctx: _Context) -> list[Check]:
+def check_memory(ctx: Context) -> list[Check]:
     return _weights_fit(ctx) + _twins_fit(ctx)
 
 
-def _twins_fit(ctx: _Context) -> list[Check]:
+def _twins_fit(ctx: Context) -> list[Check]:
     """With twins: the engines beside each other against this machine's GPUs (each engine's share of the smallest
     one the profile uses) or, for engines on CPU whose memory adds up, its available memory."""
     res = ctx.resolution
@@ -131,15 +155,15 @@ def _twins_fit(ctx: _Context) -> list[Check]:
             Check(
                 "memory",
                 ERROR,
-                _one_line(f.message, 600),
+                one_line(f.message, 600),
                 f"see {'.'.join(str(x) for x in f.path)} in the profile",
             )
             for f in errors
         ]
-    return [Check("memory", OK, _one_line(f.message, 600)) for f in findings]
+    return [Check("memory", OK, one_line(f.message, 600)) for f in findings]
 
 
-def _weights_fit(ctx: _Context) -> list[Check]:
+def _weights_fit(ctx: Context) -> list[Check]:
     res = ctx.resolution
     if ctx.loaded is None or res is None:
         return []
