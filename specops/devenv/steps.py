@@ -68,6 +68,22 @@ def logs_dir() -> Path:
     return cache_dir() / "logs"
 
 
+def dir_size(path: Path) -> int:
+    """Bytes used by the files under ``path`` (links not followed)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(root, f))
+            except OSError:
+                continue
+            total += st.st_size
+    return total
+
+
 # -------------------------------------------------------------------------------------------- markers
 
 
