@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -48,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _adapt import measure_runs, stage, work_folder  # noqa: E402
 from _harness import Up  # noqa: E402
 
 #: Traffic A: function words; traffic B: single letters (each one token of the shared vocabulary).
@@ -208,8 +208,6 @@ def promote(profile: Path, draft: Path, args) -> dict:
 def evaluate(profile: Path, drafts: dict[str, Path], sets: dict[str, list[str]], tokens: int, runs: int) -> dict:
     """Each draft on each held-out set, and the target alone, on the real engine: one launch each, a warm-up,
     then the prompts ``runs`` times at one client (tokens/s median; acceptance over all runs)."""
-    from bench_adapt_eagle3_drift import measure_runs
-
     from specops.config.profile import load_profile
     from specops.perf.workload import Prompt
 
@@ -234,30 +232,6 @@ def overlap(cap_a: Path, cap_b: Path) -> dict:
 
     a, b = words(cap_a), words(cap_b)
     return {"A_answer_words": len(a), "B_answer_words": len(b), "B_words_in_A": len(a & b)}
-
-
-def work_folder(work: Path, fresh: bool) -> Path:
-    """The run's folder (emptied first with ``fresh``), with specops' state kept in it unless SPECOPS_STATE says."""
-    if fresh and work.exists():
-        import shutil
-
-        shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("SPECOPS_STATE", str(work / "state"))
-    return work
-
-
-def stage(work: Path, name: str, fn):
-    """A stage's result, computed once and kept in ``work`` (so a rerun resumes after the last finished one)."""
-    path = work / f"stage-{name}.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    t0 = time.monotonic()
-    print(f"== {name}", flush=True)
-    value = fn()
-    value = {"value": value, "seconds": round(time.monotonic() - t0, 1)}
-    path.write_text(json.dumps(value, indent=1))
-    return value
 
 
 def main(argv=None) -> int:

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_adapt_drift import stage, work_folder  # noqa: E402
+from _adapt import measure_runs, stage, work_folder  # noqa: E402
 from bench_adapt_eagle3 import _profile, capture  # noqa: E402
 
 #: Traffic A: words whose greedy continuations (on hf-cycle) end in its two largest cycles;
@@ -108,40 +107,6 @@ def untrained(profile: Path, cap: Path, out: Path) -> dict:
     opts = TrainOptions(steps=0, batch=8, seq=128, lr=3e-3, checkpoint_every=1)
     outcome = train_vllm_eagle3(load_profile(profile).profile, cap, out, opts, python=vllm_python())
     return {"draft": str(outcome.draft), **outcome.result}
-
-
-async def measure_runs(loaded, draft: str | None, prompts, runs: int) -> dict:
-    """One launch: a warm-up, then the prompts ``runs`` times at one client; acceptance over all runs (greedy:
-    the same tokens each run), tokens/s per run. ``draft`` None: the target alone (speculation off)."""
-    from specops.perf.launch import launched, without_speculation
-    from specops.perf.workload import run_workload
-    from specops.plugins import get_registry
-
-    if draft is None:
-        prof = without_speculation(loaded.profile)
-    else:
-        prof = loaded.profile.model_copy(
-            update={"speculative": loaded.profile.speculative.model_copy(update={"draft": draft})}
-        )
-    rates, errors = [], 0
-    async with launched(loaded, get_registry(), profile=prof) as eng:
-        await run_workload(eng.base_url, eng.model_name, prompts[:2], concurrency=1, api_key=eng.api_key)
-        before = await eng.settled_counters()
-        for _ in range(runs):
-            res = await run_workload(eng.base_url, eng.model_name, prompts, concurrency=1, api_key=eng.api_key)
-            rates.append(round(res.tokens_per_s, 1))
-            errors += len(res.errors)
-        stats = await eng.acceptance_since(before) if draft is not None else None
-    out = {"tokens_per_s_median": statistics.median(rates), "tokens_per_s_runs": rates, "errors": errors}
-    if stats is not None:
-        out |= {
-            "acceptance": None if stats.acceptance is None else round(stats.acceptance, 3),
-            "mean_acceptance_length": None
-            if stats.mean_acceptance_length is None
-            else round(stats.mean_acceptance_length, 3),
-            "per_position": [round(x, 3) for x in (stats.per_position or [])],
-        }
-    return out
 
 
 def evaluate(profiles: dict, plan: list, sets: dict, args) -> dict:
