@@ -156,7 +156,7 @@ def _check_one(
             summary["support"], summary["support_note"] = support
             summary["engine_version"] = p.engine.version
         if do_resolve:
-            from specops.resolve.check import check_loaded  # the resolver pulls in the Hub client: only when asked
+            from specops.resolve.resolver import check_loaded  # the resolver pulls in the Hub client: only when asked
 
             for finding in check_loaded(loaded, offline=offline):
                 target = problems if finding.severity == "error" else warnings

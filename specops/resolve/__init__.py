@@ -3,7 +3,7 @@
 Public API::
 
     resolve_profile(loaded, *, offline=False, use_lock=True) -> Resolution   # render / up / lock
-    check.check_loaded(loaded, *, offline=False) -> list[Finding]             # validate --resolve
+    check_loaded(loaded, *, offline=False) -> list[Finding]                   # validate --resolve
     resolve(profile, ...) -> Resolution                                       # a Profile, no lock
     lock_profile(loaded, *, offline=False) -> (path, Resolution)              # specops lock
 
@@ -21,7 +21,7 @@ _EXPORTS = {
     "Finding": "check",
     "HubError": "huberrors",
     "Resolution": "resolver",
-    "check_loaded": "check",
+    "check_loaded": "resolver",
     "lock_path": "lock",
     "lock_profile": "resolver",
     "resolve": "resolver",

@@ -7,7 +7,7 @@ TP, tokenizer identity, MTP layers, which target a head was trained for, that th
 method needs, backend and engine-version support, and weight memory. Errors refuse the launch; warnings
 are printed; infos explain what was (not) compared.
 
-:func:`check_loaded` is what ``specops validate --resolve`` calls.
+:func:`~specops.resolve.resolver.check_loaded` runs them for ``specops validate --resolve``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from specops.methods import NEEDS_DRAFT, Method
 from specops.resolve.catalog import Catalog, CatalogEntry
 from specops.resolve.detect import HEAD_METHODS, looks_like_full_model, same_model
 from specops.resolve.ggufinfo import compare_vocab
-from specops.resolve.memory import ModelSize, engine_drafts, estimate, local_size, twin_problems
+from specops.resolve.memory import ModelSize, engine_drafts, estimate, local_size, size_of_view, twin_problems
 
 DRAFT = ("speculative", "draft")
 METHOD = ("speculative", "method")
@@ -540,24 +540,9 @@ def twin_memory(
     return [Finding("info", "memory", fit.line(), ("routing", "twins"))]
 
 
-def check_loaded(loaded, *, offline: bool = False) -> list[Finding]:
-    """The resolver's errors and warnings for a loaded profile (``specops validate --resolve``).
-
-    Resolves ``auto`` the way ``render`` would (a fresh lock is verified against the Hub / cache, a stale
-    one is reported), and never raises for a failed check: errors come back as findings.
-    """
-    from specops.resolve.resolver import resolve_profile
-
-    res = resolve_profile(loaded, offline=offline, use_lock=True, verify=True, raise_errors=False)
-    notes = [Finding("warning", "lock", n, ("speculative",)) for n in res.notes if n.startswith("lock is stale")]
-    return notes + [f for f in res.findings + resolved_twin_memory(res) if f.severity in ("error", "warning")]
-
-
 def resolved_twin_memory(res, *, budget: int | None = None, budget_from: str = "") -> list[Finding]:
     """:func:`twin_memory` with the sizes the resolver found (the Hub's metadata, the chosen GGUF), else local
     files'; kept apart from the draft's findings: a twin that does not fit is no reason to refuse the draft."""
-    from specops.resolve.memory import size_of_view
-
     profile = res.profile
     if not profile.routing.twins:
         return []

@@ -20,7 +20,7 @@ from specops.errors import ProfileError, SpecopsError
 from specops.methods import NEEDS_DRAFT, Method
 from specops.resolve.auto import choose, methods_for, sort_key
 from specops.resolve.catalog import FORMATS, Catalog, CatalogEntry, format_evidence, load_catalog
-from specops.resolve.check import Finding, backend_findings, compat_findings
+from specops.resolve.check import Finding, backend_findings, compat_findings, resolved_twin_memory
 from specops.resolve.discover import Candidate, discover
 from specops.resolve.hub import Hub
 from specops.resolve.lock import apply_lock, lock_path, read_lock, stale_reason
@@ -131,6 +131,17 @@ def resolve_profile(
     res = resolve(profile, offline=offline, hub=hub, progress=progress)
     res.notes = notes + res.notes
     return _finish(res, loaded, raise_errors)
+
+
+def check_loaded(loaded, *, offline: bool = False) -> list[Finding]:
+    """The resolver's errors and warnings for a loaded profile (``specops validate --resolve``).
+
+    Resolves ``auto`` the way ``render`` would (a fresh lock is verified against the Hub / cache, a stale
+    one is reported), and never raises for a failed check: errors come back as findings.
+    """
+    res = resolve_profile(loaded, offline=offline, use_lock=True, verify=True, raise_errors=False)
+    notes = [Finding("warning", "lock", n, ("speculative",)) for n in res.notes if n.startswith("lock is stale")]
+    return notes + [f for f in res.findings + resolved_twin_memory(res) if f.severity in ("error", "warning")]
 
 
 def _lock_line(lock: dict) -> str:
