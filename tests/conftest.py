@@ -63,8 +63,9 @@ def clean_env(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_models() -> Path:
-    """The folder of generated tiny models (HF and GGUF), made once per machine (cached). The HF set is
-    made with the vLLM venv's torch: a test of llama.cpp alone takes :func:`tiny_gguf_models`."""
+    """The folder of generated tiny models (HF and GGUF), made once per machine (cached), for tests of real
+    engines (marked ``engines``). The HF set is made with the vLLM venv's torch: a test of llama.cpp alone
+    takes :func:`tiny_gguf_models`."""
     from support_engines import need_vllm_python
 
     from specops.devenv.testmodels import ensure_tiny_models
@@ -77,9 +78,13 @@ def tiny_models() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_gguf_models() -> Path:
-    """The folder of the generated tiny GGUF models alone (numpy only, no vLLM venv), made once per machine."""
+    """The folder of the generated tiny GGUF models alone (numpy only, no vLLM venv), made once per machine,
+    for tests of llama-server: such a test is marked ``engines``, and skips (fails in CI) without llama-server."""
+    from support_engines import need_llama_server
+
     from specops.devenv.testmodels import ensure_tiny_models
     from specops.paths import tiny_models_dir
 
+    need_llama_server()
     ensure_tiny_models(["gguf"])
     return tiny_models_dir()

@@ -54,7 +54,9 @@ def need_dev_engine(pattern: str) -> Path:
 
 
 def tiny_model(name: str) -> Path:
-    """A tiny generated model by name (see specops.devenv.testmodels.TINY_MODELS); HF ones skip without vLLM."""
+    """A tiny generated model by name (see specops.devenv.testmodels.TINY_MODELS), for a test of real engines;
+    HF ones skip without vLLM."""
+    require_engines_marker(f"takes the tiny model {name} that real engines serve")
     if name.startswith("hf-"):
         need_vllm_python()
     return fixtures.model_path(name)

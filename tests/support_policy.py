@@ -5,8 +5,11 @@
   mark, ``pytest.importorskip`` in a test or at a module's top. CI installs everything the suite needs
   itself (scripts/setup), so a skip there is a test that never ran counted as fine. Outside CI a skip stays
   a skip;
-- a test that starts or probes an engine must be marked ``engines`` (:func:`require_engines_marker`, called
-  by tests/support_engines.py), so that ``-m "not engines"`` is the fast tier it claims to be;
+- a test that starts or probes an engine must be marked ``engines``, so that ``-m "not engines"`` is the fast
+  tier it claims to be: :func:`require_engines_marker` fails it, called where the suite reaches a real engine
+  (tests/support_engines.py's ``need_*``, the tiny-model fixtures of tests/conftest.py, tests/support_up.py's
+  ``UpRun``), and :func:`_engine_audit` calls it for any process the test process starts from the engine cache
+  (llama-server, rpc-server, the vLLM venv's python), whoever starts it: the test, a fixture, specops itself;
 - a test marked ``engines`` that names no timeout gets :data:`ENGINES_TIMEOUT_S` (pyproject's ``timeout``
   is for the others);
 - under pytest-xdist with ``--dist loadgroup`` (scripts/test's engine pass runs ``-n 2 --dist loadgroup``) the
@@ -17,15 +20,23 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
+from specops.paths import engines_dir
+
+_NEEDS_ROOT = (
+    "it needs root to chown a folder to another user: it depends on who runs the suite, not on anything "
+    "scripts/setup installs (CI runs as root, so it runs there)"
+)
 #: The skips CI accepts: node id (or a prefix of it) → why that skip is not a missing part of the set-up.
+#: Every test that skips unless root is here (tests/test_suite_policy.py checks).
 CI_SKIP_ALLOWED: dict[str, str] = {
-    "tests/test_instance_safety.py::test_a_state_folder_of_another_user_is_refused": (
-        "it needs root to chown a folder to another user: it depends on who runs the suite, not on anything "
-        "scripts/setup installs (CI runs as root, so it runs there)"
-    ),
+    "tests/test_instance_safety.py::test_a_state_folder_of_another_user_is_refused": _NEEDS_ROOT,
+    "tests/test_security_instance.py::test_a_state_folder_of_another_user_is_refused": _NEEDS_ROOT,
 }
 
 
@@ -83,6 +94,34 @@ def require_engines_marker(what: str) -> None:
             f"{item.nodeid} {what} but is not marked `engines`: add @pytest.mark.engines (and a timeout)",
             pytrace=False,
         )
+
+
+#: The engine cache `specops engines setup` fills, read once: a test that points ``SPECOPS_CACHE`` at a cache
+#: of its own puts stand-ins there, not engines. Both spellings: the cache folder may be a link.
+_ENGINE_DIRS = {Path(os.path.abspath(engines_dir())), engines_dir().resolve()}
+
+
+def engine_program(executable, env) -> Path | None:
+    """The program a new process runs (as ``subprocess.Popen`` audits it), when it is in the engine cache."""
+    program = os.fsdecode(executable)
+    if os.sep not in program:  # looked up on the PATH it is started with
+        path = (env if env is not None else os.environ).get("PATH", os.defpath)
+        program = shutil.which(program, path=os.fsdecode(path)) or program
+    found = Path(os.path.abspath(program))  # not resolved: the vLLM venv's python links out of the cache
+    return found if any(found.is_relative_to(d) for d in _ENGINE_DIRS) else None
+
+
+def _engine_audit(event: str, args: tuple) -> None:
+    """Every process started from the test process passes here (an audit hook): one from the engine cache
+    needs the ``engines`` marker, even when a helper or specops starts it and no ``need_*`` was called."""
+    if event == "subprocess.Popen" and _RUNNING["item"] is not None:
+        executable, _argv, _cwd, env = args
+        program = engine_program(executable, env)
+        if program is not None:
+            require_engines_marker(f"starts {program.name} from the engine cache ({program})")
+
+
+sys.addaudithook(_engine_audit)  # once per process: a module is imported once
 
 
 def _in_ci() -> bool:

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+from support_policy import require_engines_marker
 from support_ports import free_port
 from support_procs import stop_group
 
@@ -64,7 +65,8 @@ def standin_up(tmp_path: Path, profile: Path, script: str) -> subprocess.Popen:
 
 
 class UpRun:
-    """`specops up PROFILE` in the background; always stopped (and checked for orphans) on exit."""
+    """`specops up PROFILE` on a real engine, in the background (the test is marked ``engines``); always stopped
+    (and checked for orphans) on exit."""
 
     def __init__(self, profile: Path, state_dir: Path, name: str, env: dict | None = None):
         self.profile = profile
@@ -77,6 +79,7 @@ class UpRun:
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> UpRun:
+        require_engines_marker(f"starts `specops up {self.profile.name}` on a real engine")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(

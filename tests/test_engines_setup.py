@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from conftest import unavailable
 from support_engines import mtimes, sha256_tree
+from support_policy import require_engines_marker
 from support_ports import free_port
 from support_procs import process_group
 
@@ -47,12 +48,16 @@ def cache(tmp_path, monkeypatch):
 
 
 def need_real_vllm():
+    """support_engines.need_vllm_python for the real cache (the test's ``cache`` points SPECOPS_CACHE away)."""
+    require_engines_marker("needs the vLLM CPU venv")
     if not REAL_VLLM_READY:
         unavailable(f"vLLM CPU venv not set up at {REAL_VLLM_VENV}: run `specops engines setup vllm`")
     return REAL_VLLM_VENV / "bin" / "python"
 
 
 def need_real_llama():
+    """support_engines.need_llama_server for the real cache."""
+    require_engines_marker("needs llama-server")
     if not REAL_LLAMA_READY:
         unavailable(f"llama-server not set up at {REAL_LLAMA_BIN}: run `specops engines setup llamacpp`")
     return REAL_LLAMA_BIN

@@ -159,13 +159,12 @@ def test_init_for_a_local_gguf_on_cpu_picks_llamacpp_and_validates(tmp_path):
 @pytest.mark.timeout(300)
 def test_init_profile_for_a_local_gguf_starts_on_llama_server(tmp_path):
     from support_engines import need_llama_server, tiny_model
-
-    from specops.run.start import free_port
+    from support_ports import free_port
 
     need_llama_server()
     target = tiny_model("gguf-target.gguf")
     out = tmp_path / "tiny.yaml"
-    port = free_port("127.0.0.1")
+    port = free_port()
     env = {**no_gpus(tmp_path), "SPECOPS_STATE": str(tmp_path / "state")}
     r = specops("init", target, "--non-interactive", "--offline", "--port", port, "-o", out, env=env)
     assert r.returncode == 0, r.stdout + r.stderr

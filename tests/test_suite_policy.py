@@ -83,6 +83,25 @@ def test_an_allowed_skip_stays_a_skip_in_ci(inner, monkeypatch):
     res.assert_outcomes(skipped=1, failed=1)  # only the listed test may skip
 
 
+def test_every_test_that_skips_unless_root_is_allowed_to_in_ci():
+    """A test that skips when not run by root (``os.geteuid()`` and ``pytest.skip`` in its body) depends on who
+    runs the suite, so CI_SKIP_ALLOWED lists it: twins of one such test are listed alike."""
+    import ast
+
+    import support_policy
+
+    suite = Path(__file__).resolve().parent
+    root_only = []
+    for path in sorted(suite.glob("test_*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                calls = {ast.unparse(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)}
+                if {"os.geteuid", "pytest.skip"} <= calls:
+                    root_only.append(f"tests/{path.name}::{node.name}")
+    assert root_only, "no root-only test found: the scan is broken"
+    assert sorted(root_only) == sorted(support_policy.CI_SKIP_ALLOWED), "CI_SKIP_ALLOWED and the root-only tests differ"
+
+
 def test_a_test_that_starts_an_engine_must_be_marked_engines(inner):
     inner.makepyfile(
         test_inner_engines="""
@@ -104,6 +123,68 @@ def test_marked():
     res = inner.runpytest("-p", "no:cacheprovider")
     res.assert_outcomes(passed=1, errors=1)
     assert "test_unmarked starts llama-server but is not marked `engines`" in res.stdout.str()
+
+
+def test_every_way_to_a_real_engine_needs_the_marker(inner, monkeypatch, tmp_path):
+    """The places a test reaches a real engine without a ``need_*`` call: the tiny-model fixtures, ``UpRun``,
+    and any process started from the engine cache (by the test, a helper or specops; found on the PATH too)."""
+    import support_engines  # noqa: F401 - bound to this suite's conftest before the inner one takes the name
+    import support_policy
+
+    cache = tmp_path / "engines" / "llama.cpp-b1" / "bin"
+    cache.mkdir(parents=True)
+    for name in ("llama-server", "rpc-server"):
+        (cache / name).write_text("#!/bin/sh\nexit 0\n")
+        (cache / name).chmod(0o755)
+    monkeypatch.setattr(support_policy, "_ENGINE_DIRS", {tmp_path / "engines"})  # the engine cache of this test
+    suite = Path(__file__).resolve().parent
+    inner.makeconftest(
+        HOOKS + "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('suite_conftest', {str(suite / 'conftest.py')!r})\n"
+        "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
+        "tiny_gguf_models, tiny_models = suite.tiny_gguf_models, suite.tiny_models\n"
+    )
+    inner.makepyfile(
+        test_inner_reach=f"""
+import subprocess, sys
+from pathlib import Path
+import pytest
+from support_up import UpRun
+
+BIN = Path({str(cache)!r})
+
+def test_gguf_fixture(tiny_gguf_models):
+    pass
+
+def test_hf_fixture(tiny_models):
+    pass
+
+def test_up_run(tmp_path):
+    UpRun(tmp_path / "p.yaml", tmp_path / "state", "p").start()
+
+def test_popen_by_path():
+    subprocess.run([str(BIN / "llama-server"), "--version"], check=True)
+
+def test_popen_on_the_path():
+    subprocess.run(["rpc-server"], env={{"PATH": str(BIN)}}, check=True)
+
+def test_popen_of_anything_else():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+@pytest.mark.engines
+def test_marked_popen():
+    subprocess.run([str(BIN / "llama-server"), "--version"], check=True)
+    subprocess.run(["rpc-server"], env={{"PATH": str(BIN)}}, check=True)
+"""
+    )
+    res = inner.runpytest("-p", "no:cacheprovider", "-p", "no:xdist")
+    res.assert_outcomes(passed=2, failed=3, errors=2)
+    out = res.stdout.str()
+    assert "test_gguf_fixture needs llama-server but is not marked `engines`" in out
+    assert "test_hf_fixture needs the vLLM CPU venv but is not marked `engines`" in out
+    assert "test_up_run starts `specops up p.yaml` on a real engine but is not marked `engines`" in out
+    assert f"test_popen_by_path starts llama-server from the engine cache ({cache / 'llama-server'})" in out
+    assert f"test_popen_on_the_path starts rpc-server from the engine cache ({cache / 'rpc-server'})" in out
 
 
 def test_engines_tests_get_the_long_timeout_and_keep_their_own(inner):
@@ -178,6 +259,18 @@ def test_the_project_sets_a_default_timeout_and_lists_the_slowest_tests(pytestco
     assert "error::pytest.PytestUnhandledThreadExceptionWarning" in pytestconfig.getini("filterwarnings")
 
 
+def test_an_xfail_that_passes_fails_the_run(inner, pytestconfig):
+    """pyproject's ``xfail_strict``: an expected failure that passes is a failure (under CI too), not an XPASS
+    nobody reads."""
+    inner.makepyfile(
+        test_inner_xpass="import pytest\n\n@pytest.mark.xfail(reason='a known bug')\ndef test_fixed():\n    pass\n"
+    )
+    strict = "true" if pytestconfig.getini("xfail_strict") else "false"  # unset: None (pytest 9: `strict`)
+    res = inner.runpytest("-p", "no:cacheprovider", "-o", f"xfail_strict={strict}")
+    res.assert_outcomes(failed=1)
+    assert "[XPASS(strict)] a known bug" in res.stdout.str()
+
+
 def test_vllm_engines_of_the_tests_start_without_the_aot_compile_cache():
     """Engines inherit the test process's environment (specops.run.process); ``specops up`` run by a test
     passes it on to vLLM."""
@@ -209,6 +302,23 @@ def test_ports_never_repeat_across_runs_and_stay_out_of_the_ephemeral_range(tmp_
     assert all(support_ports.LOWEST <= p < lo for p in mine + theirs)  # no client's source port can take one
     assert set(json.loads(registry.read_text())) == {str(p) for p in mine + theirs}
     assert stat.S_IMODE(registry.stat().st_mode) == 0o600
+
+
+def test_every_test_takes_its_ports_from_the_registry():
+    """No test module takes ``free_port`` from anywhere but tests/support_ports.py: specops' own (bind to port 0,
+    close) picks from the ephemeral range and records nothing, so two runs may be handed the same port."""
+    import ast
+
+    suite = Path(__file__).resolve().parent
+    elsewhere = [
+        f"{path.name}:{node.lineno}: from {node.module} import free_port"
+        for path in sorted(suite.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ImportFrom)
+        and node.module != "support_ports"
+        and any(alias.name == "free_port" for alias in node.names)
+    ]
+    assert not elsewhere, elsewhere
 
 
 def test_a_port_in_use_is_not_handed_out(tmp_path, monkeypatch):

@@ -120,22 +120,21 @@ def test_derived_numbers_by_hand():
 
 
 @pytest.fixture(scope="module")
-def llama():
+def llama(tiny_gguf_models):
     """A real llama-server (tiny target + same-weights draft) launched by specops.perf.launch for this module."""
     from specops.config.profile import load_profile
-    from specops.devenv.testmodels import ensure_tiny_models
     from specops.perf.launch import launched
     from specops.plugins import get_registry
 
-    models = ensure_tiny_models(["gguf"])
+    models = tiny_gguf_models
     import tempfile
     from pathlib import Path
 
     tmp = Path(tempfile.mkdtemp(prefix="specops-workload-"))
     prof = tmp / "w.yaml"
     prof.write_text(
-        f"name: w\nbackend: llamacpp\nmodel:\n  id: {models['gguf-target.gguf']}\n  max_model_len: 1024\n"
-        f"speculative:\n  method: draft_model\n  draft: {models['gguf-draft-same.gguf']}\n"
+        f"name: w\nbackend: llamacpp\nmodel:\n  id: {models / 'gguf-target.gguf'}\n  max_model_len: 1024\n"
+        f"speculative:\n  method: draft_model\n  draft: {models / 'gguf-draft-same.gguf'}\n"
         "  num_speculative_tokens: 4\ngpus:\n  devices: []\nserver:\n  parallel: 2\n"
         "supervisor:\n  stop_timeout: 10\n"
     )
