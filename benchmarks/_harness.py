@@ -1,4 +1,4 @@
-"""What the real-engine benchmarks share: `specops up` as a subprocess, stopped like `specops down`."""
+"""What the benchmarks share: `specops up` as a subprocess, stopped like `specops down`; the commit a run measured."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ PROMPTS = [
     "def hello world return print self import",
     "It is the and of to in that for on with as",
 ]
+
+
+def commit_of(tree: Path) -> dict:
+    """The tree's commit and whether it had uncommitted changes: what a run's figures were measured on."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=False).stdout
+
+    return {"commit": git("rev-parse", "HEAD").strip() or None, "uncommitted": bool(git("status", "--porcelain"))}
 
 
 class Up:

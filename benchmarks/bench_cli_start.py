@@ -5,12 +5,16 @@ and the current tree), each imported through ``PYTHONPATH`` with the tree as the
 interpreter. Reports medians of wall time and of CPU time (user+sys of the child): on a shared machine the CPU
 time is the steadier of the two. Byte-code is written and used in both trees (a fresh worktree has none).
 
-    .venv/bin/python benchmarks/bench_cli_start.py --tree base=/tmp/base --tree now=. --runs 15
+    .venv/bin/python benchmarks/bench_cli_start.py --tree base=/tmp/base --tree now=. --runs 15 --json out.json
+
+``--json`` also writes every sample, the medians, each tree's commit (and whether it had uncommitted changes),
+the machine and its load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -19,6 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+from _harness import commit_of
+
+ROOT = Path(__file__).resolve().parent.parent
 PROFILE = "examples/vllm-cpu-ngram.yaml"
 
 
@@ -52,6 +59,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--profile", default=PROFILE)
     parser.add_argument("--backend-version", default="0.32.0", help="render for this version (no engine probe)")
+    parser.add_argument("--json", help="also write the samples and medians here")
     args = parser.parse_args()
     trees = [(name, Path(path).resolve()) for name, _, path in (t.partition("=") for t in args.tree)]
     commands = {
@@ -59,6 +67,7 @@ def main() -> None:
         "validate": ["validate", args.profile],
     }
     samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    load_before = os.getloadavg()
     for _name, tree in trees:  # one warm-up each: byte-code compiled, files in the page cache
         for argv in commands.values():
             run_once(tree, argv)
@@ -66,11 +75,34 @@ def main() -> None:
         for name, tree in trees:
             for command, argv in commands.items():
                 samples.setdefault((name, command), []).append(run_once(tree, argv))
+    load_after = os.getloadavg()
     print(f"{'tree':<8} {'command':<9} {'median wall s':>14} {'median cpu s':>13}  (runs={args.runs})")
+    rows = []
     for (name, command), values in samples.items():
         wall = statistics.median(v[0] for v in values)
         cpu = statistics.median(v[1] for v in values)
         print(f"{name:<8} {command:<9} {wall:>14.3f} {cpu:>13.3f}")
+        rows.append(
+            {
+                "tree": name,
+                "command": command,
+                "median_wall_s": round(wall, 4),
+                "median_cpu_s": round(cpu, 4),
+                "samples_wall_cpu_s": [[round(w, 4), round(c, 4)] for w, c in values],
+            }
+        )
+    if args.json:
+        sys.path.insert(0, str(ROOT))
+        from specops.perf.bench import machine
+
+        report = {
+            "machine": machine(),
+            "args": vars(args),
+            "trees": {name: {"path": str(tree), **commit_of(tree)} for name, tree in trees},
+            "load_average": [load_before, load_after],
+            "results": rows,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

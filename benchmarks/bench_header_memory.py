@@ -14,12 +14,14 @@ answer, or still open when it had sent everything.
     .venv/bin/python benchmarks/bench_header_memory.py --line-bytes 60000 --baseline HEAD~1   # before/after
 
 ``--baseline REV`` first runs the same attack against ``specops/proxy`` as it was at git revision REV.
+``--json PATH`` also writes each run's figures, the work tree's commit, the machine and its load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import secrets
 import subprocess
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _harness import commit_of  # noqa: E402
 from bench_proxy import _baseline_module, _proxy_class, _spawn, _stop  # noqa: E402
 
 KEY_ENV = "SPECOPS_BENCH_PROXY_KEY"  # the proxy's API key reaches the serving process in its environment
@@ -177,6 +180,16 @@ def _report(name: str, desc: str, args, r: dict) -> str:
     )
 
 
+def _figures(args, r: dict) -> dict:
+    """What the report prints, as numbers: the growth during the attack and what was still held after it."""
+    return {
+        **r,
+        "peak_growth_mib": round(r["peak"] - r["before"], 1),
+        "per_connection_kib": round((r["peak"] - r["before"]) / max(1, args.connections) * 1024),
+        "held_3s_after_close_mib": round(r["after3"] - r["before"], 1),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="specops proxy: RSS under connections that send endless headers.")
     p.add_argument("--connections", type=int, default=200)
@@ -187,6 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-connections", type=int, default=1024)
     p.add_argument("--header-timeout", type=float, default=10.0)
     p.add_argument("--baseline", metavar="REV", help="first run specops/proxy as it was at git revision REV")
+    p.add_argument("--json", metavar="PATH", help="also write the figures here")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal: the proxy process
     p.add_argument("--serve-module", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -214,6 +228,8 @@ def main(argv=None) -> int:
         f"max_connections {args.max_connections}, header_timeout {args.header_timeout:g}s\n",
         flush=True,
     )
+    load_before = os.getloadavg()
+    runs = []
     for name, module, desc in specs:
         argv_ = [
             sys.executable,
@@ -232,6 +248,18 @@ def main(argv=None) -> int:
         finally:
             _stop(proc)
         print(_report(name, desc, args, r), flush=True)
+        runs.append({"name": name, "proxy": desc, **_figures(args, r)})
+    if args.json:
+        from specops.perf.bench import machine
+
+        report = {
+            "machine": machine(),
+            "args": vars(args),
+            "work_tree": commit_of(ROOT),
+            "load_average": [load_before, os.getloadavg()],
+            "runs": runs,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
