@@ -163,7 +163,7 @@ def status(name, state_dir, as_json, fleet_url=None, by="pod", selector=None, wi
         try:
             _print(st)
         except Exception as exc:  # a state file of odd shape: one line for it, and on with the others
-            click.echo(f"{st.get('name')}: unreadable ({type(exc).__name__} while showing its state)")
+            click.echo(f"{_text(st.get('name'))}: unreadable ({type(exc).__name__} while showing its state)")
 
 
 def _fleet(name, url, by, selector, window, as_json) -> None:
@@ -214,7 +214,10 @@ def _text(value, limit: int = 200) -> str:
         else type(value).__name__
     )
     text = " ".join(text.split())  # one line, whatever the file holds
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    # what clients sent (class keys, reasons quoting them) reaches the terminal escaped: no control sequence
+    # (C0, C1 such as U+009B) or bidi override (U+202E) can move the cursor or reorder the line
+    return text if text.isprintable() else "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 #: Rules of a window that got no verdict, in words (see specops.watch.policy).

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Annotated, Literal
 
+import re2
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from specops.config.fields import Duration, Section
@@ -34,6 +35,9 @@ SPECULATION_VALUES = ("on", "off", "auto")
 MAX_CLASSES = 4096
 #: Longest system-prompt pattern (a regex runs on every request that a rule with it is tried on).
 MAX_PATTERN = 1024
+#: How much of a request's system prompt a rule's pattern is searched in: its first 8192 characters. With RE2's
+#: linear-time matching this bounds what one request costs the proxy's event loop, whatever the client sends.
+SYSTEM_MATCHED = 8192
 #: Longest model alias, and how many a profile may have (each is looked up in every request's body).
 MAX_ALIAS = 256
 MAX_ALIASES = 256
@@ -66,15 +70,28 @@ def _header_name(value: str | None) -> str | None:
     return value
 
 
+def system_pattern(value: str) -> re2._Regexp:
+    """A rule's ``match.system`` compiled for RE2, which matches in time linear in the text (no backtracking: a
+    client's system prompt cannot make a pattern run for seconds); raises :class:`ValueError` with RE2's reason
+    for what it cannot run (backreferences, lookarounds, ``\\Z``: write ``\\z``)."""
+    options = re2.Options()
+    options.log_errors = False  # the reason goes into the located error, not to stderr
+    try:
+        return re2.compile(value, options)
+    except re2.error as exc:
+        reason = exc.args[0].decode("utf-8", "replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise ValueError(
+            f"not a regular expression RE2 can run ({reason}); RE2 matches in linear time and has no "
+            "backreferences or lookarounds"
+        ) from None
+
+
 def _pattern(value: str | None) -> str | None:
     if value is None:
         return value
     if len(value) > MAX_PATTERN:
         raise ValueError(f"a pattern of at most {MAX_PATTERN} characters")
-    try:
-        re.compile(value)
-    except re.error as exc:
-        raise ValueError(f"not a regular expression: {exc}") from None
+    system_pattern(value)
     return value
 
 
@@ -97,7 +114,9 @@ class RouteMatch(Section):
     header: HeaderName | None = Field(None, description="A request header that must be present (see `value`).")
     value: str | None = Field(None, description="With `header`: its value, exactly (unset: any value).")
     system: Annotated[str, AfterValidator(_pattern)] | None = Field(
-        None, description="A regular expression searched in the system prompt (chat `messages` with role system)."
+        None,
+        description="A regular expression (RE2 syntax: no backreferences or lookarounds) searched in the first "
+        f"{SYSTEM_MATCHED} characters of the system prompt (chat `messages` with role system).",
     )
 
     @model_validator(mode="after")
@@ -122,7 +141,9 @@ class RequestClasses(Section):
     key: Literal["none", "header", "model", "system", "route"] = Field(
         "none",
         description="What makes a class: `header` (the value of `header`), `model`, `system` (a hash of the system "
-        "prompt), `route` (the path); `none`: no learned routing.",
+        "prompt), `route` (the path); `none`: no learned routing. A value longer than 64 characters or holding "
+        "characters other than `A-Za-z0-9._:/-` is named `h:` and 12 hex digits of its hash (metrics labels and "
+        "`specops status` show the key).",
     )
     header: HeaderName | None = Field(None, description="With `key: header`: the request header naming the class.")
     max_classes: int = Field(
@@ -210,7 +231,11 @@ class Routing(Section):
     client_choice: Literal["allow", "forbid"] = Field(
         "allow",
         description="Whether clients may choose with the `X-Specops-Speculation: on|off|auto` header (`forbid`: a "
-        "request that sends it gets 403).",
+        "request that sends it gets 403). Under `forbid` a fresh class key is no way to choose either: a new request "
+        "class (measured on the speculating engine) is admitted only while fewer than 8 classes were created within "
+        "`classes.window` and the class table has room (or its least recently seen class was not seen within "
+        "`classes.window`); until then its requests take the default route (the step in effect, route reason "
+        "`class-default`) and count in no class.",
     )
     aliases: dict[str, Speculation] = Field(
         default_factory=dict,
@@ -222,7 +247,10 @@ class Routing(Section):
         "them, and they are tried before the route rules.",
     )
     rules: list[RouteRule] = Field(
-        default_factory=list, description="Route rules, tried in order after the client's header and the aliases."
+        default_factory=list,
+        description="Route rules, tried in order after the client's header and the aliases: each a `match` (`path`, "
+        "`model`, `header` and `value`, `system`: a regular expression in RE2 syntax, without backreferences or "
+        f"lookarounds, searched in the first {SYSTEM_MATCHED} characters of the system prompt) and its `speculation`.",
     )
     classes: RequestClasses = Field(default_factory=RequestClasses)
     canary: Canary = Field(default_factory=Canary)

@@ -169,21 +169,29 @@ class RequestPath:
         self._c["requests"] += 1
         try:
             check_target(request)
-            if self._key is not None and (request.method, request.raw_path) not in UNAUTHENTICATED:
+            # GET/HEAD /health, open to load balancers without the key: sent to the engine the routing state
+            # names, its body never read nor routed (no client text reaches a rule or a class)
+            health = (request.method, request.raw_path) in UNAUTHENTICATED
+            if self._key is not None and not health:
                 check_key(request, self._key)
-            data, reserved = await read_body(request, self._budget, self.max_body_size, self.body_timeout)
+            data, reserved = (
+                (b"", 0) if health else await read_body(request, self._budget, self.max_body_size, self.body_timeout)
+            )
         except ClientError as exc:
             return self._refuse(request, exc)
         body = HeldBody(data, reserved, self._budget)
         del data  # the body lives in `body` only, so releasing it frees it
         try:
-            return await self._forward(request, body)
+            return await self._forward(request, body, routed=not health)
         finally:
             body.release()
 
-    async def _forward(self: Proxy, request: web.BaseRequest, body: HeldBody) -> web.StreamResponse:
+    async def _forward(
+        self: Proxy, request: web.BaseRequest, body: HeldBody, routed: bool = True
+    ) -> web.StreamResponse:
         """Send to the engine, waiting in the queue when none serves; reconnect or retry once after a
-        failure before any byte (see the module docstring). ``body`` is released once the answer starts."""
+        failure before any byte (see the module docstring). ``body`` is released once the answer starts.
+        With twins the router picks the engine, unless not ``routed``: then the default route does."""
         c = self._c
         loop = asyncio.get_running_loop()
         if self.on_timings is not None:
@@ -192,7 +200,9 @@ class RequestPath:
         retried = reconnected = False
         deadline = loop.time() + self.queue_timeout
         route = None
-        if self.routes is not None:  # twins: the router picks the engine (specops.proxy.routes)
+        if self.routes is not None and not routed:
+            route = self.routes.default_route()
+        elif self.routes is not None:  # twins: the router picks the engine (specops.proxy.routes)
             try:
                 route = self.routes.route(request.path, request.headers, body.data)
             except RouteRefused as exc:

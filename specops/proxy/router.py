@@ -14,7 +14,10 @@ The order, first that speaks wins:
 5. the choice learned for the request's class (``routing.classes``): the decider's verdict on its acceptance
    window, with a small share explored on the other engine; a class not decided yet is measured on the
    speculating engine (with ``learn: one_at_a_time`` one such class at a time: the others wait on the engine
-   without speculation, ``class-waiting``, and no decided class explores onto the speculating engine meanwhile);
+   without speculation, ``class-waiting``, and no decided class explores onto the speculating engine meanwhile).
+   When clients may not choose (``client_choice: forbid``), a new class enters the table only as
+   :meth:`~specops.watch.classes.ClassTable.admits` allows; until then it takes the default route
+   (``class-default``), so a fresh class key per request is no way onto the speculating engine;
 6. the step in effect (the primary, or the twin a fallback switched to).
 
 While a new draft is measured on live traffic (``routing.canary``), a share of the requests placed on the
@@ -25,7 +28,9 @@ engine without speculation (the ``none`` twin). An engine that is not live does 
 to a live one (``failover``); with none live the proxy's queue holds it, as it always did.
 
 The body is parsed only when an alias, a rule or the class key needs it (``model``, the system prompt): routing runs
-on every request (``benchmarks/bench_router.py`` measures it).
+on every request (``benchmarks/bench_router.py`` measures it). Client text meets a rule's pattern only through RE2
+(linear time) and only its first :data:`~specops.config.routing.SYSTEM_MATCHED` characters, so no request can hold
+the event loop; a class key is kept as sent only when it is short and plain (:func:`class_name`).
 """
 
 from __future__ import annotations
@@ -37,11 +42,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from specops.config.routing import SPECULATION_HEADER, SPECULATION_VALUES, RouteMatch, Routing
+from specops.config.routing import (
+    SPECULATION_HEADER,
+    SPECULATION_VALUES,
+    SYSTEM_MATCHED,
+    RouteMatch,
+    Routing,
+    system_pattern,
+)
 from specops.watch.classes import ClassTable
 
-#: Longest class key kept (a client's header value or model name is cut to this).
+#: Longest class key kept as sent (a header value, model name or path); a longer one is named by its hash.
 MAX_KEY = 64
+#: What a class key kept as sent may hold: it becomes a Prometheus label and a line of `specops status`.
+_PLAIN_KEY = re.compile(rf"[A-Za-z0-9._:/-]{{1,{MAX_KEY}}}")
 
 
 class RouteRefused(Exception):
@@ -67,7 +81,8 @@ class Route:
 
     engine: int | None  # position in the router's engines; None: no engine is live (the proxy's queue waits)
     asked: str  # "on" | "off" | "default"
-    # header | alias | rule N | load | class | class-explore | class-learning | class-waiting | default | canary
+    # header | alias | rule N | load | class | class-explore | class-learning | class-waiting | class-default |
+    # default | canary
     # (+ " failover")
     reason: str
     key: str | None = None  # the request's class (learned routing), else None
@@ -141,9 +156,18 @@ def _matches(m: RouteMatch, req: _Request, pattern) -> bool:
         return False
     if pattern is not None:
         system = req.system
-        if system is None or pattern.search(system) is None:
+        if system is None or pattern.search(system[:SYSTEM_MATCHED].encode("utf-8", "replace")) is None:
             return False
     return True
+
+
+def class_name(value: str) -> str:
+    """A class key as the table, the metrics' labels and status name it: the client's text when it is at most
+    :data:`MAX_KEY` characters of ``A-Za-z0-9._:/-``, else ``h:`` and 12 hex digits of its hash (stable, so the
+    class is the same on every request; a client's odd bytes never reach a label or a terminal)."""
+    if _PLAIN_KEY.fullmatch(value):
+        return value
+    return "h:" + hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
 
 
 class Router:
@@ -158,7 +182,7 @@ class Router:
         self.load_off = False  # the decider: the live load is past the measured crossover (every class to off)
         self.allow_client = routing.client_choice == "allow"
         self._rules = [
-            (i, r, re.compile(r.match.system) if r.match.system else None) for i, r in enumerate(routing.rules)
+            (i, r, system_pattern(r.match.system) if r.match.system else None) for i, r in enumerate(routing.rules)
         ]
         key = routing.classes.key
         self.class_key = None if key == "none" else key
@@ -217,6 +241,10 @@ class Router:
             route = replace(route, lists_models=True)
         return route
 
+    def default_route(self, live: Sequence[bool], now: float = 0.0) -> Route:
+        """The route of a request that is not routed (``/health``): the step in effect, else a live engine."""
+        return self._place("default", "default", None, live, now)
+
     def list_aliases(self, answer: bytes) -> bytes | None:
         """An engine's ``/v1/models`` answer with one entry per alias added (after the served model's), or None
         when it is not the OpenAI list shape (then it is passed on as it came)."""
@@ -267,14 +295,16 @@ class Router:
                 if rule.speculation != "auto":
                     return rule.speculation, f"rule {i}", None
                 break
-        if self.load_off:
-            key = None
-            if self.classes is not None:
-                key = self._class_key(req)
-                self.classes.touch(key, now).requests += 1
-            return "off", "load", key
+        key = None
         if self.classes is not None:
             key = self._class_key(req)
+            if not self.allow_client and not self.classes.admits(key, now):
+                key = None  # a new class the table has no room to learn now: the default route (module docstring)
+        if self.load_off:
+            if key is not None:
+                self.classes.touch(key, now).requests += 1
+            return "off", "load", key
+        if key is not None:
             c = self.classes
             explore = c.explores(key, now)
             verdict = c.get(key).speculate  # touched by explores()
@@ -285,7 +315,7 @@ class Router:
             if explore and not (self.learn_alone and not verdict and c.learner(now) is not None):
                 return ("off" if verdict else "on"), "class-explore", key
             return ("on" if verdict else "off"), "class", key
-        return "default", "default", None
+        return "default", ("default" if self.classes is None else "class-default"), None
 
     def _class_key(self, req: _Request) -> str:
         kind = self.class_key
@@ -300,7 +330,7 @@ class Router:
             value = (
                 None if s is None else "sys-" + hashlib.blake2b(s.encode("utf-8", "replace"), digest_size=6).hexdigest()
             )
-        return "-" if not value else value[:MAX_KEY]
+        return "-" if not value else class_name(value)
 
     def _place(self, asked: str, reason: str, key: str | None, live: Sequence[bool], now: float) -> Route:
         if asked == "on":

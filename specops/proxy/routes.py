@@ -90,6 +90,10 @@ class RoutedUpstreams:
         """The route of one request (raises :class:`~specops.proxy.router.RouteRefused`)."""
         return self.router.route(path, headers, body, self.live(), time.monotonic())
 
+    def default_route(self) -> Route:
+        """The engine of the step in effect, else a live one: for ``/health``, whose body is never routed."""
+        return self.router.default_route(self.live(), time.monotonic())
+
     def pick(self, route: Route) -> Generation | None:
         """The generation to send ``route``'s request to now (engines die and come back between attempts):
         None when no engine is live (the proxy's queue waits for the primary)."""

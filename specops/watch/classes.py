@@ -5,7 +5,9 @@ hash of the system prompt, or the path). Each class keeps, over ``window`` secon
 speculating engine gave it drafted and accepted (llama-server's per-response ``timings.draft_n`` and
 ``draft_n_accepted``), and how many of its requests each engine served. The window is a ring of buckets, so it
 ages as the method windows do (what is older than the window no longer counts) in bounded memory; the number of
-classes is bounded too: past ``max_classes`` the least recently seen class is forgotten.
+classes is bounded too: past ``max_classes`` the least recently seen class is forgotten. Where clients may not
+choose their engine, a new class must also be admitted (:meth:`ClassTable.admits`): at most
+:data:`NEW_PER_WINDOW` new classes per window, and none that would push out a class seen within the window.
 
 Each class also keeps the speed its clients saw: the tokens its answers generated (llama-server's
 ``timings.predicted_n``, else ``usage.completion_tokens``) over their wall time from routing to the last byte,
@@ -21,7 +23,7 @@ is kept on the class), and the verdict is kept here.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,9 @@ from specops.watch.window import NO_DATA, OK, WindowStats
 
 #: Buckets per window: the window ages in steps of window/BUCKETS seconds.
 BUCKETS = 16
+#: With ``routing.client_choice: forbid``, the most new classes admitted within one window (a new class is measured
+#: on the speculating engine: past it a fresh key per request would be a way to choose).
+NEW_PER_WINDOW = 8
 
 
 @dataclass
@@ -75,6 +80,7 @@ class ClassTable:
         self.explore = float(explore)
         self.bucket_s = self.window_s / BUCKETS
         self._classes: OrderedDict[str, RequestClass] = OrderedDict()
+        self._born: deque[float] = deque(maxlen=NEW_PER_WINDOW)  # when the latest classes were created
         self.forgotten = 0  # classes dropped past max_classes
         #: with ``learn: one_at_a_time``, the undecided class measured on the speculating engine now, else None
         self.learning: str | None = None
@@ -96,6 +102,7 @@ class ClassTable:
         c = self._classes.get(key)
         if c is None:
             c = self._classes[key] = RequestClass(key, first_seen=now)
+            self._born.append(now)
             while len(self._classes) > self.max_classes:
                 self._classes.popitem(last=False)
                 self.forgotten += 1
@@ -103,6 +110,21 @@ class ClassTable:
             self._classes.move_to_end(key)
         c.last_seen = now
         return c
+
+    def admits(self, key: str, now: float) -> bool:
+        """Whether a request of class ``key`` may be counted here when clients may not choose their engine: a
+        class already here, or a new one while fewer than :data:`NEW_PER_WINDOW` classes were created within the
+        window and there is room (or the least recently seen class was not seen within the window). Else a fresh
+        key on every request would be measured on the speculating engine every time, and push the learned
+        classes out."""
+        if key in self._classes:
+            return True
+        if len(self._born) == NEW_PER_WINDOW and now - self._born[0] < self.window_s:
+            return False
+        if len(self._classes) < self.max_classes:
+            return True
+        oldest = next(iter(self._classes.values()))
+        return now - oldest.last_seen > self.window_s
 
     def learner(self, now: float) -> str | None:
         """The undecided class holding the learning turn (``learn: one_at_a_time``), or None: it keeps the turn
