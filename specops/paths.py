@@ -135,6 +135,18 @@ def tiny_models_dir() -> Path:
     return models_dir() / TINY_MODELS_VERSION
 
 
+#: Version of the real models' folder (their pins live in :mod:`specops.devenv.realmodels`).
+REAL_MODELS_VERSION = "real-v1"
+
+
+def real_models_dir() -> Path:
+    return models_dir() / REAL_MODELS_VERSION
+
+
 def builtin_env() -> dict[str, str]:
     """Variables every profile may use without setting them (the environment overrides them)."""
-    return {"SPECOPS_CACHE": str(cache_dir()), "SPECOPS_MODELS": str(tiny_models_dir())}
+    return {
+        "SPECOPS_CACHE": str(cache_dir()),
+        "SPECOPS_MODELS": str(tiny_models_dir()),
+        "SPECOPS_REAL_MODELS": str(real_models_dir()),
+    }

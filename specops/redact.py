@@ -42,6 +42,7 @@ PUBLIC_VARS = frozenset(
         "HOSTNAME",
         "SPECOPS_CACHE",
         "SPECOPS_MODELS",
+        "SPECOPS_REAL_MODELS",
         "SPECOPS_STATE",
         "XDG_CACHE_HOME",
         "XDG_STATE_HOME",

