@@ -24,13 +24,15 @@ from specops.perf.workload import (
 
 def test_builtin_sets_exist_and_differ_where_speculation_differs():
     sets = {name: load_prompts(name) for name in BUILTIN_SETS}
-    assert set(sets) == {"code", "summarize", "chat", "creative"}
+    assert set(sets) == {"code", "summarize", "chat", "creative", "extraction"}
     for name, prompts in sets.items():
         assert len(prompts) >= 6 and all(p.set == name and p.text and p.max_tokens >= 32 for p in prompts)
     assert all(p.temperature == 0 for p in sets["code"] + sets["summarize"])
     assert all(p.temperature >= 1.0 for p in sets["creative"])
     # summarisation prompts carry the text the answer copies from
     assert all(len(p.text) > 250 for p in sets["summarize"])
+    # extraction prompts hold the text their answers copy (what prompt-lookup drafting exists for)
+    assert all(len(p.text) > 300 and p.temperature == 0 for p in sets["extraction"])
 
 
 def test_user_jsonl(tmp_path):

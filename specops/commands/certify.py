@@ -45,7 +45,7 @@ Examples:
     "prompt_sets",
     default="code,summarize,chat,creative",
     show_default=True,
-    help="Comma-separated built-in prompt sets (code, summarize, chat, creative) and/or JSONL files "
+    help="Comma-separated built-in prompt sets (code, summarize, chat, creative, extraction) and/or JSONL files "
     '(one {"prompt", "max_tokens", "temperature", "set"} per line).',
 )
 @click.option("-n", "--prompts-per-set", type=int, help="Use only the first N prompts of each set.")

@@ -132,7 +132,7 @@ Examples:
     "-w",
     "--workload",
     metavar="SETS",
-    help="Built-in prompt sets (code, summarize, chat, creative) "
+    help="Built-in prompt sets (code, summarize, chat, creative, extraction) "
     "and/or JSONL files, comma-separated. Default: all four built-in sets.",
 )
 @click.option(

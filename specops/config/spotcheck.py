@@ -94,7 +94,7 @@ class SpotCheck(Section):
     )
     prompts: list[str] = Field(
         default_factory=lambda: ["code", "chat"],
-        description="`probes`/`both`: built-in prompt sets (code, summarize, chat, creative) and/or JSONL files.",
+        description="`probes`/`both`: built-in prompt sets (code, summarize, chat, creative, extraction) and/or JSONL files.",
     )
     keep_text: bool = Field(
         False,

@@ -41,7 +41,7 @@ from specops.perf.stats import median, percentile
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 #: The built-in prompt sets, in the order reports show them.
-BUILTIN_SETS = ("code", "summarize", "chat", "creative")
+BUILTIN_SETS = ("code", "summarize", "chat", "creative", "extraction")
 DEFAULT_MAX_TOKENS = 128
 #: Per-request timeout (seconds): a request that takes longer counts as an error.
 DEFAULT_TIMEOUT = 600.0
@@ -62,7 +62,7 @@ def builtin_sets() -> tuple[str, ...]:
 
 
 def load_prompts(name_or_path: str | Path) -> list[Prompt]:
-    """A built-in set by name (``code``, ``summarize``, ``chat``, ``creative``) or a JSONL file.
+    """A built-in set by name (``code``, ``summarize``, ``chat``, ``creative``, ``extraction``) or a JSONL file.
 
     Each line: ``{"prompt": "...", "max_tokens": 128, "temperature": 0.0, "set": "name"}`` (``text`` may
     stand for ``prompt``; ``set`` defaults to the set name or the file's stem). Blank lines and lines
