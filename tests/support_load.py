@@ -18,6 +18,9 @@ The last four are lost requests (:data:`LOST`); the promise is ``lost == 0``. Th
 asyncio loop in a background thread, and nothing a request does can end a client early: every exception is
 counted. Every request has a timeout and the load stops by itself after ``max_seconds`` even if the test
 never calls :meth:`Load.stop`. Loopback only.
+
+A test that needs other requests (chat, fixed lengths...) passes ``request``; one that checks more of each
+answer than a complete body (its text, which engine answered) passes ``check``, whose labels it counts.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -40,6 +44,12 @@ PROMPTS = [
 #: The outcomes that are a lost request.
 LOST = ("http_error", "connection_error", "timeout", "malformed")
 OUTCOMES = ("ok", "stream_error", *LOST)
+#: A client's next request: (client index, how many it sent before) → (path, JSON body); the body's
+#: ``stream`` says how its answer is read.
+Request = Callable[[int, int], tuple[str, dict]]
+#: A closer look at a complete answer: (the body sent, the answer's text) → a label, counted in
+#: :attr:`Load.labels` (which engine answered, say); raising makes the request ``malformed``.
+Check = Callable[[dict, str], str]
 
 
 def classify(status: int, text: str, stream: bool) -> tuple[str, str]:
@@ -86,6 +96,8 @@ class Load:
 
     ``stream``: ``"half"`` (even-numbered clients stream), ``True`` or ``False`` (all or none). ``pause_s``:
     each client waits that long between its requests (a steady trickle instead of back-to-back load).
+    ``request`` replaces the greedy completions (``max_tokens``, ``model`` and ``stream`` are then its own),
+    ``check`` looks at each complete answer (see :data:`Request`, :data:`Check`).
     """
 
     def __init__(
@@ -98,6 +110,8 @@ class Load:
         max_seconds: float = 900.0,
         stream: bool | str = "half",
         pause_s: float = 0.0,
+        request: Request | None = None,
+        check: Check | None = None,
     ):
         urls = [url] if isinstance(url, str) else list(url)
         assert urls and stream in (True, False, "half"), (urls, stream)
@@ -111,7 +125,11 @@ class Load:
         self.max_seconds = max_seconds
         self.stream = stream
         self.pause_s = pause_s
+        self.request = request or self._completion
+        self._own = request is None  # the greedy completions ``stream`` describes
+        self.check = check
         self.counts: collections.Counter = collections.Counter()
+        self.labels: collections.Counter = collections.Counter()  # of the complete answers, by ``check``
         self.by_client: collections.Counter = collections.Counter()
         self.failures: list[str] = []
         self.stream_errors: list[str] = []
@@ -171,11 +189,14 @@ class Load:
             return {**{k: self.counts[k] for k in OUTCOMES}, "lost": self.lost}
 
     def report(self) -> str:
-        streaming = {"half": "half streaming", True: "streaming", False: "JSON"}[self.stream]
+        streaming = (
+            {"half": "half streaming", True: "streaming", False: "JSON"}[self.stream] if self._own else "own requests"
+        )
         outcomes = " ".join(f"{k}={self.counts[k]}" for k in OUTCOMES)
+        labels = f" ({' '.join(f'{k}={n}' for k, n in sorted(self.labels.items()))})" if self.labels else ""
         return (
-            f"{self.total} requests from {self.clients} clients ({streaming}): {outcomes} (lost={self.lost}); "
-            f"longest answer {self.longest_s:.2f}s"
+            f"{self.total} requests from {self.clients} clients ({streaming}): {outcomes}{labels} "
+            f"(lost={self.lost}); longest answer {self.longest_s:.2f}s"
         )
 
     # ------------------------------------------------------------------ clients
@@ -191,36 +212,47 @@ class Load:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
             await asyncio.gather(*(self._client(s, i, deadline) for i in range(self.clients)))
 
-    def _streams(self, i: int) -> bool:
-        return i % 2 == 0 if self.stream == "half" else bool(self.stream)
+    def _completion(self, i: int, n: int) -> tuple[str, dict]:
+        """The default request: a greedy completion, streamed by the clients ``stream`` names."""
+        payload = {
+            "prompt": PROMPTS[(i + n) % len(PROMPTS)],
+            "max_tokens": self.max_tokens - i % 5,
+            "temperature": 0,
+            "stream": i % 2 == 0 if self.stream == "half" else bool(self.stream),
+        }
+        if self.model:
+            payload["model"] = self.model
+        return "/v1/completions", payload
 
     async def _client(self, s: aiohttp.ClientSession, i: int, deadline: float) -> None:
-        stream = self._streams(i)
         n = 0
         while not self._stop.is_set() and time.monotonic() < deadline:
-            payload = {
-                "prompt": PROMPTS[(i + n) % len(PROMPTS)],
-                "max_tokens": self.max_tokens - i % 5,
-                "temperature": 0,
-                "stream": stream,
-            }
-            if self.model:
-                payload["model"] = self.model
+            path, payload = self.request(i, n)
+            stream = bool(payload.get("stream"))
             url = next(self._next_url)
             t0 = time.monotonic()
             with self._lock:
                 self.started += 1
+            label = None
             try:
-                async with s.post(url + "/v1/completions", json=payload) as r:
+                async with s.post(url + path, json=payload) as r:
                     status, text = r.status, await r.text()
-                kind, detail = classify(status, text, stream)
             except Exception as exc:  # noqa: BLE001 - every way a request can end is an outcome to count
                 kind, detail = classify_exception(exc)
+            else:
+                kind, detail = classify(status, text, stream)
+                if kind == "ok" and self.check is not None:
+                    try:
+                        label = self.check(payload, text)
+                    except Exception as exc:  # noqa: BLE001 - an answer the check refuses is not a right one
+                        kind, detail = "malformed", f"the check refused it: {type(exc).__name__}: {exc}"[:300]
             took = time.monotonic() - t0
             with self._lock:
                 self.counts[kind] += 1
                 self.by_client[i] += 1
                 self.longest_s = max(self.longest_s, took)
+                if label is not None:
+                    self.labels[label] += 1
                 if kind in LOST:
                     self.failures.append(f"client {i} ({'stream' if stream else 'json'}) → {url}: {kind}: {detail}")
                 elif kind == "stream_error":

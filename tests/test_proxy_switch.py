@@ -5,12 +5,12 @@ processes (tests/support_upstream.py); the lead adds the same scenarios against 
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import time
 
 import aiohttp
 import pytest
+from support_load import Load
 from support_upstream import Upstream, check_completion, check_stream, parse_sse, running_proxy, stream_error
 
 pytestmark = pytest.mark.timeout(90)
@@ -18,11 +18,27 @@ pytestmark = pytest.mark.timeout(90)
 CLIENTS = 32  # half of them streaming
 SWITCH_AT = 1.0  # seconds into the load
 NEW_ENGINE_START = 0.5  # seconds the "new engine" takes to come up after the old one stopped
-AFTER_SWITCH = 1.5  # clients keep sending this long after the release (hard stop: 60 s)
+AFTER_SWITCH = 1.5  # clients keep sending this long after the release (hard stop: 60 s, the load's max_seconds)
 
 
 def run(coro, timeout: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def switch_request(i: int, n: int) -> tuple[str, dict]:
+    """Client ``i``'s requests: half streamed, half chat, each of its own length, some with live timings."""
+    chat, tokens = i % 4 in (0, 1), 4 + i % 13
+    payload = {"max_tokens": tokens, "stream": i % 2 == 0, "timings_per_token": i % 3 == 0}
+    payload.update({"messages": [{"role": "user", "content": f"c{i}"}]} if chat else {"prompt": f"client {i}"})
+    return ("/v1/chat/completions" if chat else "/v1/completions"), payload
+
+
+def served_by(payload: dict, text: str) -> str:
+    """The stand-in that answered a complete, well-formed answer of the asked length."""
+    chat = "messages" in payload
+    if payload["stream"]:
+        return check_stream(parse_sse(text), payload["max_tokens"], chat=chat)
+    return check_completion(json.loads(text), payload["max_tokens"], chat=chat)
 
 
 def test_no_request_lost_during_a_forced_switch_under_load(record_property):
@@ -32,10 +48,6 @@ def test_no_request_lost_during_a_forced_switch_under_load(record_property):
     try:
 
         async def body():
-            loop = asyncio.get_running_loop()
-            failures: list[str] = []
-            served = collections.Counter()
-            latencies: list[float] = []
             async with (
                 running_proxy(
                     old.url,
@@ -44,73 +56,47 @@ def test_no_request_lost_during_a_forced_switch_under_load(record_property):
                     drain_timeout=10,
                     on_timings=lambda n, a: timings.append((n, a)),
                 ) as proxy,
-                aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30)
-                ) as s,
+                aiohttp.ClientSession() as s,
             ):
-                stop_at = loop.time() + 60.0  # lowered to release + AFTER_SWITCH
-
-                async def client(i: int):
-                    stream, chat, n = i % 2 == 0, i % 4 in (0, 1), 4 + i % 13
-                    path = "/v1/chat/completions" if chat else "/v1/completions"
-                    payload = {"max_tokens": n, "stream": stream, "timings_per_token": i % 3 == 0}
-                    payload.update(
-                        {"messages": [{"role": "user", "content": f"c{i}"}]} if chat else {"prompt": f"client {i}"}
-                    )
-                    while loop.time() < stop_at:
-                        t0 = loop.time()
-                        try:
-                            async with s.post(proxy.url + path, json=payload) as r:
-                                status, text = r.status, await r.text()
-                            if status != 200:
-                                failures.append(f"client {i}: HTTP {status} {text[:200]}")
-                                continue
-                            if stream:
-                                name = check_stream(parse_sse(text), n, chat=chat)
-                            else:
-                                name = check_completion(json.loads(text), n, chat=chat)
-                            served[name] += 1
-                            latencies.append(loop.time() - t0)
-                        except Exception as exc:  # noqa: BLE001 - every failure is collected
-                            failures.append(f"client {i}: {type(exc).__name__}: {exc}")
-
-                async def supervisor():
-                    nonlocal stop_at
+                load = Load(
+                    proxy.url,
+                    clients=CLIENTS,
+                    request_timeout=30,
+                    max_seconds=60,
+                    request=switch_request,
+                    check=served_by,
+                ).start()
+                try:
                     await asyncio.sleep(SWITCH_AT)
                     proxy.hold()
                     drained = await proxy.drain()
                     old_stats = await old.astats(s)
                     await asyncio.to_thread(old.stop)
                     await asyncio.sleep(NEW_ENGINE_START)  # the new engine is "starting"
-                    deadline = loop.time() + 5
-                    while proxy.stats()["queue_depth"] < CLIENTS and loop.time() < deadline:
+                    deadline = asyncio.get_running_loop().time() + 5
+                    while proxy.stats()["queue_depth"] < CLIENTS and asyncio.get_running_loop().time() < deadline:
                         await asyncio.sleep(0.01)  # (on a loaded machine clients may lag)
                     depth = proxy.stats()["queue_depth"]
                     proxy.release(new.url)
-                    stop_at = loop.time() + AFTER_SWITCH
-                    return drained, old_stats, depth
+                    await asyncio.sleep(AFTER_SWITCH)
+                finally:
+                    await asyncio.to_thread(load.stop)
+                return load, drained, old_stats, depth, proxy.stats()
 
-                results = await asyncio.gather(supervisor(), *(client(i) for i in range(CLIENTS)))
-                drained, old_stats, depth_at_release = results[0]
-                return failures, served, latencies, drained, old_stats, depth_at_release, proxy.stats()
-
-        failures, served, latencies, drained, old_stats, depth, st = run(body())
+        load, drained, old_stats, depth, st = run(body())
     finally:
         old.stop()
         new.stop()
 
-    total = sum(served.values())
     report = (
-        f"{total} requests ({CLIENTS} clients, half streaming): OLD={served['OLD']} NEW={served['NEW']}, "
-        f"failed={len(failures)}; drain: {drained.finished} finished / {drained.cut} cut in "
-        f"{drained.waited_s:.3f}s; waited={st['waited']} (queue depth at release {depth}), "
-        f"longest wait={st['longest_wait_s']:.3f}s, retried={st['retried']}, "
-        f"max latency={max(latencies):.3f}s"
+        f"{load.report()}; drain: {drained.finished} finished / {drained.cut} cut in {drained.waited_s:.3f}s; "
+        f"waited={st['waited']} (queue depth at release {depth}), longest wait={st['longest_wait_s']:.3f}s, "
+        f"retried={st['retried']}"
     )
     print("\n" + report)
     record_property("switch_report", report)
-    assert failures == [], failures[:5]
-    assert served["OLD"] > 0 and served["NEW"] > 0
+    assert load.lost == 0 and load.counts["stream_error"] == 0, load.failures[:5] + load.stream_errors[:5]
+    assert load.labels["OLD"] > 0 and load.labels["NEW"] > 0 and sum(load.labels.values()) == load.ok
     assert drained.cut == 0 and drained.finished == drained.in_flight > 0
     assert old_stats["cancelled"] == 0 and old_stats["active"] == 0  # nothing was cut on the old engine
     assert st["waited"] >= CLIENTS and depth == CLIENTS  # every client waited once

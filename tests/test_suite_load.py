@@ -145,3 +145,21 @@ def test_classify_names_every_lost_outcome():
     assert classify(200, '{"choices": ["x"]}', False)[0] == "malformed"
     assert classify(200, 'data: {"error": {"message": "engine died"}}\n\n', True) == ("stream_error", "engine died")
     assert set(LOST) == {"http_error", "connection_error", "timeout", "malformed"}
+
+
+def test_a_tests_own_requests_and_its_check_of_each_answer(server):
+    """``request`` makes each request (path, body; its ``stream`` says how the answer is read), ``check`` labels
+    each complete answer, and an answer it refuses is a lost one (``malformed``), said in the failures."""
+
+    def request(i: int, n: int) -> tuple[str, dict]:
+        return ("/stream/c" if i == 0 else "/ok/c"), {"prompt": f"c{i}", "stream": i == 0, "n": n}
+
+    def check(payload: dict, text: str) -> str:
+        assert payload["prompt"] == "c0" or payload["n"] % 2 == 0, "an odd request of client 1"
+        return payload["prompt"]
+
+    load = run_load(server.url, answers=12, request=request, check=check)
+    assert load.labels["c0"] >= 2 and load.labels["c1"] >= 1 and sum(load.labels.values()) == load.ok
+    assert load.counts["malformed"] == load.lost >= 1, load.report()
+    assert "the check refused it: AssertionError: an odd request of client 1" in load.failures[0]
+    assert "(c0=" in load.report()
