@@ -15,14 +15,12 @@ to measure against a real engine instead (vLLM / llama-server), with ``--model``
         --max-tokens 16 --stream-tokens 64 --token-delay 0
     .venv/bin/python benchmarks/bench_proxy.py --json out.json      # also write the results as JSON
     .venv/bin/python benchmarks/bench_proxy.py --baseline HEAD~1 --loops asyncio uvloop   # before/after
-    .venv/bin/python benchmarks/bench_proxy.py --http aiohttp lean --concurrency 16        # the two HTTP layers
     .venv/bin/python benchmarks/bench_proxy.py --bare aiohttp uvicorn      # bare pass-through HTTP layers beside it
 
 ``--baseline REV`` runs a second proxy process from ``specops/proxy`` as it was at git revision REV (on
 asyncio's loop, as before), and ``--loops`` runs the current proxy once per event loop given; every proxy
 takes its turn in the same alternating rounds as the direct runs, so before and after are measured side by
-side under the same load. ``--http`` runs the current proxy once per HTTP layer of its public port
-(``proxy.http``: ``aiohttp``, ``lean``), in the same rounds. ``--bare`` adds bare pass-through proxies, the
+side under the same load. ``--bare`` adds bare pass-through proxies, the
 HTTP layer alone with none of specops' checks, queue or routing (a lower bound of what a proxy on that layer
 costs): ``aiohttp`` (aiohttp's server) and ``uvicorn`` (an ASGI app on uvicorn with httptools and uvloop), both
 forwarding through one pooled aiohttp ``ClientSession``, so they differ only in the server side. uvicorn is no
@@ -90,12 +88,11 @@ def _baseline_module(rev: str, into: str) -> tuple[str, str]:
     return str(package / "__init__.py"), "specops/proxy/"
 
 
-async def _serve_proxy(upstream: str, module_path: str | None = None, http: str | None = None) -> None:
+async def _serve_proxy(upstream: str, module_path: str | None = None) -> None:
     import signal
 
     Proxy = _proxy_class(module_path)
-    extra = {"http": http} if http else {}  # the public port's HTTP layer (proxy.http: aiohttp / lean)
-    proxy = Proxy("127.0.0.1", 0, queue_size=256, queue_timeout=30, drain_timeout=10, **extra)
+    proxy = Proxy("127.0.0.1", 0, queue_size=256, queue_timeout=30, drain_timeout=10)
     await proxy.start()
     proxy.set_upstream(upstream)
     print(f"LISTENING {proxy.port}", flush=True)
@@ -546,13 +543,6 @@ def main(argv=None) -> int:
         "revision REV (asyncio loop), side by side",
     )
     p.add_argument(
-        "--http",
-        nargs="+",
-        choices=("aiohttp", "lean"),
-        default=None,
-        help="HTTP layer(s) of the current proxy's public port, one proxy process each (default: the proxy's default)",
-    )
-    p.add_argument(
         "--bare",
         nargs="+",
         choices=("aiohttp", "uvicorn"),
@@ -564,7 +554,6 @@ def main(argv=None) -> int:
     p.add_argument("--serve-proxy", help=argparse.SUPPRESS)  # internal: run the proxy process
     p.add_argument("--serve-module", help=argparse.SUPPRESS)  # internal: the proxy module file to run
     p.add_argument("--serve-loop", default="asyncio", help=argparse.SUPPRESS)
-    p.add_argument("--serve-http", default=None, help=argparse.SUPPRESS)
     p.add_argument("--serve-bare", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_proxy and args.serve_bare:
@@ -576,9 +565,9 @@ def main(argv=None) -> int:
         if args.serve_loop == "uvloop":
             import uvloop
 
-            uvloop.run(_serve_proxy(args.serve_proxy, args.serve_module, args.serve_http))
+            uvloop.run(_serve_proxy(args.serve_proxy, args.serve_module))
         else:
-            asyncio.run(_serve_proxy(args.serve_proxy, args.serve_module, args.serve_http))
+            asyncio.run(_serve_proxy(args.serve_proxy, args.serve_module))
         return 0
 
     procs = []
@@ -605,7 +594,7 @@ def main(argv=None) -> int:
             procs.append(proc)
             engine_url = f"http://127.0.0.1:{port}"
             engine_desc = "tests/support_upstream.py (stand-in, separate process)"
-        specs: list[tuple[str, str | None, str, str | None, str]] = []  # name, module file, loop, http, description
+        specs: list[tuple[str, str | None, str, str | None, str]] = []  # name, module file, loop, bare, description
         if args.baseline:
             import tempfile
 
@@ -627,24 +616,21 @@ def main(argv=None) -> int:
         dirty = subprocess.run(
             ["git", "-C", str(ROOT), "status", "--porcelain", "specops/proxy"], capture_output=True, text=True
         ).stdout.strip()
-        for loop_name, http in itertools.product(args.loops or [_default_loop()], args.http or [None]):
+        for loop_name in args.loops or [_default_loop()]:
             specs.append(
                 (
-                    f"new-{loop_name}" + (f"-{http}" if http else ""),
+                    f"new-{loop_name}",
                     None,
                     loop_name,
-                    http,
-                    f"specops/proxy of the work tree ({here}{'+changes' if dirty else ''}), {loop_name} loop"
-                    + (f", proxy.http {http}" if http else ""),
+                    None,
+                    f"specops/proxy of the work tree ({here}{'+changes' if dirty else ''}), {loop_name} loop",
                 )
             )
         for kind in args.bare:
             server = "aiohttp's server" if kind == "aiohttp" else "uvicorn (httptools, ASGI)"
-            specs.append(
-                (f"bare-{kind}", None, "uvloop", f"bare:{kind}", f"bare pass-through: {server}, aiohttp client, uvloop")
-            )
+            specs.append((f"bare-{kind}", None, "uvloop", kind, f"bare pass-through: {server}, aiohttp client, uvloop"))
         proxies: dict[str, tuple[str, int | None]] = {}
-        for name, module, loop_name, http, _ in specs:
+        for name, module, loop_name, bare, _ in specs:
             argv = [
                 sys.executable,
                 str(Path(__file__).resolve()),
@@ -655,10 +641,8 @@ def main(argv=None) -> int:
             ]
             if module:
                 argv += ["--serve-module", module]
-            if http and http.startswith("bare:"):
-                argv += ["--serve-bare", http[5:]]
-            elif http:
-                argv += ["--serve-http", http]
+            if bare:
+                argv += ["--serve-bare", bare]
             proc, pport = _spawn(argv)
             procs.append(proc)
             proxies[name] = (f"http://127.0.0.1:{pport}", proc.pid)

@@ -195,8 +195,7 @@ def _twins(tmp_path, loaded):
     return twins, metrics
 
 
-@pytest.mark.parametrize("http", ["aiohttp", "lean"])
-def test_aliases_and_class_speed_through_the_proxy(tmp_path, http):
+def test_aliases_and_class_speed_through_the_proxy(tmp_path):
     """A client that can only set `model` chooses the engine; the engine gets its own name (whole and streamed,
     chat and completions, the body's length updated); /v1/models lists the aliases; each class's tokens/s and
     mean acceptance length come from the answers (streamed ones through llama-server's timings)."""
@@ -215,7 +214,7 @@ def test_aliases_and_class_speed_through_the_proxy(tmp_path, http):
     async def body(primary, twin):
         twins, metrics = _twins(tmp_path, loaded)
         # the live acceptance hook `specops up` sets for llama.cpp: the proxy then reads timings in streams too
-        async with running_proxy(primary.url, http=http, on_timings=lambda dn, da: None) as proxy:
+        async with running_proxy(primary.url, on_timings=lambda dn, da: None) as proxy:
             twins.attach(proxy)
             twins.upstreams.handle(1).release(twin.url)
             url = proxy.url

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, model_validator
 
 from specops.config.capture import Capture
 from specops.config.deploy import Deploy
@@ -483,12 +483,17 @@ class ProxySettings(Section):
         description="A client that reads nothing of its answer for this long (the proxy has more to send) "
         "is disconnected and its engine request cancelled.",
     )
-    http: Literal["aiohttp", "lean"] | None = Field(
-        None,
-        description="The HTTP layer of the pass-through path: `aiohttp` (server and engine client), or `lean` "
-        "(httptools' C parser, an asyncio protocol and pooled engine connections: about half the proxy's CPU per "
-        "request, the same checks and limits; experimental). Unset: aiohttp.",
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_http_layer(cls, data: Any) -> Any:
+        """``proxy.http`` chose between two HTTP layers; one is left (benchmarks/RESULTS.md says why)."""
+        if isinstance(data, dict) and "http" in data:
+            raise ValueError(
+                "proxy.http was removed: the proxy has one HTTP layer, aiohttp's (the `lean` one is gone); "
+                "delete the `http` key"
+            )
+        return data
 
 
 class Profile(Section):

@@ -209,12 +209,7 @@ def ask_timings_per_token(body: bytes) -> bytes:
 def stream_response(
     request: web.BaseRequest, status: int, reason: str | None, headers: CIMultiDict, content_length: int | None
 ) -> web.StreamResponse:
-    """The response a streamed answer is written into: aiohttp's, or the lean front end's when the request
-    came through it (:meth:`specops.proxy.fastpath.LeanRequest.open_stream`); both have ``prepare``, ``write``
-    and ``write_eof``."""
-    make = getattr(request, "open_stream", None)
-    if make is not None:
-        return make(status, reason, headers, content_length)
+    """The response a streamed answer is written into."""
     resp = web.StreamResponse(status=status, reason=reason, headers=headers)
     if content_length is not None:
         resp.content_length = content_length
@@ -244,7 +239,6 @@ class Forwarder:
         self, counters: dict, budget: BufferBudget, buffer_limit: int, on_timings: Callable[[int, int], Any] | None
     ):
         self.session: aiohttp.ClientSession | None = None  # set by Proxy.start()
-        self.client = None  # the lean layer's engine client (specops.proxy.fastclient), used in place of session
         self.counters = counters
         self.budget = budget
         self.buffer_limit = buffer_limit
@@ -291,7 +285,7 @@ class Forwarder:
         self, request: web.BaseRequest, body: bytes, headers: CIMultiDict, flight: Flight
     ) -> aiohttp.ClientResponse:
         try:
-            return await (self.client or self.session).request(
+            return await self.session.request(
                 request.method,
                 upstream_url(flight.gen, request.raw_path),
                 headers=headers,

@@ -22,8 +22,8 @@
   A body's bytes are given back once the engine's answer has started (no retry can need it then), so a
   client that stops reading its answer holds none of them.
 - Headers are parsed before the API key can be checked, so their memory is bounded for clients without
-  one: a request line or header field over 8190 bytes is a 400 (aiohttp's parser), a header section
-  over ``max_header_bytes`` (64 KiB) a 431, and the header bytes of requests still arriving count
+  one: a request line or header field over 8190 bytes, or over 128 header fields, is a 400 (aiohttp's
+  parser), a header section over ``max_header_bytes`` (64 KiB, the read that ends it included) a 431, and the header bytes of requests still arriving count
   against ``max_buffered_bytes`` like bodies (503 past it); the connection is closed after either answer
   (:class:`Connection`).
 - A client that reads nothing of its answer for ``send_timeout`` seconds while the proxy has more to
@@ -44,6 +44,7 @@ import time
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.streams import EMPTY_PAYLOAD
 
 try:  # how aiohttp queues a request it could not parse (answered 400 by handle_error)
     from aiohttp.web_protocol import _ErrInfo as _ParseError
@@ -74,6 +75,8 @@ DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 #: the longest request line and header field (name and value), on the public port and from the engine:
 #: aiohttp's and nginx's default 8 KiB
 MAX_FIELD_SIZE = 8190
+#: the most header fields in one request (more: a 400 from the parser; aiohttp 3.14 has the same default)
+MAX_HEADERS = 128
 
 #: a request whose body was not read is closed after this much reading-and-discarding (aiohttp: 10 s)
 LINGER = 1.0
@@ -202,6 +205,7 @@ class Connection(web.RequestHandler):
         self._specops_linger: asyncio.TimerHandle | None = None
         self._specops_header_bytes = 0  # of the request whose headers are arriving, held in the budget
         self._specops_payload = None  # the body of the last request parsed (its end: headers come next)
+        self._specops_last = b""  # the last 3 header bytes of the request whose headers are arriving
         self._specops_trim = False  # refused while its headers arrived: trim the heap after it closes
 
     def connection_made(self, transport) -> None:
@@ -220,24 +224,53 @@ class Connection(web.RequestHandler):
         if self._force_close or self._close or (payload is not None and not payload.is_eof()):
             super().data_received(data)  # closing, or a body arriving: not header bytes
             return
+        server = self._manager
+        if server is None or not data:
+            super().data_received(data)  # (aiohttp feeds b"" to reparse what it held while paused)
+            return
+        # this read's header bytes: to the blank line that ends the section when it is here, refused before
+        # they are parsed when the section is then over the limit
+        end = _end_of_headers(self._specops_last, data)
+        if self._specops_header_bytes + (len(data) if end < 0 else end) > server.max_header_bytes:
+            self._specops_hold(len(data))  # (given back when the connection closes, like every refusal's)
+            return
         parsed = self._request_count
         super().data_received(data)
-        server = self._manager
-        if server is None:
-            return
         budget = server.budget
-        if self._request_count != parsed:  # the headers are complete (their body, if any, follows)
-            if self._messages and isinstance(self._messages[-1][0], _ParseError):
-                # they could not be parsed (a line over the limit...): the 400 is queued. aiohttp would
-                # feed the parser on and queue one more error (holding the data read) per read after it
-                self._close = True
-            self._specops_payload = self._messages[-1][1] if self._messages else None
-            if self._specops_header_bytes:
-                budget.release_headers(self._specops_header_bytes)
-                self._specops_header_bytes = 0
+        if self._request_count == parsed:  # the headers go on in the next read
+            self._specops_last = (self._specops_last + data)[-3:]
+            self._specops_hold(len(data))
             return
-        self._specops_header_bytes += len(data)
-        budget.hold_headers(len(data))
+        # the headers are complete (their body, if any, follows)
+        if self._specops_header_bytes:
+            budget.release_headers(self._specops_header_bytes)
+            self._specops_header_bytes = 0
+        self._specops_last = b""
+        if self._messages and isinstance(self._messages[-1][0], _ParseError):
+            # they could not be parsed (a line over the limit...): the 400 is queued. aiohttp would feed the
+            # parser on and queue one more error (holding the data read) per read after it
+            self._close = True
+            return
+        self._specops_payload = self._messages[-1][1] if self._messages else None
+        # a pipeline that filled aiohttp's queue of parsed requests (it stops reading then) left up to a read of
+        # unparsed requests in its parser: trim the heap once the connection is gone, as after a refusal
+        self._specops_trim |= getattr(self, "_buffer_paused", False)
+        if self._specops_payload is EMPTY_PAYLOAD and end >= 0:
+            # no body follows: what follows the last blank line of this read starts the next request's headers
+            # (a request pipelined whole inside one read is held to aiohttp's 128 fields of 8190 bytes)
+            last = data.rfind(b"\r\n\r\n")
+            rest = len(data) - (last + 4 if last >= 0 else end)
+            if rest > 0:
+                self._specops_last = data[-3:]
+                self._specops_hold(rest)
+
+    def _specops_hold(self, n: int) -> None:
+        """Count ``n`` more header bytes of the request whose headers are arriving (in the budget too), and
+        refuse it past ``max_header_bytes`` (431) or past the budget (503)."""
+        server = self._manager
+        budget = server.budget
+        self._specops_header_bytes += n
+        budget.hold_headers(n)
         if self._specops_header_bytes > server.max_header_bytes:
             server.counters["rejected_header_size"] += 1
             self._specops_refuse(
@@ -319,6 +352,7 @@ class Connection(web.RequestHandler):
             server.heap.trim_soon()
         self._specops_header_bytes = 0
         self._specops_payload = None
+        self._specops_last = b""
         for message, _ in self._messages:  # parse errors never answered: free what their tracebacks hold
             if isinstance(message, _ParseError) and message.exc is not None:
                 message.exc.__traceback__ = None
@@ -354,6 +388,18 @@ class Connection(web.RequestHandler):
         return resp
 
 
+def _end_of_headers(before: bytes, data: bytes) -> int:
+    """Where in ``data`` a header section ends (just past its blank line), ``before`` being the section's last
+    bytes before ``data`` (3 are enough); -1 when it does not end in ``data``."""
+    if before:
+        joined = before + data[:3]
+        at = joined.find(b"\r\n\r\n")
+        if 0 <= at < len(before):
+            return at + 4 - len(before)
+    at = data.find(b"\r\n\r\n")
+    return -1 if at < 0 else at + 4
+
+
 def cancel_header_deadline(request: web.BaseRequest) -> None:
     """The request's headers came in time: the connection's first-request deadline is over."""
     deadline = request.protocol.specops_deadline
@@ -386,6 +432,7 @@ class Server(web.Server):
     ):
         kwargs.setdefault("max_line_size", MAX_FIELD_SIZE)
         kwargs.setdefault("max_field_size", MAX_FIELD_SIZE)
+        kwargs.setdefault("max_headers", MAX_HEADERS)
         super().__init__(handler, **kwargs)
         self.counters = counters
         self.reject_log = reject_log

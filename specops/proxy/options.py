@@ -8,7 +8,6 @@ first request meets them.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from .limits import (
@@ -20,9 +19,6 @@ from .limits import (
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_SEND_TIMEOUT,
 )
-
-#: the public port's HTTP layers: aiohttp's server, or httptools under an asyncio protocol (specops.proxy.fastpath)
-HTTP_LAYERS = ("aiohttp", "lean")
 
 
 @dataclass(frozen=True)
@@ -51,9 +47,6 @@ class ProxyOptions:
     max_connections: int | None = DEFAULT_MAX_CONNECTIONS
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     log_rejects_per_s: float = 5.0
-    #: the public port's HTTP layer: "aiohttp", or "lean" (:mod:`specops.proxy.fastpath`); None: the
-    #: environment's SPECOPS_PROXY_HTTP, else "aiohttp"
-    http: str | None = None
 
     def __post_init__(self) -> None:
         if self.queue_size < 0:
@@ -68,15 +61,3 @@ class ProxyOptions:
             raise ValueError("send_timeout must be > 0 (or None: no deadline)")
         if self.max_header_bytes < 1024:
             raise ValueError("max_header_bytes must be >= 1024")
-        if self.http not in (None, *HTTP_LAYERS):
-            raise ValueError(f"http must be one of {', '.join(HTTP_LAYERS)}, got {self.http!r}")
-
-    @property
-    def http_layer(self) -> str:
-        """The HTTP layer in effect: ``http``, else ``SPECOPS_PROXY_HTTP`` (how the proxy's tests run both)."""
-        if self.http is not None:
-            return self.http
-        env = os.environ.get("SPECOPS_PROXY_HTTP", "").strip().lower()
-        if env and env not in HTTP_LAYERS:
-            raise ValueError(f"SPECOPS_PROXY_HTTP must be one of {', '.join(HTTP_LAYERS)}, got {env!r}")
-        return env or "aiohttp"

@@ -31,7 +31,7 @@ from yarl import URL
 from specops.urls import http_url
 
 from .dispatch import RequestPath
-from .forward import ENGINE_KEEPALIVE, Forwarder, Generation, engine_session
+from .forward import Forwarder, Generation, engine_session
 from .limits import (
     LINGER,
     BufferBudget,
@@ -199,7 +199,6 @@ class Proxy(RequestPath):
         self._forwarder = Forwarder(self._c, self._budget, opts.buffer_limit, on_timings)
         self._server: Server | None = None
         self._runner: web.ServerRunner | None = None
-        self.http = opts.http_layer  # the public port's HTTP layer: "aiohttp" or "lean" (specops.proxy.fastpath)
         self._admin_runner: web.ServerRunner | None = None
 
         self._state = IDLE
@@ -266,8 +265,6 @@ class Proxy(RequestPath):
             body_timeout=p.body_timeout,
             send_timeout=p.send_timeout,
         )
-        if p.http is not None:
-            opts["http"] = p.http
         spot = profile.certify.spot_check
         if spot.enabled and spot.source != "probes":
             opts["sampler"] = LiveSampler(max_entries=2 * spot.sample)
@@ -284,10 +281,6 @@ class Proxy(RequestPath):
     async def start(self) -> None:
         """Bind the public (and admin) listeners. Requests queue until :meth:`set_upstream`."""
         self._forwarder.session = engine_session(self.connect_timeout, self.read_timeout)
-        if self.http == "lean":  # its engine client too (health checks stay on the aiohttp session)
-            from .fastclient import EngineClient
-
-            self._forwarder.client = EngineClient(self.connect_timeout, self.read_timeout, ENGINE_KEEPALIVE)
         raise_fd_limit(2 * (self.max_connections or 0) + 256)
         server_log = ServerLog(self._reject_log)
         await self._listen_public(server_log)
@@ -296,9 +289,6 @@ class Proxy(RequestPath):
         self._event("start", url=self.url)
 
     async def _listen_public(self, server_log: ServerLog) -> None:
-        if self.http == "lean":
-            await self._listen_lean()
-            return
         max_body = self.max_body_size
         loop = asyncio.get_running_loop()
 
@@ -328,22 +318,6 @@ class Proxy(RequestPath):
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
         self.port = self._runner.addresses[0][1]
-
-    async def _listen_lean(self) -> None:
-        """The public port on the lean HTTP layer (:mod:`specops.proxy.fastpath`): the same handlers and limits."""
-        from .fastpath import LeanServer
-
-        self._server = LeanServer(
-            self._handle if self.admin_port is None else self._handle_public,
-            counters=self._c,
-            reject_log=self._reject_log,
-            max_connections=self.max_connections,
-            header_timeout=self.header_timeout,
-            budget=self._budget,
-            max_header_bytes=self.max_header_bytes,
-            send_timeout=self.send_timeout,
-        )
-        self.port = await self._server.listen(self.host, self.port)
 
     async def _listen_admin(self, server_log: ServerLog) -> None:
         admin = Server(
@@ -380,8 +354,6 @@ class Proxy(RequestPath):
         if self._gen is not None:
             for f in list(self._gen.inflight):
                 f.cut("specops is shutting down")
-        if self.http == "lean" and self._server is not None:
-            await self._server.close(grace=1.0)
         for runner in (self._runner, self._admin_runner):
             if runner is not None:
                 server = runner.server
@@ -389,8 +361,6 @@ class Proxy(RequestPath):
                 server.heap.cancel()  # the closed connections may have asked for a trim: none is due now
         if self._forwarder.session is not None:
             await self._forwarder.session.close()
-        if self._forwarder.client is not None:
-            await self._forwarder.client.close()
         if self._reject_log.pending:
             log.warning("proxy: %d lines about rejected requests were suppressed", self._reject_log.pending)
             self._reject_log.pending = 0
@@ -525,7 +495,6 @@ class Proxy(RequestPath):
                 queue_timeout_s=self.queue_timeout,
                 drain_timeout_s=self.drain_timeout,
                 retry_unstarted=self.retry_unstarted,
-                http=self.http,
                 limits={
                     "api_key": self._key is not None,
                     "max_connections": self.max_connections,
