@@ -186,6 +186,13 @@ def main(argv=None) -> int:
     if args.json:
         doc = {"args": {k: v for k, v in vars(args).items() if not k.startswith("serve")}, "rows": rows}
         doc["loadavg_1m"] = os.getloadavg()[0]
+        git = ["git", "-C", str(ROOT)]
+        doc["tree"] = {  # what "now" measured: the commit, and whether specops/proxy had changes beyond it
+            "commit": subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+            "proxy_changes": bool(
+                subprocess.run([*git, "status", "--porcelain", "specops/proxy"], capture_output=True, text=True).stdout
+            ),
+        }
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
 
