@@ -10,172 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-from support_ports import free_port
-from support_procs import stop_group
+from support_hostile_routing import AUTH, HostileUp, attacked, chat, exchange, get_text, raw_request, system_body
 from support_up import SPECOPS, write_profile
 
 pytestmark = pytest.mark.timeout(180)
 
-HERE = Path(__file__).resolve().parent
-KEY_VAR = "ROUND3_ROUTING_KEY"
-KEY = "sk-round3-routing-5d27a9"
-AUTH = f"Authorization: Bearer {KEY}\r\n"
-#: the rule of the review: a backtracking engine takes the square of the text's length on a prompt that repeats
-#: its opening without ever closing it
-RULE = "You are a (.*) assistant"
-
-
-def _system_body(size: int) -> bytes:
-    """A chat request whose system prompt repeats the rule's opening, ``size`` bytes in all."""
-    text = "You are a " * (size // 10)
-    return json.dumps({"messages": [{"role": "system", "content": text}], "max_tokens": 2}).encode()
-
-
-def _request(method: str, path: str, body: bytes = b"", headers: str = "") -> bytes:
-    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}"
-    if body:
-        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-    return head.encode() + b"\r\n" + body
-
-
-async def _answer(reader: asyncio.StreamReader, timeout: float) -> tuple[int, dict, bytes]:
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ":" in ln)}
-    n = int(headers.get("content-length", "0"))
-    body = await asyncio.wait_for(reader.readexactly(n), timeout) if n else b""
-    return int(lines[0].split()[1]), headers, body
-
-
-async def _exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[int, dict, bytes]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(data)
-        await writer.drain()
-        return await _answer(reader, timeout)
-    finally:
-        writer.close()
-
-
-async def _bystander_ms(port: int, timeout: float = 5.0) -> float:
-    """How long another client's ``GET /health`` takes, in ms (a timeout counts as infinite)."""
-    t0 = time.perf_counter()
-    try:
-        status, _, _ = await _exchange(port, _request("GET", "/health", headers="Connection: close\r\n"), timeout)
-    except asyncio.TimeoutError:
-        return float("inf")
-    assert status == 200
-    return (time.perf_counter() - t0) * 1000
-
-
-async def _attacked(port: int, attack: bytes) -> tuple[float, int | None]:
-    """A bystander's /health wait (ms) while ``attack`` is being handled, and the attack's status (None when it
-    got no answer within 5 s)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(attack)
-        await writer.drain()
-        await asyncio.sleep(0.02)  # the proxy has the request: it reads it now
-        waited = await _bystander_ms(port)
-        try:
-            status = (await _answer(reader, 5.0))[0]
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-            status = None
-        return waited, status
-    finally:
-        writer.close()
-
-
-def _chat(port: int, task: str, system: str = "be brief") -> tuple[int, str]:
-    """An authenticated chat request of class ``task``: (status, the engine that answered)."""
-    body = json.dumps({"messages": [{"role": "system", "content": system}], "max_tokens": 20}).encode()
-    status, headers, _ = asyncio.run(
-        _exchange(port, _request("POST", "/v1/chat/completions", body, AUTH + f"X-Task: {task}\r\n"))
-    )
-    return status, headers.get("x-upstream-name", "")
-
-
-def _get(port: int, path: str) -> str:
-    status, _, body = asyncio.run(_exchange(port, _request("GET", path, headers=AUTH + "Connection: close\r\n")))
-    assert status == 200, body[:300]
-    return body.decode()
-
-
-class Up:
-    """One `specops up` of the attacked profile, its port and state."""
-
-    def __init__(self, tmp: Path):
-        self.tmp, self.port, self.state_dir = tmp, free_port(), tmp / "state"
-        (tmp / "target.gguf").write_bytes(b"GGUF")  # the stand-in reads no weights; the launch check wants a file
-        self.profile = write_profile(
-            tmp / "r3.yaml",
-            {
-                "name": "r3",
-                "backend": "llamacpp",
-                "model": {"id": str(tmp / "target.gguf")},
-                "speculative": {"method": "ngram"},
-                "gpus": {"devices": []},
-                "server": {"port": self.port, "api_key": "${" + KEY_VAR + "}"},
-                # the stand-in's ngram accepts 0.2: the primary falls back to the none twin by a route change
-                "fallback": {"chain": ["none"], "window": "1s", "min_draft_tokens": 20, "consecutive_windows": 1},
-                "monitor": {"interval": 0.1, "timeout": 1},
-                "supervisor": {"state_dir": str(self.state_dir), "stop_timeout": 5, "restart_backoff": 0.1},
-                "routing": {
-                    "twins": ["none"],
-                    "client_choice": "forbid",
-                    "rules": [{"match": {"system": RULE}, "speculation": "off"}],
-                    "classes": {"key": "header", "header": "X-Task", "min_draft_tokens": 20, "explore": 0},
-                },
-            },
-        )
-        self.env = {**os.environ, KEY_VAR: KEY}
-        self.log = open(tmp / "up.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "support_standin.py"), "up", str(self.profile)],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
-        )
-
-    def state(self) -> dict:
-        try:
-            return json.loads((self.state_dir / "r3" / "state.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return {}
-
-    def wait(self, pred, what: str, timeout: float = 60.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = self.state()
-            if pred(st):
-                return st
-            assert self.proc.poll() is None, (self.tmp / "up.log").read_text()[-3000:]
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}: {self.state()}")
-
-    def classes(self) -> list[str]:
-        doc = json.loads(_get(self.port, "/specops/status"))
-        return [row["class"] for row in doc["routing"]["classes"]]
-
-    def stop(self) -> None:
-        try:
-            stop_group(self.proc, timeout=15)  # SIGTERM: specops up stops its engines too
-        finally:
-            self.log.close()
-
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    run = Up(tmp_path_factory.mktemp("r3"))
+    run = HostileUp(tmp_path_factory.mktemp("r3"))
     try:
         run.wait(lambda s: len(s.get("engines", [])) == 2 and all(e["live"] for e in s["engines"]), "two engines")
         yield run
@@ -189,12 +36,12 @@ def up(tmp_path_factory):
 def test_a_hostile_system_prompt_does_not_hold_the_proxy(up):
     """300 KB of `You are a ` on GET /health without the key, and on an authenticated chat request: another
     client's /health answers within 100 ms (a backtracking `re` held the event loop for tens of seconds)."""
-    body = _system_body(300_000)
-    health = _request("GET", "/health", body, "X-Task: probe\r\n")
-    waited, status = asyncio.run(_attacked(up.port, health))
+    body = system_body(300_000)
+    health = raw_request("GET", "/health", body, "X-Task: probe\r\n")
+    waited, status = asyncio.run(attacked(up.port, health))
     assert status == 200 and waited < 100, (waited, status)
-    post = _request("POST", "/v1/chat/completions", body, AUTH + "X-Task: probe\r\n")
-    waited, status = asyncio.run(_attacked(up.port, post))
+    post = raw_request("POST", "/v1/chat/completions", body, AUTH + "X-Task: probe\r\n")
+    waited, status = asyncio.run(attacked(up.port, post))
     assert status == 200 and waited < 100, (waited, status)
 
 
@@ -259,25 +106,25 @@ def test_validate_refuses_a_pattern_re2_cannot_run_located_with_its_reason(tmp_p
 def test_keyless_health_requests_neither_touch_the_classes_nor_add_labels(up):
     """100 keyless GET /health with distinct X-Task values: all answered, the authenticated class stays, no label
     appears; a class key that is long or odd is named by its hash in the labels and status."""
-    assert _chat(up.port, "legit-code")[0] == 200
+    assert chat(up.port, "legit-code")[0] == 200
     assert "legit-code" in up.classes()
 
     async def flood() -> list[int]:
         out = []
         for i in range(100):
-            req = _request("GET", "/health", headers=f"X-Task: attacker-{i}-/home/alice/secret-token-abc\r\n")
-            out.append((await _exchange(up.port, req))[0])
+            req = raw_request("GET", "/health", headers=f"X-Task: attacker-{i}-/home/alice/secret-token-abc\r\n")
+            out.append((await exchange(up.port, req))[0])
         return out
 
     assert asyncio.run(flood()) == [200] * 100
     classes = up.classes()
     assert "legit-code" in classes and not [c for c in classes if "attacker" in c]
-    metrics = _get(up.port, "/specops/metrics")
+    metrics = get_text(up.port, "/specops/metrics")
     assert "attacker" not in metrics and 'cls="legit-code"' in metrics
 
     odd = "a b;c=" + "z" * 80  # a space, punctuation, longer than 64
-    assert _chat(up.port, odd)[0] == 200
-    labels = set(re.findall(r'cls="([^"]*)"', _get(up.port, "/specops/metrics")))
+    assert chat(up.port, odd)[0] == 200
+    labels = set(re.findall(r'cls="([^"]*)"', get_text(up.port, "/specops/metrics")))
     assert labels <= {"legit-code", "probe"} | {c for c in up.classes() if re.fullmatch(r"h:[0-9a-f]{12}", c)}
     assert any(re.fullmatch(r"h:[0-9a-f]{12}", c) for c in labels) and "zzzz" not in str(labels)
 
@@ -290,14 +137,14 @@ def test_fresh_class_keys_do_not_reach_the_speculating_engine_under_forbid(up):
     sending a fresh class key per request: at most 8 new classes are measured per window; the rest take the default
     route (the step in effect), and the table keeps the learned class."""
     for _ in range(3):  # traffic the primary drafts for (0.2 accepted): its window falls back to the none twin
-        assert _chat(up.port, "chat")[0] == 200
+        assert chat(up.port, "chat")[0] == 200
     up.wait(lambda s: any(e.get("current") and e["method"] == "none" for e in s.get("engines", [])), "the route change")
-    served = [_chat(up.port, f"fresh-{i}") for i in range(20)]
+    served = [chat(up.port, f"fresh-{i}") for i in range(20)]
     assert {status for status, _ in served} == {200}
     on_ngram = sum(engine == "ngram" for _, engine in served)
     assert on_ngram <= 8 and sum(engine == "none" for _, engine in served) >= 12, served
     assert "chat" in up.classes()
-    metrics = _get(up.port, "/specops/metrics")
+    metrics = get_text(up.port, "/specops/metrics")
     assert re.search(r'specops_routed_requests_total\{engine="1:none",reason="class-default"\} 1\d\.0', metrics)
 
 
