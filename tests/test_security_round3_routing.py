@@ -148,6 +148,23 @@ def test_fresh_class_keys_do_not_reach_the_speculating_engine_under_forbid(up):
     assert re.search(r'specops_routed_requests_total\{engine="1:none",reason="class-default"\} 1\d\.0', metrics)
 
 
+def test_under_forbid_a_new_class_pushes_out_no_class_seen_within_the_window():
+    """The table's side of item 10: past its capacity a new class is admitted only in place of a class not seen for
+    a whole window, and at most 8 new classes a window."""
+    from specops.watch.classes import ClassTable
+
+    table = ClassTable(2, 10.0)
+    table.touch("a", 0.0)
+    table.touch("b", 5.0)
+    assert table.admits("a", 6.0) and not table.admits("c", 6.0)  # full: a was seen 6 s ago
+    assert table.admits("c", 10.5)  # a was not seen for a whole window: c may take its place
+    many = ClassTable(64, 10.0)
+    for i in range(8):
+        assert many.admits(f"k{i}", 1.0)
+        many.touch(f"k{i}", 1.0)
+    assert not many.admits("k8", 10.9) and many.admits("k8", 11.1)
+
+
 # ------------------------------------------------------------------------- item 11: status prints client text
 
 
