@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specops.config.yamlsource import read_text
 from specops.errors import ProfileError, SpecopsError
 from specops.methods import Method
 
@@ -183,13 +184,18 @@ class Surface:
 
 
 def _read_surface(p: Path) -> Surface:
-    """The surface in the record at ``p``; raises ValueError saying why not (without the field's name)."""
+    """The surface in the record at ``p``; raises ValueError saying why not (without the field's name).
+
+    Read like the lock file, with a bounded read of a regular file: ``up`` must not wait on a FIFO or fill
+    its memory from a link to /dev/zero."""
     try:
-        record = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ValueError(f"cannot read {p}: {exc.strerror or exc}") from None
+        record = json.loads(read_text(p, str(p)))
+    except ProfileError as exc:
+        raise ValueError(exc.problems[0].message) from None
     except ValueError as exc:
         raise ValueError(f"{p} is not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{p} is not a tune record: JSON nested too deeply") from None
     try:
         surface = Surface.from_record(record) if isinstance(record, Mapping) else None
     except ValueError as exc:
