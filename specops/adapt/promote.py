@@ -55,7 +55,12 @@ def heldout_prompts(path: Path, max_tokens: int, limit: int):
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise SpecopsError(f"{path}: cannot read the held-out examples: {exc.strerror or exc}") from None
-    for number, line in enumerate(text.splitlines(), start=1):
+    # split on "\n" only: the lines are JSON written with ensure_ascii=False, so a prompt may hold U+2028 or
+    # U+0085, which str.splitlines() splits on too
+    lines = text.split("\n")
+    if not lines[-1]:
+        lines.pop()  # after the newline that ends the last line
+    for number, line in enumerate(lines, start=1):
         try:
             prompts.append(Prompt(json.loads(line)["prompt"], max_tokens=max_tokens, temperature=0.0, set="heldout"))
         except (ValueError, KeyError, TypeError):
