@@ -210,8 +210,8 @@ def test_each_vllm_engine_is_rendered_with_its_share(tmp_path):
     """The primary's launch plan (what `specops up` runs) and the twin's carry their own
     --gpu-memory-utilization: the even split of gpus.memory_utilization 0.8."""
     from specops.backends.render import render_plan
+    from specops.config.engines import with_gpu_share
     from specops.config.profile import LoadedProfile
-    from specops.config.routing import with_gpu_share
     from specops.plugins import get_registry
     from specops.serve.up import _step_renderer
 

@@ -5,27 +5,22 @@ switch to it is a route change instead of a restart, and each request can be sen
 it: the client's ``X-Specops-Speculation`` header (when the operator allows it), route rules (by path, ``model``,
 header or a pattern on the system prompt), then the choice learned per request class, then the step in effect.
 
-Kept apart from :mod:`specops.config.sections` (which declares it as one field); the rules that need the rest of
-the profile (a twin must be a chain step, twins need the proxy) are :func:`routing_problems`, which
-:mod:`specops.config.rules` runs with the other cross-field rules.
+Kept apart from :mod:`specops.config.sections` (which declares it as one field) and below it: nothing here needs
+the rest of the profile. The rules that do (a twin must be a chain step, twins need the proxy) are in
+:mod:`specops.config.rules` with the other cross-field rules; the engines a profile with twins runs, their names
+and GPU shares, in :mod:`specops.config.engines`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from pathlib import PurePath
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 import re2
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from specops.config.fields import Duration, Section
-from specops.config.located import quote_value
 from specops.methods import Method
-
-if TYPE_CHECKING:
-    from specops.config.sections import Profile
 
 #: The request header a client may use to ask for or against speculation (when ``routing.client_choice: allow``).
 SPECULATION_HEADER = "X-Specops-Speculation"
@@ -41,13 +36,6 @@ SYSTEM_MATCHED = 8192
 #: Longest model alias, and how many a profile may have (each is looked up in every request's body).
 MAX_ALIAS = 256
 MAX_ALIASES = 256
-#: The key of ``routing.memory_utilization`` that names the primary engine (twins are named by their method).
-PRIMARY = "primary"
-#: The key of ``routing.memory_utilization`` that names the canary engine (``routing.canary``).
-CANARY = "canary"
-#: What the engines share of each GPU when the profile sets no ``gpus.memory_utilization`` (vLLM's default until
-#: 0.31; 0.32.0's is 0.92, read in its CacheConfig): passed explicitly, split between the engines.
-DEFAULT_GPU_SHARE = 0.9
 
 
 def _on_off(value: object) -> object:
@@ -266,162 +254,3 @@ class Routing(Section):
     def enabled(self) -> bool:
         """Whether requests are routed between engines at all (a profile without twins runs as it always did)."""
         return bool(self.twins)
-
-
-def served_names(p: Profile) -> set[str]:
-    """The names the engines answer to when no alias is used: ``model.served_name``, else the engine's default
-    (vLLM: the model id; llama-server: the id, or a local file's name)."""
-    if p.model.served_name:
-        return {p.model.served_name}
-    return {p.model.id, PurePath(p.model.id).name}
-
-
-def engine_names(p: Profile) -> list[str]:
-    """The engines of a profile with twins, as ``routing.memory_utilization`` names them: primary, the twins, then
-    the canary when one may run (it needs memory of its own while it runs beside the others)."""
-    canary = [CANARY] if p.routing.canary.enabled else []
-    return [PRIMARY, *(m.value for m in p.routing.twins), *canary]
-
-
-def gpu_shares(p: Profile) -> dict[str, float]:
-    """Each engine's ``--gpu-memory-utilization`` when twins share the GPUs (empty without twins, or on CPU).
-
-    vLLM's share is per instance (each engine may take that fraction of a GPU's memory, whatever the others hold),
-    so engines on one GPU must split it: the profile's own shares, else the total split evenly."""
-    if not p.routing.twins or p.gpus.devices == []:
-        return {}
-    if p.routing.memory_utilization:
-        return dict(p.routing.memory_utilization)
-    names = engine_names(p)
-    total = p.gpus.memory_utilization or DEFAULT_GPU_SHARE
-    return {name: round(total / len(names), 4) for name in names}
-
-
-def splits_gpu_by_share(backend: str) -> bool:
-    """Whether ``backend`` sizes each engine's GPU memory with ``gpus.memory_utilization`` (vLLM's parallel layout;
-    True when the backend is not installed, as the memory estimate assumes)."""
-    from specops.plugins import get_registry  # the registry imports the config: only when asked
-
-    return bool(getattr(get_registry().backends.get(backend), "parallel_layout", True))
-
-
-def with_gpu_share(p: Profile, engine: str) -> Profile:
-    """``p`` as ``engine`` runs it: its own ``gpus.memory_utilization`` share (unchanged without twins).
-
-    Only for backends that size GPU memory with ``gpus.memory_utilization`` (vLLM); the caller knows which."""
-    share = gpu_shares(p).get(engine)
-    if share is None:
-        return p
-    return p.model_copy(update={"gpus": p.gpus.model_copy(update={"memory_utilization": share})})
-
-
-def _share_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
-    shares = p.routing.memory_utilization
-    if not shares:
-        return
-    path = ("routing", "memory_utilization")
-    if not p.routing.twins:
-        yield path, "per-engine GPU shares need twins: add routing.twins or remove routing.memory_utilization"
-        return
-    if p.gpus.devices == []:
-        yield path, "a GPU memory share; this profile runs on CPU (gpus.devices: [])"
-        return
-    if not splits_gpu_by_share(p.backend):
-        yield path, f"{p.backend} does not size GPU memory by a share (--gpu-memory-utilization is vLLM's)"
-        return
-    names = engine_names(p)
-    for key in shares:
-        if key not in names:
-            yield (*path, key), f"not an engine of this profile (engines: {', '.join(names)})"
-    missing = [n for n in names if n not in shares]
-    if missing:
-        yield path, f"name every engine: {', '.join(missing)} missing (engines: {', '.join(names)})"
-    total = p.gpus.memory_utilization or 1.0
-    used = sum(shares.values())
-    if used > total + 1e-9:
-        limit = f"gpus.memory_utilization ({total:g})" if p.gpus.memory_utilization else "1 (a whole GPU)"
-        yield path, f"the engines' shares add up to {used:g}, over {limit}: they would not fit on one GPU together"
-
-
-def routing_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
-    """The ``routing`` section against the rest of the profile: each problem with the path of the field to fix."""
-    r = p.routing
-    chain = [s.method for s in p.chain]
-    seen: set[Method] = set()
-    for i, method in enumerate(r.twins):
-        path = ("routing", "twins", i)
-        if method is Method.AUTO:
-            yield path, "`auto` cannot be a twin; name a step of fallback.chain"
-        elif method is p.speculative.method:
-            yield path, f"{method} is the primary method: a twin runs a step of the fallback chain beside it"
-        elif method not in chain:
-            yield (
-                path,
-                f"{method} is not a step of the fallback chain ({', '.join(m.value for m in chain) or 'empty'}): a twin "
-                "runs a chain step",
-            )
-        elif method in seen:
-            yield path, f"{method} is listed twice"
-        seen.add(method)
-    if r.twins and not p.proxy.enabled:
-        yield (
-            ("routing", "twins"),
-            "twins are served through specops' proxy (it routes each request): set proxy.enabled: true or remove twins",
-        )
-    if r.twins and p.proxy.engine_port is not None:
-        yield (
-            ("proxy", "engine_port"),
-            "with twins every engine gets a free loopback port of its own: remove proxy.engine_port",
-        )
-    yield from _share_problems(p)
-    yield from _alias_problems(p)
-    yield from _canary_problems(p)
-    if not r.twins:
-        if r.rules:
-            yield ("routing", "rules"), "route rules need an engine to route to: add routing.twins (e.g. [none])"
-        if r.classes.key != "none":
-            yield ("routing", "classes", "key"), "learned routing needs an engine to route to: add routing.twins"
-
-
-def _alias_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
-    r = p.routing
-    if not r.aliases:
-        return
-    if not r.twins:
-        yield ("routing", "aliases"), "model aliases need an engine to route to: add routing.twins (e.g. [none])"
-        return
-    served = served_names(p)
-    for name in r.aliases:
-        if not name or len(name) > MAX_ALIAS or name != name.strip() or not name.isprintable():
-            yield (  # located at the mapping: a key with odd characters is not printed as a field path
-                ("routing", "aliases"),
-                f"{quote_value(name)} is not a model name: 1 to {MAX_ALIAS} printable characters, no leading or "
-                "trailing spaces",
-            )
-        elif name in served:
-            yield (
-                ("routing", "aliases", name),
-                f"{name!r} is the model name the engines serve: an alias is another name (e.g. {name}-fast)",
-            )
-    for i, rule in enumerate(r.rules):
-        said = r.aliases.get(rule.match.model) if rule.match.model is not None else None
-        if said is not None and said != "auto":
-            yield (
-                ("routing", "rules", i, "match", "model"),
-                f"{rule.match.model!r} is an alias ({said}): aliases are tried before the rules, so this rule never "
-                "matches; remove it or make the alias `auto`",
-            )
-
-
-def _canary_problems(p: Profile) -> Iterator[tuple[tuple, str]]:
-    if not p.routing.canary.enabled:
-        return
-    path = ("routing", "canary", "enabled")
-    if not p.routing.twins:
-        yield (
-            path,
-            "a canary is an engine beside the primary, routed per request as twins are: add routing.twins "
-            "(e.g. [none])",
-        )
-    elif p.speculative.method is Method.NONE:
-        yield path, "the primary does not speculate (speculative.method: none): a canary compares draft acceptance"

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from specops.config.deploy import K8S_LABEL_KEY, K8S_LABEL_VALUE
+from specops.config.engines import engine_names, served_names, splits_gpu_by_share
 from specops.config.loaded import LoadedProfile
 from specops.config.located import quote_value
-from specops.config.routing import routing_problems
+from specops.config.routing import MAX_ALIAS
 from specops.config.sections import (
     ENV_NAME,
     LABEL_NAME,
@@ -53,7 +54,7 @@ def semantic_problems(loaded: LoadedProfile, registry: Registry) -> list[Problem
         _monitor_and_port_problems(p),
         _backend_problems(p, backend) if backend is not None else iter(()),
         _deploy_problems(p, backend),
-        routing_problems(p),
+        _routing_problems(p),
     ):
         out += [loaded.problem(path, msg) for path, msg in findings]
     out += _node_selector_problems(loaded)
@@ -341,3 +342,119 @@ def _node_selector_problems(loaded: LoadedProfile) -> list[Problem]:
                 )
             )
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# routing: the section against the rest of the profile
+
+
+def _routing_problems(p: Profile) -> Findings:
+    """The ``routing`` section against the rest of the profile: each problem with the path of the field to fix."""
+    r = p.routing
+    chain = [s.method for s in p.chain]
+    seen: set[Method] = set()
+    for i, method in enumerate(r.twins):
+        path = ("routing", "twins", i)
+        if method is Method.AUTO:
+            yield path, "`auto` cannot be a twin; name a step of fallback.chain"
+        elif method is p.speculative.method:
+            yield path, f"{method} is the primary method: a twin runs a step of the fallback chain beside it"
+        elif method not in chain:
+            yield (
+                path,
+                f"{method} is not a step of the fallback chain ({', '.join(m.value for m in chain) or 'empty'}): a twin "
+                "runs a chain step",
+            )
+        elif method in seen:
+            yield path, f"{method} is listed twice"
+        seen.add(method)
+    if r.twins and not p.proxy.enabled:
+        yield (
+            ("routing", "twins"),
+            "twins are served through specops' proxy (it routes each request): set proxy.enabled: true or remove twins",
+        )
+    if r.twins and p.proxy.engine_port is not None:
+        yield (
+            ("proxy", "engine_port"),
+            "with twins every engine gets a free loopback port of its own: remove proxy.engine_port",
+        )
+    yield from _share_problems(p)
+    yield from _alias_problems(p)
+    yield from _canary_problems(p)
+    if not r.twins:
+        if r.rules:
+            yield ("routing", "rules"), "route rules need an engine to route to: add routing.twins (e.g. [none])"
+        if r.classes.key != "none":
+            yield ("routing", "classes", "key"), "learned routing needs an engine to route to: add routing.twins"
+
+
+def _share_problems(p: Profile) -> Findings:
+    shares = p.routing.memory_utilization
+    if not shares:
+        return
+    path = ("routing", "memory_utilization")
+    if not p.routing.twins:
+        yield path, "per-engine GPU shares need twins: add routing.twins or remove routing.memory_utilization"
+        return
+    if p.gpus.devices == []:
+        yield path, "a GPU memory share; this profile runs on CPU (gpus.devices: [])"
+        return
+    if not splits_gpu_by_share(p.backend):
+        yield path, f"{p.backend} does not size GPU memory by a share (--gpu-memory-utilization is vLLM's)"
+        return
+    names = engine_names(p)
+    for key in shares:
+        if key not in names:
+            yield (*path, key), f"not an engine of this profile (engines: {', '.join(names)})"
+    missing = [n for n in names if n not in shares]
+    if missing:
+        yield path, f"name every engine: {', '.join(missing)} missing (engines: {', '.join(names)})"
+    total = p.gpus.memory_utilization or 1.0
+    used = sum(shares.values())
+    if used > total + 1e-9:
+        limit = f"gpus.memory_utilization ({total:g})" if p.gpus.memory_utilization else "1 (a whole GPU)"
+        yield path, f"the engines' shares add up to {used:g}, over {limit}: they would not fit on one GPU together"
+
+
+def _alias_problems(p: Profile) -> Findings:
+    r = p.routing
+    if not r.aliases:
+        return
+    if not r.twins:
+        yield ("routing", "aliases"), "model aliases need an engine to route to: add routing.twins (e.g. [none])"
+        return
+    served = served_names(p)
+    for name in r.aliases:
+        if not name or len(name) > MAX_ALIAS or name != name.strip() or not name.isprintable():
+            yield (  # located at the mapping: a key with odd characters is not printed as a field path
+                ("routing", "aliases"),
+                f"{quote_value(name)} is not a model name: 1 to {MAX_ALIAS} printable characters, no leading or "
+                "trailing spaces",
+            )
+        elif name in served:
+            yield (
+                ("routing", "aliases", name),
+                f"{name!r} is the model name the engines serve: an alias is another name (e.g. {name}-fast)",
+            )
+    for i, rule in enumerate(r.rules):
+        said = r.aliases.get(rule.match.model) if rule.match.model is not None else None
+        if said is not None and said != "auto":
+            yield (
+                ("routing", "rules", i, "match", "model"),
+                f"{rule.match.model!r} is an alias ({said}): aliases are tried before the rules, so this rule never "
+                "matches; remove it or make the alias `auto`",
+            )
+
+
+def _canary_problems(p: Profile) -> Findings:
+    if not p.routing.canary.enabled:
+        return
+    path = ("routing", "canary", "enabled")
+    if not p.routing.twins:
+        yield (
+            path,
+            "a canary is an engine beside the primary, routed per request as twins are: add routing.twins "
+            "(e.g. [none])",
+        )
+    elif p.speculative.method is Method.NONE:
+        yield path, "the primary does not speculate (speculative.method: none): a canary compares draft acceptance"

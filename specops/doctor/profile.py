@@ -134,7 +134,7 @@ def _twins_fit(ctx: Context) -> list[Check]:
     res = ctx.resolution
     if ctx.loaded is None or res is None or not res.profile.routing.twins:
         return []
-    from specops.config.routing import splits_gpu_by_share
+    from specops.config.engines import splits_gpu_by_share
     from specops.resolve.check import resolved_twin_memory
     from specops.resolve.memory import available_memory
 

@@ -82,7 +82,7 @@ def twin_notes(p) -> list[str]:
     """What the render says about a pod with twins (nothing without them)."""
     if not p.routing.twins:
         return []
-    from specops.config.routing import gpu_shares, splits_gpu_by_share
+    from specops.config.engines import gpu_shares, splits_gpu_by_share
 
     engines = ["primary", *(m.value for m in p.routing.twins)]
     shares = gpu_shares(p) if splits_gpu_by_share(p.backend) else {}

@@ -383,7 +383,7 @@ def twin_fit(
     ``routing.canary`` on, a canary runs the primary's step beside them while a new draft is measured: it is
     counted as one more engine, its draft taken as the size of the current one. None without twins or when the
     target's size is unknown."""
-    from specops.config.routing import CANARY, PRIMARY, gpu_shares
+    from specops.config.engines import CANARY, PRIMARY, gpu_shares
     from specops.methods import NEEDS_DRAFT
 
     twins = profile.routing.twins
@@ -453,7 +453,7 @@ def twin_fit(
 
 def engine_drafts(profile) -> list[str]:
     """The drafts the engines of a profile with twins load (the primary's, each twin's step's), each once."""
-    from specops.config.routing import PRIMARY
+    from specops.config.engines import PRIMARY
     from specops.methods import NEEDS_DRAFT
 
     wanted = {PRIMARY, *(m.value for m in profile.routing.twins)}
@@ -476,7 +476,7 @@ def twin_problems(
 ) -> tuple[TwinFit | None, list[tuple[tuple, str]]]:
     """The twins' fit against ``budget`` bytes (default: ``gpus.memory_gb``), and what does not fit, each with the
     profile field to change. ``(None, [])`` without twins or sizes."""
-    from specops.config.routing import splits_gpu_by_share
+    from specops.config.engines import splits_gpu_by_share
 
     if not profile.routing.twins:
         return None, []
@@ -493,7 +493,7 @@ def local_twin_problems(profile, *, at_launch: bool = False) -> list[tuple[tuple
     """:func:`twin_problems` with what this machine reads without the network (local model files), against
     ``gpus.memory_gb``; ``at_launch``, also against this machine's available memory when the engines run on CPU and
     their memory adds up (llama.cpp): what ``validate`` and the pre-launch check of ``specops up`` refuse."""
-    from specops.config.routing import splits_gpu_by_share
+    from specops.config.engines import splits_gpu_by_share
 
     if not profile.routing.twins:
         return []

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 
 from specops.backends.render import render_plan
+from specops.config.engines import CANARY, PRIMARY, splits_gpu_by_share, with_gpu_share
 from specops.config.profile import LoadedProfile
-from specops.config.routing import CANARY, PRIMARY, splits_gpu_by_share, with_gpu_share
 from specops.errors import SpecopsError
 from specops.resolve.prelaunch import Address, check_before_launch, resolve_for_launch
 from specops.run.events import EngineLine, SwitchOrder
