@@ -26,6 +26,9 @@ Path_ = tuple  # a field path: ("speculative", "ngram", "min") or ("fallback", "
 
 #: ``${VAR}``, ``${VAR:-default}`` (groups: name, default) or ``$$`` (a literal ``$``, no groups).
 ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$\$")
+#: What a shell user may write besides: ``$VAR``, or ``${...}`` in a form ENV_REFERENCE does not take
+#: (``${VAR-x}``, ``${VAR:=x}``, ``${VAR:?x}``, ...): groups bare name, or the braces' text and the ``}``.
+OTHER_REFERENCE = re.compile(r"\$(?:([A-Za-z_][A-Za-z0-9_]*)|\{([^}]*)(\}?))")
 #: A profile is a few dozen values; these bounds stop hostile YAML (deep nesting, "billion laughs" alias
 #: bombs, self-referencing aliases) from exhausting the stack or the CPU of a CI runner.
 MAX_DEPTH = 32
@@ -206,13 +209,17 @@ class _Builder:
         """``text`` with ``${VAR}``, ``${VAR:-default}`` and ``$$`` replaced; the result is always text.
 
         The values go into the scalar's text, never back through the YAML parser: ``API_KEY="s3cret #prod"``
-        stays whole, ``0123`` and ``yes`` stay strings (a numeric field still converts ``"8000"``).
+        stays whole, ``0123`` and ``yes`` stay strings (a numeric field still converts ``"8000"``). As in a
+        shell, ``:-`` takes the default when the variable is unset or empty. Every other form a shell reads
+        (``$VAR``, ``${VAR-x}``, ``${VAR:=x}``, ``${VAR:?x}``, ...) is a located problem naming the supported
+        one: kept as text, ``api_key: $KEY`` would make the guessable text ``$KEY`` the key.
         """
         missing: list[str] = []
         out: list[str] = []
         spans: list[tuple[int, int, str]] = []
         length, pos = 0, 0
         for m in ENV_REFERENCE.finditer(text):
+            self._refuse_other_references(text[pos : m.start()], node, path)
             out.append(text[pos : m.start()])
             length += m.start() - pos
             pos = m.end()
@@ -220,7 +227,7 @@ class _Builder:
                 piece = "$"
             else:
                 name, default = m.group(1), m.group(2)
-                if name in self.env:
+                if name in self.env and (str(self.env[name]) or default is None):
                     piece = str(self.env[name])
                     if piece and name not in self.public:
                         spans.append((length, length + len(piece), name))
@@ -231,6 +238,7 @@ class _Builder:
                     piece = ""
             out.append(piece)
             length += len(piece)
+        self._refuse_other_references(text[pos:], node, path)
         out.append(text[pos:])
         result = "".join(out)
         for name in missing:
@@ -240,6 +248,27 @@ class _Builder:
         if spans:
             self.env_texts.append(EnvText(path, result, tuple(spans)))
         return result
+
+    def _refuse_other_references(self, text: str, node: yaml.Node, path: Path_) -> None:
+        """A problem for each reference in ``text`` (the text between supported ones) that specops does not
+        interpolate; a default is never quoted (it may be a secret)."""
+        for m in OTHER_REFERENCE.finditer(text):
+            bare, braced, closed = m.groups()
+            op = re.match(r"([A-Za-z_][A-Za-z0-9_]*)(:?[-=?+])", braced or "")
+            if bare:
+                why = f"${bare} is not interpolated: write ${{{bare}}} (or $${bare} for the text ${bare})"
+            elif not closed or op is None:
+                why = "a ${ that is not ${VAR} or ${VAR:-default}: write one of them ($$ for a literal $)"
+            else:
+                name, sign = op.groups()
+                instead = {
+                    "-": f"${{{name}:-…}} (the default is taken when {name} is unset or empty)",
+                    "=": f"${{{name}:-…}}: specops never sets a variable",
+                    "?": f"${{{name}}}: an unset variable is already an error",
+                    "+": "the text itself",
+                }[sign[-1]]
+                why = f"${{{name}{sign}…}} is not supported: write {instead}"
+            self._problem(path, node, why)
 
     def _problem(self, path: Path_, node: yaml.Node, message: str) -> None:
         self.problems.append(Problem(location(self.file, node.start_mark), format_path(path), message))
