@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from specops.backends import measured
@@ -22,6 +22,7 @@ from specops.urls import http_url  # re-exported for backends
 
 __all__ = [
     "Backend",
+    "DraftLength",
     "EngineInfo",
     "LaunchPlan",
     "RenderError",
@@ -30,6 +31,7 @@ __all__ = [
     "counter_total",
     "flag_of",
     "http_url",
+    "k_source",
     "looks_secret",
     "pinned_version",
 ]
@@ -50,6 +52,36 @@ class EngineInfo:
     def knows(self, flag: str) -> bool | None:
         """Whether the probed binary lists ``flag``; None when the flag set is unknown."""
         return None if self.flags is None else flag in self.flags
+
+
+@dataclass(frozen=True)
+class DraftLength:
+    """How many tokens one draft of a rendered plan can have, as the engine runs it, and what sets that.
+
+    Not always the profile's k: llama-server's n-gram drafters size their drafts with their own flags
+    (ngram-mod drafts up to 64 tokens by default), so reports show this instead of a k the engine ignores.
+    ``most``: the longest draft (None: the engine decides and specops cannot tell); ``exact``: every draft
+    is that long (vLLM's draft models), else drafts may be shorter; ``source``: the setting and whose value
+    it is, e.g. ``--spec-ngram-mod-n-max, llama-server default``.
+    """
+
+    most: int | None
+    source: str
+    exact: bool = False
+
+    @property
+    def text(self) -> str:
+        """``4``, ``up to 64`` or ``set by the engine``."""
+        if self.most is None:
+            return "set by the engine"
+        return str(self.most) if self.exact else f"up to {self.most}"
+
+    def describe(self) -> str:
+        """``up to 64 (--spec-ngram-mod-n-max, llama-server default)``."""
+        return f"{self.text} ({self.source})" if self.source else self.text
+
+    def to_dict(self) -> dict:
+        return {"most": self.most, "exact": self.exact, "source": self.source, "text": self.describe()}
 
 
 @dataclass(frozen=True)
@@ -74,6 +106,9 @@ class LaunchPlan:
     #: The printed form of :meth:`raw_dict` with each known secret position marked (see specops.redact),
     #: set by :func:`specops.backends.render.render_plan` for values interpolated from the environment; None: no such values.
     display: dict | None = field(default=None, repr=False, compare=False)
+    #: What the backend says the drafts of this plan are (:meth:`Backend.draft_length`; set by
+    #: :meth:`Backend.launch_plan`); None: no speculation, or a plan built without it.
+    draft_length: DraftLength | None = field(default=None, compare=False)
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -307,7 +342,7 @@ class Backend:
         are kept out of every printed form; ``api_key`` is what specops itself sends to the engine.
         """
         env_items = tuple(sorted(env.items()))
-        return LaunchPlan(
+        plan = LaunchPlan(
             backend=self.name,
             engine_version=engine.version,
             method=profile.speculative.method,
@@ -322,6 +357,19 @@ class Backend:
             notes=tuple(notes),
             api_key=api_key,
         )
+        return replace(plan, draft_length=self.draft_length(profile, plan))
+
+    def draft_length(self, profile, plan: LaunchPlan) -> DraftLength | None:
+        """How long the drafts of ``plan`` (rendered from ``profile``) are, as the engine runs it; None without
+        speculation. Reports print this, never a k the engine ignores. The default: the profile's k where
+        the method takes one (:meth:`k_applies`), else "set by the engine"; a backend whose engine sizes
+        drafts otherwise says so here."""
+        spec = profile.speculative
+        if spec.method is Method.NONE:
+            return None
+        if not self.k_applies(spec.method):
+            return DraftLength(None, f"{self.engine_name} sizes {spec.method} drafts itself")
+        return DraftLength(spec.k, k_source(spec))
 
     def acceptance_counters(self, metrics_text: str, model_name: str | None = None, openmetrics: bool = False):
         """Spec-decode counters (a :class:`specops.backends.counters.SpecCounters`) from this engine's /metrics text.
@@ -420,6 +468,13 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+def k_source(spec) -> str:
+    """Where a rendered k comes from: ``speculative.num_speculative_tokens``, or the method's default."""
+    if spec.num_speculative_tokens is not None:
+        return "speculative.num_speculative_tokens"
+    return f"specops' default k for {spec.method}"
 
 
 def pinned_version(profile, version: str | None) -> tuple[str | None, str]:

@@ -16,10 +16,13 @@ from pathlib import Path
 
 from specops.backends.base import (
     Backend,
+    DraftLength,
     EngineInfo,
     RenderError,
     check_extra_args,
     counter_total,
+    flag_of,
+    k_source,
     pinned_version,
 )
 from specops.backends.devengines import DEV_ENGINE, dev_engine_for
@@ -59,6 +62,20 @@ def _generation_problem(method: Method, gen: str, version: str) -> str | None:
 DRAFT_WITHOUT_SPEC_TYPE = ("legacy", "spec-type")
 NGRAM_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 DEFAULT_DRAFT_QUANT = "Q4_K_M"
+#: How long each n-gram drafter's drafts can be: the flag that sets it and llama-server's default, for flag
+#: generation "current" (read in common/common.h and common/speculative.cpp of the llama.cpp that
+#: llama-cpp-python 0.3.36 vendors, which `specops engines setup llamacpp` builds). ``--spec-draft-n-max``
+#: sizes draft models only; ngram-mod drafts nothing shorter than --spec-ngram-mod-n-min (48); ngram-cache has
+#: no flag (8 in speculative.cpp).
+NGRAM_DRAFT_SIZE = {
+    "ngram-mod": ("--spec-ngram-mod-n-max", 64),
+    "ngram-simple": ("--spec-ngram-simple-size-m", 48),
+    "ngram-map-k": ("--spec-ngram-map-k-size-m", 48),
+    "ngram-map-k4v": ("--spec-ngram-map-k4v-size-m", 48),
+    "ngram-cache": (None, 8),
+}
+#: The note every render carries, naming the flag generation it rendered for.
+GENERATION_NOTE = "llama-server flag generation: "
 
 #: Spellings of the same option, so extra_args cannot sneak in a second value for a rendered flag.
 ALIASES = [
@@ -154,8 +171,19 @@ class LlamaCppBackend(Backend):
 
     def ngram_variant_of(self, plan):
         """The ``--spec-type`` value the plan passes."""
-        argv = plan.argv
-        return argv[argv.index("--spec-type") + 1] if "--spec-type" in argv else None
+        return _flag_value(plan.argv, "--spec-type")
+
+    def draft_length(self, profile, plan):
+        """A draft model's ``--spec-draft-n-max`` (``--draft-max``); an n-gram drafter's own size flag, from
+        ``server.extra_args`` or llama-server's default (never the profile's k, which n-gram drafters ignore)."""
+        spec_type = _flag_value(plan.argv, "--spec-type")
+        if spec_type in NGRAM_TYPES:
+            return _ngram_draft_length(spec_type, plan)
+        for flag in ("--spec-draft-n-max", "--draft-max"):
+            value = _flag_value(plan.argv, flag)
+            if value is not None:
+                return DraftLength(_count(value), f"{flag} from {k_source(profile.speculative)}")
+        return None
 
     # ------------------------------------------------------------------ profile checks
     def check_profile(self, p):
@@ -314,7 +342,7 @@ class LlamaCppBackend(Backend):
             host,
             port,
             model_name=p.model.served_name or _default_alias(p.model.id),
-            notes=(f"llama-server flag generation: {gen}",),
+            notes=(f"{GENERATION_NOTE}{gen}",),
             api_key=p.server.api_key,
         )
 
@@ -358,6 +386,38 @@ class LlamaCppBackend(Backend):
         elif g.devices == [] and spec.draft:
             out += ["-devd", "none"]
         return out
+
+
+def _flag_value(argv: tuple[str, ...], flag: str) -> str | None:
+    """The value of the last ``flag`` in ``argv`` (``--flag VALUE`` or ``--flag=VALUE``), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if flag_of(arg) != flag:
+            continue
+        if "=" in arg:
+            value = arg.split("=", 1)[1]
+        elif i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+def _count(value: str) -> int | None:
+    """A flag's value as a token count; None when it is not one (llama-server refuses it at start)."""
+    return int(value) if value.strip().isdigit() else None
+
+
+def _ngram_draft_length(spec_type: str, plan) -> DraftLength:
+    """The drafts of llama-server's n-gram drafter ``spec_type`` in ``plan``: its size flag when extra_args
+    set it, else the default of the flag generation whose defaults specops read."""
+    flag, default = NGRAM_DRAFT_SIZE[spec_type]
+    value = _flag_value(plan.argv, flag) if flag else None
+    if value is not None:
+        return DraftLength(_count(value), f"{flag} {value} in server.extra_args")
+    gen = next((n[len(GENERATION_NOTE) :] for n in plan.notes if n.startswith(GENERATION_NOTE)), None)
+    if gen != "current":
+        return DraftLength(None, f"{spec_type}: llama-server {plan.engine_version} ({gen} flags) sizes its drafts")
+    what = f"{flag}, llama-server default" if flag else "fixed in llama-server"
+    return DraftLength(default, f"{spec_type} {what}")
 
 
 def _is_local(ref: str) -> bool:

@@ -18,10 +18,12 @@ from pathlib import Path
 
 from specops.backends.base import (
     Backend,
+    DraftLength,
     EngineInfo,
     RenderError,
     check_extra_args,
     counter_total,
+    k_source,
     pinned_version,
 )
 from specops.backends.devengines import DEV_ENGINE, dev_engine_for
@@ -124,6 +126,19 @@ class VllmBackend(Backend):
 
     def generated_tokens(self, metrics_text):
         return counter_total(metrics_text, "vllm:generation_tokens_total")
+
+    def draft_length(self, profile, plan):
+        """``num_speculative_tokens``: every draft of a draft model or head is that long; n-gram and suffix
+        lookups draft up to it (nothing without a match); a per-batch-size schedule drafts up to its largest."""
+        spec = profile.speculative
+        if spec.method is Method.NONE:
+            return None
+        if spec.per_batch_size:
+            ranges = ", ".join(f"{lo}-{hi}: {k}" for lo, hi, k in spec.per_batch_size)
+            most = max([spec.k, *(k for _, _, k in spec.per_batch_size)])
+            return DraftLength(most, f"speculative.per_batch_size by batch size {ranges}, else {spec.k}")
+        lookup = spec.method in (Method.NGRAM, Method.SUFFIX)
+        return DraftLength(spec.k, k_source(spec) + (f", {spec.method} lookup" if lookup else ""), exact=not lookup)
 
     # ------------------------------------------------------------------ what `specops tune` sweeps
     launch_prior_s = 60.0

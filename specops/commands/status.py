@@ -301,6 +301,9 @@ def _print(st: dict) -> None:
     chain = st.get("chain") if isinstance(st.get("chain"), list) else []
     click.echo(f"  method     {_text(st.get('method'))}  (chain {' → '.join(_text(c, 40) for c in chain[:20])})")
     acc = st.get("acceptance")
+    drafts = _drafts_line(st.get("draft_length"), acc)
+    if drafts:
+        click.echo(f"  drafts     {drafts}")
     if isinstance(acc, dict):
         a, mal = _num(acc.get("acceptance")), _num(acc.get("mean_acceptance_length"))
         data = _text(acc.get("status", ""))
@@ -337,6 +340,19 @@ def _print(st: dict) -> None:
     if st.get("live_problem"):
         click.echo(f"  live       {_text(st['live_problem'], 300)}")
     click.echo(f"  logs       {_text(st.get('engine_log'), 400)}  events {_text(st.get('events'), 400)}")
+
+
+def _drafts_line(length, acc) -> str | None:
+    """How long the engine's drafts can be (what its backend says of the rendered plan, never a k it
+    ignores), and the mean it drafted over the window (Δdrafted / Δdrafts) where it counts drafts."""
+    if not isinstance(length, dict):
+        return None
+    out = _text(length.get("text"), 200)
+    acc = acc if isinstance(acc, dict) else {}
+    drafted, drafts = _num(acc.get("draft_tokens")), _num(acc.get("drafts"))
+    if drafted is not None and drafts:
+        out += f"; measured mean {drafted / drafts:.1f} tokens per draft over {_text(acc.get('window_s'))}s"
+    return out
 
 
 def _print_twins(st: dict) -> None:

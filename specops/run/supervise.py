@@ -217,6 +217,7 @@ class Supervisor:
             "engine_pid": self.engine.pid if self.engine and self.engine.running else None,
             "engine_url": plan.base_url if plan else None,
             "engine_version": plan.engine_version if plan else None,
+            "draft_length": plan.draft_length.to_dict() if plan and plan.draft_length else None,
             "restarts": self.restarts,
             "ready_since": self.ready_since,
             "started_at": self.started_at,
@@ -357,7 +358,7 @@ class Supervisor:
         self.say(
             f"ready in {seconds:.1f}s: {plan.backend} {plan.engine_version}, "
             f"method {step.method}"
-            + (f" (k={self.profile.at_step(self.index).speculative.k})" if step.method.value not in ("none",) else "")
+            + (f", draft length {plan.draft_length.describe()}" if plan.draft_length else "")
         )
         if self.proxy is not None:
             self.proxy.release(plan.base_url)
