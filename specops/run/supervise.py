@@ -357,8 +357,7 @@ class Supervisor:
         self._set(State.READY)
         self.say(
             f"ready in {seconds:.1f}s: {plan.backend} {plan.engine_version}, "
-            f"method {step.method}"
-            + (f", draft length {plan.draft_length.describe()}" if plan.draft_length else "")
+            f"method {step.method}" + (f", draft length {plan.draft_length.describe()}" if plan.draft_length else "")
         )
         if self.proxy is not None:
             self.proxy.release(plan.base_url)
