@@ -118,7 +118,7 @@ def test_a_surface_that_is_wrong_says_where(tmp_path):
     f.write_text(json.dumps({"tune_version": 1}))
     with pytest.raises(SpecopsError, match="holds no measured surface"):
         load_surface(f)
-    with pytest.raises(SpecopsError, match="cannot read"):
+    with pytest.raises(SpecopsError, match="file not found"):
         load_surface(tmp_path / "missing.json")
     f.write_text(json.dumps({"tune": {"surface": SURFACE}}))  # a lock file's tune entry
     assert load_surface(f).levels() == [1, 4, 16]
@@ -386,5 +386,5 @@ def test_decider_from_a_profile_reads_the_surface_it_names(tmp_path):
     assert [o.label for o in g.options] == ["draft_model k=4", "none"]
     assert math.isclose(g.model.predict(g.options[0], 16), 120.0)
     bad = load_profile(_profile(tmp_path, "  mode: goodput\n  goodput: {surface: /nonexistent.json}\n"), env={})
-    with pytest.raises(SpecopsError, match="cannot read /nonexistent.json"):
+    with pytest.raises(SpecopsError, match="file not found: /nonexistent.json"):
         FallbackDecider.from_profile(bad.profile, events=Events(), say=print)
