@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from specops.perf.bench_report import BASE, SPEC, markdown, summarize, write_outputs
+from specops.perf.stats import median
 
 SPECOPS = [sys.executable, "-m", "specops.cli"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -97,10 +99,13 @@ def test_speedup_is_the_ratio_of_median_tokens_per_s(report):
     assert creative["speedup"] == 0.5 and creative["errors"] == 3
 
 
-def test_aggregates_add_tokens_and_time_first(report):
+def test_aggregates_add_tokens_and_time_first_and_take_the_median_speedup(report):
     lvl1 = next(x for x in report["by_concurrency"] if x["concurrency"] == 1)
     # level 1: spec tokens (400+480+420 + 3*100) / 12 s; base (200+180+220 + 3*200) / 12 s
-    assert lvl1["speedup"] == pytest.approx((1300 + 300) / (600 + 600))
+    assert lvl1["spec_tokens_per_s"] == pytest.approx(1600 / 12) and lvl1["base_tokens_per_s"] == 100
+    # its speedup: the median of its cells' (code 2.1, creative 0.5), not the summed tokens' ratio 1.33
+    assert lvl1["speedup"] == pytest.approx(1.3) and lvl1["speedup_cells"] == 2
+    assert report["overall"]["speedup"] == pytest.approx(median([2.1, 1.4, 0.5, 0.5]))
     code = next(x for x in report["by_set"] if x["set"] == "code")
     assert code["speedup_by_concurrency"] == {"1": 2.1, "4": pytest.approx(420 / 300)}
     assert code["acceptance"] == pytest.approx((3 * 360 + 3 * 300) / 2400)
@@ -150,8 +155,12 @@ def check_report(rep: dict, out: Path, sets: set[str], levels: list[int], rounds
             assert c["acceptance_source"] == "metrics" and 0.0 <= c["acceptance"] <= 1.0
         else:
             assert c["acceptance"] is None  # nothing drafted without speculation
-    for lvl in rep["by_concurrency"]:
-        assert lvl["speedup"] == pytest.approx(lvl["spec_tokens_per_s"] / lvl["base_tokens_per_s"])
+    for lvl in rep["by_concurrency"]:  # the median of the level's cells, not a ratio of summed tokens
+        cells = [r["speedup"] for r in rep["speedup"] if r["concurrency"] == lvl["concurrency"]]
+        assert lvl["speedup"] == pytest.approx(median(cells))
+    for c in rep["cells"]:  # what the flags are judged from is recorded for every run
+        assert c["other_load_cores"] is None or c["other_load_cores"] >= 0.0
+        assert c["longest_gap_s"] is None or c["longest_gap_s"] >= 0.0
     for name in ("speedup.png", "acceptance.png", "throughput.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 10_000
@@ -195,6 +204,51 @@ def test_bench_llama_server(tmp_path, tiny_gguf_models):
     assert code1["acceptance"] > 0.8
     assert all(c["output_tokens"] == 3 * 24 for c in rep["cells"])
     assert rep["profile"]["k"] == 4 and rep["engine"]["backend"] == "llamacpp"
+    # two rounds: a headline, the median of the four cells' speedups
+    assert rep["overall"]["speedup"] == pytest.approx(median([r["speedup"] for r in rep["speedup"]]))
+    assert (
+        rep["profile"]["draft_length"]["text"] == "up to 4 (--spec-draft-n-max from speculative.num_speculative_tokens)"
+    )
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(300)
+def test_bench_flags_cells_measured_while_other_processes_load_the_cores(tmp_path, tiny_gguf_models):
+    """Two busy loops the bench did not start spin while it measures: every run records the cores they took,
+    and every cell is flagged busy (CLI output, summary.md, results.json)."""
+    models = tiny_gguf_models
+    profile = tmp_path / "b.yaml"
+    profile.write_text(
+        f"name: bench-busy\nbackend: llamacpp\nmodel:\n  id: {models / 'gguf-target.gguf'}\n"
+        f"  max_model_len: 1024\nspeculative:\n  method: draft_model\n"
+        f"  draft: {models / 'gguf-draft-same.gguf'}\n  num_speculative_tokens: 4\n"
+        "gpus:\n  devices: []\nsupervisor:\n  stop_timeout: 10\n"
+    )
+    out = tmp_path / "out"
+    spin = "import time\nend = time.monotonic() + 240\nwhile time.monotonic() < end:\n    pass\n"  # bounded
+    loops = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    try:
+        proc = subprocess.run(
+            SPECOPS + ["bench", str(profile), "-o", str(out), "-p", "code", "-c", "1", "-n", "3", "--max-tokens", "24",
+                       "--ignore-eos", "--rounds", "2", "--no-plots", "--warmup", "1"],
+            capture_output=True, text=True, timeout=240, env={**os.environ, "SPECOPS_STATE": str(out / "state")},
+        )  # fmt: skip
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads((out / "results.json").read_text())
+    assert len(rep["cells"]) == 4 and all(c["other_load_cores"] > 0.5 for c in rep["cells"]), rep["cells"]
+    (row,) = rep["speedup"]
+    busy = [(f["mode"], f["round"]) for f in row["flags"] if f["kind"] == "busy"]
+    assert sorted(busy) == [(BASE, 1), (BASE, 2), (SPEC, 1), (SPEC, 2)] and rep["flagged_cells"] == 1
+    assert "**1 of 1 cells flagged** (busy" in proc.stdout and "| code | " in proc.stdout
+    assert "warning: 1 of 1 cells flagged" in proc.stderr
+    md = (out / "summary.md").read_text()
+    assert "## Flags" in md and "with speculation, round 1: busy: other processes kept" in md
+    header = "drafts up to 4 (--spec-draft-n-max from speculative.num_speculative_tokens), measured mean "
+    assert re.search(re.escape(header) + r"[1-4]\.\d tokens per draft", md), md[:800]
 
 
 @pytest.mark.engines
@@ -231,9 +285,13 @@ def test_bench_vllm_interleaved_with_user_prompts(tmp_path, tiny_models):
         "--interleave",
         "--warmup",
         "1",
+        "--rounds",
+        "1",
         timeout=560,
     )
     check_report(rep, out, {"py", "prose"}, [1, 2], rounds=1)
+    assert rep["overall"]["speedup"] is None and "one round" in rep["overall"]["no_headline"]
+    assert rep["profile"]["draft_length"]["text"] == "2 (speculative.num_speculative_tokens)"
     assert rep["settings"]["interleave"] is True
     assert all(c["output_tokens"] == 2 * 16 for c in rep["cells"])  # counted from usage
     py1 = next(r for r in rep["speedup"] if r["set"] == "py" and r["concurrency"] == 1)

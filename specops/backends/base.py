@@ -81,7 +81,13 @@ class DraftLength:
         return f"{self.text} ({self.source})" if self.source else self.text
 
     def to_dict(self) -> dict:
-        return {"most": self.most, "exact": self.exact, "source": self.source, "text": self.describe()}
+        return {
+            "most": self.most,
+            "exact": self.exact,
+            "source": self.source,
+            "length": self.text,
+            "text": self.describe(),
+        }
 
 
 @dataclass(frozen=True)

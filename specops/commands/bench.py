@@ -8,6 +8,7 @@ import time
 import click
 
 from specops.commands._common import duration_param, echo_json, json_option, load, profile_argument, version_param
+from specops.perf.bench_flags import FlagThresholds
 
 
 def _levels(ctx, param, value):
@@ -61,6 +62,10 @@ one run, alternating, and sends every prompt set at every concurrency level to e
 tokens/s, TTFT, inter-token latency, acceptance and mean acceptance length, and the speedup
 (tokens/s ratio) per level and per prompt set: results.json, summary.md and PNG plots.
 
+The overall speedup is the median of the cells' speedups, printed from two rounds on. A cell is
+flagged when other processes kept the cores busy (--busy-cores), a request stalled (--stall-after)
+or its rounds disagree (--max-spread).
+
 \b
 The built-in sets exercise where speculation helps and where it hurts:
   code       code completion (greedy)          summarize  output copies the input (greedy)
@@ -105,9 +110,10 @@ Examples:
 @click.option(
     "--rounds",
     type=int,
-    default=1,
+    default=2,
     show_default=True,
-    help="Launch both engines this many times, alternating which goes first; medians over rounds.",
+    help="Launch both engines this many times, alternating which goes first; medians over rounds. "
+    "With 1: per-cell numbers but no overall speedup.",
 )
 @click.option("--warmup", type=int, default=2, show_default=True, help="Unmeasured requests after each launch.")
 @click.option(
@@ -128,6 +134,29 @@ Examples:
     "--draft-cost",
     type=float,
     help="c for the model speedup column (default: the profile's fallback.draft_cost_ratio, else 0.05).",
+)
+@click.option(
+    "--busy-cores",
+    type=float,
+    default=FlagThresholds.busy_cores,
+    show_default=True,
+    help="Flag a cell when processes other than the bench and its engines kept more than this many cores "
+    "busy during it (from /proc/stat and /proc/PID/stat).",
+)
+@click.option(
+    "--max-spread",
+    type=float,
+    default=FlagThresholds.max_spread,
+    show_default=True,
+    help="Flag a cell whose rounds differ by more than this factor (max/min of tokens/s or of median TPOT).",
+)
+@click.option(
+    "--stall-after",
+    callback=duration_param,
+    metavar="DURATION",
+    default=f"{FlagThresholds.stall_s:g}s",
+    show_default=True,
+    help="Flag a cell when a streamed request got no token for this long after its first.",
 )
 @click.option("--backend-version", metavar="VERSION", callback=version_param, help="Expect this engine version.")
 @click.option(
@@ -153,6 +182,9 @@ def bench(
     interleave,
     ignore_eos,
     draft_cost,
+    busy_cores,
+    max_spread,
+    stall_after,
     backend_version,
     out_dir,
     no_plots,
@@ -186,6 +218,7 @@ def bench(
         draft_cost=draft_cost,
         backend_version=backend_version,
         log_dir=Path(out),
+        flags=FlagThresholds(busy_cores=busy_cores, max_spread=max_spread, stall_s=stall_after),
     )
     say = (lambda m: None) if quiet else (lambda m: click.echo(f"specops: {m}", err=True))
     report = run_bench_blocking(loaded, get_registry(), cfg, say=say, progress=_Bar(quiet))
@@ -207,5 +240,13 @@ def _echo_summary(report: dict, written: dict, no_plots_why: str | None = None) 
         click.echo(f"wrote {path}")
     if report["errors"]:
         click.echo(f"warning: {report['errors']} requests failed; see results.json (first_error per cell)", err=True)
+    if report["flagged_cells"]:
+        click.echo(
+            f"warning: {report['flagged_cells']} of {len(report['speedup'])} cells flagged (busy machine, stalled "
+            "request or disagreeing rounds): see Flags in summary.md",
+            err=True,
+        )
+    if report["overall"]["no_headline"]:
+        click.echo(f"note: no overall speedup: {report['overall']['no_headline']}", err=True)
     if no_plots_why:
         click.echo(f"warning: {no_plots_why}", err=True)

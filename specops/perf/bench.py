@@ -10,6 +10,10 @@ Acceptance per cell comes from the engine's own counters read before and after t
 Δdrafted, and the mean acceptance length 1 + Δaccepted / Δdrafts); llama-server's per-response ``timings``
 are the fallback when its build has no counters.
 
+Each cell also records what could make it lie: the cores other processes kept busy meanwhile
+(:mod:`specops.perf.cpuload`) and the longest silence of a streamed request after its first token; the
+report flags busy, stalled and disagreeing cells (:mod:`specops.perf.bench_report`).
+
 Outputs (:mod:`specops.perf.bench_report`): ``results.json`` (everything), ``summary.md`` (tables a person reads) and
 PNG plots (:mod:`specops.perf.plots`) — speedup vs concurrency per prompt set, acceptance per prompt set,
 tokens/s on vs off.
@@ -31,6 +35,8 @@ from specops import __version__
 from specops.config.profile import LoadedProfile
 from specops.errors import SpecopsError
 from specops.methods import Method
+from specops.perf import cpuload
+from specops.perf.bench_flags import FlagThresholds
 from specops.perf.bench_report import BASE, SPEC, summarize
 from specops.perf.workload import BUILTIN_SETS, Prompt, load_prompts
 from specops.speedup import DEFAULT_DRAFT_COST
@@ -47,7 +53,7 @@ class BenchConfig:
     requests: int | None = None
     duration: float | None = None
     max_tokens: int | None = None
-    rounds: int = 1
+    rounds: int = 2  # one round prints no headline: it cannot tell a busy machine or a stall from the engine
     warmup: int = 2
     step_index: int = 0
     ignore_eos: bool = False
@@ -56,6 +62,7 @@ class BenchConfig:
     backend_version: str | None = None
     ready_timeout: float | None = None
     log_dir: Path | None = None
+    flags: FlagThresholds = field(default_factory=FlagThresholds)
 
     def requests_for(self, level: int) -> int | None:
         if self.requests is not None:
@@ -75,6 +82,7 @@ class BenchConfig:
             raise SpecopsError("--duration must be > 0")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise SpecopsError("--max-tokens must be >= 1")
+        self.flags.check()
 
 
 def load_sets(names: list[str], max_tokens: int | None = None) -> dict[str, list[Prompt]]:
@@ -172,6 +180,7 @@ class _Bench:
         self.per_engine_requests = sum((cfg.requests_for(c) or 0) for c in self.levels) * len(self.sets)
         self.fitted = False
         self.fit_notes: list[str] = []
+        self.draft_length: dict | None = None  # what the speculating engine's backend says of its plan
 
     def grid(self) -> list[tuple[str, int]]:
         """Every (prompt set, concurrency) cell of a round, in the order they run."""
@@ -209,7 +218,7 @@ class _Bench:
         from specops.perf.launch import launched
 
         prof, cfg = self.profiles[mode], self.cfg
-        what = f"{prof.speculative.method} k={prof.speculative.k}" if mode == SPEC else "no speculation"
+        what = str(prof.speculative.method) if mode == SPEC else "no speculation"
         self.say(f"round {rnd + 1}/{cfg.rounds}: launching {prof.backend} {self.engine.version} with {what}")
         log_path = (cfg.log_dir / f"engine-{mode}-r{rnd + 1}.log") if cfg.log_dir else None
         return launched(
@@ -234,7 +243,10 @@ class _Bench:
             self.fit_notes.append(note)
 
     async def ready(self, eng, mode: str, rnd: int) -> None:
-        self.say(f"ready in {eng.ready_s:.1f}s on {eng.base_url}")
+        drafts = eng.plan.draft_length
+        self.say(f"ready in {eng.ready_s:.1f}s on {eng.base_url}" + (f", drafts {drafts.describe()}" if drafts else ""))
+        if mode == SPEC and drafts is not None:
+            self.draft_length = drafts.to_dict()
         if not self.fitted:
             await self.fit(eng)
         self.launches.append(
@@ -267,6 +279,7 @@ class _Bench:
     def meta(self, started: float) -> dict:
         """What the report states besides the cells: versions, machine, profile, engine, settings."""
         spec, cfg, engine = self.profiles[SPEC], self.cfg, self.engine
+        backend = self.registry.backend(spec.backend)
         return {
             "specops_version": __version__,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -278,7 +291,8 @@ class _Bench:
                 "backend": spec.backend,
                 "model": spec.model.id,
                 "method": spec.speculative.method.value,
-                "k": spec.speculative.k,
+                "k": spec.speculative.k if backend.k_applies(spec.speculative.method) else None,
+                "draft_length": self.draft_length,
                 "draft": spec.speculative.draft,
                 "parallel": spec.server.parallel,
                 "min_acceptance": spec.fallback.min_acceptance,
@@ -297,6 +311,7 @@ class _Bench:
                 "interleave": cfg.interleave,
                 "draft_cost_ratio": _draft_cost(cfg, spec),
                 "fitted": self.fit_notes,
+                "flag_thresholds": cfg.flags.to_dict(),
             },
             "launches": self.launches,
         }
@@ -322,6 +337,7 @@ async def _run_cell(eng, prompts: list[Prompt], level: int, cfg: BenchConfig, ex
     from specops.perf.workload import run_workload
 
     before = await eng.counters()
+    cpu_before = cpuload.sample()
     res = await run_workload(
         eng.base_url,
         eng.model_name,
@@ -333,8 +349,11 @@ async def _run_cell(eng, prompts: list[Prompt], level: int, cfg: BenchConfig, ex
         on_progress=on_progress,
         extra_body=extra,
     )
+    other = cpuload.other_cores(cpu_before, cpuload.sample())
     stats = await eng.acceptance_since(before)
     out = res.summary()
+    gaps = [max(r.itl) for r in res.ok if r.itl]
+    out.update(other_load_cores=other, longest_gap_s=max(gaps) if gaps else None)
     acceptance = mal = draft_len = None
     source = None
     if stats.status == "ok":

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specops.perf.bench_flags import FlagThresholds, cell_flags
 from specops.perf.plots import plot
-from specops.perf.stats import median
+from specops.perf.stats import median, present
 
 SPEC, BASE = "spec", "base"
 
@@ -23,8 +24,11 @@ SPEC, BASE = "spec", "base"
 def summarize(cells: list[dict], meta: dict) -> dict:
     """Speedups from the cells: per (set, level), per level (all sets), per set (all levels).
 
-    Every speedup is a ratio of tokens/s: the median over rounds of the speculative cell's tokens/s over
-    the median of the baseline's. Aggregates (per level, per set) add tokens and wall time first.
+    Every cell's speedup is a ratio of tokens/s: the median over rounds of the speculative cell's tokens/s
+    over the median of the baseline's. Aggregates (per level, per set, overall) add tokens and wall time
+    first for their tokens/s, but their speedup is the median of their cells' speedups: a ratio of summed
+    tokens lets one stalled cell carry it. The overall speedup needs two rounds or more (one round cannot tell
+    a busy machine or a stall from the engine). Each cell carries its flags (:mod:`specops.perf.bench_flags`).
     """
     c = meta.get("settings", {}).get("draft_cost_ratio")
     sets = list(dict.fromkeys(cell["set"] for cell in cells))
@@ -34,11 +38,24 @@ def summarize(cells: list[dict], meta: dict) -> dict:
         for s in sets
         for lv in levels
     ]
-    by_level = [{"concurrency": lv, **_aggregate([x for x in cells if x["concurrency"] == lv])} for lv in levels]
+    thresholds = FlagThresholds.from_dict(meta.get("settings", {}).get("flag_thresholds"))
+    for row in rows:
+        row["flags"] = cell_flags(
+            [x for x in cells if x["set"] == row["set"] and x["concurrency"] == row["concurrency"]], thresholds
+        )
+    by_level = [
+        {
+            "concurrency": lv,
+            **_aggregate([x for x in cells if x["concurrency"] == lv]),
+            **_median_speedup([r for r in rows if r["concurrency"] == lv]),
+        }
+        for lv in levels
+    ]
     by_set = [
         {
             "set": s,
             **_aggregate([x for x in cells if x["set"] == s]),
+            **_median_speedup([r for r in rows if r["set"] == s]),
             "speedup_by_concurrency": {str(r["concurrency"]): r["speedup"] for r in rows if r["set"] == s},
         }
         for s in sets
@@ -50,9 +67,34 @@ def summarize(cells: list[dict], meta: dict) -> dict:
         "speedup": rows,
         "by_concurrency": by_level,
         "by_set": by_set,
-        "overall": _aggregate(cells),
+        "overall": {**_aggregate(cells), **_headline(rows, len({x["round"] for x in cells}))},
+        "flagged_cells": sum(1 for r in rows if r["flags"]),
         "errors": errors,
     }
+
+
+#: Why a one-round report has no overall speedup.
+ONE_ROUND = (
+    "one round is not a measurement: a cell measured once cannot tell a busy machine or a stalled request "
+    "from the engine; run --rounds 2 or more for an overall speedup"
+)
+
+
+def _median_speedup(rows: list[dict]) -> dict:
+    """The median of the rows' speedups, with how many cells it covers and their range."""
+    speedups = present(r["speedup"] for r in rows)
+    return {
+        "speedup": median(speedups),
+        "speedup_cells": len(speedups),
+        "speedup_range": [min(speedups), max(speedups)] if speedups else None,
+    }
+
+
+def _headline(rows: list[dict], rounds: int) -> dict:
+    """The overall speedup (the median of every cell's), or None and why when fewer than two rounds ran."""
+    if rounds < 2:
+        return {"speedup": None, "speedup_cells": 0, "speedup_range": None, "no_headline": ONE_ROUND}
+    return {**_median_speedup(rows), "no_headline": None}
 
 
 def _ratio(a, b):
@@ -105,7 +147,7 @@ def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None) 
 
 
 def _aggregate(selected: list[dict]) -> dict:
-    """Tokens/s on each side over all ``selected`` cells (tokens and wall time added first), and the ratio."""
+    """Tokens/s on each side over all ``selected`` cells (tokens and wall time added first), and drafting."""
     tps = {}
     for mode in (SPEC, BASE):
         mine = _of_mode(selected, mode)
@@ -116,9 +158,9 @@ def _aggregate(selected: list[dict]) -> dict:
     return {
         "spec_tokens_per_s": tps[SPEC],
         "base_tokens_per_s": tps[BASE],
-        "speedup": _ratio(tps[SPEC], tps[BASE]),
         "acceptance": drafting["acceptance"],
         "mean_acceptance_length": drafting["mean_acceptance_length"],
+        "mean_draft_length": drafting["mean_draft_length"],
     }
 
 
@@ -132,7 +174,7 @@ def _f(v, fmt="{:.2f}", none="–"):
 
 def markdown(report: dict, plots: list[str] | None = None) -> str:
     """The summary a person reads: settings, per-set tables, per-level totals, plots."""
-    lines = _md_header(report) + _md_overall(report) + _md_by_set(report) + _md_details(report)
+    lines = _md_header(report) + _md_overall(report) + _md_by_set(report) + _md_details(report) + _md_flags(report)
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(x).stem}]({Path(x).name})" for x in plots] + [""]
     return "\n".join(lines)
@@ -145,7 +187,7 @@ def _md_header(report: dict) -> list[str]:
         f"# specops bench: {p['name']}",
         "",
         f"- profile `{p['path']}`: {p['backend']} {e['version']}, model `{p['model']}`, "
-        f"method **{p['method']}** (k={p['k']}) vs no speculation",
+        f"method **{p['method']}**{_md_drafts(report)} vs no speculation",
         f"- machine: {m['cpu'] or 'unknown CPU'}, {m['cores']} cores"
         + (f", {m['memory_gib']} GiB" if m.get("memory_gib") else "")
         + f"; {m['platform']}",
@@ -160,6 +202,15 @@ def _md_header(report: dict) -> list[str]:
     ]
 
 
+def _md_drafts(report: dict) -> str:
+    """How long the drafts are as the engine runs them (what its backend says, never a k it ignores), and
+    the mean it drafted (Δdrafted / Δdrafts) where the engine counts drafts."""
+    length, measured = report["profile"].get("draft_length"), report["overall"].get("mean_draft_length")
+    if not length:
+        return f" (k={report['profile'].get('k')})"
+    return f", drafts {length['text']}" + (f", measured mean {measured:.1f} tokens per draft," if measured else "")
+
+
 def _md_per_cell(s: dict) -> str:
     """How much traffic each cell got: requests, seconds, or the default request count."""
     if s["requests_per_cell"]:
@@ -170,15 +221,27 @@ def _md_per_cell(s: dict) -> str:
 
 
 def _md_overall(report: dict) -> list[str]:
-    """The one line to read first: the overall speedup, tokens/s on and off, acceptance, failures."""
+    """The lines to read first: the overall speedup (the median of the cells'; none after one round, and
+    why), tokens/s on and off, acceptance, failures, and how many cells are flagged."""
     o = report["overall"]
-    return [
-        f"**Overall: {_f(o['speedup'])}x** ({_f(o['spec_tokens_per_s'], '{:.1f}')} vs "
-        f"{_f(o['base_tokens_per_s'], '{:.1f}')} output tokens/s), acceptance {_f(o['acceptance'], '{:.3f}')}, "
+    totals = (
+        f"{_f(o['spec_tokens_per_s'], '{:.1f}')} vs {_f(o['base_tokens_per_s'], '{:.1f}')} output tokens/s "
+        f"over all cells, acceptance {_f(o['acceptance'], '{:.3f}')}, "
         f"mean acceptance length {_f(o['mean_acceptance_length'])}"
-        + (f"; **{report['errors']} failed requests**" if report["errors"] else ""),
-        "",
-    ]
+    )
+    if o.get("no_headline") or o["speedup"] is None:
+        lines = [f"No overall speedup: {o.get('no_headline') or 'no cell has one'}. ({totals})"]
+    else:
+        lo, hi = o["speedup_range"]
+        basis = f"the median of {o['speedup_cells']} cells' speedups ({lo:.2f}x to {hi:.2f}x)"
+        basis = basis if o["speedup_cells"] > 1 else "the speedup of the one cell"
+        lines = [f"**Overall: {_f(o['speedup'])}x**, {basis}; {totals}"]
+    lines[0] += f"; **{report['errors']} failed requests**" if report["errors"] else ""
+    flagged = report.get("flagged_cells")
+    if flagged:
+        kinds = sorted({f["kind"] for r in report["speedup"] for f in r.get("flags", [])})
+        lines += ["", f"**{flagged} of {len(report['speedup'])} cells flagged** ({', '.join(kinds)}): see Flags"]
+    return lines + [""]
 
 
 def _md_by_set(report: dict) -> list[str]:
@@ -190,11 +253,13 @@ def _md_by_set(report: dict) -> list[str]:
         "| set | " + " | ".join(f"c={c}" for c in levels) + " | acceptance | mean acc. length |",
         "|---|" + "---|" * len(levels) + "---|---|",
     ]
+    flagged = {(r["set"], r["concurrency"]) for r in report["speedup"] if r.get("flags")}
     for bs in report["by_set"]:
         vals = [bs["speedup_by_concurrency"].get(str(c)) for c in levels]
+        marks = [" ⚠" if (bs["set"], c) in flagged else "" for c in levels]
         lines.append(
             f"| {bs['set']} | "
-            + " | ".join(_f(v, "{:.2f}x") for v in vals)
+            + " | ".join(_f(v, "{:.2f}x") + mark for v, mark in zip(vals, marks))
             + f" | {_f(bs['acceptance'], '{:.3f}')} | {_f(bs['mean_acceptance_length'])} |"
         )
     lines.append(
@@ -211,18 +276,20 @@ def _md_details(report: dict) -> list[str]:
         "",
         "## Details",
         "",
-        "| set | c | tok/s off | tok/s on | speedup | model | acceptance | acc. length | TTFT ms off/on "
-        "| TPOT ms off/on | ITL ms off/on | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| set | c | tok/s off | tok/s on | speedup | model | acceptance | acc. length | drafted per draft "
+        "| TTFT ms off/on | TPOT ms off/on | ITL ms off/on | errors | flags |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["speedup"]:
         lines.append(
             f"| {r['set']} | {r['concurrency']} | {_f(r['base_tokens_per_s'], '{:.1f}')} | "
             f"{_f(r['spec_tokens_per_s'], '{:.1f}')} | {_f(r['speedup'], '{:.2f}x')} | "
             f"{_f(r['model_speedup'], '{:.2f}x')} | {_f(r['acceptance'], '{:.3f}')} | "
-            f"{_f(r['mean_acceptance_length'])} | {_f(r['base_ttft_ms'], '{:.1f}')}/{_f(r['spec_ttft_ms'], '{:.1f}')} | "
+            f"{_f(r['mean_acceptance_length'])} | {_f(r.get('mean_draft_length'), '{:.1f}')} | "
+            f"{_f(r['base_ttft_ms'], '{:.1f}')}/{_f(r['spec_ttft_ms'], '{:.1f}')} | "
             f"{_f(r['base_tpot_ms'], '{:.2f}')}/{_f(r['spec_tpot_ms'], '{:.2f}')} | "
-            f"{_f(r['base_itl_ms'], '{:.2f}')}/{_f(r['spec_itl_ms'], '{:.2f}')} | {r['errors']} |"
+            f"{_f(r['base_itl_ms'], '{:.2f}')}/{_f(r['spec_itl_ms'], '{:.2f}')} | {r['errors']} | "
+            f"{', '.join(dict.fromkeys(f['kind'] for f in r.get('flags', []))) or '–'} |"
         )
     return lines + [
         "",
@@ -230,6 +297,28 @@ def _md_details(report: dict) -> list[str]:
         "(latency − TTFT) / (tokens − 1).",
         "",
     ]
+
+
+def _md_flags(report: dict) -> list[str]:
+    """Every flag of every cell, with the thresholds it was judged by (none: nothing to say)."""
+    rows = [r for r in report["speedup"] if r.get("flags")]
+    if not rows:
+        return []
+    t = FlagThresholds.from_dict(report["settings"].get("flag_thresholds"))
+    lines = [
+        "## Flags",
+        "",
+        f"A flagged cell's speedup may measure something besides the engine: busy = other processes kept more "
+        f"than {t.busy_cores:g} cores busy (--busy-cores); stalled = a streamed request got no token for "
+        f"{t.stall_s:g}s (--stall-after); rounds-disagree = one side's rounds differ by more than "
+        f"{t.max_spread:g}x (--max-spread).",
+        "",
+    ]
+    for r in rows:
+        for f in r["flags"]:
+            side = "with speculation" if f["mode"] == SPEC else "without speculation"
+            lines.append(f"- {r['set']} c={r['concurrency']}, {side}, round {f['round']}: {f['kind']}: {f['text']}")
+    return lines + [""]
 
 
 def write_outputs(report: dict, out_dir: str | Path, *, plots: bool = True) -> dict[str, Path]:

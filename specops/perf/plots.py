@@ -56,7 +56,9 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
         report["settings"]["concurrency"],
         sets,
         {s: colors[i % len(colors)] for i, s in enumerate(sets)},
-        f"{p['name']} · {p['backend']} {e['version']} · {p['method']} k={p['k']} vs none",
+        f"{p['name']} · {p['backend']} {e['version']} · {p['method']} "
+        + (f"drafts {p['draft_length']['length']}" if p.get("draft_length") else f"k={p['k']}")
+        + " vs none",
     )
     return [
         _save(plt, _speedup_figure(look), out_dir / "speedup.png"),
