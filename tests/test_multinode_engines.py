@@ -5,8 +5,8 @@ the little that stands in for a pod's own network namespace and volumes).
 - llama.cpp (``deploy.multi_node.mode: rpc``): two ``rpc-server`` workers and the leader's ``specops k8s
   leader`` → ``specops up``, llama-server with ``--rpc`` to the workers, a draft model speculating; 16
   clients through the leader's proxy while the watcher falls back to n-gram: no request lost; a worker
-  killed under load and restarted as the kubelet would: the group serves again, or the leader fails
-  clearly (the time is printed, and measured in benchmarks/).
+  killed under load and restarted as the kubelet would: the group serves again with no request lost (the
+  time is printed, and measured in benchmarks/).
 - vLLM (``mode: nnodes``): rank 0 (the leader's ``specops up``) and rank 1 (``specops k8s worker``:
   ``--headless``, following the leader's method), tensor parallel over the two processes (gloo), n-gram
   speculating, then a fallback under load that the worker follows.
@@ -31,6 +31,7 @@ from support_up import http_json
 
 from specops.devenv import engines
 from specops.devenv.matrix_group import LocalGroup, render_objects, unshare_problem
+from specops.errors import SpecopsError
 
 pytestmark = [pytest.mark.engines]
 
@@ -115,7 +116,7 @@ def test_rpc_group_speculates_on_its_workers_and_falls_back_under_load_with_none
         st = g.wait_for(
             lambda s: s.get("method") == "ngram" and s.get("state") == "ready", 240, "the fallback to n-gram"
         )
-        load.wait_for_answers(load.total + 16, timeout=120)
+        load.wait_for_answers(16, timeout=120)
     assert load.crashed is None
     assert load.lost == 0 and load.counts["stream_error"] == 0, load.report()
     assert load.ok >= 32, load.report()
@@ -129,7 +130,9 @@ def test_rpc_group_speculates_on_its_workers_and_falls_back_under_load_with_none
 
 @pytest.mark.timeout(300)
 def test_a_worker_killed_under_load_is_restarted_and_the_group_serves_again(rpc_group):
-    """The kubelet restarts a container that exits; the leader's specops restarts its engine against it."""
+    """The kubelet restarts a container that exits; the leader's llama-server loses its layers on that worker
+    and exits, and the leader's specops restarts it against the group: serving again, no request lost (those
+    that had not started are retried; a stream cut by the engine's death ends in an explicit error)."""
     g = rpc_group
     g.wait_for(lambda s: s.get("state") == "ready", 120, "a ready group")
     restarts_before = int(g.state().get("restarts") or 0)
@@ -140,23 +143,22 @@ def test_a_worker_killed_under_load_is_restarted_and_the_group_serves_again(rpc_
         g.kill(victim, signal.SIGKILL)
         victim.proc.wait(timeout=10)
         g.start(victim)  # restartPolicy Always: the kubelet starts the container again
-        recovered = None
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and g.leader.alive():
-            st = g.state()
-            if int(st.get("restarts") or 0) > restarts_before and st.get("state") == "ready":
-                status, body = http_json(g.url() + "/v1/completions", {"prompt": "the quick", "max_tokens": 8})
-                if status == 200:
-                    recovered = time.monotonic() - killed
-                    break
-            time.sleep(0.5)
-        load.wait_for_answers(load.total + 4, timeout=120) if recovered is not None else None
-    print(f"worker killed: recovered after {recovered}s; load {load.report()}; leader alive {g.leader.alive()}")
-    if recovered is None:  # the other acceptable end: the leader fails, clearly, and Kubernetes restarts the pod
-        assert not g.leader.alive() and g.leader.proc.returncode != 0, g.logs()
-        assert "rpc" in g.leader.log().lower(), g.leader.log()
-    else:
-        assert victim.alive() and load.ok > 0, g.logs()
+        try:
+            g.wait_for(
+                lambda s: int(s.get("restarts") or 0) > restarts_before and s.get("state") == "ready",
+                150,
+                "the leader's engine restarted against the group",
+            )
+        except SpecopsError as exc:
+            pytest.fail(f"{exc}; load {load.report()}\n{g.logs()}\n{g.engine_log()[-4000:]}")
+        recovered = time.monotonic() - killed
+        ok_at_recovery = load.ok
+        load.wait_for_answers(8, timeout=120)  # answered by the restarted engine
+    print(f"worker killed: serving again after {recovered:.1f}s; load {load.report()}")
+    assert load.crashed is None
+    assert load.lost == 0, f"{load.report()}\n" + "\n".join(load.failures[:5])
+    assert load.ok - ok_at_recovery >= 8, load.report()  # every answer since the recovery is whole
+    assert g.leader.alive() and victim.alive(), g.logs()
 
 
 # ------------------------------------------------------------------------------------------- vLLM
@@ -228,7 +230,7 @@ def test_nnodes_group_speculates_and_the_worker_follows_a_fallback_under_load(nn
     assert "rank 1, step 0 (draft_model)" in g.workers[0].log(limit=1 << 24), g.workers[0].log()
     with Load(g.url(), clients=16, max_tokens=24, request_timeout=300, max_seconds=600) as load:
         g.wait_for(lambda s: s.get("method") == "ngram" and s.get("state") == "ready", 600, "the fallback to n-gram")
-        load.wait_for_answers(load.total + 16, timeout=240)
+        load.wait_for_answers(16, timeout=240)
     assert load.crashed is None
     assert load.lost == 0 and load.counts["stream_error"] == 0, load.report()
     switch = next(d for d in g.events("decision") if d.get("action") == "switch")

@@ -8,7 +8,6 @@ Marked ``engines``: needs ``specops engines setup llamacpp`` (skips cleanly othe
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import subprocess
 import time
@@ -16,6 +15,7 @@ import time
 import aiohttp
 import pytest
 from support_engines import need_llama_server, tiny_model
+from support_load import Load
 from support_ports import free_port
 from support_procs import stop_group
 from support_upstream import parse_sse, running_proxy, stream_error
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.engines, pytest.mark.timeout(180)]
 
 CLIENTS = 32
 SWITCH_AT = 1.5  # seconds into the load
-AFTER_SWITCH = 2.0  # clients keep sending this long after the release (hard stop: 100 s)
+AFTER_SWITCH = 2.0  # clients keep sending this long after the release (hard stop: 100 s, max_seconds)
 
 
 class LlamaServer:
@@ -87,6 +87,26 @@ def _session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60))
 
 
+def switch_request(i: int, n: int) -> tuple[str, dict]:
+    """Client ``i``'s requests: half streamed, each of its own fixed length, a quarter with timings per token."""
+    payload = {
+        "prompt": f"client {i} says",
+        "max_tokens": 8 + i % 17,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": i % 2 == 0,
+        "timings_per_token": i % 4 == 0,
+    }
+    return "/v1/completions", payload
+
+
+def speculated(payload: dict, text: str) -> str:
+    """Whether the engine that gave this whole answer (of the asked length) drafted: read from its timings."""
+    n = payload["max_tokens"]
+    timings = _check_stream(text, n) if payload["stream"] else _check_completion(json.loads(text), n)
+    return "speculative" if timings.get("draft_n") else "plain"
+
+
 def test_real_engines_forced_switch_under_load_loses_no_request(tmp_path, record_property):
     target, draft = tiny_model("gguf-target.gguf"), tiny_model("gguf-draft-same.gguf")
     common = ["-m", str(target), "-c", "8192", "-np", "16"]
@@ -97,76 +117,54 @@ def test_real_engines_forced_switch_under_load_loses_no_request(tmp_path, record
         live[1] += a
 
     async def body():
-        loop = asyncio.get_running_loop()
         old = LlamaServer(
             common + ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", "4"], tmp_path / "old.log"
         )
         new = None
-        failures: list[str] = []
-        served = collections.Counter()
         try:
             async with _session() as s:
                 await old.ready(s)
                 async with running_proxy(
                     old.url, queue_size=256, queue_timeout=60, drain_timeout=20, on_timings=on_timings
                 ) as proxy:
-                    stop_at = loop.time() + 100.0  # lowered to release + AFTER_SWITCH
-
-                    async def client(i: int):
-                        stream, n = i % 2 == 0, 8 + i % 17
-                        payload = {
-                            "prompt": f"client {i} says",
-                            "max_tokens": n,
-                            "temperature": 0,
-                            "ignore_eos": True,
-                            "stream": stream,
-                            "timings_per_token": i % 4 == 0,
-                        }
-                        while loop.time() < stop_at:
-                            try:
-                                async with s.post(proxy.url + "/v1/completions", json=payload) as r:
-                                    status, text = r.status, await r.text()
-                                if status != 200:
-                                    failures.append(f"client {i}: HTTP {status} {text[:200]}")
-                                    continue
-                                timings = _check_stream(text, n) if stream else _check_completion(json.loads(text), n)
-                                served["speculative" if timings.get("draft_n") else "plain"] += 1
-                            except Exception as exc:  # noqa: BLE001 - every failure is collected
-                                failures.append(f"client {i}: {type(exc).__name__}: {exc}")
-
-                    async def supervisor():
-                        nonlocal new, stop_at
+                    load = Load(
+                        proxy.url,
+                        clients=CLIENTS,
+                        request_timeout=60,
+                        max_seconds=100,
+                        request=switch_request,
+                        check=speculated,
+                    ).start()
+                    try:
                         await asyncio.sleep(SWITCH_AT)
-                        t0 = loop.time()
+                        t0 = time.monotonic()
                         proxy.hold()
                         drained = await proxy.drain()
                         await asyncio.to_thread(old.stop)
                         new = LlamaServer(common + ["--spec-type", "none"], tmp_path / "new.log")
                         await new.ready(s)
                         proxy.release(new.url)
-                        switch_s = loop.time() - t0
-                        stop_at = loop.time() + AFTER_SWITCH
-                        return drained, switch_s
-
-                    results = await asyncio.gather(supervisor(), *(client(i) for i in range(CLIENTS)))
-                    return failures, served, results[0], proxy.stats()
+                        switch_s = time.monotonic() - t0
+                        await asyncio.sleep(AFTER_SWITCH)
+                    finally:
+                        await asyncio.to_thread(load.stop)
+                    return load, drained, switch_s, proxy.stats()
         finally:
             old.stop()
             if new is not None:
                 new.stop()
 
-    failures, served, (drained, switch_s), st = asyncio.run(asyncio.wait_for(body(), 150))
+    load, drained, switch_s, st = asyncio.run(asyncio.wait_for(body(), 150))
     report = (
-        f"real llama-server: {sum(served.values())} requests ({CLIENTS} clients, half streaming), "
-        f"speculative={served['speculative']} plain={served['plain']}, failed={len(failures)}; switch took "
-        f"{switch_s:.2f}s (drain {drained.waited_s:.3f}s: {drained.finished} finished, {drained.cut} cut); "
-        f"waited={st['waited']}, longest wait={st['longest_wait_s']:.3f}s, retried={st['retried']}, "
-        f"reconnects={st['reconnects']}; live timings {live[1]}/{live[0]} accepted"
+        f"real llama-server: {load.report()}; switch took {switch_s:.2f}s (drain {drained.waited_s:.3f}s: "
+        f"{drained.finished} finished, {drained.cut} cut); waited={st['waited']}, "
+        f"longest wait={st['longest_wait_s']:.3f}s, retried={st['retried']}, reconnects={st['reconnects']}; "
+        f"live timings {live[1]}/{live[0]} accepted"
     )
     print("\n" + report)
     record_property("switch_report", report)
-    assert failures == [], failures[:5]
-    assert served["speculative"] > 0 and served["plain"] > 0
+    assert load.lost == 0 and load.counts["stream_error"] == 0, load.failures[:5] + load.stream_errors[:5]
+    assert load.labels["speculative"] > 0 and load.labels["plain"] > 0
     assert drained.cut == 0
     assert st["waited"] >= CLIENTS and st["longest_wait_s"] > 0
     assert st["upstream_errors"] == 0 and st["broken_streams"] == 0 and st["cut_streams"] == 0

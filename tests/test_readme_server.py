@@ -1,8 +1,9 @@
 """The documentation's "Run it on your server" (docs/server.md; the README's short version quotes its commands):
 the commands of its code blocks, run as written on a CPU profile copied
-to `my-model.yaml` (the install, sudo, systemctl and journalctl lines excepted, each by name), and the unit
-it writes started the way systemd starts it (ExecStart's argv, the EnvironmentFile's variables) and
-stopped the way systemd stops it (SIGTERM to specops alone) within its TimeoutStopSec."""
+to `my-model.yaml` (the install, sudo, systemctl and journalctl lines excepted, each by name; `specops up`
+until it serves a request, then Ctrl-C), and the unit it writes started the way systemd starts it
+(ExecStart's argv, the EnvironmentFile's variables) and stopped the way systemd stops it (SIGTERM to
+specops alone) within its TimeoutStopSec."""
 
 from __future__ import annotations
 
@@ -117,7 +118,13 @@ def run_here(words: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def test_the_sections_commands_run_as_written(my_model):
     ran = []
     for words in commands():
-        if words[0] in NOT_RUN or words[:2] == ["specops", "up"]:  # `up` runs below, as the unit runs it
+        if words[0] in NOT_RUN:
+            continue
+        if words[0] == "specops" and words[1] == "up":  # serves until Ctrl-C: until it answered, here
+            argv = [str(SPECOPS), *words[1:]]
+            took = serve_then_stop(argv, my_model, dict(os.environ), signal.SIGINT, stop_within=60)
+            print(f"{shlex.join(words)}: served, stopped {took:.1f}s after Ctrl-C")
+            ran.append(words[:2])
             continue
         res = run_here(words, my_model)
         out = res.stdout + res.stderr
@@ -126,6 +133,7 @@ def test_the_sections_commands_run_as_written(my_model):
         assert SECRET not in out, shlex.join(words)
         ran.append(words[:2])
     assert ["specops", "resolve"] in ran and ["promtool", "test"] in ran and ["systemd-analyze", "verify"] in ran
+    assert ["specops", "up"] in ran
     assert ["specops", "doctor"] in ran  # exit 0: nothing blocks `specops up` for this profile
     # what each step left behind
     lock = json.loads((my_model / "my-model.lock.json").read_text(encoding="utf-8"))
@@ -141,6 +149,62 @@ def exec_start(unit: str) -> list[str]:
     return [w.replace("%%", "%").replace("$$", "$") for w in shlex.split(line.partition("=")[2])]
 
 
+def serve_then_stop(
+    argv: list[str], folder: Path, env: dict, stop: signal.Signals, stop_within: float, cwd: Path | None = None
+) -> float:
+    """Run ``specops up`` (``argv``, in ``cwd``, else the reader's ``folder``; leading its own process group)
+    until it is ready (60 s) and answers a completion with the key, then send ``stop`` to specops alone
+    (Ctrl-C, or systemd's SIGTERM under KillMode=mixed): it exits 0 within ``stop_within`` seconds, its
+    engine's whole group gone with it. Returns the seconds the stop took; the secret is never in the output."""
+    log_path = folder / "up.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        argv, cwd=cwd or folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    state_file = Path(env["SPECOPS_STATE"]) / "my-model" / "state.json"
+    engine_group = None
+    try:
+        deadline = time.monotonic() + 60
+        state: dict = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                state = json.loads(state_file.read_text())
+            except (FileNotFoundError, ValueError):
+                state = {}
+            if state.get("state") == "ready":
+                break
+            time.sleep(0.2)
+        assert state.get("state") == "ready", (
+            f"{shlex.join(argv)} (exit {proc.poll()}):\n{log_path.read_text()[-3000:]}"
+        )
+        engine_group = state["engine_pid"]
+        req = urllib.request.Request(
+            state["url"] + "/v1/completions",
+            data=json.dumps({"prompt": "hello", "max_tokens": 8}).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {SECRET}"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200
+        status = run_here(["specops", "status", "my-model"], folder)
+        assert status.returncode == 0 and "my-model" in status.stdout, status.stdout + status.stderr
+        t0 = time.monotonic()
+        proc.send_signal(stop)  # to the main process only
+        rc = proc.wait(timeout=stop_within)
+        took = time.monotonic() - t0
+        assert rc == 0, log_path.read_text()[-3000:]
+        assert not group_members(engine_group)  # the engine's whole group is gone, not left behind
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        if engine_group is not None:
+            for pid in group_members(engine_group):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
+    assert SECRET not in log_path.read_text()
+    return took
+
+
 @pytest.mark.engines
 def test_the_unit_starts_serves_and_stops_within_its_timeout(my_model):
     """ExecStart's argv with only the variables the EnvironmentFile would hold, then systemd's stop:
@@ -154,45 +218,5 @@ def test_the_unit_starts_serves_and_stops_within_its_timeout(my_model):
     timeout_stop = int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M).group(1))
     env = {k: v for k, v in os.environ.items() if k != "API_KEY"}
     env["API_KEY"] = SECRET  # what /etc/specops/my-model.env holds
-    log = open(my_model / "up.log", "w")
-    proc = subprocess.Popen(argv, cwd="/", env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    state_file = my_model / "state" / "my-model" / "state.json"
-    engine_group = None
-    try:
-        deadline = time.monotonic() + 60
-        state: dict = {}
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                state = json.loads(state_file.read_text())
-            except (FileNotFoundError, ValueError):
-                state = {}
-            if state.get("state") == "ready":
-                break
-            time.sleep(0.2)
-        assert state.get("state") == "ready", (my_model / "up.log").read_text()[-3000:]
-        engine_group = state["engine_pid"]
-        req = urllib.request.Request(
-            state["url"] + "/v1/completions",
-            data=json.dumps({"prompt": "hello", "max_tokens": 8}).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {SECRET}"},
-        )
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            assert resp.status == 200
-        status = run_here(["specops", "status", "my-model"], my_model)
-        assert status.returncode == 0 and "my-model" in status.stdout, status.stdout + status.stderr
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)  # KillMode=mixed: the main process only
-        rc = proc.wait(timeout=timeout_stop)
-        took = time.monotonic() - t0
-        assert rc == 0, (my_model / "up.log").read_text()[-3000:]
-        assert took < timeout_stop
-        assert not group_members(engine_group)  # the engine's whole group is gone, not left to systemd
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        if engine_group is not None:
-            for pid in group_members(engine_group):
-                os.kill(pid, signal.SIGKILL)
-        log.close()
-    assert SECRET not in (my_model / "up.log").read_text()
+    took = serve_then_stop(argv, my_model, env, signal.SIGTERM, stop_within=timeout_stop, cwd=Path("/"))
+    assert took < timeout_stop
