@@ -229,8 +229,8 @@ def test_bench_flags_cells_measured_while_other_processes_load_the_cores(tmp_pat
     loops = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
     try:
         proc = subprocess.run(
-            SPECOPS + ["bench", str(profile), "-o", str(out), "-p", "code", "-c", "1", "-n", "3", "--max-tokens", "24",
-                       "--ignore-eos", "--rounds", "2", "--no-plots", "--warmup", "1"],
+            SPECOPS + ["bench", str(profile), "-o", str(out), "-p", "code", "-c", "1", "--duration", "1s",
+                       "--max-tokens", "24", "--ignore-eos", "--rounds", "2", "--no-plots", "--warmup", "1"],
             capture_output=True, text=True, timeout=240, env={**os.environ, "SPECOPS_STATE": str(out / "state")},
         )  # fmt: skip
     finally:

@@ -8,7 +8,10 @@ shared with a build printed a stalled baseline as a 17.78x speedup. Linux counts
 difference over an interval, divided by its length, is how many cores other processes took meanwhile.
 Steal counts as other load: a hypervisor's other guests take the cores as surely as a local process does.
 Only the cores this process may run on are counted (``sched_getaffinity``), so a large host's other
-tenants on other cores do not count. Where ``/proc`` cannot be read (not Linux) the answer is None.
+tenants on other cores do not count. Every counter read is rounded down to a jiffy, so the answer leaves
+out what rounding could explain (one jiffy per core and per process of our tree): it is the load other
+processes certainly added, which keeps a short run (a tenth of a second is 10 jiffies) from looking busy.
+Where ``/proc`` cannot be read (not Linux) the answer is None.
 """
 
 from __future__ import annotations
@@ -29,21 +32,25 @@ class CpuSample:
     at: float  # time.monotonic()
     busy: int  # all processes, on the cores we may run on
     ours: int  # this process and its descendants (the engines it started)
+    counters: int = 0  # how many jiffy counters were added up (cores + our processes): the rounding
 
 
 def sample(root: int | None = None) -> CpuSample | None:
     """Busy jiffies now (``root``: the process whose tree is ours, default this one); None without /proc."""
     try:
-        return CpuSample(time.monotonic(), _cores_busy(_our_cores()), _tree_jiffies(root or os.getpid()))
+        busy, cores = _cores_busy(_our_cores())
+        ours, procs = _tree_jiffies(root or os.getpid())
     except (OSError, ValueError, IndexError):
         return None
+    return CpuSample(time.monotonic(), busy, ours, cores + procs)
 
 
 def other_cores(before: CpuSample | None, after: CpuSample | None) -> float | None:
-    """Cores that processes outside our tree kept busy, on average, between two samples (never below 0)."""
+    """Cores that processes outside our tree certainly kept busy, on average, between two samples: their
+    jiffies less the rounding of the counters read (never below 0)."""
     if before is None or after is None or after.at <= before.at:
         return None
-    other = (after.busy - before.busy) - (after.ours - before.ours)
+    other = (after.busy - before.busy) - (after.ours - before.ours) - max(before.counters, after.counters)
     return max(0.0, other / _ticks_per_s() / (after.at - before.at))
 
 
@@ -58,9 +65,9 @@ def _our_cores() -> set[int] | None:
         return None
 
 
-def _cores_busy(cores: set[int] | None) -> int:
-    """Busy jiffies summed over ``cores`` (None: all) from /proc/stat's per-core lines."""
-    total = 0
+def _cores_busy(cores: set[int] | None) -> tuple[int, int]:
+    """Busy jiffies summed over ``cores`` (None: all) from /proc/stat's per-core lines, and how many cores."""
+    total = counted = 0
     with open("/proc/stat", encoding="ascii") as f:
         for line in f:
             name, _, rest = line.partition(" ")
@@ -70,11 +77,12 @@ def _cores_busy(cores: set[int] | None) -> int:
                 continue
             fields = rest.split()
             total += sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
-    return total
+            counted += 1
+    return total, counted
 
 
-def _tree_jiffies(root: int) -> int:
-    """utime + stime + cutime + cstime of ``root`` and every process descending from it."""
+def _tree_jiffies(root: int) -> tuple[int, int]:
+    """utime + stime + cutime + cstime of ``root`` and every process descending from it, and how many."""
     parent: dict[int, int] = {}
     spent: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -92,9 +100,10 @@ def _tree_jiffies(root: int) -> int:
     children: dict[int, list[int]] = {}
     for pid, ppid in parent.items():
         children.setdefault(ppid, []).append(pid)
-    total, todo = 0, [root]
+    total, procs, todo = 0, 0, [root]
     while todo:
         pid = todo.pop()
         total += spent.get(pid, 0)
+        procs += pid in spent
         todo += children.get(pid, [])
-    return total
+    return total, procs
