@@ -9,6 +9,7 @@ machine has no GPU.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,12 +44,15 @@ def one(report: dict, name: str) -> dict:
 
 
 @pytest.fixture
-def env(tmp_path) -> dict:
-    """Isolated state and HF folders, no engines on PATH, the Hub off unless a test turns it on."""
+def env(tmp_path, request) -> dict:
+    """Isolated state and HF folders, no engines on PATH, the Hub off unless a test turns it on. A test not
+    marked ``engines`` sees an empty engine cache too: doctor probes the engines it finds there."""
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
+    engines = request.node.get_closest_marker("engines") is not None
     return {
         "PATH": NO_ENGINES_PATH,
+        "SPECOPS_CACHE": os.environ.get("SPECOPS_CACHE") if engines else str(tmp_path / "no-engines-cache"),
         "SPECOPS_STATE": str(state),
         "HF_HOME": str(tmp_path / "hf"),
         "HF_HUB_CACHE": None,
