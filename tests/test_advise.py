@@ -162,13 +162,16 @@ def test_cli_json_matches_library():
     data = json.loads(out.stdout)
     assert data["tokens_per_pass"] == pytest.approx(3.3616) and data["best_k"] == 8
     assert data["acceptance"]["given"] == "alpha" and len(data["table"]) == 8
-    assert "(1 - alpha^(k+1)) / ((1 - alpha) * (1 + k*c))" in data["cost_model"]["speedup"]
+    assert "(1 - alpha^(k+1)) / ((1 - alpha) * (k*c + c_verify(k+1)))" in data["cost_model"]["speedup"]
+    assert data["cost_model"]["verify_cost"].startswith("c_verify ≡ 1 (assumed")  # no curve: the fallback, said
+    assert data["cost_model"]["verify_cost_curve"] is None
 
 
 def test_cli_text_states_model_table_and_caveat():
     out = cli("--acceptance-rate", "0.375", "-k", "2", "-c", "0.1", "--batch-size", "16").stdout
     assert "rate 0.3750 (accepted/drafted) at k = 2 → α = 0.5000" in out
-    assert "τ(α,k) = (1 − α^(k+1)) / (1 − α)" in out and "S = τ / (1 + k·c)" in out
+    assert "τ(α,k) = (1 − α^(k+1)) / (1 − α)" in out and "S = τ / (k·c + c_verify(k+1))" in out
+    assert "verify cost  c_verify ≡ 1 (assumed" in out
     assert "best k: 2 (1.46x)" in out
     assert "   2         1.750" in out and "◀ best" in out
     assert "batch size 16" in out and "per_batch_size" in out

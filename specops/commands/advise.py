@@ -21,9 +21,12 @@ engine counts drafts). PROFILE (optional) supplies k, the draft cost ratio, the 
 model name and its concurrency (server.parallel).
 
 \b
-Cost model (Leviathan et al. 2023, arXiv:2211.17192), for a memory-bound target (batch 1):
+Cost model (Leviathan et al. 2023, arXiv:2211.17192):
   tokens per target pass  τ = (1 − α^(k+1)) / (1 − α)
-  speedup                 S = τ / (1 + k·c)
+  speedup                 S = τ / (k·c + c_verify(k+1))
+c_verify(n), what a target pass over n tokens costs in decode steps, is the curve measured on this
+machine for PROFILE's engine and model (`specops bench PROFILE --probe-verify`) or --verify-cost FILE;
+without one it is 1 (a memory-bound target at batch 1), and the output says which was used.
 The benefit fades as the batch grows; for vLLM at high concurrency advise suggests a
 speculative.per_batch_size schedule.
 
@@ -91,6 +94,13 @@ Examples:
 @click.option("--batch-size", type=int, default=None, help="Concurrent sequences per step (default 1).")
 @click.option("--k-max", type=int, default=8, show_default=True, help="Largest k in the table and the search.")
 @click.option("--state-dir", help="Where instance state files live (default: $SPECOPS_STATE).")
+@click.option(
+    "--verify-cost",
+    "verify_cost_file",
+    type=click.Path(dir_okay=False, path_type=str),
+    help="A verification-cost curve (the JSON `specops bench --probe-verify` writes) instead of the one "
+    "stored for PROFILE's engine and model on this machine.",
+)
 @json_option
 def advise(
     profile,
@@ -107,6 +117,7 @@ def advise(
     batch_size,
     k_max,
     state_dir,
+    verify_cost_file,
     as_json,
 ):
     given = _sources_given(alpha, rate, mean_length, instance, metrics_url, prometheus)
@@ -146,7 +157,33 @@ def advise(
         k = profile_k or acc.measured_k or DEFAULT_K
     from specops.perf.advise import find_surface
 
-    _print_advice(acc, prof, backend, k, c, batch_size, k_max, as_json, find_surface(profile, prof))
+    curve = _verify_cost(verify_cost_file, prof)
+    _print_advice(acc, prof, backend, k, c, batch_size, k_max, as_json, find_surface(profile, prof), curve)
+
+
+def _verify_cost(path: str | None, prof):
+    """The curve in ``path``; else the one stored for the profile's engine, model and device; else None."""
+    from specops.perf import verifycost
+
+    if path:
+        import json
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                return verifycost.curve_of(json.load(f))
+        except OSError as exc:
+            raise SpecopsError(f"--verify-cost {path}: {exc.strerror or exc}") from None
+        except (ValueError, AttributeError, RecursionError) as exc:
+            raise SpecopsError(f"--verify-cost {path}: not a verification-cost record: {exc}") from None
+    if prof is None:
+        return None
+    from specops.plugins import get_registry
+
+    try:
+        engine = get_registry().backend(prof.backend).engine_info(prof, probe=True)
+    except SpecopsError:
+        return None  # no engine here: nothing can have been measured for it
+    return verifycost.curve_for(prof, engine.version)
 
 
 def _sources_given(
@@ -245,6 +282,7 @@ def _print_advice(
     k_max: int,
     as_json: bool,
     surface=None,
+    verify_cost=None,
 ) -> None:
     """The advice for ``acc`` at ``k``; c and the concurrency default to the profile's; ``surface``: the profile's
     measured goodput surface (its crossovers are printed)."""
@@ -264,6 +302,7 @@ def _print_advice(
         max_batch=prof.server.parallel if prof is not None else None,
         min_acceptance=prof.fallback.min_acceptance if prof is not None else None,
         surface=surface,
+        verify_cost=verify_cost,
     )
     if as_json:
         echo_json(advice.to_dict())

@@ -166,6 +166,12 @@ Examples:
     type=click.Path(file_okay=False),
     help="Where results.json, summary.md and the plots go (default: ./specops-bench/<name>-<time>).",
 )
+@click.option(
+    "--probe-verify",
+    is_flag=True,
+    help="Only probe the verification cost: launch the engine without speculation, time passes over "
+    "1..64 new tokens against a decode step, store the curve for advise/init/tune, print it (no bench).",
+)
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output on stderr.")
 @json_option
@@ -187,6 +193,7 @@ def bench(
     stall_after,
     backend_version,
     out_dir,
+    probe_verify,
     no_plots,
     quiet,
     as_json,
@@ -197,6 +204,9 @@ def bench(
     from specops.plugins import get_registry
 
     loaded = load(profile)
+    if probe_verify:
+        _probe_verify(loaded, backend_version, quiet, as_json)
+        return
     name = loaded.profile.name
     no_plots_why = None if no_plots else plots_missing()
     if no_plots_why:  # before the run, which takes minutes: the user may want to install it first
@@ -228,6 +238,20 @@ def bench(
         echo_json(report)
         return
     _echo_summary(report, written, no_plots_why)
+
+
+def _probe_verify(loaded, backend_version: str | None, quiet: bool, as_json: bool) -> None:
+    """``--probe-verify``: the verification-cost curve of the profile's engine and model on this machine."""
+    from specops.perf.verifycost import format_curve, probe_launched
+    from specops.plugins import get_registry
+
+    say = (lambda m: None) if quiet else (lambda m: click.echo(f"specops: {m}", err=True))
+    record, path = probe_launched(loaded, get_registry(), backend_version, say=say)
+    if as_json:
+        echo_json({**record, "file": str(path)})
+        return
+    click.echo(format_curve(record), nl=False)
+    click.echo(f"wrote {path}")
 
 
 def _echo_summary(report: dict, written: dict, no_plots_why: str | None = None) -> None:

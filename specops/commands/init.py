@@ -8,6 +8,11 @@ the weights leaves room for the KV cache), the served context. It writes the pro
 each choice, and its lock (``specops lock``), after checking that the profile validates and the lock
 resolves. Nothing fits (the weights, no engine that loads the model's format, a method the engine lacks):
 it refuses and says why, writing nothing.
+
+N-gram drafts are sized for the device: llama-server's ngram-mod drafts 48–64 tokens by default, which a GPU
+verifies for about the price of one step but a CPU does not. Where a verification-cost curve was measured here
+for the engine and model (``specops bench PROFILE --probe-verify``), the draft length is the one the speedup
+model finds best on that curve (:func:`ngram_size`); without one the profile says so and keeps the default.
 """
 
 from __future__ import annotations
@@ -34,6 +39,12 @@ WEIGHTS_SHARE = 0.8
 CONTEXT_GPU, CONTEXT_CPU = 8192, 4096
 #: llama-server slots (``server.parallel``): its ``-c`` context is shared by them.
 LLAMA_SLOTS = 4
+#: Per-token acceptance assumed when sizing n-gram drafts on a measured curve: a prior, not a measurement
+#: (llama-server's ngram-mod on real prompts accepted 40–100 % of its drafted tokens).
+NGRAM_ALPHA = 0.8
+#: llama-server's ngram-mod draft lengths (common/common.h: n_min 48, n_max 64) and the flags that set them.
+NGRAM_MOD_MIN, NGRAM_MOD_MAX = 48, 64
+NGRAM_MOD_FLAGS = ("--spec-ngram-mod-n-max", "--spec-ngram-mod-n-min")
 GIB = 1024**3
 METHOD_CHOICES = ["auto"] + [m.value for m in Method if m is not Method.AUTO]
 
@@ -51,6 +62,7 @@ class Engine:
     version: str | None = None
     where: str | None = None
     problem: str | None = None
+    flags: frozenset[str] | None = None  # what the probed build's --help lists (None: not probed)
 
     def line(self, *, short: bool = False) -> str:
         if self.version:
@@ -151,7 +163,7 @@ def detect_engines(registry, gpus: list[Gpu]) -> dict[str, Engine]:
         except SpecopsError as exc:
             out[name] = Engine(name, display, problem=" ".join(str(exc).split())[:300])
             continue
-        out[name] = Engine(name, display, info.version, where or info.source)
+        out[name] = Engine(name, display, info.version, where or info.source, flags=info.flags)
     return out
 
 
@@ -241,6 +253,38 @@ def _gib(value: float) -> str:
     return f"{value:.1f} GiB" if value >= 0.1 else f"{value * 1024:.1f} MiB"
 
 
+def ngram_size(curve, flags: frozenset[str] | None, device: str) -> tuple[list[str], str, bool]:
+    """llama-server ngram-mod's draft length for the device: (extra_args, why, pays).
+
+    On a measured ``curve`` (a :class:`specops.speedup.VerifyCost`): n-max is the k in 1..64 the speedup model
+    finds best at α = :data:`NGRAM_ALPHA` (n-gram drafts cost nothing to make, c = 0), n-min keeps llama-server's
+    own ratio (48 of 64: draft only matches that long); ``pays`` is False when no k beats no speculation.
+    Without a curve, or on a build that lists no such flags, llama-server's defaults stay (no extra_args)."""
+    from specops.speedup import best_k, cost_basis, expected_speedup
+
+    if flags is not None and not set(NGRAM_MOD_FLAGS) <= flags:
+        return [], f"this llama-server lists no {NGRAM_MOD_FLAGS[0]}: its own draft lengths", True
+    if curve is None:
+        return (
+            [],
+            f"draft length: llama-server's default ({NGRAM_MOD_MIN}–{NGRAM_MOD_MAX} tokens), since no verification "
+            f"cost was measured on {device} for this model ({cost_basis(None)}); measure it with `specops bench "
+            "PROFILE --probe-verify` and run init again, as a CPU's verification grows with the draft",
+            True,
+        )
+    k = best_k(NGRAM_ALPHA, 0.0, NGRAM_MOD_MAX, curve)
+    if k == 0:
+        return [], f"no draft length pays on {device} at α {NGRAM_ALPHA} ({cost_basis(curve)})", False
+    n_min = max(1, round(k * NGRAM_MOD_MIN / NGRAM_MOD_MAX))
+    why = (
+        f"drafts of {n_min}–{k} tokens (llama-server's default {NGRAM_MOD_MIN}–{NGRAM_MOD_MAX}): at α {NGRAM_ALPHA} "
+        f"the speedup model finds k = {k} best, {expected_speedup(NGRAM_ALPHA, k, 0.0, curve):.2f}x against "
+        f"{expected_speedup(NGRAM_ALPHA, NGRAM_MOD_MAX, 0.0, curve):.2f}x at {NGRAM_MOD_MAX}, verification "
+        f"costing {curve.at(k + 1):.2f} steps for {k + 1} tokens ({cost_basis(curve)})"
+    )
+    return [NGRAM_MOD_FLAGS[0], str(k), NGRAM_MOD_FLAGS[1], str(n_min)], why, True
+
+
 def served_context(target_context: int | None, cpu: bool) -> tuple[int, str]:
     cap = CONTEXT_CPU if cpu else CONTEXT_GPU
     if target_context and target_context <= cap:
@@ -300,13 +344,15 @@ class Plan:
     port: int
     parallel: int | None
     notes: list[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)  # server.extra_args (n-gram draft lengths)
+    draft_size_why: str | None = None
 
     def to_dict(self) -> dict:
         return {
             "model": self.model,
             "name": self.name,
             "backend": self.backend,
-            "engines": {n: vars(e) for n, e in self.machine.engines.items()},
+            "engines": {n: {k: v for k, v in vars(e).items() if k != "flags"} for n, e in self.machine.engines.items()},
             "gpus": [vars(g) for g in self.machine.gpus],
             "gpus_found_by": self.machine.gpus_how,
             "devices": self.layout.devices,
@@ -319,7 +365,9 @@ class Plan:
                 "layout": self.layout.why,
                 "context": self.context_why,
                 "method": self.method_why,
+                "draft_size": self.draft_size_why,
             },
+            "extra_args": self.extra_args,
             "alternatives": self.alternatives,
             "notes": self.notes,
         }
@@ -372,6 +420,10 @@ def profile_text(plan: Plan) -> str:
     ]
     if plan.parallel:
         lines.append(f"  parallel: {plan.parallel}")
+    if plan.draft_size_why:
+        lines += _comment(f"n-gram {plan.draft_size_why}", 2)
+    if plan.extra_args:
+        lines.append(f"  extra_args: {_yaml(plan.extra_args)}")
     chain = "none" if plan.method in (Method.NGRAM, Method.SUFFIX, Method.NONE) else "ngram, then none"
     lines += _comment(
         "fallback: the defaults: when the acceptance stays below 0.6 over 60 s windows, specops switches to the "
@@ -481,6 +533,13 @@ def plan_profile(model: str, *, backend, method, gpus, name, port, offline, regi
         if x is not c and x.verdict != "unchecked"
     ][:3]
     notes += [n for n in res.notes if not n.startswith("offline")]
+    method, draft = spec.method, spec.draft
+    extra_args, size_why = [], None
+    if method is Method.NGRAM and backend_obj.ngram_variants() and not spec.ngram.type:
+        extra_args, size_why, pays = _ngram_for_device(chosen, version, model, found, engine)
+        if not pays:
+            method_why += f"; method none instead: {size_why}"
+            method, size_why = Method.NONE, None
     return Plan(
         model=model,
         name=name or profile_name(model),
@@ -490,15 +549,26 @@ def plan_profile(model: str, *, backend, method, gpus, name, port, offline, regi
         layout=layout,
         max_model_len=per_request * (slots or 1),
         context_why=context_why,
-        method=spec.method,
-        draft=spec.draft,
+        method=method,
+        draft=draft,
         draft_file=spec.draft_file if not backend_obj.parallel_layout and spec.draft and "/" in spec.draft else None,
         method_why=method_why,
         alternatives=alternatives,
         port=port or (8080 if slots else 8000),
         parallel=slots,
         notes=notes,
+        extra_args=extra_args,
+        draft_size_why=size_why,
     )
+
+
+def _ngram_for_device(backend: str, version: str | None, model: str, gpus: list[Gpu], engine: Engine | None):
+    """:func:`ngram_size` on the curve measured here for the engine and model (None when none was)."""
+    from specops.perf.verifycost import CurveKey, device_name, load_curve
+
+    device = device_name([g.name for g in gpus])
+    curve = load_curve(CurveKey.for_model(backend, version, model, None, device)) if version else None
+    return ngram_size(curve, engine.flags if engine is not None else None, device)
 
 
 def write_checked(plan: Plan, out: Path, *, offline: bool, force: bool, say) -> tuple[Path, Path]:

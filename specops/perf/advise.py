@@ -15,7 +15,9 @@ rate and, when the engine counts drafts, a mean acceptance length and the mean d
 effect, measured).
 
 The model is for a memory-bound target (batch 1): one target pass costs the same for 1 or k + 1 tokens,
-and a draft pass costs ``c`` of it. With more concurrent sequences the target becomes compute-bound,
+and a draft pass costs ``c`` of it — unless a verification-cost curve was measured on this machine for the
+engine and model (``specops bench --probe-verify``, :mod:`specops.perf.verifycost`): then a step costs
+k·c + c_verify(k + 1) target steps (a CPU's grows with k), and the advice says which of the two it used. With more concurrent sequences the target becomes compute-bound,
 verifying k + 1 tokens per sequence is no longer free, and the benefit fades — hence the batch-size
 caveat and, for vLLM, a ``num_speculative_tokens_per_batch_size`` schedule to start from.
 """
@@ -29,9 +31,11 @@ from dataclasses import dataclass, field
 from specops.errors import SpecopsError
 from specops.speedup import (
     DEFAULT_DRAFT_COST,
+    VerifyCost,
     acceptance_rate,
     alpha_from_acceptance_rate,
     best_k,
+    cost_basis,
     expected_speedup,
     expected_tokens_per_step,
     speedup_from_length,
@@ -182,6 +186,7 @@ class Advice:
     #: from a measured goodput surface (``specops tune``): where each option stops beating no speculation
     crossover: dict[str, float | None] | None = None
     surface: dict | None = None  # where the surface was measured (date, engine version, draft sha, levels)
+    verify_cost: VerifyCost | None = None  # measured on this machine; None: c_verify ≡ 1 assumed
 
     @property
     def alpha(self) -> float:
@@ -197,9 +202,11 @@ class Advice:
             "backend": self.backend,
             "cost_model": {
                 "tokens_per_pass": "(1 - alpha^(k+1)) / (1 - alpha)",
-                "speedup": "(1 - alpha^(k+1)) / ((1 - alpha) * (1 + k*c))",
-                "assumes": "memory-bound target (batch 1): verifying k+1 tokens costs one target "
-                "pass; a draft pass costs c of a target pass",
+                "speedup": "(1 - alpha^(k+1)) / ((1 - alpha) * (k*c + c_verify(k+1)))",
+                "verify_cost": cost_basis(self.verify_cost),
+                "verify_cost_curve": None if self.verify_cost is None else self.verify_cost.to_dict(),
+                "assumes": "a draft pass costs c of a target pass; verifying k+1 tokens costs c_verify(k+1) target "
+                "passes (1 when no curve was measured: a memory-bound target at batch 1)",
             },
             "tokens_per_pass": self.tokens_per_pass,
             "speedup": self.speedup,
@@ -251,6 +258,7 @@ def advise(
     max_batch: int | None = None,
     min_acceptance: float | None = None,
     surface=None,
+    verify_cost: VerifyCost | None = None,
 ) -> Advice:
     """The model's answer for ``acc`` at ``k`` draft tokens with draft cost ratio ``c``.
 
@@ -260,10 +268,19 @@ def advise(
     the threshold watcher would act against the model. ``surface`` (a measured
     :class:`specops.watch.surface.Surface`) adds the measured crossover concurrency of every option and, for
     engines that take it, a per-batch-size schedule rendered from the measurements instead of the published shape.
+    ``verify_cost`` (a curve measured here for the engine and model) prices verification; None: c_verify ≡ 1.
     """
     k = _check_k(k)
     c = _check_settings(k_max, c, batch_size)
-    adv = Advice(acceptance=acc, k=k, c=c, batch_size=batch_size, k_max=max(k_max, k), backend=backend)
+    adv = Advice(
+        acceptance=acc,
+        k=k,
+        c=c,
+        batch_size=batch_size,
+        k_max=max(k_max, k),
+        backend=backend,
+        verify_cost=verify_cost,
+    )
     _model_numbers(adv)
     _warnings(adv, min_acceptance)
     _batch_advice(adv, max_batch)
@@ -345,25 +362,25 @@ def _check_settings(k_max: int, c: float, batch_size: int) -> float:
 
 def _model_numbers(adv: Advice) -> None:
     """Tokens per pass and speedup at k, the best k, the table over 1..k_max, and the measured speedup."""
-    acc, a, k, c = adv.acceptance, adv.alpha, adv.k, adv.c
+    acc, a, k, c, curve = adv.acceptance, adv.alpha, adv.k, adv.c, adv.verify_cost
     adv.tokens_per_pass = expected_tokens_per_step(a, k)
-    adv.speedup = expected_speedup(a, k, c)
-    adv.best_k = best_k(a, c, adv.k_max)
-    adv.best_speedup = expected_speedup(a, adv.best_k, c)
+    adv.speedup = expected_speedup(a, k, c, curve)
+    adv.best_k = best_k(a, c, adv.k_max, curve)
+    adv.best_speedup = expected_speedup(a, adv.best_k, c, curve)
     for kk in range(1, adv.k_max + 1):
         adv.table.append(
             {
                 "k": kk,
                 "tokens_per_pass": expected_tokens_per_step(a, kk),
                 "acceptance_rate": acceptance_rate(a, kk),
-                "speedup": expected_speedup(a, kk, c),
+                "speedup": expected_speedup(a, kk, c, curve),
                 "current": kk == k,
                 "best": kk == adv.best_k,
             }
         )
     if acc.mean_acceptance_length is not None:
         draft_len = acc.mean_draft_length if acc.mean_draft_length else float(acc.measured_k or k)
-        adv.measured_speedup = speedup_from_length(acc.mean_acceptance_length, draft_len, c)
+        adv.measured_speedup = speedup_from_length(acc.mean_acceptance_length, draft_len, c, curve)
 
 
 def _warnings(adv: Advice, min_acceptance: float | None) -> None:
@@ -459,9 +476,12 @@ def format_advice(adv: Advice) -> str:
         lines.append(f"evidence     {acc.draft_tokens:g} drafted tokens{extra}")
     lines.append(
         f"cost model   τ(α,k) = (1 − α^(k+1)) / (1 − α) tokens per target pass; speedup "
-        f"S = τ / (1 + k·c), c = {adv.c:g} (a draft pass costs {adv.c:g} of a target pass), "
-        "memory-bound target (batch 1)"
+        f"S = τ / (k·c + c_verify(k+1)), c = {adv.c:g} (a draft pass costs {adv.c:g} of a target pass)"
     )
+    lines.append(f"verify cost  {cost_basis(adv.verify_cost)}")
+    if adv.verify_cost is not None:
+        costs = ", ".join(f"{n}: {adv.verify_cost.at(n):.2f}" for n, _ in adv.verify_cost.points)
+        lines.append(f"             steps per pass over n tokens: {costs}")
     lines.append("")
     lines.append(
         f"at k = {adv.k}: {adv.tokens_per_pass:.3f} tokens per target pass, expected speedup {adv.speedup:.2f}x"

@@ -181,6 +181,7 @@ class _Bench:
         self.fitted = False
         self.fit_notes: list[str] = []
         self.draft_length: dict | None = None  # what the speculating engine's backend says of its plan
+        self.verify_cost: dict | None = None  # the probe's record (see specops.perf.verifycost)
 
     def grid(self) -> list[tuple[str, int]]:
         """Every (prompt set, concurrency) cell of a round, in the order they run."""
@@ -258,6 +259,23 @@ class _Bench:
             }
         )
         await _warmup(eng, self.sets, self.cfg, self.extra)
+        if mode == BASE and self.verify_cost is None:
+            await self.probe_verify_cost(eng)
+
+    async def probe_verify_cost(self, eng) -> None:
+        """The verification-cost curve of the baseline engine, once, for the model column (stored for advise,
+        init and tune); a probe that fails leaves the curve stored earlier here, else c_verify ≡ 1."""
+        from specops.perf.verifycost import CurveKey, load_record, probe_engine
+
+        key = CurveKey.of(self.profiles[BASE], self.engine.version)
+        try:
+            record, path = await probe_engine(eng, key)
+            self.verify_cost = {**record, "file": str(path), "probed": True}
+            self.say(f"verification cost probed: {record['relative']} (steps per pass over n tokens)")
+        except SpecopsError as exc:
+            stored = load_record(key)
+            self.verify_cost = {**(stored or {}), "probed": False, "error": str(exc)}
+            self.say(f"verification cost not probed ({exc}); {'the stored curve' if stored else 'c_verify ≡ 1'}")
 
     async def cell(self, eng, mode: str, rnd: int, set_name: str, level: int) -> None:
         label = f"{mode} r{rnd + 1} {set_name} c={level}"
@@ -314,6 +332,7 @@ class _Bench:
                 "flag_thresholds": cfg.flags.to_dict(),
             },
             "launches": self.launches,
+            "verify_cost": self.verify_cost,
         }
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 from specops.perf.bench_flags import FlagThresholds, cell_flags
 from specops.perf.plots import plot
 from specops.perf.stats import median, present
+from specops.perf.verifycost import curve_of
+from specops.speedup import VerifyCost, cost_basis, speedup_from_length
 
 SPEC, BASE = "spec", "base"
 
@@ -31,10 +33,12 @@ def summarize(cells: list[dict], meta: dict) -> dict:
     a busy machine or a stall from the engine). Each cell carries its flags (:mod:`specops.perf.bench_flags`).
     """
     c = meta.get("settings", {}).get("draft_cost_ratio")
+    curve = _verify_curve(meta)
+    meta = {**meta, "model_basis": cost_basis(curve)}
     sets = list(dict.fromkeys(cell["set"] for cell in cells))
     levels = sorted({cell["concurrency"] for cell in cells})
     rows = [
-        _speedup_row([x for x in cells if x["set"] == s and x["concurrency"] == lv], s, lv, c)
+        _speedup_row([x for x in cells if x["set"] == s and x["concurrency"] == lv], s, lv, c, curve)
         for s in sets
         for lv in levels
     ]
@@ -118,9 +122,18 @@ def _drafting(cells: list[dict]) -> dict:
     }
 
 
-def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None) -> dict:
-    """One (set, level): medians over rounds on each side, and their ratio."""
-    from specops.speedup import speedup_from_length
+def _verify_curve(meta: dict) -> VerifyCost | None:
+    """The verification-cost curve the bench probed (or found stored), or None: the model assumes c_verify ≡ 1."""
+    record = meta.get("verify_cost")
+    try:
+        return curve_of(record) if isinstance(record, dict) and record.get("relative") else None
+    except ValueError:
+        return None
+
+
+def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None, curve: VerifyCost | None) -> dict:
+    """One (set, level): medians over rounds on each side, and their ratio; beside them the model's prediction
+    from the measured mean acceptance and draft lengths, with the probed verification cost when there is one."""
 
     sp, bs = _of_mode(cells, SPEC), _of_mode(cells, BASE)
     spec_tps = median([x["tokens_per_s"] for x in sp])
@@ -129,7 +142,7 @@ def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None) 
     mal, draft_len = drafting["mean_acceptance_length"], drafting["mean_draft_length"]
     model = None
     if mal is not None and draft_len is not None and c is not None:
-        model = speedup_from_length(max(mal, 1.0), draft_len, c)
+        model = speedup_from_length(max(mal, 1.0), draft_len, c, curve)
     row = {
         "set": set_name,
         "concurrency": level,
@@ -197,7 +210,8 @@ def _md_header(report: dict) -> list[str]:
         + ("both engines up at once, cells alternating" if s.get("interleave") else "launches alternating")
         + "; medians over rounds",
         f"- speedup = tokens/s with speculation ÷ tokens/s without, same engine and model, one run; "
-        f"model speedup = measured mean acceptance length / (1 + k·c) with c = {s['draft_cost_ratio']}",
+        f"model speedup = measured mean acceptance length / (k·c + c_verify(k+1)), k the measured mean draft "
+        f"length, c = {s['draft_cost_ratio']}, {report.get('model_basis') or cost_basis(None)}",
         "",
     ]
 

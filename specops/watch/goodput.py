@@ -17,6 +17,13 @@ acceptance length each option had. :class:`GoodputModel` predicts every option's
    tokens/s to the prediction for it goes into a per-bucket (powers of two) moving average that multiplies
    every option in that bucket, so the surface stays true when the workload drifts.
 
+An option the surface did not measure at its k (a chain step's other k, a per-batch-size k) is predicted from
+the speedup model only where the surface carries a verification-cost curve measured on the machine
+(``verify_cost``: :meth:`specops.speedup.VerifyCost.to_dict`): ``none``'s tokens/s × τ(k) / (k·c + c_verify(k+1)),
+τ(k) from the method's live or recorded acceptance. Without a curve no such prediction is made (c_verify ≡ 1
+would price a CPU's long drafts as free): the option is learned from live readings, as before. Measured
+points always win over the model, and the online correction learns only from measured ones.
+
 :class:`GoodputPolicy` turns predictions into decisions with hysteresis (a relative margin), a sustain time (the
 better option must stay better), a minimum dwell after a switch, and a cost test: the predicted gain over the
 expected regime duration (at least as long as the regime has lasted) must exceed the tokens lost while
@@ -37,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specops.methods import Method
-from specops.speedup import expected_tokens_per_step
+from specops.speedup import DEFAULT_DRAFT_COST, VerifyCost, expected_tokens_per_step, speedup_from_length
 from specops.watch.surface import Surface, option_label, scheduled_k
 
 #: Weight of a new tick in the per-bucket correction (an exponential moving average).
@@ -85,11 +92,29 @@ class Option:
         return option_label(self.method, self.k) + (" per batch size" if self.per_batch else "")
 
 
+def surface_verify_cost(surface: Surface | None) -> VerifyCost | None:
+    """The verification-cost curve a surface carries (``verify_cost`` beside its points), or None."""
+    data = surface.meta.get("verify_cost") if surface is not None else None
+    if not isinstance(data, Mapping) or not isinstance(data.get("points"), Mapping):
+        return None
+    try:
+        return VerifyCost.from_mapping(data["points"], str(data.get("source") or "measured"))
+    except ValueError:
+        return None
+
+
 class GoodputModel:
     """Predicts tokens/s per option at a concurrency from a surface, live acceptance and online correction."""
 
-    def __init__(self, surface: Surface | None, stale_half_life_s: float = DEFAULT_STALE_HALF_LIFE_S):
+    def __init__(
+        self,
+        surface: Surface | None,
+        stale_half_life_s: float = DEFAULT_STALE_HALF_LIFE_S,
+        draft_cost: float = DEFAULT_DRAFT_COST,
+    ):
         self.surface = surface
+        self.verify_cost = surface_verify_cost(surface)  # None: no model predictions (see the module's doc)
+        self.draft_cost = draft_cost
         self.correction: dict[int, float] = {}
         self.live_tau: dict[Method, tuple[float, float]] = {}  # method -> (mean acceptance length, k it ran at)
         self.measured_at: dict[Method, float] = {}  # method -> when its live acceptance was last noted
@@ -140,18 +165,37 @@ class GoodputModel:
         rec = self.surface.tau(method, k) if tau is not None and self.surface is not None else None
         return tau / rec if tau is not None and rec else 1.0
 
-    def raw(self, option: Option, concurrency: float, now: float | None = None) -> float | None:
-        """The prediction before the per-bucket correction (``now`` ages a left method's acceptance)."""
+    def raw(self, option: Option, concurrency: float, now: float | None = None, *, model: bool = True) -> float | None:
+        """The prediction before the per-bucket correction (``now`` ages a left method's acceptance): measured,
+        else learned live, else (``model``) the speedup model on the surface's verification-cost curve."""
         if option.per_batch:
             k = scheduled_k(option.per_batch, concurrency)
             k = option.k if k is None else k  # outside the ranges the engine drafts the step's k
             if k == 0 and not (self.surface is not None and self.surface.has(option.method, 0)):
-                return self.raw(Option(Method.NONE, 0), concurrency, now)  # the idle draft unmeasured: as none
-            return self.raw(Option(option.method, k), concurrency, now)
+                return self.raw(Option(Method.NONE, 0), concurrency, now, model=model)  # the idle draft: as none
+            return self.raw(Option(option.method, k), concurrency, now, model=model)
         base = self.surface.tokens_per_s(option.method, option.k, concurrency) if self.surface else None
         if base is None:
-            return self.learned.get((option.label, bucket(concurrency)))
+            learned = self.learned.get((option.label, bucket(concurrency)))
+            return learned if learned is not None or not model else self.modelled(option, concurrency, now)
         return base * self._acceptance_factor(option.method, option.k, now)
+
+    def modelled(self, option: Option, concurrency: float, now: float | None = None) -> float | None:
+        """``none``'s measured tokens/s × the model's speedup of ``option`` on the measured verification cost;
+        None without a curve, a measured ``none`` there, or an acceptance of the method at any k."""
+        if self.verify_cost is None or self.surface is None or option.method is Method.NONE or option.k < 1:
+            return None
+        none = self.surface.tokens_per_s(Method.NONE, 0, concurrency)
+        tau = self.live_tau_at(option.method, option.k)
+        if tau is None:
+            recorded = [(k, self.surface.tau(option.method, k)) for k in self.surface.ks(option.method) if k]
+            recorded = [(k, t) for k, t in recorded if t]
+            if recorded:
+                k0, t0 = min(recorded, key=lambda kt: abs(kt[0] - option.k))
+                tau = expected_tokens_per_step(alpha_from_length(t0, k0), option.k)
+        if none is None or tau is None:
+            return None
+        return none * speedup_from_length(max(tau, 1.0), option.k, self.draft_cost, self.verify_cost)
 
     def predict(self, option: Option, concurrency: float, now: float | None = None) -> float | None:
         raw = self.raw(option, concurrency, now)
@@ -163,7 +207,7 @@ class GoodputModel:
         """A live reading of ``option`` at ``concurrency``: update the bucket's correction (or, without a surface
         point, learn the option's tokens/s there). Returns the bucket's correction factor."""
         b = bucket(concurrency)
-        raw = self.raw(option, concurrency, now)
+        raw = self.raw(option, concurrency, now, model=False)  # the correction learns from measured points only
         if raw is None or self.surface is None or (option.label, b) in self.learned:
             old = self.learned.get((option.label, b))
             self.learned[(option.label, b)] = (

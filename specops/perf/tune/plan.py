@@ -1,5 +1,10 @@
 """One ``specops tune`` run, start to end (the CLI is a thin layer over this): what to sweep, from the
-profile and the options (:func:`prepare`), then the race on the real engine (:func:`run_sweep`)."""
+profile and the options (:func:`prepare`), then the race on the real engine (:func:`run_sweep`).
+
+The plan prices verification with the curve measured here for the engine and model
+(:mod:`specops.perf.verifycost`), when there is one: a k whose verification costs more than k + 1 tokens are
+worth, so that it loses even with every draft token accepted, is not measured (on a CPU, long drafts).
+Without a curve every k is kept (c_verify ≡ 1), and the plan's notes say which."""
 
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ from specops.perf.tune.driver import EngineDriver, default_requests_per_round, l
 from specops.perf.tune.race import Event, TuneOptions, Tuner
 from specops.perf.tune.results import TuneResult
 from specops.perf.tune.settings import MethodChoice, Setting, current_setting, plan_settings
+from specops.perf.verifycost import curve_for
 from specops.resolve.prelaunch import resolve_for_launch
+from specops.speedup import DEFAULT_DRAFT_COST, VerifyCost, cost_basis, max_paying_k
 
 
 @dataclass
@@ -56,6 +63,8 @@ class TunePlan:
     #: such setting) and, on an engine that takes a k per batch size, the draft idle at k 0
     reference: list[Setting] = field(default_factory=list)
     widen: bool = False
+    #: the verification-cost curve measured here for the engine and model (None: c_verify ≡ 1 assumed)
+    verify_cost: VerifyCost | None = None
 
 
 def prepare(loaded, registry, cfg: TuneConfig) -> TunePlan:
@@ -90,6 +99,8 @@ def prepare(loaded, registry, cfg: TuneConfig) -> TunePlan:
         ngram_types=types,
         ngram_default=(resolved.speculative.ngram.min, resolved.speculative.ngram.max),
     )
+    curve = curve_for(resolved, getattr(engine, "version", None))
+    settings = priced_settings(settings, current, curve, resolved.fallback.draft_cost_ratio, notes)
     levels = concurrency_levels(resolved, cfg.concurrency)
     prompts, workload = load_workload(cfg.workload, cfg.max_tokens)
     workload.update(requests_per_round=cfg.requests_per_round or "max(4, 2 x concurrency)", ignore_eos=cfg.ignore_eos)
@@ -107,7 +118,34 @@ def prepare(loaded, registry, cfg: TuneConfig) -> TunePlan:
     widen = not cfg.k_values and any(backend.k_applies(c.method) for c in choices)
     if widen:
         notes.append("k is widened past the grid while the best k is at its edge (the curve has not turned down)")
-    return TunePlan(resolved, engine, current, choices, settings, levels, prompts, workload, notes, reference, widen)
+    return TunePlan(
+        resolved, engine, current, choices, settings, levels, prompts, workload, notes, reference, widen, curve
+    )
+
+
+def priced_settings(
+    settings: list[Setting], current: Setting, curve: VerifyCost | None, c: float | None, notes: list[str]
+) -> list[Setting]:
+    """``settings`` less the k that cannot pay on the measured verification cost even at full acceptance (the
+    profile's current setting is kept: it is what the others are compared with); a note says which cost applied."""
+    c = DEFAULT_DRAFT_COST if c is None else c
+    ks = [s.k for s in settings if s.k]
+    if curve is None or not ks:
+        notes.append(f"verification cost: {cost_basis(curve)}")
+        return settings
+    limit = max_paying_k(c, curve, max(ks))
+    kept = [s for s in settings if not s.k or s.k <= limit or s == current]
+    dropped = sorted({s.k for s in settings if s not in kept})
+    notes.append(
+        f"verification cost: {cost_basis(curve)}"
+        + (
+            f"; k {', '.join(map(str, dropped))} not measured: above k = {limit} a step costs more than every "
+            f"draft token accepted would give (c = {c:g})"
+            if dropped
+            else ""
+        )
+    )
+    return kept
 
 
 def _idle_setting(current: Setting, choices: list[MethodChoice], backend, engine, levels) -> Setting | None:

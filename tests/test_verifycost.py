@@ -1,0 +1,219 @@
+"""The verification-cost curve: the speedup model prices verification with it (c_verify ≡ 1 only without one),
+and advise, bench's model column, init's n-gram draft size, tune's plan and the goodput model use it.
+
+The curve below is the shape llama.cpp's batched verification has on a 2-core CPU: a pass over n tokens costs
+about 0.25 steps per extra token. The engine probe itself is in ``test_verifycost_engines.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specops.speedup import (
+    FLAT,
+    VerifyCost,
+    best_k,
+    cost_basis,
+    expected_speedup,
+    max_paying_k,
+    speedup_from_length,
+)
+
+CPU = {"1": 1.05, "2": 1.3, "4": 1.8, "8": 2.9, "16": 5.0, "32": 9.0, "64": 17.0}
+RECORD = {"engine": "llamacpp", "version": "b1", "device": "CPU: test, 2 cores", "date": "2026-12-06", "relative": CPU}
+SPECOPS = Path(sys.executable).with_name("specops")
+
+
+def cpu_curve() -> VerifyCost:
+    return VerifyCost.from_mapping(CPU, "test CPU")
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+
+def test_the_curve_is_normalized_to_one_token_and_interpolated():
+    v = cpu_curve()
+    assert v.at(1) == 1.0 and v.at(0) == 1.0  # verifying the one token of a plain step costs one step
+    assert v.at(2) == pytest.approx(1.3 / 1.05)
+    assert v.at(3) == pytest.approx((1.3 + 0.25) / 1.05)  # halfway between 2 and 4
+    assert v.at(128) == pytest.approx((17.0 + 8.0 * 64 / 32) / 1.05)  # past 64 along the last segment
+
+
+def test_speedup_prices_verification_with_the_curve():
+    v = cpu_curve()
+    # a draft of 16 always accepted: 17 tokens for one pass, but that pass costs c_verify(17) steps
+    assert expected_speedup(1.0, 16, 0.0, v) == pytest.approx(17 / v.at(17))
+    assert expected_speedup(1.0, 16, 0.0, v) < 4.0 < expected_speedup(1.0, 16, 0.0)  # flat says 17x
+    # the issue's Gemma cell: mean acceptance length 17 at drafts of 16 — the flat model said 9–17x
+    assert speedup_from_length(17.0, 16.0, 0.0, v) == pytest.approx(17 / v.at(17))
+    assert speedup_from_length(17.0, 16.0, 0.05) == pytest.approx(17 / 1.8)  # no curve: τ / (1 + k·c)
+    assert expected_speedup(0.9, 0, 0.1, v) == 1.0
+
+
+def test_what_a_step_pays_per_token_outside_its_pass_is_not_amortized():
+    # Gemma 3 270M on 2 cores (llama-server, probed): a pass over one token is 0.14 of a decode step, the rest
+    # is sampling over 262,144 tokens, paid for every token kept
+    gemma = VerifyCost.from_mapping({"1": 0.14, "2": 0.15, "4": 0.16, "8": 0.23, "16": 0.30, "32": 0.62, "64": 0.73})
+    assert gemma.per_token == pytest.approx(0.86) and gemma.at(1) == pytest.approx(0.14)
+    assert expected_speedup(0.9, 0, 0.0, gemma) == pytest.approx(1.0)  # k = 0 is still one step
+    # the issue's code cell: mean acceptance length 17 at drafts of 16 measured 0.91-1.01x; flat said 9.44x
+    s = speedup_from_length(17.0, 16.0, 0.0, gemma)
+    assert s == pytest.approx(17 / (0.30 + 17 * 0.86 + 0.32 / 16)) and 0.9 < s < 1.2
+    assert speedup_from_length(17.0, 16.0, 0.0, gemma) < 1 / gemma.per_token  # the ceiling, whatever the draft
+
+
+def test_no_curve_is_todays_formula_and_says_so():
+    for k in (1, 4, 16):
+        assert expected_speedup(0.8, k, 0.05, None) == expected_speedup(0.8, k, 0.05)
+        assert expected_speedup(0.8, k, 0.05, VerifyCost(((1, 2.0), (64, 2.0)))) == pytest.approx(
+            expected_speedup(0.8, k, 0.05)
+        )  # a flat measured curve is the same model
+    assert cost_basis(None) == FLAT and "assumed" in FLAT
+    assert cost_basis(cpu_curve()) == "c_verify measured (test CPU)"
+
+
+def test_best_k_shrinks_on_a_cpu_curve():
+    assert best_k(0.9, 0.0, 64) == 64  # free verification: draft as much as allowed
+    assert best_k(0.9, 0.0, 64, cpu_curve()) == 5
+    steep = VerifyCost(((1, 1.0), (2, 2.5), (4, 5.0)))  # worse than linear: nothing pays
+    assert best_k(0.9, 0.0, 8, steep) == 0
+    assert max_paying_k(0.0, steep, 8) == 0 and max_paying_k(0.0, None, 8) == 8
+
+
+def test_a_curve_needs_its_one_token_point_and_sane_costs():
+    for bad in ({"2": 1.0}, {"1": 0}, {"1": "x"}, {"1": float("nan")}, []):
+        with pytest.raises(ValueError, match="verification-cost curve"):
+            VerifyCost.from_mapping(bad)
+
+
+# ------------------------------------------------------------------------------------------- stored curves
+
+
+def test_a_stored_curve_is_found_only_for_its_engine_model_and_device(tmp_path):
+    from specops.perf.verifycost import CurveKey, load_curve, save_curve
+
+    key = CurveKey("llamacpp", "b1", "/m/model.gguf (10 bytes)", "CPU: test, 2 cores")
+    record, path = save_curve(key, {"relative": CPU, "date": "d"}, tmp_path)
+    assert record["device"] == key.device and path.parent == tmp_path
+    assert load_curve(key, tmp_path).at(2) == pytest.approx(1.3 / 1.05)
+    for other in (
+        CurveKey("llamacpp", "b1", "/m/model.gguf (10 bytes)", "CPU: other, 64 cores"),
+        CurveKey("llamacpp", "b2", "/m/model.gguf (10 bytes)", "CPU: test, 2 cores"),
+        CurveKey("llamacpp", "b1", "/m/other.gguf (10 bytes)", "CPU: test, 2 cores"),
+    ):
+        assert load_curve(other, tmp_path) is None
+    path.write_text("{not json")
+    assert load_curve(key, tmp_path) is None
+
+
+def test_a_changed_model_file_is_another_model(tmp_path):
+    from specops.perf.verifycost import model_identity
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x" * 10)
+    before = model_identity(str(f))
+    f.write_bytes(b"x" * 11)
+    assert model_identity(str(f)) != before and model_identity("org/repo") == "org/repo"
+
+
+# ------------------------------------------------------------------------------------------- the users
+
+
+def test_bench_model_column_uses_the_probed_curve():
+    from specops.perf.bench_report import summarize
+
+    cells = [
+        {"set": "code", "concurrency": 1, "mode": mode, "round": 1, "tokens_per_s": tps, "errors": 0,
+         "output_tokens": 100, "wall_s": 1.0, "draft_tokens": 160 if mode == "spec" else None,
+         "accepted": 160 if mode == "spec" else None, "drafts": 10 if mode == "spec" else None,
+         **{f"{n}_ms": {"median": 1.0} for n in ("ttft", "itl", "tpot")}}
+        for mode, tps in (("spec", 9.0), ("base", 10.0))
+    ]  # fmt: skip
+    meta = {"settings": {"draft_cost_ratio": 0.0}}
+    flat = summarize(cells, meta)
+    probed = summarize(cells, {**meta, "verify_cost": RECORD})
+    assert flat["speedup"][0]["model_speedup"] == pytest.approx(17.0)  # drafts of 16, all accepted
+    assert probed["speedup"][0]["model_speedup"] == pytest.approx(17 / cpu_curve().at(17))
+    assert probed["model_basis"].startswith("c_verify measured") and flat["model_basis"] == FLAT
+
+
+def test_advise_says_which_verification_cost_it_used(tmp_path):
+    curve_file = tmp_path / "curve.json"
+    curve_file.write_text(json.dumps(RECORD))
+
+    def advise(*extra):
+        r = subprocess.run(
+            [str(SPECOPS), "advise", "--alpha", "0.9", "-k", "16", "-c", "0", "--k-max", "16", "--json", *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    flat, measured = advise(), advise("--verify-cost", str(curve_file))
+    assert flat["best_k"] == 16 and flat["cost_model"]["verify_cost"] == FLAT
+    assert measured["best_k"] == best_k(0.9, 0.0, 16, cpu_curve()) == 5
+    assert measured["speedup"] == pytest.approx(expected_speedup(0.9, 16, 0.0, cpu_curve()))
+    assert measured["cost_model"]["verify_cost"].startswith("c_verify measured (llamacpp b1 on CPU: test")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"relative": {"2": 1}}')
+    r = subprocess.run([str(SPECOPS), "advise", "--alpha", "0.9", "--verify-cost", str(bad)], capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 1 and f"--verify-cost {bad}: not a verification-cost record" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_init_sizes_ngram_drafts_on_the_curve():
+    from specops.commands.init import NGRAM_MOD_FLAGS, ngram_size
+
+    flags = frozenset(NGRAM_MOD_FLAGS)
+    args, why, pays = ngram_size(cpu_curve(), flags, "CPU: test")
+    # at α 0.8 the model finds 3 best on this curve (64, llama-server's default, is best without one)
+    assert pays and args == ["--spec-ngram-mod-n-max", "3", "--spec-ngram-mod-n-min", "2"]
+    assert "c_verify measured (test CPU)" in why and "k = 3 best" in why
+    flat_args, flat_why, _ = ngram_size(None, flags, "CPU: test")
+    assert flat_args == [] and "no verification cost was measured" in flat_why and "--probe-verify" in flat_why
+    assert ngram_size(VerifyCost(((1, 1.0), (2, 3.0), (4, 6.0))), flags, "CPU: test")[2] is False
+    assert ngram_size(cpu_curve(), frozenset({"--port"}), "CPU: test")[0] == []  # a build without the flags
+
+
+def test_tune_plan_skips_k_the_curve_rules_out():
+    from specops.methods import Method
+    from specops.perf.tune.plan import priced_settings
+    from specops.perf.tune.settings import Setting
+
+    settings = [Setting(Method.DRAFT_MODEL, k) for k in (1, 2, 4, 8)] + [Setting(Method.NONE)]
+    steep = VerifyCost(((1, 1.0), (2, 1.5), (3, 2.0), (5, 6.0), (9, 20.0)))
+    notes: list[str] = []
+    kept = priced_settings(settings, settings[3], steep, 0.05, notes)
+    assert [s.k for s in kept] == [1, 2, 8, None]  # k 4 cannot pay; k 8 is the profile's own, kept
+    assert "k 4 not measured" in notes[0] and "c_verify measured" in notes[0]
+    notes.clear()
+    assert priced_settings(settings, settings[0], None, None, notes) == settings
+    assert notes == [f"verification cost: {FLAT}"]
+
+
+def test_goodput_predicts_an_unmeasured_k_only_on_a_measured_curve():
+    from specops.methods import Method
+    from specops.speedup import expected_tokens_per_step
+    from specops.watch.goodput import GoodputModel, Option, alpha_from_length
+    from specops.watch.surface import Surface
+
+    points = [
+        {"method": "none", "k": 0, "concurrency": 1, "tokens_per_s": 10.0},
+        {"method": "draft_model", "k": 4, "concurrency": 1, "tokens_per_s": 15.0, "mean_acceptance_length": 3.0},
+    ]
+    flat = GoodputModel(Surface.from_dict({"points": points}))
+    curved = GoodputModel(Surface.from_dict({"points": points, "verify_cost": cpu_curve().to_dict()}))
+    k8 = Option(Method.DRAFT_MODEL, 8)
+    assert flat.raw(k8, 1) is None  # nothing measured, nothing modelled without a curve
+    tau8 = expected_tokens_per_step(alpha_from_length(3.0, 4), 8)
+    assert curved.raw(k8, 1) == pytest.approx(10.0 * tau8 / (8 * 0.05 + cpu_curve().at(9)))
+    assert curved.raw(Option(Method.DRAFT_MODEL, 4), 1) == 15.0  # measured beats modelled
+    assert curved.observe(k8, 1, 12.0) is None and curved.correction == {}  # no correction from a model
