@@ -117,8 +117,7 @@ class VerifyCost:
         """Decode steps paid per sampled token outside the forward pass (0 where the pass costs a whole step)."""
         return max(0.0, 1.0 - self.points[0][1])
 
-    def at(self, n: float) -> float:
-        """The forward pass over n new tokens, in decode steps."""
+    def _interpolated(self, n: float) -> float:
         pts = self.points
         if n <= 1 or len(pts) == 1:
             return pts[0][1] / self._scale
@@ -127,6 +126,11 @@ class VerifyCost:
                 return (v0 + (v1 - v0) * (n - n0) / (n1 - n0)) / self._scale
         (n0, v0), (n1, v1) = pts[-2], pts[-1]
         return max(v1, v1 + (v1 - v0) * (n - n1) / (n1 - n0)) / self._scale
+
+    def at(self, n: float) -> float:
+        """The forward pass over n new tokens, in decode steps; never below the pass over one (a point measured
+        lower is noise: more tokens do not cost less)."""
+        return max(self._interpolated(n), self.points[0][1] / self._scale)
 
     def to_dict(self) -> dict:
         return {"points": {str(n): v for n, v in self.points}, "source": self.source}

@@ -42,6 +42,7 @@ def test_the_curve_is_normalized_to_one_token_and_interpolated():
     assert v.at(2) == pytest.approx(1.3 / 1.05)
     assert v.at(3) == pytest.approx((1.3 + 0.25) / 1.05)  # halfway between 2 and 4
     assert v.at(128) == pytest.approx((17.0 + 8.0 * 64 / 32) / 1.05)  # past 64 along the last segment
+    assert VerifyCost(((1, 0.5), (2, 0.3), (4, 0.9))).at(2) == 0.5  # more tokens never cost less than one
 
 
 def test_speedup_prices_verification_with_the_curve():

@@ -12,7 +12,7 @@ compute-bound; on a CPU it grows with n. :func:`probe` measures it at n = 1, 2, 
   t_step is ``timings.predicted_per_token_ms`` of a short decode on the same prefix.
 - **vLLM** (OpenAI API, prefix caching on): the time to first token (TTFT, measured here) of the cached prefix
   plus n tokens, and the inter-token time of a streamed decode (measured). t_verify(n) is *inferred* as
-  t_step + TTFT(n) − TTFT(1): what n tokens add to a pass over one.
+  t_step + max(0, TTFT(n) − TTFT(1)): what n tokens add to a pass over one.
 
 Each point is the median of ``repeats`` requests, sizes interleaved so drift hits all alike. The relative cost
 is t_verify(n) / t_step; below 1 at n = 1 it says how much of a decode step is paid per token outside the
@@ -318,11 +318,11 @@ def _probe_vllm(http: _Http, model: str, ids: list[int], sizes, repeats: int) ->
     if not itl or not ttft[1]:
         raise SpecopsError(f"{http.base}: the engine streamed too few tokens to time a step")
     t_step, base = statistics.median(itl), statistics.median(ttft[1])
-    verify = {n: t_step + statistics.median(v) - base for n, v in ttft.items() if v}
+    verify = {n: t_step + max(0.0, statistics.median(v) - base) for n, v in ttft.items() if v}
     how = {
         "measured": "TTFT of a cached prefix + n new tokens (max_tokens 1); t_step: the inter-token time of a "
         "streamed decode",
-        "inferred": "t_verify(n) = t_step + TTFT(n) - TTFT(1)",
+        "inferred": "t_verify(n) = t_step + max(0, TTFT(n) - TTFT(1))",
         "discarded": 0,
     }
     return verify, t_step, how
