@@ -279,8 +279,9 @@ def ngram_size(curve, flags: frozenset[str] | None, device: str) -> tuple[list[s
     why = (
         f"drafts of {n_min}–{k} tokens (llama-server's default {NGRAM_MOD_MIN}–{NGRAM_MOD_MAX}): at α {NGRAM_ALPHA} "
         f"the speedup model finds k = {k} best, {expected_speedup(NGRAM_ALPHA, k, 0.0, curve):.2f}x against "
-        f"{expected_speedup(NGRAM_ALPHA, NGRAM_MOD_MAX, 0.0, curve):.2f}x at {NGRAM_MOD_MAX}, verification "
-        f"costing {curve.at(k + 1):.2f} steps for {k + 1} tokens ({cost_basis(curve)})"
+        f"{expected_speedup(NGRAM_ALPHA, NGRAM_MOD_MAX, 0.0, curve):.2f}x at {NGRAM_MOD_MAX}, a pass over "
+        f"{k + 1} tokens costing {curve.at(k + 1):.2f} decode steps plus {curve.per_token:.2f} per token kept "
+        f"({cost_basis(curve)})"
     )
     return [NGRAM_MOD_FLAGS[0], str(k), NGRAM_MOD_FLAGS[1], str(n_min)], why, True
 

@@ -481,7 +481,10 @@ def format_advice(adv: Advice) -> str:
     lines.append(f"verify cost  {cost_basis(adv.verify_cost)}")
     if adv.verify_cost is not None:
         costs = ", ".join(f"{n}: {adv.verify_cost.at(n):.2f}" for n, _ in adv.verify_cost.points)
-        lines.append(f"             steps per pass over n tokens: {costs}")
+        lines.append(
+            f"             decode steps per pass over n tokens: {costs}; plus {adv.verify_cost.per_token:.2f} "
+            "per token kept (sampling, …: a decode step's time outside its pass)"
+        )
     lines.append("")
     lines.append(
         f"at k = {adv.k}: {adv.tokens_per_pass:.3f} tokens per target pass, expected speedup {adv.speedup:.2f}x"
