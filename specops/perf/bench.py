@@ -263,19 +263,24 @@ class _Bench:
             await self.probe_verify_cost(eng)
 
     async def probe_verify_cost(self, eng) -> None:
-        """The verification-cost curve of the baseline engine, once, for the model column (stored for advise,
-        init and tune); a probe that fails leaves the curve stored earlier here, else c_verify ≡ 1."""
+        """The verification-cost curve for the model column: the one stored for this engine, model and machine
+        (``specops bench --probe-verify`` re-measures it), else probed once on the baseline engine and stored
+        (for advise, init and tune); a probe that fails leaves c_verify ≡ 1, said in the report."""
         from specops.perf.verifycost import CurveKey, load_record, probe_engine
 
         key = CurveKey.of(self.profiles[BASE], self.engine.version)
+        stored = load_record(key)
+        if stored is not None:
+            self.verify_cost = {**stored, "probed": False}
+            self.say(f"verification cost: the curve measured {stored.get('date')} ({key.path()})")
+            return
         try:
             record, path = await probe_engine(eng, key)
             self.verify_cost = {**record, "file": str(path), "probed": True}
             self.say(f"verification cost probed: {record['relative']} (steps per pass over n tokens)")
         except SpecopsError as exc:
-            stored = load_record(key)
-            self.verify_cost = {**(stored or {}), "probed": False, "error": str(exc)}
-            self.say(f"verification cost not probed ({exc}); {'the stored curve' if stored else 'c_verify ≡ 1'}")
+            self.verify_cost = {"probed": False, "error": str(exc)}
+            self.say(f"verification cost not probed ({exc}): the model column assumes c_verify ≡ 1")
 
     async def cell(self, eng, mode: str, rnd: int, set_name: str, level: int) -> None:
         label = f"{mode} r{rnd + 1} {set_name} c={level}"
