@@ -27,7 +27,6 @@ import logging
 import math
 import sys
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -51,9 +50,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - aiohttp depends on async-timeout on 3.10
     from async_timeout import timeout as _timeout
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .server import Proxy
-
 log = logging.getLogger("specops.proxy")
 
 ADMIN_PREFIX = "/specops/"
@@ -68,12 +64,12 @@ class RequestPath:
 
     # ------------------------------------------------------------------------------------ entry points
 
-    async def _handle_public(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
+    async def _handle_public(self, request: web.BaseRequest) -> web.StreamResponse:
         """The public port when the admin endpoints have their own port: every request is forwarded."""
         cancel_header_deadline(request)
         return await self._proxy(request)
 
-    async def _handle(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """The public port, admin endpoints included (they need the API key like any request)."""
         cancel_header_deadline(request)
         if request.raw_path.startswith(ADMIN_PREFIX):
@@ -85,7 +81,7 @@ class RequestPath:
             return await self._handle_admin(request)
         return await self._proxy(request)
 
-    async def _handle_admin_only(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
+    async def _handle_admin_only(self, request: web.BaseRequest) -> web.StreamResponse:
         """The loopback admin port: ``/specops/status`` and ``/specops/metrics``, no key."""
         cancel_header_deadline(request)
         try:
@@ -105,7 +101,7 @@ class RequestPath:
             status=404,
         )
 
-    async def _handle_admin(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
+    async def _handle_admin(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path.rstrip("/")
         if path == "/specops/status":
             doc = self.public_status()
@@ -121,7 +117,7 @@ class RequestPath:
 
     # ------------------------------------------------------------------------------------ refusals
 
-    def _refuse(self: Proxy, request: web.BaseRequest, exc: ClientError) -> web.Response:
+    def _refuse(self, request: web.BaseRequest, exc: ClientError) -> web.Response:
         """Answer a request the proxy refused on its own, and log one (rate-limited) line about it."""
         self._c["rejected_" + exc.counter] += 1
         self._reject_log(
@@ -149,12 +145,12 @@ class RequestPath:
             resp.force_close()
         return resp
 
-    def _retry_after(self: Proxy) -> str:
+    def _retry_after(self) -> str:
         if self.retry_after is not None:
             return str(max(1, math.ceil(self.retry_after)))
         return str(max(1, min(30, math.ceil(self.queue_timeout / 4 or 1))))
 
-    def _reject(self: Proxy, status: int, kind: str, message: str) -> web.Response:
+    def _reject(self, status: int, kind: str, message: str) -> web.Response:
         return web.Response(
             status=status,
             body=error_body(status, kind, message),
@@ -164,7 +160,7 @@ class RequestPath:
 
     # ------------------------------------------------------------------------------------ forwarding
 
-    async def _proxy(self: Proxy, request: web.BaseRequest) -> web.StreamResponse:
+    async def _proxy(self, request: web.BaseRequest) -> web.StreamResponse:
         """Check the request (target, key, body limits), then forward it."""
         self._c["requests"] += 1
         try:
@@ -186,9 +182,7 @@ class RequestPath:
         finally:
             body.release()
 
-    async def _forward(
-        self: Proxy, request: web.BaseRequest, body: HeldBody, routed: bool = True
-    ) -> web.StreamResponse:
+    async def _forward(self, request: web.BaseRequest, body: HeldBody, routed: bool = True) -> web.StreamResponse:
         """Send to the engine, waiting in the queue when none serves; reconnect or retry once after a
         failure before any byte (see the module docstring). ``body`` is released once the answer starts.
         With twins the router picks the engine, unless not ``routed``: then the default route does."""
@@ -268,7 +262,7 @@ class RequestPath:
             deadline = loop.time() + self.queue_timeout
 
     async def _attempt(
-        self: Proxy, request: web.BaseRequest, body: HeldBody, headers, flight: Flight
+        self, request: web.BaseRequest, body: HeldBody, headers, flight: Flight
     ) -> tuple[web.StreamResponse | None, Unstarted | None]:
         """One exchange, counted in flight on its generation (so drain can wait for it or cut it)."""
         gen = flight.gen
@@ -286,7 +280,7 @@ class RequestPath:
             if not gen.inflight and gen.idle is not None:
                 gen.idle.set()
 
-    async def _acquire(self: Proxy, deadline: float) -> Generation:
+    async def _acquire(self, deadline: float) -> Generation:
         """The generation to send to: at once when serving, else after a bounded wait in the queue."""
         if self._state is SERVING:
             return self._gen
@@ -324,7 +318,7 @@ class RequestPath:
 
     # ------------------------------------------------------------------------------ engine failures
 
-    async def _after_unstarted_failure(self: Proxy, flight: Flight, reason: str, alive: bool | None) -> None:
+    async def _after_unstarted_failure(self, flight: Flight, reason: str, alive: bool | None) -> None:
         """Decide where the retry goes: the same engine if it is alive, else wait for the next one."""
         gen = flight.gen
         if flight.cut_reason is not None or gen is not self._gen or self._state is not SERVING:
@@ -338,7 +332,7 @@ class RequestPath:
             self._event("upstream_unreachable", url=gen.url, reason=reason)
             self._start_recovery(gen)
 
-    async def _reachable(self: Proxy, url: str) -> bool:
+    async def _reachable(self, url: str) -> bool:
         u = URL(url)
         try:
             async with _timeout(min(1.0, self.connect_timeout)):
@@ -348,7 +342,7 @@ class RequestPath:
         writer.close()
         return True
 
-    def _start_recovery(self: Proxy, gen: Generation) -> None:
+    def _start_recovery(self, gen: Generation) -> None:
         """Self-detected failure: reopen on the same URL once its health endpoint answers 200 again.
 
         The supervisor normally calls release()/set_upstream() first; this only keeps a proxy whose engine
@@ -357,12 +351,12 @@ class RequestPath:
         self._stop_recovery()
         self._recover_task = asyncio.get_running_loop().create_task(self._recover(gen))
 
-    def _stop_recovery(self: Proxy) -> None:
+    def _stop_recovery(self) -> None:
         task, self._recover_task = self._recover_task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
 
-    async def _recover(self: Proxy, gen: Generation) -> None:
+    async def _recover(self, gen: Generation) -> None:
         url = gen.url + self.health_path
         while self._state is DOWN and self._gen is gen:
             await asyncio.sleep(self.recover_interval)

@@ -3,17 +3,14 @@ so counting costs the hot path nothing but a dict increment."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .states import ProxyState
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .server import Proxy
 
 __all__ = ["ProxyCollector", "metrics_text"]
 
 
-def metrics_text(proxy: Proxy) -> bytes:
+def metrics_text(proxy: Any) -> bytes:  # proxy: the :class:`~specops.proxy.server.Proxy` (which imports this module)
     """The Prometheus text exposition: ``proxy.metrics_registry`` (if any), then the proxy's own metrics."""
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -48,7 +45,7 @@ def _gauge(name, doc, value):
 class ProxyCollector:
     """prometheus_client collector reading the proxy's plain counters at scrape time (no hot-path cost)."""
 
-    def __init__(self, proxy: Proxy):
+    def __init__(self, proxy: Any):
         self.proxy = proxy
 
     def collect(self):
@@ -60,7 +57,7 @@ class ProxyCollector:
         yield from self._state(p, st)
 
     @staticmethod
-    def _traffic(p: Proxy, st: dict):
+    def _traffic(p: Any, st: dict):
         yield _counter(
             "specops_proxy_requests", "Requests received on the public port (admin excluded).", st["requests"]
         )
@@ -160,7 +157,7 @@ class ProxyCollector:
         )
 
     @staticmethod
-    def _state(p: Proxy, st: dict):
+    def _state(p: Any, st: dict):
         from prometheus_client.core import GaugeMetricFamily
 
         g = GaugeMetricFamily("specops_proxy_state", "1 for the proxy's current state.", labels=["state"])
