@@ -70,6 +70,7 @@ or its rounds disagree (--max-spread).
 The built-in sets exercise where speculation helps and where it hurts:
   code       code completion (greedy)          summarize  output copies the input (greedy)
   chat       open questions (temperature 0.7)  creative   high temperature (1.3)
+  extraction edits, quotes and copies of the input (greedy): where prompt-lookup (n-gram) drafts pay
 
 \b
 Examples:
@@ -84,9 +85,9 @@ Examples:
     "-p",
     "--prompts",
     "prompt_sets",
-    default="code,summarize,chat,creative",
+    default="code,summarize,chat,creative,extraction",
     show_default=True,
-    help="Comma-separated built-in prompt sets (code, summarize, chat, creative) and/or JSONL files "
+    help="Comma-separated built-in prompt sets (code, summarize, chat, creative, extraction) and/or JSONL files "
     '(one {"prompt", "max_tokens", "temperature", "set"} per line).',
 )
 @click.option(
