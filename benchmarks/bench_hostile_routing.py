@@ -13,6 +13,7 @@ cost a bystander, and what they write into the learned class table.
   speculating engine served.
 
     .venv/bin/python benchmarks/bench_hostile_routing.py
+    .venv/bin/python benchmarks/bench_hostile_routing.py --json out.json   # also write the figures, commit, machine
 
 Before the fix: run it from a copy of an older tree (``git archive REV | tar -x -C /tmp/old``, then copy this file
 and tests/support_hostile_routing.py in and run it there with ``PYTHONPATH=/tmp/old``).
@@ -20,8 +21,10 @@ and tests/support_hostile_routing.py in and run it there with ``PYTHONPATH=/tmp/
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 import tempfile
@@ -31,7 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _harness import commit_of  # noqa: E402
 from support_hostile_routing import (  # noqa: E402 - tests/ is put on sys.path above
     AUTH,
     HostileUp,
@@ -43,8 +48,17 @@ from support_hostile_routing import (  # noqa: E402 - tests/ is put on sys.path 
     system_body,
 )
 
+from specops.perf.bench import machine  # noqa: E402
+
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--json", metavar="PATH", help="also write the figures, the work tree's commit and the machine here"
+    )
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    figures: dict = {"flood": {}, "system_prompt": [], "fresh_keys": {}}
     up = HostileUp(Path(tempfile.mkdtemp(prefix="bench-hostile-routing-")))
     try:
         up.wait(lambda s: len(s.get("engines", [])) == 2 and all(e["live"] for e in s["engines"]), "two engines")
@@ -61,6 +75,15 @@ def main() -> None:
         routing = json.loads(get_text(up.port, "/specops/status"))["routing"]
         classes = [row["class"] for row in routing["classes"]]
         labels = set(re.findall(r'cls="([^"]*)"', get_text(up.port, "/specops/metrics")))
+        figures["flood"] = {
+            "requests": 100,
+            "answered_200": answered,
+            "legit_kept": "legit-code" in classes,
+            "attacker_classes": sum("attacker" in c for c in classes),
+            "classes_forgotten": routing.get("classes_forgotten"),
+            "class_labels": len(labels),
+            "attacker_labels": sum("attacker" in c for c in labels),
+        }
         print(
             f"100 keyless GET /health, distinct X-Task: {answered} answered 200; legit-code kept: "
             f"{'legit-code' in classes}; attacker classes {sum('attacker' in c for c in classes)}, forgotten "
@@ -74,6 +97,9 @@ def main() -> None:
                 ("chat with the key", raw_request("POST", "/v1/chat/completions", body, AUTH + "X-Task: probe\r\n")),
             ):
                 waited, status = asyncio.run(attacked(up.port, attack, timeout=600))
+                figures["system_prompt"].append(
+                    {"bytes": size, "attack": what, "status": status, "bystander_waited_ms": waited}
+                )
                 print(
                     f"{size // 1000} KB system prompt, {what} (answered {status}): a bystander's /health waited {waited:.1f} ms",
                     flush=True,
@@ -85,11 +111,25 @@ def main() -> None:
         )
         t0 = time.perf_counter()
         served = [chat(up.port, f"fresh-{i}")[1] for i in range(20)]
+        figures["fresh_keys"] = {
+            "requests": 20,
+            "served_ngram": served.count("ngram"),
+            "served_none": served.count("none"),
+            "seconds": time.perf_counter() - t0,
+        }
         print(
             f"20 fresh class keys after the fallback to none: {served.count('ngram')} served by ngram, {served.count('none')} by none ({time.perf_counter() - t0:.1f} s)"
         )
     finally:
         up.stop()
+    if args.json:
+        report = {
+            "machine": machine(),
+            "work_tree": commit_of(ROOT),
+            "load_average": [load_before, os.getloadavg()],
+            **figures,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ answers 200 with the `ready` event specops writes. Also reports the engine's tim
 
     .venv/bin/python benchmarks/bench_ready_latency.py                 # llama-server, 10 runs
     .venv/bin/python benchmarks/bench_ready_latency.py --engine vllm --runs 2
+    .venv/bin/python benchmarks/bench_ready_latency.py --json out.json   # also write every run and the medians
+
+``--json PATH`` also writes the work tree's commit, the machine and its load average before and after.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from _harness import commit_of
+
+from specops.perf.bench import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = {
@@ -93,7 +100,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=sorted(PROFILES), default="llamacpp")
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--json", metavar="PATH", help="also write every run and the medians here")
     a = ap.parse_args()
+    load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.runs):
@@ -110,6 +119,18 @@ def main() -> int:
         f"specops adds median {statistics.median(added) * 1000:.0f} ms, max {max(added) * 1000:.0f} ms "
         f"(health polls start at 20 ms and back off to 250 ms; goal: <= poll interval + 500 ms) over {len(rows)} runs"
     )
+    if a.json:
+        report = {
+            "machine": machine(),
+            "args": vars(a),
+            "work_tree": commit_of(ROOT),
+            "load_average": [load_before, os.getloadavg()],
+            "runs": rows,
+            "median_engine_ready_s": statistics.median(r["engine_ready_s"] for r in rows),
+            "median_added_ms": statistics.median(added) * 1000,
+            "max_added_ms": max(added) * 1000,
+        }
+        Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
