@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import sys
@@ -98,7 +99,12 @@ def main() -> None:
             ):
                 waited, status = asyncio.run(attacked(up.port, attack, timeout=600))
                 figures["system_prompt"].append(
-                    {"bytes": size, "attack": what, "status": status, "bystander_waited_ms": waited}
+                    {
+                        "bytes": size,
+                        "attack": what,
+                        "status": status,
+                        "bystander_waited_ms": None if math.isinf(waited) else waited,
+                    }
                 )
                 print(
                     f"{size // 1000} KB system prompt, {what} (answered {status}): a bystander's /health waited {waited:.1f} ms",
