@@ -7,7 +7,9 @@ requests stream (SSE, copied chunk by chunk when kept). Reports per-request medi
 the cost of one tap()+offer()+write outside a loop. The spot-check sampler's numbers
 (``bench_spot_sampler.py``) are the reference.
 
-    .venv/bin/python benchmarks/bench_capture.py [--rounds 21] [--requests 100]
+    .venv/bin/python benchmarks/bench_capture.py [--rounds 21] [--requests 100] [--json out.json]
+
+``--json PATH`` also writes the figures, the work tree's commit, the machine and its load average.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -25,9 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _harness import commit_of  # noqa: E402
 from support_upstream import Upstream, running_proxy  # noqa: E402 - tests/ is put on sys.path above
 
+from specops.perf.bench import machine  # noqa: E402
 from specops.proxy.capture import Capture, CaptureFiles, CaptureSettings  # noqa: E402
 
 PLAIN = json.dumps({"model": "m", "prompt": "def fibonacci(n):" * 8, "max_tokens": 16}).encode()
@@ -80,17 +86,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--requests", type=int, default=100, help="sequential requests per proxy per round")
+    p.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = p.parse_args()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         skip, keep = direct_cost(Path(tmp))
         print(f"per request, no loop: not sampled {skip * 1e6:.2f} us; kept (parse + write) {keep * 1e6:.2f} us")
         with Upstream.start("bench") as eng:
             lat = asyncio.run(latencies(eng.url, Path(tmp), args.rounds, args.requests))
+    rows = {}
     for name, v in lat.items():
         v.sort()
-        print(
-            f"{name:4}  p50 {statistics.median(v) * 1e3:.3f} ms  p99 {v[int(len(v) * 0.99)] * 1e3:.3f} ms  n={len(v)}"
-        )
+        rows[name] = {"p50_ms": statistics.median(v) * 1e3, "p99_ms": v[int(len(v) * 0.99)] * 1e3, "n": len(v)}
+        print(f"{name:4}  p50 {rows[name]['p50_ms']:.3f} ms  p99 {rows[name]['p99_ms']:.3f} ms  n={len(v)}")
+    if args.json:
+        report = {
+            "machine": machine(),
+            "args": vars(args),
+            "work_tree": commit_of(ROOT),
+            "load_average": [load_before, os.getloadavg()],
+            "direct_us": {"not_sampled": skip * 1e6, "kept": keep * 1e6},
+            "latency": rows,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
