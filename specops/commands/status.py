@@ -314,6 +314,10 @@ def _print(st: dict) -> None:
             f"(mean length {f'{mal:.2f}' if mal is not None else '-'}, "
             f"{_num(acc.get('draft_tokens')) or 0:.0f} drafted{data_note})"
         )
+    policy = st.get("policy") if isinstance(st.get("policy"), dict) else {}
+    rule = policy.get("rule")
+    if isinstance(rule, dict) and rule.get("line"):  # which rule decides the fallback, and why (specops.watch.rule)
+        click.echo(f"  rule       {_text(rule['line'], 400)}")
     verdict = verdict_line(st)
     if verdict:
         click.echo(f"  verdict    {verdict}")

@@ -10,8 +10,10 @@ from specops.commands._common import echo_json
 from specops.config.profile import LoadedProfile, load_profile
 from specops.config.yamlsource import parse, read_text
 from specops.errors import Location, Problem, ProfileError, SpecopsError
+from specops.perf.verifycost import decision_curve
 from specops.plugins import Registry, get_registry
 from specops.redact import MASK
+from specops.watch.rule import Rule, rule_for
 
 PROFILE_SUFFIXES = (".yaml", ".yml")
 
@@ -155,6 +157,7 @@ def _check_one(
         if support:
             summary["support"], summary["support_note"] = support
             summary["engine_version"] = p.engine.version
+        summary["fallback_rule"] = _fallback_rule(p).to_dict()
         if do_resolve:
             from specops.resolve.resolver import check_loaded  # the resolver pulls in the Hub client: only when asked
 
@@ -180,6 +183,22 @@ def _check_one(
         "errors": [p.to_dict() for p in problems],
         "warnings": [w.to_dict() for w in warnings],
     }
+
+
+#: Why validate matches no curve for a profile that pins no engine version.
+NO_VERSION = (
+    "without engine.version no stored verification-cost curve can be matched (`specops doctor` matches one for the "
+    "engine it finds)"
+)
+
+
+def _fallback_rule(profile) -> Rule:
+    """Which rule would decide the profile's fallback here: a stored verification-cost curve is matched for a
+    pinned ``engine.version`` only (validate starts no engine)."""
+    version = profile.engine.version
+    if version:
+        return rule_for(profile.fallback, decision_curve(profile, version))
+    return rule_for(profile.fallback, None, NO_VERSION)
 
 
 def _check_certificate(
@@ -233,6 +252,8 @@ def _print_text(results: list[dict], skipped: list[Path]) -> None:
         if r["ok"]:
             support = f", {r['support']} on {r['engine_version']}" if r.get("support") else ""
             click.echo(f"ok      {r['file']}  ({r['backend']}, {r['method']}{support})")
+            if r.get("fallback_rule"):
+                click.echo(f"        {r['fallback_rule']['line']}")
         for e in r["errors"]:
             click.echo(f"error   {_line(e)}")
         for w in r["warnings"]:

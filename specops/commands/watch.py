@@ -331,7 +331,7 @@ def _with_overrides(profile: Profile, overrides: dict) -> Profile:
 def _surface(loaded):
     """Mode goodput's surface, a relative ``fallback.goodput.surface`` read from the profile's folder (located
     errors), as ``specops up`` reads it."""
-    if loaded.profile.fallback.mode != "goodput":
+    if loaded.profile.fallback.mode not in ("goodput", None):  # unset: goodput where a surface is named
         return None
     from specops.errors import SpecopsError
     from specops.watch.surface import profile_surface

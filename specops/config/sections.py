@@ -361,16 +361,20 @@ class Fallback(Section):
     """When and how to leave a method whose acceptance is too low."""
 
     enabled: bool = Field(True, description="Switch methods automatically (false: watch and report only).")
-    mode: Literal["threshold", "model", "goodput"] = Field(
-        "threshold",
-        description="`threshold`: switch when acceptance < min_acceptance; `model`: switch when predicted speedup < 1; "
-        "`goodput`: run the step with the most predicted tokens/s at the live concurrency (see `fallback.goodput`).",
+    mode: Literal["threshold", "model", "goodput"] | None = Field(
+        None,
+        description="`threshold`: switch when acceptance < min_acceptance; `model`: switch when predicted speedup < 1 "
+        "(on the verification-cost curve stored for this engine, model and machine, else c_verify = 1); `goodput`: run "
+        "the step with the most predicted tokens/s at the live concurrency (see `fallback.goodput`). Unset: on tokens/s "
+        "where known: `goodput` when `fallback.goodput.surface` is set, else `model` when a verification-cost curve is "
+        "stored (`specops bench PROFILE --probe-verify`), else `threshold`.",
     )
     min_acceptance: float = Field(
         0.6,
         ge=0,
         le=1,
-        description="Acceptance rate below which speculation costs more than it gains (published rule of thumb: 0.6).",
+        description="Mode threshold: acceptance rate below which speculation costs more than it gains (published rule "
+        "of thumb: 0.6; it knows nothing of what a draft costs).",
     )
     window: Duration = Field(60.0, gt=0, description="Acceptance is measured over this sliding window.")
     min_draft_tokens: int = Field(

@@ -21,7 +21,14 @@ from collections.abc import Callable
 from specops.doctor.base import ERROR, Check, Context, Report, one_line
 from specops.doctor.hub import check_hf_cache, check_hf_token, check_hub, check_prometheus
 from specops.doctor.machine import check_engines, check_gpus, check_ports, check_specops, check_state
-from specops.doctor.profile import check_lock, check_memory, check_profile, check_render, check_resolve
+from specops.doctor.profile import (
+    check_fallback,
+    check_lock,
+    check_memory,
+    check_profile,
+    check_render,
+    check_resolve,
+)
 
 __all__ = ["Check", "Report", "run_doctor"]
 
@@ -49,6 +56,7 @@ def run_doctor(profile_path: str | None, *, offline: bool = False, registry=None
         ("lock", check_lock),
         ("resolve", check_resolve),
         ("render", check_render),
+        ("fallback", check_fallback),
         ("memory", check_memory),
     ]
     for name, step in steps:

@@ -97,6 +97,7 @@ class Context:
     hub_ok: bool = False
     resolved: Any = None  # the LoadedProfile after resolution
     resolution: Any = None
+    engine_version: str | None = None  # the engine version the profile rendered for
 
 
 def one_line(text: str, limit: int = 400) -> str:

@@ -114,6 +114,7 @@ def check_render(ctx: Context) -> list[Check]:
     except SpecopsError as exc:
         pinned = "" if loaded.profile.engine.version else " (or pin engine.version to render without an engine)"
         return [Check("render", ERROR, f"cannot render: {one_line(str(exc))}", "see the engine check above" + pinned)]
+    ctx.engine_version = plan.engine_version
     return [
         Check(
             "render",
@@ -122,6 +123,25 @@ def check_render(ctx: Context) -> list[Check]:
             details=[one_line(plan.shell(), 1000), *[one_line(n, 300) for n in plan.notes]],
         )
     ]
+
+
+def check_fallback(ctx: Context) -> list[Check]:
+    """Which rule decides the fallback, and why: on tokens/s where specops can know them (a goodput surface, the
+    verification-cost curve stored for the engine version rendered above, this model and machine), else acceptance."""
+    if ctx.loaded is None:
+        return []
+    from specops.perf.verifycost import decision_curve
+    from specops.watch.rule import THRESHOLD, rule_for
+
+    p = (ctx.resolved or ctx.loaded).profile
+    if ctx.engine_version is None:
+        rule = rule_for(p.fallback, None, "no engine version to match a stored verification-cost curve (see render)")
+    else:
+        rule = rule_for(p.fallback, decision_curve(p, ctx.engine_version))
+    fix = ""
+    if rule.mode == THRESHOLD and not rule.explicit:
+        fix = f"`specops bench {ctx.loaded.path} --probe-verify` stores this machine's verification-cost curve"
+    return [Check("fallback", OK, one_line(rule.line()), fix)]
 
 
 def check_memory(ctx: Context) -> list[Check]:

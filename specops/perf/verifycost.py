@@ -192,6 +192,14 @@ def curve_for(profile, engine_version: str | None) -> VerifyCost | None:
     return load_curve(CurveKey.of(profile, engine_version))
 
 
+def decision_curve(profile, engine_version: str | None) -> VerifyCost | None:
+    """:func:`curve_for`, its ``source`` the file it was read from: the fallback's decisions name the curve they
+    predicted on (:mod:`specops.watch.rule`)."""
+    key = CurveKey.of(profile, engine_version)
+    curve = load_curve(key)
+    return None if curve is None else VerifyCost(curve.points, str(key.path()))
+
+
 # ----------------------------------------------------------------------------------------------- probing
 
 

@@ -49,6 +49,7 @@ class _Bucket:
     seconds_off: float = 0.0
     passes_tokens: int = 0  # tokens of speculating answers that also reported their accepted draft tokens
     passes_accepted: int = 0  # ... and those accepted draft tokens (mean acceptance length = t / (t - a))
+    passes_drafted: int = 0  # ... and their drafted tokens (draft tokens per target pass = d / (t - a))
 
 
 @dataclass
@@ -149,7 +150,7 @@ class ClassTable:
         b = c.buckets[slot % BUCKETS]
         if b.slot != slot:
             b.slot, b.draft_tokens, b.accepted, b.on, b.off = slot, 0, 0, 0, 0
-            b.tokens_on = b.tokens_off = b.passes_tokens = b.passes_accepted = 0
+            b.tokens_on = b.tokens_off = b.passes_tokens = b.passes_accepted = b.passes_drafted = 0
             b.seconds_on = b.seconds_off = 0.0
         return b
 
@@ -195,6 +196,7 @@ class ClassTable:
             if tokens is not None and draft_tokens > 0 and 0 <= accepted < tokens:
                 b.passes_tokens += int(tokens)
                 b.passes_accepted += int(accepted)
+                b.passes_drafted += int(draft_tokens)
         else:
             b.off += 1
             if timed:
@@ -206,13 +208,20 @@ class ClassTable:
         return [b for b in c.buckets if b.slot >= oldest]
 
     def stats(self, key: str, now: float) -> WindowStats:
-        """The class's window as :class:`WindowStats` (``ok`` once a speculating engine drafted for it)."""
+        """The class's window as :class:`WindowStats` (``ok`` once a speculating engine drafted for it), with its
+        own mean acceptance length and draft length where its answers reported the tokens they generated: per
+        target pass, ``tokens / (tokens - accepted)`` and ``drafted / (tokens - accepted)`` (``drafts`` is that
+        count of passes, scaled to every token drafted for the class), which the speedup model prices."""
         c = self._classes.get(key)
         if c is None:
             return WindowStats(status=NO_DATA, window_s=self.window_s, end=now, reason=f"class {key!r} not seen")
         live = self._live(c, now)
         drafted = sum(b.draft_tokens for b in live)
         accepted = sum(b.accepted for b in live)
+        p_t, p_a, p_d = (
+            sum(getattr(b, f) for b in live) for f in ("passes_tokens", "passes_accepted", "passes_drafted")
+        )
+        timed = p_t > p_a and p_d > 0
         start = max(c.first_seen, now - self.window_s)
         common = dict(
             window_s=self.window_s,
@@ -227,8 +236,10 @@ class ClassTable:
         return WindowStats(
             status=OK,
             acceptance=accepted / drafted,
+            mean_acceptance_length=p_t / (p_t - p_a) if timed else None,
             draft_tokens=float(drafted),
             accepted=float(accepted),
+            drafts=(p_t - p_a) * drafted / p_d if timed else None,
             reason=f"{accepted} accepted of {drafted} drafted for class {key!r}",
             **common,
         )

@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from specops.run.events import EngineReady, FallbackOrder, StepChanged, StepFailed, SupervisorEvent
+from specops.speedup import VerifyCost
 from specops.watch.canary import CanaryTally
 from specops.watch.classes import RequestClass
 from specops.watch.decision import Decision
@@ -68,10 +69,21 @@ class FallbackDecider:
         self.route_step: int | None = None
 
     @classmethod
-    def from_profile(cls, profile: Any, *, surface: Surface | None = None, **kwargs: Any) -> FallbackDecider:
-        """The decider for ``profile``; mode goodput reads ``fallback.goodput.surface`` unless ``surface`` is
-        given (raises SpecopsError when that file holds no surface)."""
-        return cls(Policy.from_profile(profile, surface=surface), **kwargs)
+    def from_profile(
+        cls,
+        profile: Any,
+        *,
+        surface: Surface | None = None,
+        curve: VerifyCost | None = None,
+        **kwargs: Any,
+    ) -> FallbackDecider:
+        """The decider for ``profile``, on the rule :meth:`Policy.from_profile` gives it (``curve``: the
+        verification-cost curve stored for its engine, model and machine); says that rule in one line. Mode goodput
+        reads ``fallback.goodput.surface`` unless ``surface`` is given (raises SpecopsError when that file holds
+        no surface)."""
+        decider = cls(Policy.from_profile(profile, surface=surface, curve=curve), **kwargs)
+        decider.say(decider.policy.rule.line())
+        return decider
 
     # ------------------------------------------------------------------ the supervisor's failures
     def decide_after_failure(self, failure: StepFailed) -> FallbackOrder:
@@ -104,7 +116,7 @@ class FallbackDecider:
         if self.policy.goodput is not None:
             self._goodput_event(decision, stats)
         if "low" in decision.numbers:
-            keep = ("low", "acceptance", "predicted_speedup", "streak")
+            keep = ("low", "acceptance", "predicted_speedup", "verify_cost", "streak")
             self.last_verdict = {
                 **{k: decision.numbers[k] for k in keep if k in decision.numbers},
                 "rule": decision.rule,
@@ -290,6 +302,8 @@ class FallbackDecider:
                 }
         elif isinstance(event, EngineReady):
             self.policy.note_engine_start(event.seconds)
+            length = getattr(event.plan, "draft_length", None)  # a plan the supervisor did not render has none
+            self.policy.note_draft_length(event.index, length.most if length is not None else None)
             if self.routed_step is None:  # a twin serves the policy's step: the primary's (re)start moves nothing
                 self.policy.on_switched(event.index, self.clock())
 

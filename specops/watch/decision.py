@@ -13,12 +13,14 @@ from specops.config.profile import ChainStep
 from specops.methods import DEFAULT_K, Method
 from specops.speedup import (
     DEFAULT_DRAFT_COST,
+    VerifyCost,
     alpha_from_acceptance_rate,
     expected_speedup,
     expected_tokens_per_step,
     speedup_from_length,
 )
 from specops.watch.goodput import GoodputConfig
+from specops.watch.rule import curve_name
 from specops.watch.window import WindowStats
 
 
@@ -45,7 +47,7 @@ class PolicyConfig:
     """The knobs of the policy (from the profile's ``fallback`` section), in seconds."""
 
     enabled: bool = True
-    mode: str = "threshold"  # "threshold" | "model"
+    mode: str = "threshold"  # "threshold" | "model" | "goodput": the mode that decides (see specops.watch.rule)
     min_acceptance: float = 0.6
     window_s: float = 60.0
     min_draft_tokens: int = 200
@@ -72,11 +74,12 @@ class PolicyConfig:
         return DEFAULT_DRAFT_COST if self.draft_cost_ratio is None else self.draft_cost_ratio
 
     @classmethod
-    def from_fallback(cls, fb: Any) -> PolicyConfig:
-        """From a :class:`specops.config.profile.Fallback` section."""
+    def from_fallback(cls, fb: Any, mode: str | None = None) -> PolicyConfig:
+        """From a :class:`specops.config.profile.Fallback` section; ``mode``: the one that decides (its ``mode``
+        unset: the one :func:`specops.watch.rule.rule_for` chose), else the section's, else threshold."""
         return cls(
             enabled=fb.enabled,
-            mode=fb.mode,
+            mode=mode or fb.mode or "threshold",
             min_acceptance=fb.min_acceptance,
             window_s=fb.window,
             min_draft_tokens=fb.min_draft_tokens,
@@ -91,8 +94,8 @@ class PolicyConfig:
         )
 
     @classmethod
-    def from_profile(cls, profile: Any) -> PolicyConfig:
-        return cls.from_fallback(profile.fallback)
+    def from_profile(cls, profile: Any, mode: str | None = None) -> PolicyConfig:
+        return cls.from_fallback(profile.fallback, mode)
 
 
 def step_k(step: ChainStep) -> int:
@@ -169,27 +172,43 @@ def window_numbers(stats: WindowStats, config: PolicyConfig) -> dict[str, Any]:
     }
 
 
-def verdict_numbers(stats: WindowStats, acceptance: float, config: PolicyConfig, step: ChainStep) -> dict[str, Any]:
-    """The numbers of a window that gets a verdict on ``step``, with the model's predicted speedup."""
+def verdict_numbers(
+    stats: WindowStats,
+    acceptance: float,
+    config: PolicyConfig,
+    step: ChainStep,
+    curve: VerifyCost | None = None,
+    engine_k: int | None = None,
+) -> dict[str, Any]:
+    """The numbers of a window that gets a verdict on ``step``, with the model's predicted speedup: from the
+    window's measured mean draft length (else the longest draft the engine runs, ``engine_k``, else the profile's
+    k) and mean acceptance length (else τ from the acceptance rate), on the verification-cost ``curve`` (None:
+    c_verify = 1). ``verify_cost`` names which."""
     c = config.cost
-    k_conf = step_k(step)
     k_meas = stats.mean_draft_length
-    k = k_meas if k_meas is not None else float(k_conf)
+    if k_meas is not None:
+        k, k_basis = k_meas, "measured mean draft length (drafted / drafts)"
+    elif engine_k:
+        k, k_basis = float(engine_k), "the engine's longest draft (the window counts no drafts)"
+    else:
+        k, k_basis = float(step_k(step)), "the profile's k (the window counts no drafts)"
     k_int = max(1, round(k))
     alpha = alpha_from_acceptance_rate(min(max(acceptance, 0.0), 1.0), k_int)
     if stats.mean_acceptance_length is not None:
         tau, how = stats.mean_acceptance_length, "measured mean acceptance length"
-        speedup = speedup_from_length(tau, k, c)
+        speedup = speedup_from_length(tau, k, c, curve)
     else:
         tau, how = expected_tokens_per_step(alpha, k_int), "α from the acceptance rate"
-        speedup = expected_speedup(alpha, k_int, c)
+        speedup = expected_speedup(alpha, k_int, c, curve)
     return {
         **window_numbers(stats, config),
         "alpha": alpha,
         "k": k,
         "k_measured": k_meas is not None,
+        "k_basis": k_basis,
         "draft_cost_ratio": c,
         "tokens_per_step": tau,
         "predicted_speedup": speedup,
         "speedup_basis": how,
+        "verify_cost": curve_name(curve),
     }

@@ -19,8 +19,11 @@ keep the method, switch to the next step, retry the primary, or hold. Rules, in 
 8. ``coarse`` — only a lifetime ratio is available (vLLM V0) and ``act_on_coarse`` is off: report only.
 9. ``min-draft-tokens`` — fewer drafted tokens than ``min_draft_tokens`` in the window: no verdict.
 10. The verdict: ``threshold`` mode — low when acceptance < ``min_acceptance``; ``model`` mode — low when
-    the predicted speedup τ / (1 + k·c) < 1 (Leviathan et al. 2023, see specops.speedup). A good window resets the streak (and marks a
-    retry as successful, resetting its back-off); a low one extends it (``hysteresis`` until it reaches
+    the predicted speedup τ / (k·c + c_verify(k + 1)) < 1 (Leviathan et al. 2023, see specops.speedup), with τ and k
+    the window's measured mean acceptance and draft lengths, on the verification-cost curve measured for this
+    engine, model and machine (c_verify = 1 without one). Which mode decides when the profile sets none is
+    :func:`specops.watch.rule.rule_for`'s answer (on tokens/s where known). A good window resets the streak (and
+    marks a retry as successful, resetting its back-off); a low one extends it (``hysteresis`` until it reaches
     ``consecutive_windows``).
 11. With the streak complete: ``fallback-disabled`` (hold: watch-only), ``chain-end`` (hold: nothing left
     to fall back to), ``cooldown`` (keep: a switch happened less than ``cooldown`` ago), ``flap-guard``
@@ -44,6 +47,7 @@ from typing import Any
 
 from specops.config.profile import ChainStep
 from specops.methods import DEFAULT_K, Method
+from specops.speedup import VerifyCost
 from specops.watch.decision import (
     HOLD,
     KEEP,
@@ -56,7 +60,8 @@ from specops.watch.decision import (
     verdict_numbers,
     window_numbers,
 )
-from specops.watch.goodput import GoodputModel, GoodputPolicy, Load, step_options
+from specops.watch.goodput import GoodputModel, GoodputPolicy, Load, step_options, surface_verify_cost
+from specops.watch.rule import GOODPUT, MODEL, NO_CURVE, Rule, rule_for
 from specops.watch.surface import Surface, load_surface, profile_surface
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
 
@@ -75,10 +80,17 @@ class Policy:
         *,
         surface: Surface | None = None,
         per_batch: Sequence[Sequence[int]] | None = None,
+        rule: Rule | None = None,
     ):
         if not steps:
             raise ValueError("a policy needs at least one step (the primary method)")
+        if rule is not None and rule.mode != config.mode:
+            raise ValueError(f"the rule decides in mode {rule.mode}, the config in mode {config.mode}")
         self.config = config
+        #: which rule decides and why (``specops status``, ``up``'s log); its curve is what mode model predicts on
+        self.rule = rule or Rule(config.mode, f"mode {config.mode} given", min_acceptance=config.min_acceptance)
+        #: the longest draft the engine of each step runs (its launch plan's), for a window that counts no drafts
+        self.engine_k: dict[int, int] = {}
         self.steps: tuple[ChainStep, ...] = tuple(steps)
         self.index = self._index_of(current)
         self.streak = 0  # consecutive low windows of the current method
@@ -92,33 +104,54 @@ class Policy:
         self._warned: set[str] = set()  # one-time warnings for the current method
         #: mode goodput: the chooser (``per_batch``: the primary step's k per batch size, when it runs one)
         self.goodput: GoodputPolicy | None = None
-        if config.mode == "goodput":
+        if config.mode == GOODPUT:
             self.goodput = GoodputPolicy(
                 config.goodput, step_options(self.steps, DEFAULT_K, per_batch), GoodputModel(surface), config.window_s
             )
+        #: what a request class is judged on (:meth:`speculation_pays`): predicted tokens/s on this curve when one
+        #: is known (the rule's, else the one the goodput surface carries), else acceptance
+        self.class_curve: VerifyCost | None = self.rule.curve or (
+            surface_verify_cost(surface) if self.goodput is not None else None
+        )
 
     @classmethod
     def from_profile(
-        cls, profile: Any, current: int | ChainStep | Method = 0, *, surface: Surface | None = None
+        cls,
+        profile: Any,
+        current: int | ChainStep | Method = 0,
+        *,
+        surface: Surface | None = None,
+        curve: VerifyCost | None = None,
+        no_curve: str = NO_CURVE,
     ) -> Policy:
-        """The policy of ``profile``; mode goodput reads ``fallback.goodput.surface`` (once, here) unless ``surface``
-        is given (raises SpecopsError when that file holds no surface). Given the loaded profile (``LoadedProfile``),
-        a relative surface path is read from the profile's folder and errors are located; given the bare model,
-        from the current folder."""
-        if hasattr(profile, "document"):  # a LoadedProfile
-            if profile.profile.fallback.mode == "goodput" and surface is None:
-                surface = profile_surface(profile)
-            profile = profile.profile
+        """The policy of ``profile``, deciding by the rule :func:`~specops.watch.rule.rule_for` gives it: its
+        ``fallback.mode``, or unset, on tokens/s where known (``curve``: the verification-cost curve stored for its
+        engine, model and machine; ``no_curve``: why there is none). Mode goodput reads ``fallback.goodput.surface``
+        (once, here) unless ``surface`` is given (raises SpecopsError when that file holds no surface). Given the
+        loaded profile (``LoadedProfile``), a relative surface path is read from the profile's folder and errors
+        are located; given the bare model, from the current folder."""
+        loaded = profile if hasattr(profile, "document") else None  # a LoadedProfile
+        profile = loaded.profile if loaded is not None else profile
         fb = profile.fallback
-        if fb.mode == "goodput" and surface is None and fb.goodput.surface:
-            surface = load_surface(fb.goodput.surface)
+        rule = rule_for(fb, curve, no_curve)
+        if rule.mode == GOODPUT and surface is None and fb.goodput.surface:
+            surface = profile_surface(loaded) if loaded is not None else load_surface(fb.goodput.surface)
         return cls(
-            PolicyConfig.from_profile(profile),
+            PolicyConfig.from_profile(profile, rule.mode),
             profile.steps,
             current,
             surface=surface,
             per_batch=profile.speculative.per_batch_size,
+            rule=rule,
         )
+
+    def note_draft_length(self, step: int, longest: int | None) -> None:
+        """The engine of ``step`` drafts at most ``longest`` tokens (its launch plan's draft length; None: unknown):
+        mode model predicts with it where a window counts no drafts, instead of the profile's k."""
+        if longest:
+            self.engine_k[step] = int(longest)
+        else:
+            self.engine_k.pop(step, None)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -326,8 +359,10 @@ class Policy:
         assert acceptance is not None  # _no_verdict answers every window without one
         # a verdict: this window counts
         self.last_verdict_end = stats.end
-        numbers = verdict_numbers(stats, acceptance, self.config, self.current)
-        low, measure, bound = self._judge(stats, acceptance, numbers)
+        numbers = verdict_numbers(
+            stats, acceptance, self.config, self.current, self.rule.curve, self.engine_k.get(self.index)
+        )
+        low, measure, bound = self._judge(stats, acceptance, numbers, self.config.mode == MODEL)
         numbers["low"] = low
         if not low:
             return self._good_window(f"{measure} is not below {bound}", now, numbers)
@@ -405,15 +440,19 @@ class Policy:
             )
         return None
 
-    def _judge(self, stats: WindowStats, acceptance: float, numbers: Mapping[str, Any]) -> tuple[bool, str, str]:
-        """Whether the window is low (rule 10), the measure in words, and the bound it was held to."""
+    def _judge(
+        self, stats: WindowStats, acceptance: float, numbers: Mapping[str, Any], on_speed: bool
+    ) -> tuple[bool, str, str]:
+        """Whether the window is low (rule 10): on the predicted speedup (``on_speed``) or on acceptance; the
+        measure in words, and the bound it was held to."""
         cfg = self.config
-        if cfg.mode == "model":
+        if on_speed:
             low = bool(numbers["predicted_speedup"] < 1.0)
+            measured = "measured " if numbers["k_measured"] else ""
             measure = (
                 f"predicted speedup {numbers['predicted_speedup']:.3f} "
-                f"(α={numbers['alpha']:.3f}, k={numbers['k']:g}, c={numbers['draft_cost_ratio']:g}, "
-                f"acceptance {acceptance:.3f})"
+                f"(α={numbers['alpha']:.3f}, τ={numbers['tokens_per_step']:.2f}, {measured}k={numbers['k']:.3g}, "
+                f"c={numbers['draft_cost_ratio']:g}, {numbers['verify_cost']}; acceptance {acceptance:.3f})"
             )
             bound = "1"
         else:
@@ -424,13 +463,17 @@ class Policy:
 
     def speculation_pays(self, stats: WindowStats, step: int = 0) -> tuple[bool, str]:
         """Whether speculation on ``step`` pays for the traffic ``stats`` measured (an ``ok`` window with an
-        acceptance), by the same rule a window of the running method is judged with, and why in words. Per-request
-        routing asks it about each request class (:meth:`specops.watch.decide.FallbackDecider.route_class`)."""
+        acceptance), and why in words. Per-request routing asks it about each request class
+        (:meth:`specops.watch.decide.FallbackDecider.route_class`): on the speedup predicted from the class's own
+        mean acceptance and draft lengths where a verification-cost curve is known (:attr:`class_curve`) or the
+        mode is model, else on its acceptance (modes threshold and goodput have no per-class tokens/s)."""
         acceptance = stats.acceptance
         if acceptance is None:
             raise ValueError("speculation_pays needs a window with an acceptance")
-        numbers = verdict_numbers(stats, acceptance, self.config, self.steps[step])
-        low, measure, bound = self._judge(stats, acceptance, numbers)
+        curve = self.class_curve
+        numbers = verdict_numbers(stats, acceptance, self.config, self.steps[step], curve, self.engine_k.get(step))
+        on_speed = self.config.mode == MODEL or curve is not None
+        low, measure, bound = self._judge(stats, acceptance, numbers, on_speed)
         return (not low), f"{measure} is {'below' if low else 'not below'} {bound}"
 
     def _good_window(self, verdict: str, now: float, numbers: dict[str, Any]) -> Decision:
@@ -613,6 +656,7 @@ class Policy:
             "streak": self.streak,
             # the bound each window is held to and the hysteresis, so `specops status` can show the verdict
             "mode": cfg.mode,
+            "rule": self.rule.to_dict(),
             "min_acceptance": cfg.min_acceptance,
             "consecutive_windows": cfg.consecutive_windows,
             "min_draft_tokens": cfg.min_draft_tokens,

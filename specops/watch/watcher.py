@@ -404,6 +404,8 @@ class Watcher:
         old = self.reader
         self.profile, self.reader = profile, reader
         self.interval = watch_interval(profile.monitor.interval)
+        if policy.rule.line() != self.decider.policy.rule.line():
+            self.say(policy.rule.line())
         self.decider.policy = policy
         self.attached = False
         self.last_decision = None
