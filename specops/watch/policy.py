@@ -61,7 +61,7 @@ from specops.watch.decision import (
     window_numbers,
 )
 from specops.watch.goodput import GoodputModel, GoodputPolicy, Load, step_options, surface_verify_cost
-from specops.watch.rule import GOODPUT, MODEL, NO_CURVE, Rule, rule_for
+from specops.watch.rule import GOODPUT, MODEL, Rule, rule_for
 from specops.watch.surface import Surface, load_surface, profile_surface
 from specops.watch.window import NO_DATA, OK, SPEC_OFF, UNAVAILABLE, WindowStats
 
@@ -122,18 +122,17 @@ class Policy:
         *,
         surface: Surface | None = None,
         curve: VerifyCost | None = None,
-        no_curve: str = NO_CURVE,
     ) -> Policy:
         """The policy of ``profile``, deciding by the rule :func:`~specops.watch.rule.rule_for` gives it: its
         ``fallback.mode``, or unset, on tokens/s where known (``curve``: the verification-cost curve stored for its
-        engine, model and machine; ``no_curve``: why there is none). Mode goodput reads ``fallback.goodput.surface``
-        (once, here) unless ``surface`` is given (raises SpecopsError when that file holds no surface). Given the
-        loaded profile (``LoadedProfile``), a relative surface path is read from the profile's folder and errors
-        are located; given the bare model, from the current folder."""
+        engine, model and machine). Mode goodput reads ``fallback.goodput.surface`` (once, here) unless ``surface`` is
+        given (raises SpecopsError when that file holds no surface). Given the loaded profile (``LoadedProfile``), a
+        relative surface path is read from the profile's folder and errors are located; given the bare model, from
+        the current folder."""
         loaded = profile if hasattr(profile, "document") else None  # a LoadedProfile
         profile = loaded.profile if loaded is not None else profile
         fb = profile.fallback
-        rule = rule_for(fb, curve, no_curve)
+        rule = rule_for(fb, curve)
         if rule.mode == GOODPUT and surface is None and fb.goodput.surface:
             surface = profile_surface(loaded) if loaded is not None else load_surface(fb.goodput.surface)
         return cls(

@@ -74,9 +74,7 @@ def rule_for(fallback: Any, curve: VerifyCost | None = None, no_curve: str = NO_
     for its engine, model and machine (``no_curve``: why there is none, e.g. no engine version to look one up for)."""
     mode, surface = fallback.mode, fallback.goodput.surface
     floor = fallback.min_acceptance
-    if mode is not None:
-        if mode not in (THRESHOLD, MODEL, GOODPUT):
-            raise ValueError(f"fallback.mode must be threshold, model or goodput, not {mode!r}")
+    if mode is not None:  # validated by the profile's schema: threshold, model or goodput
         why = f"fallback.mode: {mode} is set in the profile"
         if mode == MODEL and curve is None:
             why += f"; {no_curve}"
