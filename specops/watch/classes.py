@@ -16,8 +16,9 @@ tokens per target forward pass, ``tokens / (tokens - accepted draft tokens)`` (e
 its accepted draft tokens plus one of its own), 1.0 when nothing was accepted.
 
 Whether a class speculates is not decided here: :meth:`specops.watch.decide.FallbackDecider.judge_class` judges
-a class's :class:`~specops.watch.window.WindowStats` with the deployment's policy and its hysteresis (the streak
-is kept on the class), and the verdict is kept here.
+a class's :class:`~specops.watch.window.WindowStats` (its acceptance, and its mean acceptance and draft lengths per
+target pass, which the speedup model prices on a verification-cost curve) with the deployment's policy and its
+hysteresis (the streak is kept on the class), and the verdict is kept here.
 """
 
 from __future__ import annotations

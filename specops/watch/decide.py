@@ -169,7 +169,8 @@ class FallbackDecider:
     # ------------------------------------------------------------------ per-request routing
     def route_class(self, stats: WindowStats, min_draft_tokens: int, step: int = 0) -> tuple[bool | None, str]:
         """Whether a request class (``routing.classes``) should be served by the speculating engine of ``step``:
-        the policy's verdict on the class's own acceptance window; None (no verdict yet) until the window holds
+        the policy's verdict on the class's own window (its predicted tokens/s where a verification-cost curve is
+        known, else its acceptance: :meth:`Policy.speculation_pays`); None (no verdict yet) until the window holds
         ``min_draft_tokens`` drafted tokens. The same rule as a fallback, applied to one class of traffic."""
         if stats.status != OK or stats.acceptance is None:
             return None, stats.reason or "nothing drafted in the window"
