@@ -53,6 +53,17 @@ def need_dev_engine(pattern: str) -> Path:
     return found[0]
 
 
+def need_real_model(name: str) -> Path:
+    """A real model of :mod:`specops.devenv.realmodels` (set up by `specops engines setup models-real`, checked
+    against its pinned sha256), or skip the test (a failure in CI)."""
+    from specops.devenv.realmodels import is_ready, real_model_path
+
+    require_engines_marker(f"takes the real model {name} that real engines serve")
+    if not is_ready(name):
+        unavailable(f"real model {name} not set up at {real_model_path(name)}: run `specops engines setup models-real`")
+    return real_model_path(name)
+
+
 def tiny_model(name: str) -> Path:
     """A tiny generated model by name (see specops.devenv.testmodels.TINY_MODELS), for a test of real engines;
     HF ones skip without vLLM."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as _dt
-import os
 import platform
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from specops.methods import Method
 from specops.perf import cpuload
 from specops.perf.bench_flags import FlagThresholds
 from specops.perf.bench_report import BASE, SPEC, summarize
+from specops.perf.verifycost import CurveKey, cpu_model, load_record, probe_engine, usable_cores
 from specops.perf.workload import BUILTIN_SETS, Prompt, load_prompts
 from specops.speedup import DEFAULT_DRAFT_COST
 
@@ -98,19 +98,8 @@ def load_sets(names: list[str], max_tokens: int | None = None) -> dict[str, list
 
 def machine() -> dict:
     """The machine the numbers were measured on (stated in every report)."""
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 0
+    cpu = cpu_model() or platform.processor() or ""
+    cores = usable_cores()
     mem = None
     try:
         with open("/proc/meminfo", encoding="utf-8") as f:
@@ -266,8 +255,6 @@ class _Bench:
         """The verification-cost curve for the model column: the one stored for this engine, model and machine
         (``specops bench --probe-verify`` re-measures it), else probed once on the baseline engine and stored
         (for advise, init and tune); a probe that fails leaves c_verify ≡ 1, said in the report."""
-        from specops.perf.verifycost import CurveKey, load_record, probe_engine
-
         key = CurveKey.of(self.profiles[BASE], self.engine.version)
         stored = load_record(key)
         if stored is not None:

@@ -66,19 +66,26 @@ _WORDS = (
 # ----------------------------------------------------------------------------------------------- the device
 
 
-def cpu_name() -> str:
-    """The CPU model (``/proc/cpuinfo``) and the cores this process may use."""
-    name = ""
+def cpu_model() -> str:
+    """The CPU model as ``/proc/cpuinfo`` names it ("" where it does not)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
-        pass
+        return ""
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), else the machine's."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:
-        cores = os.cpu_count() or 0
-    return f"{name or 'unknown CPU'}, {cores} cores"
+        return os.cpu_count() or 0
+
+
+def cpu_name() -> str:
+    """The CPU model and the cores this process may use."""
+    return f"{cpu_model() or 'unknown CPU'}, {usable_cores()} cores"
 
 
 def gpu_names(devices: list[int] | None) -> list[str]:
