@@ -101,7 +101,7 @@ class VerifyCost:
         object.__setattr__(self, "points", pts)
 
     @classmethod
-    def from_mapping(cls, costs: Mapping, source: str = "measured") -> VerifyCost:
+    def from_mapping(cls, costs: Mapping[int | str, float | int | str], source: str = "measured") -> VerifyCost:
         """From ``{n: relative cost}`` (keys may be the strings JSON gives); raises ValueError saying what is wrong."""
         try:
             return cls(tuple((int(n), float(v)) for n, v in costs.items()), source)
@@ -132,7 +132,7 @@ class VerifyCost:
         lower is noise: more tokens do not cost less)."""
         return max(self._interpolated(n), self.points[0][1] / self._scale)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         return {"points": {str(n): v for n, v in self.points}, "source": self.source}
 
 

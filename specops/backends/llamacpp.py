@@ -123,6 +123,7 @@ class LlamaCppBackend(Backend):
         "num_speculative_tokens small or serve fewer parallel slots"
     )
     live_timings = True  # with timings_per_token the proxy sees acceptance chunk by chunk
+    verify_probe = "llama-server"
     log_acceptance = True  # builds without spec_decode counters still log `draft acceptance = …`
     install_hint = (
         "llama-server not found: put it on PATH, set engine.executable, "

@@ -262,7 +262,8 @@ class _Bench:
             self.say(f"verification cost: the curve measured {stored.get('date')} ({key.path()})")
             return
         try:
-            record, path = await probe_engine(eng, key)
+            protocol = self.registry.backend(self.profiles[BASE].backend).verify_probe
+            record, path = await probe_engine(eng, key, protocol)
             self.verify_cost = {**record, "file": str(path), "probed": True}
             self.say(f"verification cost probed: {record['relative']} (steps per pass over n tokens)")
         except SpecopsError as exc:

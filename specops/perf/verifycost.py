@@ -57,6 +57,9 @@ CAVEAT = (
     "a lower bound where the output layer is a large share of the model"
 )
 #: Words the probe's text is made of (any text does: only token counts matter).
+#: The probe's two ways to talk to an engine (a backend's ``verify_probe``).
+LLAMA_SERVER, OPENAI = "llama-server", "openai"
+
 _WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wizards quietly boxed jam pots under "
     "bright harbour lamps and every sailor counted ropes beside old wooden crates of spice"
@@ -241,10 +244,10 @@ def _text(words: int) -> str:
     return " ".join(_WORDS[(i * 7 + i // len(_WORDS)) % len(_WORDS)] for i in range(words))
 
 
-def _tokens(http: _Http, engine: str, model: str, need: int) -> list[int]:
+def _tokens(http: _Http, protocol: str, model: str, need: int) -> list[int]:
     """At least ``need`` token ids of the probe's text, by the engine's own tokenizer."""
     words = need * 2
-    body = {"content": _text(words)} if engine == "llamacpp" else {"model": model, "prompt": _text(words)}
+    body = {"content": _text(words)} if protocol == LLAMA_SERVER else {"model": model, "prompt": _text(words)}
     out = http.post("/tokenize", body)
     ids = out.get("tokens") if isinstance(out, dict) else None
     if not isinstance(ids, list) or len(ids) < need:
@@ -345,7 +348,7 @@ def _probe_vllm(http: _Http, model: str, ids: list[int], sizes, repeats: int) ->
 
 def probe(
     base_url: str,
-    engine: str,
+    protocol: str,
     model: str,
     *,
     api_key: str | None = None,
@@ -353,18 +356,18 @@ def probe(
     repeats: int = REPEATS,
     timeout: float = 120.0,
 ) -> dict:
-    """Probe the running engine at ``base_url`` (``engine``: ``llamacpp`` or ``vllm``; ``model``: the name it
-    serves) and return the record: milliseconds per size, t_step, ``relative`` (n → t_verify(n) / t_step), how
+    """Probe the running engine at ``base_url`` (``protocol``: its backend's ``verify_probe``, ``llama-server`` or
+    ``openai``; ``model``: the name it serves) and return the record: milliseconds per size, t_step, ``relative`` (n → t_verify(n) / t_step), how
     each was obtained, and when. Raises SpecopsError when the engine does not answer as expected."""
-    if engine not in ("llamacpp", "vllm"):
-        raise SpecopsError(f"no verification-cost probe for engine {engine!r} (llamacpp or vllm)")
+    if protocol not in (LLAMA_SERVER, OPENAI):
+        raise SpecopsError(f"no verification-cost probe for this engine (its backend's verify_probe is {protocol!r})")
     if repeats < 1 or not sizes or 1 not in sizes:
         raise SpecopsError("the probe needs repeats >= 1 and sizes that include 1")
     http = _Http(base_url, api_key, timeout)
     need = PREFIX_TOKENS + 2 * max(sizes) + 13 * repeats
-    ids = _tokens(http, engine, model, need)
+    ids = _tokens(http, protocol, model, need)
     started = time.time()
-    if engine == "llamacpp":
+    if protocol == LLAMA_SERVER:
         verify, t_step, how = _probe_llamacpp(http, ids, sizes, repeats)
     else:
         verify, t_step, how = _probe_vllm(http, model, ids, sizes, repeats)
@@ -384,13 +387,16 @@ def probe(
     }
 
 
-async def probe_engine(eng, key: CurveKey, *, repeats: int = REPEATS, root: Path | None = None) -> tuple[dict, Path]:
-    """Probe a launched engine (:class:`specops.perf.launch.LaunchedEngine`, running without speculation) in a
-    thread, and store the curve under ``key``; returns the record and its file."""
+async def probe_engine(
+    eng, key: CurveKey, protocol: str, *, repeats: int = REPEATS, root: Path | None = None
+) -> tuple[dict, Path]:
+    """Probe a launched engine (:class:`specops.perf.launch.LaunchedEngine`, running without speculation; its
+    backend's ``verify_probe`` is ``protocol``) in a thread, and store the curve under ``key``; returns the record
+    and its file."""
     import asyncio
 
     record = await asyncio.to_thread(
-        probe, eng.base_url, key.engine, eng.model_name, api_key=eng.api_key, repeats=repeats
+        probe, eng.base_url, protocol, eng.model_name, api_key=eng.api_key, repeats=repeats
     )
     return save_curve(key, record, root)
 
