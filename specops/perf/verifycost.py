@@ -424,12 +424,13 @@ def probe_launched(loaded, registry, backend_version: str | None = None, *, say=
     from specops.perf.launch import launched, without_speculation
 
     base = without_speculation(loaded.profile)
-    engine = registry.backend(base.backend).engine_info(base, backend_version, probe=True)
+    backend = registry.backend(base.backend)
+    engine = backend.engine_info(base, backend_version, probe=True)
     key = CurveKey.of(base, engine.version)
 
     async def run():
         async with launched(loaded, registry, profile=base, engine=engine, say=say) as eng:
             say(f"{base.backend} {engine.version} ready in {eng.ready_s:.1f}s; probing {len(SIZES)} sizes × {REPEATS}")
-            return await probe_engine(eng, key)
+            return await probe_engine(eng, key, backend.verify_probe)
 
     return asyncio.run(run())
