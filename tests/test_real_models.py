@@ -17,7 +17,7 @@ from support_engines import need_llama_server, need_real_model
 from specops.devenv.realmodels import DEMO_MODEL, REAL_MODELS, header_problem
 
 ROOT = Path(__file__).resolve().parent.parent
-SPECOPS = [sys.executable, "-m", "specops"]
+SPECOPS = [sys.executable, "-m", "specops.cli"]
 DEMO = ROOT / "examples" / "llamacpp-cpu-gemma.yaml"
 
 
