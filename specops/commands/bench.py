@@ -173,6 +173,12 @@ Examples:
     help="Only probe the verification cost: launch the engine without speculation, time passes over "
     "1..64 new tokens against a decode step, store the curve for advise/init/tune, print it (no bench).",
 )
+@click.option(
+    "--no-probe",
+    is_flag=True,
+    help="Never probe the verification cost during the bench: without a stored curve the model column assumes "
+    "verifying k+1 tokens costs one step, and says so (for quick runs; the probe adds a few dozen requests).",
+)
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output on stderr.")
 @json_option
@@ -195,6 +201,7 @@ def bench(
     backend_version,
     out_dir,
     probe_verify,
+    no_probe,
     no_plots,
     quiet,
     as_json,
@@ -225,6 +232,7 @@ def bench(
         warmup=warmup,
         step_index=step,
         interleave=interleave,
+        probe=not no_probe,
         ignore_eos=ignore_eos,
         draft_cost=draft_cost,
         backend_version=backend_version,

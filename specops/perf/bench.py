@@ -58,6 +58,7 @@ class BenchConfig:
     step_index: int = 0
     ignore_eos: bool = False
     interleave: bool = False  # both engines at once, cells alternating (needs memory for two)
+    probe: bool = True  # probe the verification cost on the baseline when no curve is stored
     draft_cost: float | None = None
     backend_version: str | None = None
     ready_timeout: float | None = None
@@ -260,6 +261,10 @@ class _Bench:
         if stored is not None:
             self.verify_cost = {**stored, "probed": False}
             self.say(f"verification cost: the curve measured {stored.get('date')} ({key.path()})")
+            return
+        if not self.cfg.probe:
+            self.verify_cost = {"probed": False, "error": "not probed (--no-probe)"}
+            self.say("verification cost not probed (--no-probe): the model column assumes c_verify ≡ 1")
             return
         try:
             protocol = self.registry.backend(self.profiles[BASE].backend).verify_probe
