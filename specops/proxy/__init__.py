@@ -8,6 +8,7 @@ The modules, in the order a request meets them:
 - :mod:`~specops.proxy.options`: the settings (:class:`ProxyOptions`), checked once, with their defaults;
 - :mod:`~specops.proxy.limits`: what the public port accepts (connection cap, header/body deadlines,
   body sizes, buffered bytes, the API key) and the rate-limited rejection log;
+- :mod:`~specops.proxy.bodies`: request bodies, read within their limits and held against the buffer budget;
 - :mod:`~specops.proxy.dispatch`: a request's way through: admin routes, the wait queue, retries,
   reconnects, recovery of a failed engine;
 - :mod:`~specops.proxy.forward`: one exchange with the engine: request headers, the upstream URL, streaming,

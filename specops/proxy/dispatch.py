@@ -32,16 +32,10 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from .bodies import HeldBody, read_body
 from .errors import ClientError, Rejected, Unstarted, error_body, shown
 from .forward import Flight, Generation, ask_timings_per_token, request_headers
-from .limits import (
-    UNAUTHENTICATED,
-    HeldBody,
-    cancel_header_deadline,
-    check_key,
-    check_target,
-    read_body,
-)
+from .limits import UNAUTHENTICATED, cancel_header_deadline, check_key, check_target
 from .router import RouteRefused
 from .states import ProxyState
 

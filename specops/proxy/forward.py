@@ -38,8 +38,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from .bodies import BufferBudget, HeldBody
 from .errors import Unstarted, describe, error_body
-from .limits import MAX_FIELD_SIZE, BufferBudget, HeldBody
+from .limits import MAX_FIELD_SIZE
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout

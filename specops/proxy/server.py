@@ -30,16 +30,10 @@ from yarl import URL
 
 from specops.urls import http_url
 
+from .bodies import BufferBudget
 from .dispatch import RequestPath
 from .forward import Forwarder, Generation, engine_session
-from .limits import (
-    LINGER,
-    BufferBudget,
-    RejectLog,
-    Server,
-    ServerLog,
-    raise_fd_limit,
-)
+from .limits import LINGER, RejectLog, Server, ServerLog, raise_fd_limit
 from .metrics import metrics_text
 from .options import ProxyOptions
 from .sample import LiveSampler
