@@ -28,6 +28,20 @@ def commit_of(tree: Path) -> dict:
     return {"commit": git("rev-parse", "HEAD").strip() or None, "uncommitted": bool(git("status", "--porcelain"))}
 
 
+def write_report(path: str | Path, tree: Path, load_before: tuple[float, float, float], **figures) -> None:
+    """A benchmark's ``--json`` file: the machine, the work tree's commit (:func:`commit_of`), the load average
+    before and after the run, and its figures."""
+    from specops.perf.bench import machine
+
+    report = {
+        "machine": machine(),
+        "work_tree": commit_of(tree),
+        "load_average": [load_before, os.getloadavg()],
+        **figures,
+    }
+    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+
+
 class Up:
     """``specops up PROFILE`` as a subprocess, stopped with SIGTERM like ``specops down``."""
 

@@ -30,10 +30,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import commit_of  # noqa: E402
+from _harness import write_report  # noqa: E402
 from support_upstream import Upstream, running_proxy  # noqa: E402 - tests/ is put on sys.path above
 
-from specops.perf.bench import machine  # noqa: E402
 from specops.proxy.capture import Capture, CaptureFiles, CaptureSettings  # noqa: E402
 
 PLAIN = json.dumps({"model": "m", "prompt": "def fibonacci(n):" * 8, "max_tokens": 16}).encode()
@@ -100,15 +99,14 @@ def main() -> None:
         rows[name] = {"p50_ms": statistics.median(v) * 1e3, "p99_ms": v[int(len(v) * 0.99)] * 1e3, "n": len(v)}
         print(f"{name:4}  p50 {rows[name]['p50_ms']:.3f} ms  p99 {rows[name]['p99_ms']:.3f} ms  n={len(v)}")
     if args.json:
-        report = {
-            "machine": machine(),
-            "args": vars(args),
-            "work_tree": commit_of(ROOT),
-            "load_average": [load_before, os.getloadavg()],
-            "direct_us": {"not_sampled": skip * 1e6, "kept": keep * 1e6},
-            "latency": rows,
-        }
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        write_report(
+            args.json,
+            ROOT,
+            load_before,
+            args=vars(args),
+            direct_us={"not_sampled": skip * 1e6, "kept": keep * 1e6},
+            latency=rows,
+        )
 
 
 if __name__ == "__main__":

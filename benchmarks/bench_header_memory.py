@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import secrets
 import subprocess
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import commit_of  # noqa: E402
+from _harness import write_report  # noqa: E402
 from bench_proxy import _baseline_module, _proxy_class, _spawn, _stop  # noqa: E402
 
 KEY_ENV = "SPECOPS_BENCH_PROXY_KEY"  # the proxy's API key reaches the serving process in its environment
@@ -250,16 +249,7 @@ def main(argv=None) -> int:
         print(_report(name, desc, args, r), flush=True)
         runs.append({"name": name, "proxy": desc, **_figures(args, r)})
     if args.json:
-        from specops.perf.bench import machine
-
-        report = {
-            "machine": machine(),
-            "args": vars(args),
-            "work_tree": commit_of(ROOT),
-            "load_average": [load_before, os.getloadavg()],
-            "runs": runs,
-        }
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        write_report(args.json, ROOT, load_before, args=vars(args), runs=runs)
     return 0
 
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import commit_of  # noqa: E402
+from _harness import write_report  # noqa: E402
 from support_hostile_routing import (  # noqa: E402 - tests/ is put on sys.path above
     AUTH,
     HostileUp,
@@ -48,8 +48,6 @@ from support_hostile_routing import (  # noqa: E402 - tests/ is put on sys.path 
     raw_request,
     system_body,
 )
-
-from specops.perf.bench import machine  # noqa: E402
 
 
 def main() -> None:
@@ -129,13 +127,7 @@ def main() -> None:
     finally:
         up.stop()
     if args.json:
-        report = {
-            "machine": machine(),
-            "work_tree": commit_of(ROOT),
-            "load_average": [load_before, os.getloadavg()],
-            **figures,
-        }
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        write_report(args.json, ROOT, load_before, **figures)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _harness import commit_of
-
-from specops.perf.bench import machine
+from _harness import write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = {
@@ -120,17 +118,16 @@ def main() -> int:
         f"(health polls start at 20 ms and back off to 250 ms; goal: <= poll interval + 500 ms) over {len(rows)} runs"
     )
     if a.json:
-        report = {
-            "machine": machine(),
-            "args": vars(a),
-            "work_tree": commit_of(ROOT),
-            "load_average": [load_before, os.getloadavg()],
-            "runs": rows,
-            "median_engine_ready_s": statistics.median(r["engine_ready_s"] for r in rows),
-            "median_added_ms": statistics.median(added) * 1000,
-            "max_added_ms": max(added) * 1000,
-        }
-        Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
+        write_report(
+            a.json,
+            ROOT,
+            load_before,
+            args=vars(a),
+            runs=rows,
+            median_engine_ready_s=statistics.median(r["engine_ready_s"] for r in rows),
+            median_added_ms=statistics.median(added) * 1000,
+            max_added_ms=max(added) * 1000,
+        )
     return 0
 
 
