@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import struct
 import subprocess
 import sys
@@ -39,41 +40,56 @@ class Bounded:
     timed_out: bool
 
 
+#: Runs ``argv[2:]`` in a child and writes that child's exit code and peak RSS (KiB) to ``argv[1]``. The peak is
+#: measured from this small interpreter, not from the test worker: Linux carries the high-water RSS of the process
+#: that forks across ``exec`` (``signal->maxrss``), so a child forked straight from a 400 MB pytest worker would
+#: report the worker's memory as its own.
+LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}")
+"""
+
+
 def run_bounded(*args, timeout: float = 60, env: dict | None = None, cwd: Path | None = None) -> Bounded:
     """``specops ARGS`` in a subprocess under :data:`ADDRESS_SPACE` (offline unless ``env`` says otherwise; a
-    value of None unsets a variable); its wall time and peak RSS (``wait4``)."""
+    value of None unsets a variable); its wall time and peak RSS (``wait4`` in :data:`LAUNCHER`)."""
 
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
     full = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     full = {k: v for k, v in full.items() if v is not None}
-    log = (cwd or Path(os.environ.get("TMPDIR", "/tmp"))) / f"bounded-{os.getpid()}-{time.monotonic_ns()}.log"
+    stem = (cwd or Path(os.environ.get("TMPDIR", "/tmp"))) / f"bounded-{os.getpid()}-{time.monotonic_ns()}"
+    log, measured = stem.with_suffix(".log"), stem.with_suffix(".rss")
     start = time.monotonic()
     timed_out = False
     with open(log, "w+", encoding="utf-8") as out:
         proc = subprocess.Popen(
-            [str(SPECOPS), *map(str, args)],
+            [sys.executable, "-c", LAUNCHER, str(measured), str(SPECOPS), *map(str, args)],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=full,
             cwd=cwd,
+            start_new_session=True,  # a timeout kills the launcher and specops together
             preexec_fn=cap,  # noqa: PLW1509 - setrlimit only, before exec
         )
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
+        while proc.poll() is None:
             if time.monotonic() - start > timeout and not timed_out:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 timed_out = True
             time.sleep(0.02)
-        proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         text = out.read()
     log.unlink()
-    return Bounded(proc.returncode, text, time.monotonic() - start, usage.ru_maxrss / 1024, timed_out)
+    code, rss_kib = (int(v) for v in measured.read_text().split()) if measured.exists() else (proc.returncode, 0)
+    measured.unlink(missing_ok=True)
+    return Bounded(code, text, time.monotonic() - start, rss_kib / 1024, timed_out)
 
 
 def assert_bounded(r: Bounded) -> None:
