@@ -115,6 +115,14 @@ def test_lossless_summary_verdicts():
     assert lossless_summary([ok, failed], 0.0)["verdict"] == "incomplete"
 
 
+def test_reports_name_the_draft_length_the_engine_ran_never_an_ignored_k():
+    from specops.perf.certify_report import drafts_text
+
+    ngram = {"method": "ngram", "k": None, "draft_length": {"most": 12, "length": "up to 12"}}
+    assert drafts_text(ngram) == "ngram, drafts up to 12"
+    assert drafts_text({"method": "draft_model", "k": 4}) == "draft_model k=4"  # a certificate from before
+
+
 def test_verdict_refuses_a_draft_that_does_not_fit_even_when_lossless():
     lossless = lossless_summary([{"status": "identical", "unit": "token", "set": "code"}], 0.0)
     greedy = {"acceptance": 0.02, "draft_tokens": 400, "accepted": 8, "drafts": 100}
@@ -393,6 +401,8 @@ def test_certify_llama_server_end_to_end(tmp_path):
         for cell in row["speedup"].values():
             assert cell["speedup"] == pytest.approx(cell["spec_tokens_per_s"] / cell["base_tokens_per_s"])
     assert cert["settings"]["rounds"] == 2
+    # the draft length as llama-server runs it (--draft-max), recorded beside the k it came from
+    assert cert["settings"]["k"] == 4 and cert["settings"]["draft_length"]["most"] == 4
     assert cert["sets"]["code"]["greedy"]["acceptance"] > 0.8  # the same-weights draft
     written = cert_path(profile)
     on_disk = json.loads(written.read_text())

@@ -275,12 +275,13 @@ async def run_certify(loaded: LoadedProfile, registry, cfg: CertifyConfig, *, sa
     level = cfg.concurrency or spec.server.parallel or 1
     profiles = {SPEC: spec, BASE: without_speculation(spec)}
     launches: list[dict] = []
+    drafts: dict = {}  # the speculating launch's draft length, as its engine runs it
 
     def launch(mode: str):
         from specops.perf.launch import launched
 
         prof = profiles[mode]
-        what = f"{prof.speculative.method} k={prof.speculative.k}" if mode == SPEC else "no speculation (none)"
+        what = f"{prof.speculative.method}" if mode == SPEC else "no speculation (none)"
         say(f"launching {prof.backend} {engine.version} with {what}")
         log_path = (cfg.log_dir / f"engine-{mode}.log") if cfg.log_dir else None
         return launched(
@@ -292,6 +293,9 @@ async def run_certify(loaded: LoadedProfile, registry, cfg: CertifyConfig, *, sa
         port = str(eng.plan.port)  # a free port each run: not part of what is certified (quiet git diffs)
         argv = ["<port>" if a == port else eng.plan.redact(a) for a in eng.plan.argv]
         launches.append({"mode": mode, "ready_s": round(eng.ready_s, 2), "argv": argv})
+        if mode == SPEC and eng.plan.draft_length is not None:
+            drafts.update(eng.plan.draft_length.to_dict())
+            say(f"{mode}: drafts {eng.plan.draft_length.describe()}")
 
     fitted: dict[str, Any] = {}
 
@@ -341,7 +345,8 @@ async def run_certify(loaded: LoadedProfile, registry, cfg: CertifyConfig, *, sa
             "tolerance_nats": cfg.tolerance,
             "step": cfg.step_index,
             "method": spec.speculative.method.value,
-            "k": spec.speculative.k,
+            "k": spec.speculative.k if backend.k_applies(spec.speculative.method) else None,
+            "draft_length": drafts or None,
             "min_acceptance": spec.fallback.min_acceptance,
             "fitted": fitted,
         },

@@ -9,11 +9,20 @@ def _f(v, fmt: str = ".3f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def drafts_text(settings: dict) -> str:
+    """The method and its draft length as the engine ran it (``ngram, drafts up to 12``), never a k it ignored;
+    certificates written before the draft length was recorded say ``k=K``."""
+    length = settings.get("draft_length")
+    if length:
+        return f"{settings['method']}, drafts {length['length']}"
+    return f"{settings['method']} k={settings['k']}" if settings.get("k") is not None else settings["method"]
+
+
 def summary_text(cert: dict) -> str:
     """What a person reads: identity, losslessness, acceptance per set and position, tokens/s, findings."""
     ident, eng, s, lo = cert["identity"], cert["engine"], cert["settings"], cert["lossless"]
     lines = [
-        f"certificate for {cert['profile']}: {eng['backend']} {eng['version']}, {s['method']} k={s['k']}, "
+        f"certificate for {cert['profile']}: {eng['backend']} {eng['version']}, {drafts_text(s)}, "
         f"target {ident['target']} ({ident['target_revision'] or 'no revision'})"
         + (f", draft {ident['draft']} ({ident['draft_revision'] or 'no revision'})" if ident.get("draft") else ""),
         f"chat template: {cert['endpoint_note']}"
@@ -109,7 +118,7 @@ def plot_certificate(cert: dict, out_dir: Path) -> list[Path]:
     bx.legend(fontsize=8)
     eng, s = cert["engine"], cert["settings"]
     fig.suptitle(
-        f"{cert['profile']} · {eng['backend']} {eng['version']} · {s['method']} k={s['k']} · lossless: {cert['lossless']['verdict']}"
+        f"{cert['profile']} · {eng['backend']} {eng['version']} · {drafts_text(s)} · lossless: {cert['lossless']['verdict']}"
     )
     fig.tight_layout()
     path = out_dir / "certificate.png"
