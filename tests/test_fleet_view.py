@@ -90,6 +90,25 @@ def test_a_replica_waiting_for_a_switch_slot_is_named_and_absent_gauges_are_fine
     assert '__name__!~"specops_switch_duration_seconds.*|.+_total|.+_created"' in Q["switch_gauges"]
 
 
+def test_label_values_from_the_targets_reach_the_terminal_escaped():
+    """A scraped target chooses its label values: none can move the cursor (ESC, CSI U+009B) or reorder the line
+    (U+202E) in the table, the fleet line or the lists of names."""
+    hostile = "a\x1b[2J\u009b31m\u202eb"
+    view = aggregate(
+        "pod",
+        answers(
+            up=[vec(1, pod=hostile), vec(0, pod="c\x1b]0;x\x07")],
+            method=[vec(1, pod=hostile, method="eagle3\x1b[1A")],
+            state=[vec(1, pod=hostile, state="ready\u202e")],
+        ),
+        Q,
+    )
+    text = "\n".join(fleet_text(view))
+    assert not any(ch in text for ch in "\x1b\x07\u009b\u202e")
+    assert "a\\x1b[2J\\x9b31m\\u202eb" in text and "eagle3\\x1b[1A \u00d71" in text
+    assert text.splitlines()[-1].startswith("down: ") and text.endswith(", c\\x1b]0;x\\x07")
+
+
 def test_empty_answers_say_which_query_returned_nothing():
     with pytest.raises(FleetError, match=r"no scrape target matches: `max by \(pod\) \(up\{namespace=\"llm\"\}\)`"):
         aggregate("pod", answers(up=[]), Q)

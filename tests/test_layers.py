@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "specops.methods",
             "specops.redact",
             "specops.urls",
+            "specops.terminal",
             "specops.reponames",
             "specops.hookspecs",
             "specops.plugins",

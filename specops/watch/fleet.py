@@ -23,6 +23,7 @@ from typing import Any
 
 from specops.config.durations import format_duration
 from specops.errors import SpecopsError
+from specops.terminal import one_line
 from specops.urls import redact_text, redact_url
 from specops.watch.sources import promql_duration
 
@@ -335,12 +336,12 @@ def fleet_text(view: dict) -> list[str]:
         slot = "waiting" if r["waiting_for_switch_slot"] else "held" if r["holds_switch_slot"] else "-"
         rows.append(
             (
-                r["replica"],
+                one_line(r["replica"], 64),
                 "up" if r["up"] else "DOWN",
-                r["method"] or "-",
-                r["state"] or "-",
+                one_line(r["method"] or "-", 64),
+                one_line(r["state"] or "-", 32),
                 _f(r["acceptance"], ".3f"),
-                r["acceptance_from"] or "-",
+                one_line(r["acceptance_from"] or "-", 32),
                 _f(r["mean_acceptance_length"], ".2f"),
                 _f(r["tokens_per_s"], ".1f"),
                 _f(r["in_flight"], ".0f"),
@@ -352,7 +353,7 @@ def fleet_text(view: dict) -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
     out = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in (head, *rows)]
     f = view["fleet"]
-    methods = ", ".join(f"{m} ×{n}" for m, n in f["methods"].items()) or "none"
+    methods = ", ".join(f"{one_line(m, 64)} ×{n}" for m, n in f["methods"].items()) or "none"
     window = format_duration(view.get("window_s", 300.0))
     out.append(
         f"fleet: {f['up']}/{f['replicas']} up; methods {methods}; acceptance {_f(f['acceptance'], '.3f')} "
@@ -361,9 +362,9 @@ def fleet_text(view: dict) -> list[str]:
         f"{f['switches']}"
     )
     if f["down"]:
-        out.append(f"down: {', '.join(f['down'])}")
+        out.append(f"down: {', '.join(one_line(r, 64) for r in f['down'])}")
     if f["waiting_for_switch_slot"]:
-        out.append(f"waiting for a switch slot: {', '.join(f['waiting_for_switch_slot'])}")
+        out.append(f"waiting for a switch slot: {', '.join(one_line(r, 64) for r in f['waiting_for_switch_slot'])}")
     for q in view.get("empty_queries", []):
         out.append(f"no data: {q} (`{view['queries'][q]}` returned nothing)")
     return out
