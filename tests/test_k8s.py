@@ -162,7 +162,7 @@ def test_the_vendored_crd_schemas_name_their_source():
         doc = json.loads(path.read_text())
         assert doc["source"].startswith("https://github.com/") and "/blob/" in doc["source"]
     kinds = {json.loads(p.read_text())["kind"] for p in SCHEMAS.glob("*.json")}
-    assert kinds == {"LeaderWorkerSet", "PodMonitor", "ServiceMonitor"}
+    assert kinds == {"LeaderWorkerSet", "PodMonitor", "ServiceMonitor", "InferencePool", "HTTPRoute"}
 
 
 # ------------------------------------------------------------------------------------------- promises

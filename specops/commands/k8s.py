@@ -53,7 +53,9 @@ def render(profiles, output):
     Per profile: a ConfigMap (the profile with `extends` merged and `${VAR}` kept, plus its lock file), a
     Deployment (or a LeaderWorkerSet when deploy.multi_node.nodes > 1), a Service to specops' proxy, a
     PodDisruptionBudget, a PodMonitor (or ServiceMonitor) and a NetworkPolicy. Secrets only as
-    secretKeyRef. The output is deterministic; a pod-template annotation carries the profile's hash, so a
+    secretKeyRef. With deploy.pools.plain, two pools: the profile's (speculating) and `<model>-plain`
+    (no speculation, shared by the model's profiles), with autoscalers and Gateway API Inference
+    Extension objects where the profile asks for them. The output is deterministic; a pod-template annotation carries the profile's hash, so a
     change in git rolls the pods.
 
     \b
@@ -65,6 +67,7 @@ def render(profiles, output):
     from specops.k8s import emit
     from specops.k8s.layout import pod_variables
     from specops.k8s.manifests import render as render_profile
+    from specops.k8s.pools import has_pools, merge_shared, render_pools
     from specops.k8s.source import load_for_render
     from specops.plugins import get_registry
     from specops.resolve.lock import lock_path
@@ -78,15 +81,19 @@ def render(profiles, output):
             loaded = load_for_render(path, get_registry(), pod_variables)
             lock = lock_path(path)
             lock_text = lock.read_text(encoding="utf-8") if lock.is_file() else None
-            r = render_profile(loaded, lock_text, source_name=Path(path).name)
+            if has_pools(loaded.profile):
+                pools = render_pools(loaded, lock_text, source_name=Path(path).name)
+            else:
+                pools = [render_profile(loaded, lock_text, source_name=Path(path).name)]
         except ProfileError as exc:
             problems += exc.problems
             continue
-        for note in r.notes:
-            click.echo(f"note: {note}", err=True)
-        rendered.append(r)
+        rendered += pools
     if problems:
         raise ProfileError(problems)
+    rendered = merge_shared(rendered)
+    for note in dict.fromkeys(n for r in rendered for n in r.notes):
+        click.echo(f"note: {note}", err=True)
     names = [r.name for r in rendered]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from specops.config.fields import MAX_COUNT, MAX_PARALLEL, Duration, Section
 
@@ -137,6 +137,74 @@ class MultiNode(Section):
     rpc_port: int = Field(50052, ge=1, le=65535, description="`rpc`: the workers' `rpc-server` port.")
 
 
+class Autoscale(Section):
+    """A HorizontalPodAutoscaler (autoscaling/v2) for a pool: replicas follow each pod's requests in flight."""
+
+    min_replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="Fewest replicas the autoscaler keeps.")
+    max_replicas: int = Field(..., ge=1, le=MAX_REPLICAS, description="Most replicas the autoscaler adds.")
+    target: float | None = Field(
+        None,
+        gt=0,
+        le=1_000_000,
+        description="Requests in flight per pod the autoscaler holds the pool at. Unset: from the goodput surface "
+        "in the profile's lock file (`specops tune`, then `specops lock`): the speculating pool at the concurrency "
+        "above which its method stops beating `none` (the crossover), the plain pool at the lowest concurrency "
+        "where `none` reaches 90% of its best tokens/s.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscale:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas is above max_replicas")
+        return self
+
+
+class PlainPool(Section):
+    """The pool of the same model without speculation that the speculating pool routes requests to."""
+
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description="Replicas (groups, for a multi-node layout).")
+    autoscale: Autoscale | None = Field(None, description="An autoscaler for the plain pool (unset: `replicas`).")
+
+
+class InferenceGateway(Section):
+    """Gateway API Inference Extension objects: an `InferencePool` per pool and an `HTTPRoute` to them."""
+
+    gateway: K8sName = Field(..., description="The Gateway (`gateway.networking.k8s.io`) the HTTPRoute attaches to.")
+    namespace: K8sName | None = Field(None, description="The Gateway's namespace. Unset: the route's own.")
+    endpoint_picker_port: int = Field(
+        9002,
+        ge=1,
+        le=65535,
+        description="Port of each pool's endpoint picker Service, `<pool>-epp` (deployed with the extension, e.g. "
+        "its `inferencepool` Helm chart), that the `InferencePool` names.",
+    )
+
+
+class Pools(Section):
+    """Two pools of one model (`k8s render`): the speculating replicas, and plain ones their proxies route to."""
+
+    plain: PlainPool | None = Field(
+        None,
+        description="Render a plain pool beside this one: the same model without speculation, named after the model "
+        "(`<model>-plain`, shared by every profile of the model), with the profile's `routing.twins: [none]` "
+        "replaced in the speculating pods by a remote twin at the plain pool's Service. `{replicas: N, autoscale: "
+        "{...}}` (replicas default 1; autoscale as `deploy.pools.autoscale`). Unset: one pool. See docs/pools.md.",
+    )
+    autoscale: Autoscale | None = Field(
+        None,
+        description="An autoscaler (autoscaling/v2 HPA) for the speculating pool: `{min_replicas (default 1), "
+        "max_replicas, target}`, `target` the requests in flight per pod it holds the pool at, unset: the goodput "
+        "surface's crossover (see docs/pools.md). Unset: `deploy.replicas`.",
+    )
+    inference_gateway: InferenceGateway | None = Field(
+        None,
+        description="Also render an `InferencePool` per pool and an `HTTPRoute` that sends clients' explicit "
+        "choices at the gateway: `X-Specops-Speculation: off` to the plain pool, the profile's aliases and the "
+        "rest to the speculating pool. `{gateway: NAME, namespace: NS, endpoint_picker_port: 9002}` (the Gateway "
+        "the route attaches to; each pool's endpoint picker Service is `<pool>-epp`).",
+    )
+
+
 class Deploy(Section):
     """How `specops k8s render` deploys this profile, and how many replicas `specops up` lets switch at once."""
 
@@ -204,3 +272,4 @@ class Deploy(Section):
         description="A slot held this long without renewal is free again (a replica that died holding it); the "
         "holder renews it every third of this while it switches.",
     )
+    pools: Pools = Field(default_factory=Pools)

@@ -80,6 +80,8 @@ class Rendered:
     name: str
     objects: list[tuple[str, dict]] = field(default_factory=list)  # (file name, object)
     notes: list[str] = field(default_factory=list)
+    #: Several profiles may render it (a plain pool, :mod:`specops.k8s.pools`): kept once when they agree.
+    shared: bool = False
 
 
 def labels(p: Profile) -> dict[str, str]:
@@ -348,19 +350,33 @@ def _toleration(t) -> dict:
 
 def render(loaded: LoadedProfile, lock_text: str | None = None, source_name: str | None = None) -> Rendered:
     """Every object of ``loaded``'s deployment; raises a located ProfileError when it cannot run in a pod."""
-    p = loaded.profile
+    source = checked_source(loaded)
+    return build(loaded.profile, configmap_profile(loaded, source), key_variable(source), lock_text, source_name)
+
+
+def checked_source(loaded: LoadedProfile) -> dict:
+    """The profile as the pods read it (``extends`` merged), once it passed what a pod needs (else a ProfileError)."""
     source = merged_source(loaded.path)
     problems = profile_problems(loaded, source)
     if problems:
         raise ProfileError(problems)
-    key_var = env_reference((source.get("server") or {}).get("api_key"))
+    return source
+
+
+def key_variable(source: dict) -> str | None:
+    """The variable ``server.api_key`` reads (``${VAR}``), if it reads one."""
+    return env_reference((source.get("server") or {}).get("api_key"))
+
+
+def build(p: Profile, doc: dict, key_var: str | None, lock_text: str | None, source_name: str | None) -> Rendered:
+    """The objects of the deployment ``p`` whose pods read ``doc`` (the ConfigMap's profile)."""
     name = k8s_name(p.name)
     out = Rendered(name)
     header = (
         f"# Rendered by `specops k8s render` from {source_name or p.name}: `extends` merged, server.host set to "
         "0.0.0.0 (the pod's own network namespace).\n"
     )
-    body = dump(configmap_profile(loaded, source))
+    body = dump(doc)
     # the hash covers what the pods read (not the header's file name): a change rolls them, a rename does not
     digest = content_hash(body, lock_text or "")
     data = {PROFILE_KEY: header + body}

@@ -18,3 +18,13 @@ def k8s_name(name: str) -> str:
 def lease_names(profile_name: str, slots: int) -> list[str]:
     """The Leases of a deployment's switch slots (also what the rendered Role allows)."""
     return [f"specops-{k8s_name(profile_name)}-switch-{i}" for i in range(slots)]
+
+
+#: What a plain pool's name ends with (``deploy.pools.plain``).
+PLAIN_SUFFIX = "-plain"
+
+
+def plain_pool_name(model_id: str) -> str:
+    """The plain pool of a model (``deploy.pools.plain``): named after the model alone, so that every speculating
+    profile of that model routes to the same pool (and renders the same objects for it)."""
+    return k8s_name(model_id)[: 50 - len(PLAIN_SUFFIX)].strip("-") + PLAIN_SUFFIX
