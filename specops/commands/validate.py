@@ -167,7 +167,12 @@ def _check_one(
         else:  # the twins' memory fit from local model files (check_loaded does it with what it resolved)
             from specops.resolve.memory import local_twin_problems
 
-            problems += [loaded.problem(path, message) for path, message in local_twin_problems(p)]
+            misfits = local_twin_problems(p)
+            problems += [loaded.problem(path, message) for path, message in misfits]
+            if misfits:
+                from specops.k8s.pools import same_pod_replacement
+
+                summary["twin_replacement"] = same_pod_replacement(loaded)
         if certificate:
             _check_certificate(loaded, registry, problems, warnings, summary)
     except ProfileError as exc:
@@ -256,6 +261,8 @@ def _print_text(results: list[dict], skipped: list[Path]) -> None:
                 click.echo(f"        {r['fallback_rule']['line']}")
         for e in r["errors"]:
             click.echo(f"error   {_line(e)}")
+        for line in r.get("twin_replacement", []):
+            click.echo(f"        {line}")
         for w in r["warnings"]:
             click.echo(f"warning {_line(w)}")
     for s in skipped:

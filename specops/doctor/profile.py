@@ -171,14 +171,18 @@ def _twins_fit(ctx: Context) -> list[Check]:
         findings = resolved_twin_memory(res, budget=budget, budget_from=budget_from)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
+        from specops.k8s.pools import same_pod_replacement
+
+        instead = same_pod_replacement(ctx.loaded)
         return [
             Check(
                 "memory",
                 ERROR,
                 one_line(f.message, 600),
                 f"see {'.'.join(str(x) for x in f.path)} in the profile",
+                details=instead if i == 0 else [],  # once: every error is the same twin's
             )
-            for f in errors
+            for i, f in enumerate(errors)
         ]
     return [Check("memory", OK, one_line(f.message, 600)) for f in findings]
 

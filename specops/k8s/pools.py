@@ -470,3 +470,27 @@ def merge_shared(rendered: list[Rendered]) -> list[Rendered]:
                 "different model"
             )
     return out
+
+
+# ------------------------------------------------------------------------------------------- instead of a same-pod twin
+
+
+def same_pod_replacement(loaded: LoadedProfile) -> list[str]:
+    """The profile lines that replace a same-pod twin that does not fit (``validate``, ``doctor``): a remote twin
+    (another deployment of the model without speculation), or on Kubernetes the pools that render one."""
+    from specops.k8s.source import merged_source
+
+    p = loaded.profile
+    plain = plain_pool_name(p.model.id)
+    twin = remote_twin(plain, p.deploy.service.port or p.server.port, key_variable(merged_source(loaded.path)))
+    flow = ", ".join(f"{k}: {v}" for k, v in twin.items())
+    return [
+        "instead of a twin in the same pod (the model twice on its GPUs), a remote twin: another deployment of "
+        "the model without speculation (this profile with speculative.method: none), at its address:",
+        "  routing:",
+        f"    twins: [{{{flow}}}]",
+        f"or on Kubernetes keep routing.twins: [none] and let `specops k8s render` run that deployment as a plain "
+        f"pool ({plain}, the URL above):",
+        "  deploy:",
+        "    pools: {plain: {replicas: 1}}",
+    ]
