@@ -64,9 +64,9 @@ def engine_series() -> dict[str, set[str]]:
     return {**out, **vllm}
 
 
-def queries() -> list[tuple[str, set[str]]]:
+def queries(dashboard=DASHBOARD) -> list[tuple[str, set[str]]]:
     """(PromQL, labels it reads besides its own matchers and groupings): panels and variables."""
-    doc = json.loads(DASHBOARD.read_text())
+    doc = json.loads(dashboard.read_text())
     out = [(t["expr"], set()) for p in doc["panels"] for t in p.get("targets", [])]
     for v in doc["templating"]["list"]:
         if v.get("definition"):
@@ -151,3 +151,48 @@ def test_a_missing_metric_is_caught():
     assert names_in("rate(specops_acceptance_ratio[5m])") == {"specops_acceptance_ratio"}
     assert "specops_acceptance_ratio" not in known and "vllm:num_requests_running" not in known
     assert "specops_fallbacks" not in known  # a counter is exposed as specops_fallbacks_total
+
+
+# ------------------------------------------------------------------------------------------- the pools dashboard
+
+POOLS_DASHBOARD = ROOT / "contrib" / "grafana" / "specops-pools.json"
+
+
+def pool_target_labels() -> set[str]:
+    """The labels a pool's PodMonitor copies from its pods onto every series, as Prometheus names them."""
+    from support_cli import run
+    from support_k8s import objects
+
+    res = run("k8s", "render", str(ROOT / "tests/k8s_profiles/vllm-pools.yaml"), env={"SPECOPS_API_KEY": None})
+    assert res.code == 0, res.stderr
+    monitors = [o for o in objects(res.stdout) if o["kind"] == "PodMonitor"]
+    assert len(monitors) == 2
+    return {re.sub(r"[^a-zA-Z0-9_]", "_", label) for m in monitors for label in m["spec"]["podTargetLabels"]}
+
+
+def test_the_pools_dashboard_reads_series_and_labels_that_exist():
+    """Every metric is specops' or an engine's (the two the speculating pool's autoscaler reads); every label it
+    groups or filters by is on those series or copied onto them by the pools' PodMonitors (specops_dev_pool)."""
+    from specops.k8s.pools import ENGINE_RUNNING
+
+    doc = json.loads(POOLS_DASHBOARD.read_text())
+    assert doc["uid"] == "specops-pools" and len({p["id"] for p in doc["panels"]}) == len(doc["panels"])
+    known = {**specops_series(), **engine_series(), **{series: set() for series, _ in ENGINE_RUNNING.values()}}
+    targets = pool_target_labels()
+    assert "specops_dev_pool" in targets
+    exprs = queries(POOLS_DASHBOARD)
+    for expr, _ in exprs:
+        assert expr.count("(") == expr.count(")"), expr
+        names = names_in(expr)
+        assert names, expr
+        for name in names:
+            assert name in known, f"{name} (in {expr!r}) is exported by neither specops nor the engines"
+        groups = {g.strip() for m in re.findall(r"by \(([^)]*)\)", expr) for g in m.split(",") if g.strip()}
+        selectors = set(re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*=~?\s*\"", expr))
+        have = set().union(*(known[n] for n in names)) | targets
+        assert groups | selectors <= have, (expr, (groups | selectors) - have)
+    # both pools, and each one's share of the requests
+    text = json.dumps(doc)
+    assert 'specops_dev_pool=\\"speculating\\"' in text and 'specops_dev_pool=\\"plain\\"' in text
+    shares = [t for p in doc["panels"] if "Share" in p["title"] for t in p["targets"]]
+    assert [t["legendFormat"] for t in shares] == ["speculating", "plain"]
