@@ -372,10 +372,11 @@ def _print_twins(st: dict) -> None:
             f"{_text(e.get('in_flight', 0), 20)} in flight"
             + (
                 f", restarts {_text(e.get('restarts'), 20)}, pid {_text(e.get('engine_pid'), 20)}"
-                if "state" in e
+                if "state" in e and not isinstance(e.get("remote"), dict)
                 else ""
             )
         )
+        _print_remote(e.get("remote"))
     routing = st.get("routing") if isinstance(st.get("routing"), dict) else {}
     classes = routing.get("classes") if isinstance(routing.get("classes"), list) else []
     aliases = routing.get("aliases") if isinstance(routing.get("aliases"), dict) else {}
@@ -401,6 +402,25 @@ def _print_twins(st: dict) -> None:
             f"{_text(row.get('served_on'), 20)}/{_text(row.get('served_off'), 20)}, "
             f"{f'{on:.1f}' if on is not None else '-'}/{f'{off:.1f}' if off is not None else '-'} tok/s"
         )
+
+
+def _print_remote(r) -> None:
+    """A remote twin's health and the hop's latency (``routing.twins`` entry with a ``url``)."""
+    if not isinstance(r, dict):
+        return
+    reported = r.get("reported_method")
+    click.echo(
+        f"    remote   {_text(r.get('url'), 200)}: stands for {_text(r.get('method'), 40)}"
+        + (f" (reports {_text(reported, 40)})" if reported else " (not a specops proxy: /health)")
+        + f", health check {_ms(r.get('health_rtt_ms'))} (max {_ms(r.get('health_rtt_max_ms'))}), "
+        f"{_text(r.get('requests'), 20)} answered in {_ms(r.get('request_p50_ms'))} p50 / "
+        f"{_ms(r.get('request_p99_ms'))} p99, {_text(r.get('outages'), 20)} outages: {_text(r.get('reason'), 300)}"
+    )
+
+
+def _ms(value) -> str:
+    v = _num(value)
+    return "-" if v is None else f"{v:.1f} ms"
 
 
 def _print_canary(canary) -> None:

@@ -28,10 +28,11 @@ def served_names(p: Profile) -> set[str]:
 
 
 def engine_names(p: Profile) -> list[str]:
-    """The engines of a profile with twins, as ``routing.memory_utilization`` names them: primary, the twins, then
-    the canary when one may run (it needs memory of its own while it runs beside the others)."""
+    """The engines of a profile with twins, as ``routing.memory_utilization`` names them: primary, the twins that
+    run here (a remote twin's engine is another deployment's), then the canary when one may run (it needs memory of
+    its own while it runs beside the others)."""
     canary = [CANARY] if p.routing.canary.enabled else []
-    return [PRIMARY, *(m.value for m in p.routing.twins), *canary]
+    return [PRIMARY, *(m.value for m in p.routing.local_twins), *canary]
 
 
 def gpu_shares(p: Profile) -> dict[str, float]:
@@ -44,6 +45,8 @@ def gpu_shares(p: Profile) -> dict[str, float]:
     if p.routing.memory_utilization:
         return dict(p.routing.memory_utilization)
     names = engine_names(p)
+    if len(names) < 2:  # remote twins only: the primary has the GPUs to itself
+        return {}
     total = p.gpus.memory_utilization or DEFAULT_GPU_SHARE
     return {name: round(total / len(names), 4) for name in names}
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import re
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import re2
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from specops.config.fields import Duration, Section
 from specops.methods import Method
+from specops.urls import url_problem
 
 #: The request header a client may use to ask for or against speculation (when ``routing.client_choice: allow``).
 SPECULATION_HEADER = "X-Specops-Speculation"
@@ -90,6 +92,68 @@ def _path(value: str | None) -> str | None:
 
 
 HeaderName = Annotated[str, AfterValidator(_header_name)]
+#: An environment variable's name (``api_key_env``).
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # as sections.ENV_NAME (which imports this module)
+
+
+def _remote_url(value: str) -> str:
+    """A remote twin's base URL: http(s) with a host, no userinfo (a key goes in ``api_key_env``), no query."""
+    problem = url_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    parts = urlsplit(value)
+    if "@" in parts.netloc:
+        raise ValueError("a URL with a user or password in it: put the key in an environment variable (api_key_env)")
+    if parts.query or parts.fragment or value.endswith(("?", "#")):
+        raise ValueError("a base URL takes no query or fragment (the client's path and query are appended to it)")
+    return value.rstrip("/")
+
+
+def _env_name(value: str | None) -> str | None:
+    if value is not None and not _ENV_NAME.match(value):
+        raise ValueError("an environment variable's name: letters, digits and _, not starting with a digit")
+    return value
+
+
+class RemoteTwin(Section):
+    """Another deployment standing for a chain step: requests routed to that step are sent to it; nothing starts here."""
+
+    url: Annotated[str, AfterValidator(_remote_url)] = Field(
+        ...,
+        description="Its base URL (`http://` or `https://`): another `specops up` or a Kubernetes Service in front "
+        "of one, any host the operator names. No user or password in it: the key comes from `api_key_env`.",
+    )
+    api_key_env: Annotated[str, AfterValidator(_env_name)] | None = Field(
+        None,
+        description="The environment variable holding its API key (never the key itself): sent as `Authorization: "
+        "Bearer ...` in place of the client's header, which never reaches another deployment. `specops up` refuses "
+        "to start when it is unset or empty.",
+    )
+    method: Method = Field(
+        Method.NONE,
+        description="The chain step it stands for: a step of `fallback.chain`, other than the primary's method. "
+        "When it is a specops proxy, the method its `/specops/status` reports must be this one (else it takes no "
+        "requests until it does).",
+    )
+
+
+def _twin_kind(value: object) -> str:
+    return "remote twin" if isinstance(value, (dict, RemoteTwin)) else "local twin"
+
+
+def _any_of(schema: dict) -> None:
+    """The JSON schema of a twin: a method name (a string) or a remote twin (an object) says ``anyOf``, the
+    keyword editors read everywhere else in the profile's schema, rather than pydantic's ``oneOf`` (the same here:
+    no value is both)."""
+    schema["anyOf"] = schema.pop("oneOf")
+
+
+#: A ``routing.twins`` entry: a method name (a local twin) or a mapping (a remote twin), told apart by shape so an
+#: error names the entry's own field, not both readings of it.
+Twin = Annotated[
+    Annotated[Method, Tag("local twin")] | Annotated[RemoteTwin, Tag("remote twin")],
+    Discriminator(_twin_kind),
+]
 
 
 class RouteMatch(Section):
@@ -211,10 +275,14 @@ class Canary(Section):
 class Routing(Section):
     """Engines kept warm beside the primary (twins) and per-request routing between them (needs the proxy)."""
 
-    twins: list[Method] = Field(
+    twins: list[Twin] = Field(
         default_factory=list,
+        json_schema_extra=lambda schema: _any_of(schema["items"]),
         description="Chain steps run as engines of their own beside the primary (e.g. `[none]`): a switch to one is "
-        "a route change, not a restart, and requests can be routed per request. Empty: one engine, as without routing.",
+        "a route change, not a restart, and requests can be routed per request. Empty: one engine, as without routing. "
+        "An entry may instead be another deployment standing for a step (a remote twin: `{url: http://plain:8000, "
+        "api_key_env: PLAIN_KEY, method: none}`): no engine starts for it here; it is health-checked, and while it "
+        "is down its requests go to the local engine.",
     )
     client_choice: Literal["allow", "forbid"] = Field(
         "allow",
@@ -254,3 +322,18 @@ class Routing(Section):
     def enabled(self) -> bool:
         """Whether requests are routed between engines at all (a profile without twins runs as it always did)."""
         return bool(self.twins)
+
+    @property
+    def local_twins(self) -> list[Method]:
+        """The twins that run as engines here (each needs memory, a port, a supervisor)."""
+        return [t for t in self.twins if isinstance(t, Method)]
+
+    @property
+    def remote_twins(self) -> list[RemoteTwin]:
+        """The twins that are other deployments (nothing starts here for them)."""
+        return [t for t in self.twins if isinstance(t, RemoteTwin)]
+
+    @property
+    def twin_methods(self) -> list[Method]:
+        """The chain step each twin stands for, local or remote, in the order listed."""
+        return [t if isinstance(t, Method) else t.method for t in self.twins]

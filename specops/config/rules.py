@@ -11,12 +11,13 @@ import difflib
 import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from specops.config.deploy import K8S_LABEL_KEY, K8S_LABEL_VALUE
 from specops.config.engines import engine_names, served_names, splits_gpu_by_share
 from specops.config.loaded import LoadedProfile
 from specops.config.located import quote_value
-from specops.config.routing import MAX_ALIAS
+from specops.config.routing import MAX_ALIAS, RemoteTwin
 from specops.config.sections import (
     ENV_NAME,
     LABEL_NAME,
@@ -27,6 +28,7 @@ from specops.config.sections import (
 from specops.errors import Problem
 from specops.methods import NEEDS_DRAFT, Method
 from specops.redact import secret_flag
+from specops.urls import redact_url
 
 if TYPE_CHECKING:
     from specops.plugins import Registry
@@ -353,27 +355,40 @@ def _routing_problems(p: Profile) -> Findings:
     r = p.routing
     chain = [s.method for s in p.chain]
     seen: set[Method] = set()
-    for i, method in enumerate(r.twins):
-        path = ("routing", "twins", i)
+    urls: set[str] = set()
+    for i, (twin, method) in enumerate(zip(r.twins, r.twin_methods)):
+        remote = isinstance(twin, RemoteTwin)
+        path = ("routing", "twins", i, "method") if remote else ("routing", "twins", i)
+        what = "a remote twin stands for" if remote else "a twin runs"
         if method is Method.AUTO:
             yield path, "`auto` cannot be a twin; name a step of fallback.chain"
         elif method is p.speculative.method:
-            yield path, f"{method} is the primary method: a twin runs a step of the fallback chain beside it"
+            yield path, f"{method} is the primary method: {what} a step of the fallback chain beside it"
         elif method not in chain:
             yield (
                 path,
-                f"{method} is not a step of the fallback chain ({', '.join(m.value for m in chain) or 'empty'}): a twin "
-                "runs a chain step",
+                f"{method} is not a step of the fallback chain ({', '.join(m.value for m in chain) or 'empty'}): "
+                f"{what} a chain step",
             )
         elif method in seen:
-            yield path, f"{method} is listed twice"
+            yield path, f"{method} is listed twice (one engine, local or remote, per chain step)"
         seen.add(method)
+        if remote:
+            if twin.url in urls:
+                yield ("routing", "twins", i, "url"), f"{redact_url(twin.url)} is listed twice"
+            elif _is_own_address(twin.url, p):
+                yield (
+                    ("routing", "twins", i, "url"),
+                    f"{redact_url(twin.url)} is this deployment's own address (server.port {p.server.port}): a remote "
+                    "twin is another deployment",
+                )
+            urls.add(twin.url)
     if r.twins and not p.proxy.enabled:
         yield (
             ("routing", "twins"),
             "twins are served through specops' proxy (it routes each request): set proxy.enabled: true or remove twins",
         )
-    if r.twins and p.proxy.engine_port is not None:
+    if r.local_twins and p.proxy.engine_port is not None:
         yield (
             ("proxy", "engine_port"),
             "with twins every engine gets a free loopback port of its own: remove proxy.engine_port",
@@ -386,6 +401,13 @@ def _routing_problems(p: Profile) -> Findings:
             yield ("routing", "rules"), "route rules need an engine to route to: add routing.twins (e.g. [none])"
         if r.classes.key != "none":
             yield ("routing", "classes", "key"), "learned routing needs an engine to route to: add routing.twins"
+
+
+def _is_own_address(url: str, p: Profile) -> bool:
+    """Whether ``url`` reaches this deployment's own proxy on this machine (its requests would loop)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return port == p.server.port and parts.hostname in {"127.0.0.1", "localhost", "::1", p.server.host}
 
 
 def _share_problems(p: Profile) -> Findings:

@@ -125,7 +125,8 @@ def _problem_from_pydantic(doc: Document, err: dict) -> Problem:
 
 
 def _field_loc(data: Any, loc: tuple) -> tuple:
-    """Pydantic's error location without its own steps (``function-before[...]``, ``tuple[int, ...]``).
+    """Pydantic's error location without its own steps (``function-before[...]``, ``tuple[int, ...]``, a tagged
+    union's tag such as ``remote twin``): none is an identifier, as every field name is.
 
     A step is dropped only where the data has no such key, so a user's key spelled like one still counts.
     """
@@ -136,7 +137,7 @@ def _field_loc(data: Any, loc: tuple) -> tuple:
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             node = node[part]
-        elif isinstance(part, str) and part.startswith(("function-", "tuple[")):
+        elif isinstance(part, str) and not part.isidentifier():
             continue
         else:
             node = None

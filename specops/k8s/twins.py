@@ -84,7 +84,7 @@ def twin_notes(p) -> list[str]:
         return []
     from specops.config.engines import gpu_shares, splits_gpu_by_share
 
-    engines = ["primary", *(m.value for m in p.routing.twins)]
+    engines = ["primary", *(m.value for m in p.routing.local_twins)]
     shares = gpu_shares(p) if splits_gpu_by_share(p.backend) else {}
     gpu = (
         "its GPUs, each engine with its --gpu-memory-utilization share ("

@@ -89,6 +89,8 @@ _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 _TIMINGS = b'"timings"'
 _TIMINGS_PER_TOKEN = b'"timings_per_token"'
 _SSE_TAIL_LIMIT = 1 << 20
+#: A remote twin's answers that mean it could not serve the request (its queue, its engine, a gateway before it)
+_REMOTE_UNAVAILABLE = frozenset({502, 503, 504})
 #: How much of a stream's end a flight keeps when asked (``Flight.tail``): vLLM's final usage chunk, with its
 #: per-request speculative decoding metrics, is well under 2 KiB.
 STREAM_TAIL = 8192
@@ -115,11 +117,15 @@ def engine_session(connect_timeout: float, read_timeout: float | None) -> aiohtt
 class Generation:
     """One upstream engine as seen by the proxy; a new one on every release/set_upstream."""
 
-    __slots__ = ("authority", "finished", "id", "idle", "inflight", "path", "scheme", "url")
+    __slots__ = ("authority", "authorization", "finished", "id", "idle", "inflight", "path", "remote", "scheme", "url")
 
-    def __init__(self, gid: int, url: str):
+    def __init__(self, gid: int, url: str, *, remote: bool = False, authorization: str = ""):
         self.id = gid
         self.url = url.rstrip("/")
+        # another deployment (a remote twin, specops.serve.remote): it gets ``authorization`` (its own key, "" for
+        # none) in place of the client's, and its 502/503/504 before any byte is a failure to retry elsewhere
+        self.remote = remote
+        self.authorization = authorization
         base = URL(self.url)
         # the parts every upstream URL is built from (never the client's target pasted after a string)
         self.scheme = base.scheme
@@ -285,10 +291,16 @@ class Forwarder:
     async def _send(
         self, request: web.BaseRequest, body: bytes, headers: CIMultiDict, flight: Flight
     ) -> aiohttp.ClientResponse:
+        gen = flight.gen
+        if gen.remote:  # never the client's key to another deployment: its own, or none
+            headers = headers.copy()
+            headers.popall("Authorization", None)
+            if gen.authorization:
+                headers["Authorization"] = gen.authorization
         try:
             return await self.session.request(
                 request.method,
-                upstream_url(flight.gen, request.raw_path),
+                upstream_url(gen, request.raw_path),
                 headers=headers,
                 data=body or None,
                 allow_redirects=False,
@@ -303,6 +315,8 @@ class Forwarder:
         """Pass the engine's answer on: whole when it is small, else streamed. Returns the response when
         the exchange is over; None when the stream ended (or broke) and :meth:`_finish` ends it."""
         up, request = ex.up, ex.request
+        if up.status in _REMOTE_UNAVAILABLE and ex.flight.gen.remote:  # it could not serve it: the local engine will
+            raise Unstarted(f"the remote twin answered {up.status} {up.reason or ''}".rstrip())
         ex.sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
         clen = up.content_length
         out_headers = _response_headers(up)

@@ -3,11 +3,54 @@ so counting costs the hot path nothing but a dict increment."""
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 from .states import ProxyState
 
-__all__ = ["ProxyCollector", "metrics_text"]
+__all__ = ["LatencyHistogram", "ProxyCollector", "metrics_text"]
+
+#: Upper bounds (seconds) of :class:`LatencyHistogram`'s buckets: 0.5 ms to 5 min, about 1.5x apart.
+LATENCY_BUCKETS = tuple(round(0.0005 * 1.5**i, 6) for i in range(34))
+
+
+class LatencyHistogram:
+    """Request durations in fixed buckets: an observation is one bisect and one increment (it runs per request),
+    the Prometheus histogram and the quantiles of ``specops status`` are read from it at scrape time."""
+
+    __slots__ = ("count", "counts", "sum")
+
+    def __init__(self):
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last: above every bound
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.count += 1
+        self.sum += seconds
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile, interpolated inside its bucket as Prometheus' ``histogram_quantile`` does (None:
+        nothing observed)."""
+        if not self.count:
+            return None
+        rank, seen = q * self.count, 0
+        for i, n in enumerate(self.counts):
+            if n and seen + n >= rank:
+                low = LATENCY_BUCKETS[i - 1] if i else 0.0
+                high = LATENCY_BUCKETS[i] if i < len(LATENCY_BUCKETS) else LATENCY_BUCKETS[-1]
+                return low + (high - low) * max(0.0, rank - seen) / n
+            seen += n
+        return LATENCY_BUCKETS[-1]
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """Cumulative ``(le, count)`` pairs, ``+Inf`` last: what a Prometheus histogram family takes."""
+        out, total = [], 0
+        for bound, n in zip((*map(str, LATENCY_BUCKETS), "+Inf"), self.counts):
+            total += n
+            out.append((bound, total))
+        return out
 
 
 def metrics_text(proxy: Any) -> bytes:  # proxy: the :class:`~specops.proxy.server.Proxy` (which imports this module)

@@ -73,6 +73,7 @@ class EngineInfo:
     step: int  # index in the profile's steps (0: the primary)
     method: str
     speculative: bool
+    remote: str | None = None  # a remote twin's URL (another deployment stands for the step), else None
 
 
 @dataclass(frozen=True, slots=True)

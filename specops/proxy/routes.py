@@ -9,6 +9,12 @@ engine is live: the proxy's queue then holds the request, as it always did), and
 request class's window with the response's own counters (``timings``, vLLM's per-request metrics), the tokens it
 generated and its wall time, and adds the model aliases to a ``/v1/models`` answer.
 
+A remote twin (another deployment, :mod:`specops.serve.remote`) is an :class:`EngineUpstream` too, driven by its
+health checks instead of a supervisor: its generation is marked remote (the client's ``Authorization`` is replaced
+by the remote's own key, and its 502/503/504 is retried elsewhere: :mod:`specops.proxy.forward`), a request that
+fails on it before any byte takes it out of the routes until its next health check, and its answers' durations go
+into its :class:`~specops.proxy.metrics.LatencyHistogram` (the hop's per-request latency).
+
 Requests in flight finish where they started: a route change only changes where new requests go.
 """
 
@@ -26,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from yarl import URL
 
 from .forward import Flight, Generation
+from .metrics import LatencyHistogram
 from .router import EngineInfo, Route, Router
 from .states import ProxyState
 
@@ -47,10 +54,14 @@ class EngineUpstream:
         self.live = False
         self.generations = 0
         self.since = time.monotonic()
+        self.latency = LatencyHistogram()  # a remote twin's answers, from routing to their last byte
 
-    def release(self, url: str) -> None:
+    def release(self, url: str, *, remote: bool = False, authorization: str = "") -> None:
+        """Take requests at ``url``: an engine of this deployment, or (``remote``) another deployment, sent
+        ``authorization`` (its own key, "" for none) in place of the client's."""
         self.generations += 1
-        self.gen = Generation(TWIN_GENERATION_BASE * self.position + self.generations, url)
+        gid = TWIN_GENERATION_BASE * self.position + self.generations
+        self.gen = Generation(gid, url, remote=remote, authorization=authorization)
         self.live, self.since = True, time.monotonic()
 
     def down(self) -> None:
@@ -147,6 +158,8 @@ class RoutedUpstreams:
             if listed is not None:
                 resp.body = listed
         self.routed[(position, route.reason)] += 1
+        if flight is not None and flight.gen.remote and position:  # the hop's per-request latency
+            self.upstreams[position].latency.observe(time.monotonic() - route.start)
         if self.on_route is not None:
             try:
                 self.on_route(route, flight, ok, tokens, seconds)
@@ -155,12 +168,19 @@ class RoutedUpstreams:
 
     async def unstarted(self, gen: Generation) -> None:
         """A twin's request failed before any byte: when the twin no longer accepts connections, it takes no
-        more requests until its supervisor releases it again (the retry goes to a live engine)."""
+        more requests until its supervisor releases it again (the retry goes to a live engine). A remote twin
+        takes none until its next health check passes, whatever failed: it may accept connections and still not
+        serve (a deployment stopping, its engine gone)."""
         position = self.position_of(gen)
         u = self.upstreams[position] if position else None
         if u is None or u.gen is not gen or not u.live:
             return
-        if not await _reachable(gen.url):
+        if gen.remote:
+            u.down()
+            log.info(
+                "proxy: the remote twin (engine %d) failed a request; routed elsewhere until it is checked", position
+            )
+        elif not await _reachable(gen.url):
             u.down()
             log.info("proxy: engine %d at %s does not accept connections; routed elsewhere", position, gen.url)
 
@@ -193,6 +213,7 @@ class RoutedUpstreams:
                     "step": e.step,
                     "method": e.method,
                     "speculative": e.speculative,
+                    "remote": e.remote is not None,
                     "live": live[i],
                     "current": i == self.router.current,
                     "upstream": gen.url if gen is not None else None,
@@ -219,6 +240,18 @@ class EngineHandle:
         if url is None:
             raise ValueError("release() needs an upstream URL: none was set before")
         self._u.release(url)
+
+    def release_remote(self, url: str, authorization: str) -> None:
+        """A remote twin passed its health check: requests go to it, with ``authorization`` (its own key)."""
+        self._u.release(url, remote=True, authorization=authorization)
+
+    @property
+    def live(self) -> bool:
+        return self._u.live
+
+    @property
+    def latency(self) -> LatencyHistogram:
+        return self._u.latency
 
     def hold(self) -> None:
         self._u.down()

@@ -386,7 +386,7 @@ def twin_fit(
     from specops.config.engines import CANARY, PRIMARY, gpu_shares
     from specops.methods import NEEDS_DRAFT
 
-    twins = profile.routing.twins
+    twins = profile.routing.local_twins  # a remote twin runs elsewhere
     if not twins or target is None or target.weights is None:
         return None
     steps = profile.steps
@@ -456,7 +456,7 @@ def engine_drafts(profile) -> list[str]:
     from specops.config.engines import PRIMARY
     from specops.methods import NEEDS_DRAFT
 
-    wanted = {PRIMARY, *(m.value for m in profile.routing.twins)}
+    wanted = {PRIMARY, *(m.value for m in profile.routing.local_twins)}
     out: list[str] = []
     for i, step in enumerate(profile.steps):
         name = PRIMARY if i == 0 else step.method.value

@@ -13,14 +13,18 @@ no restart, and every change of route is a ``route`` event with its reason.
 
 A reloaded profile whose draft changed, with ``routing.canary`` on, is measured first by a canary engine beside
 the others (:mod:`specops.serve.canary`, whose methods :class:`TwinEngines` has).
+
+A remote twin (another deployment standing for a step, :mod:`specops.serve.remote`) takes a twin's place in every
+list here, its health checks in place of a supervisor: nothing starts for it, nothing waits for it to start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from specops.proxy.router import EngineInfo, Route, Router
@@ -29,6 +33,7 @@ from specops.run.events import EngineReady, FallbackOrder, State, StateChanged, 
 from specops.run.start import free_port
 from specops.run.supervise import ReloadOrder, Supervisor
 from specops.serve.canary import Canary, CanaryMixin, TaggedEvents, canary_metrics
+from specops.serve.remote import RemoteEngine, remote_authorization, remote_metrics
 from specops.watch.canary import CANARY, CURRENT
 from specops.watch.classes import ClassTable
 
@@ -38,14 +43,26 @@ log = logging.getLogger("specops.serve.twins")
 
 
 def engine_infos(profile) -> list[EngineInfo]:
-    """The engines of ``profile``: the primary (step 0), then one per twin, in chain order."""
+    """The engines of ``profile``: the primary (step 0), then one per twin, local or remote, in chain order."""
     steps = profile.steps
-    twins = set(profile.routing.twins)
+    local = set(profile.routing.local_twins)
+    remote = {t.method: t.url for t in profile.routing.remote_twins}
     out = [EngineInfo(0, steps[0].method.value, steps[0].method.value != "none")]
     for i, step in enumerate(steps[1:], start=1):
-        if step.method in twins:
-            out.append(EngineInfo(i, step.method.value, step.method.value != "none"))
+        m = step.method
+        if m in local or m in remote:
+            out.append(EngineInfo(i, m.value, m.value != "none", remote=remote.get(m) if m not in local else None))
     return out
+
+
+def _remote_twin(profile, info: EngineInfo):
+    """The ``routing.twins`` entry of a remote engine."""
+    return next(t for t in profile.routing.remote_twins if t.url == info.remote and t.method.value == info.method)
+
+
+def _identity(info: EngineInfo) -> tuple[str, str | None]:
+    """What a reload keeps a twin by: its method, and for a remote twin its URL."""
+    return info.method, info.remote
 
 
 def _served_name(profile) -> str:
@@ -87,8 +104,10 @@ class TwinEngines(CanaryMixin):
         launch_problem: Callable[[str], str | None] | None,
         on_change: Callable[[], None] = lambda: None,
         metrics=None,
+        environ: Mapping[str, str] = os.environ,
     ):
         self.profile = profile
+        self.environ = environ  # where remote twins' keys are read (``api_key_env``)
         self.decider = decider
         self.events = events
         self.say = say
@@ -105,9 +124,9 @@ class TwinEngines(CanaryMixin):
         self.router = Router(profile.routing, engine_infos(profile), self.classes)
         self.router.served = _served_name(profile)  # until an engine's launch plan says it (EngineReady)
         self.upstreams = RoutedUpstreams(self.router, on_route=self._on_route)
-        self.supervisors: list[Supervisor] = []
+        self.supervisors: list[Supervisor | RemoteEngine] = []
         self._handles: list[EngineHandle] = []  # aligned with supervisors (position = index + 1)
-        self._ports: list[int] = []
+        self._ports: list[int | None] = []  # None: a remote twin
         self._ready = [asyncio.Event() for _ in self.router.engines]  # engine i is ready or gave up
         self._tasks: list[asyncio.Task] = []
         self._deciding: asyncio.Task | None = None
@@ -115,10 +134,28 @@ class TwinEngines(CanaryMixin):
         self._stopping = False
         self.route_changes = 0
         for position, info in enumerate(self.router.engines[1:], start=1):
-            self._add_twin(position, info, free_port())
+            self._add_engine(position, info)
         decider.set_warm(self.warm_steps)
         if metrics is not None:
             metrics.registry.register(_RoutingCollector(self))
+
+    def _add_engine(self, position: int, info: EngineInfo) -> Supervisor | RemoteEngine:
+        if info.remote is None:
+            return self._add_twin(position, info, free_port())
+        twin = _remote_twin(self.profile, info)
+        remote = RemoteEngine(
+            twin,
+            remote_authorization(twin, self.environ) or "",  # `up` refused to start without it (remote_keys)
+            self.upstreams.handle(position),
+            events=TaggedEvents(self.events, f"remote-{info.method}"),
+            say=self.say,
+            on_change=self.on_change,
+        )
+        self.supervisors.insert(position - 1, remote)
+        self._handles.insert(position - 1, remote.handle)
+        self._ports.insert(position - 1, None)
+        self._ready[position].set()  # nothing starts here: no local twin waits for it
+        return remote
 
     def _add_twin(self, position: int, info: EngineInfo, port: int) -> Supervisor:
         name = f"twin-{info.method}"
@@ -212,8 +249,18 @@ class TwinEngines(CanaryMixin):
             self._tasks.append(loop.create_task(self._run_twin(handle, sup)))
         self._deciding = loop.create_task(self._decide_classes())
 
-    async def _run_twin(self, handle: EngineHandle, sup: Supervisor) -> None:
-        while sup in self.supervisors and not self._ready[handle.position - 1].is_set():  # positions move on reloads
+    def _starts_after(self, position: int) -> int:
+        """The engine a twin starts after: the one before it that runs here (a remote twin starts nothing)."""
+        before = position - 1
+        while before > 0 and self.router.engines[before].remote is not None:
+            before -= 1
+        return before
+
+    async def _run_twin(self, handle: EngineHandle, sup: Supervisor | RemoteEngine) -> None:
+        if isinstance(sup, RemoteEngine):  # checked from the start: it serves while the engines here load
+            await sup.run()
+            return
+        while sup in self.supervisors and not self._ready[self._starts_after(handle.position)].is_set():
             await asyncio.sleep(0.05)
             if self._stopping:
                 return
@@ -256,11 +303,11 @@ class TwinEngines(CanaryMixin):
             else:
                 self.abort_canary("a newer profile was reloaded before the canary concluded")
         old, new_infos = self.profile, engine_infos(profile)
-        kept = {info.method: i for i, info in enumerate(self.router.engines[1:])}
-        plans = {}  # method -> (render, plan changed) of the kept twins
+        kept = {_identity(info): i for i, info in enumerate(self.router.engines[1:])}
+        plans = {}  # method -> (render, plan changed) of the kept local twins
         for info in new_infos[1:]:
-            i = kept.get(info.method)
-            if i is not None:
+            i = kept.get(_identity(info))
+            if i is not None and info.remote is None:
                 render = self.render_twin(profile, info.step, self._ports[i])
                 before = self.supervisors[i].plan
                 plans[info.method] = (render, before is None or render(0).argv != before.argv)
@@ -288,14 +335,19 @@ class TwinEngines(CanaryMixin):
         self._ready = self._ready[:1]
         loop = asyncio.get_running_loop() if self._started else None
         for position, info in enumerate(router.engines[1:], start=1):
-            if info.method in kept:
-                sup, handle, port, upstream, ready = old_rows[kept.pop(info.method)]
+            if _identity(info) in kept:
+                sup, handle, port, upstream, ready = old_rows[kept.pop(_identity(info))]
                 handle.position = upstream.position = position
                 self.supervisors.append(sup)
                 self._handles.append(handle)
                 self._ports.append(port)
                 self.upstreams.upstreams.append(upstream)
                 self._ready.append(ready)
+                if isinstance(sup, RemoteEngine):
+                    twin = _remote_twin(profile, info)
+                    if sup.retarget(twin, remote_authorization(twin, self.environ) or ""):
+                        changes.append(f"remote twin {info.method}: a new key")
+                    continue
                 render, changed = plans[info.method]
                 if changed:
                     order = ReloadOrder(profile.at_step(info.step), render, "the profile file changed")
@@ -306,8 +358,8 @@ class TwinEngines(CanaryMixin):
                 continue
             self.upstreams.upstreams.append(EngineUpstream(position))
             self._ready.append(asyncio.Event())
-            sup = self._add_twin(position, info, free_port())
-            changes.append(f"twin {info.method} added")
+            sup = self._add_engine(position, info)
+            changes.append(f"{'remote twin' if info.remote else 'twin'} {info.method} added")
             if loop is not None:
                 self._tasks.append(loop.create_task(self._run_twin(self._handles[-1], sup)))
         for i in kept.values():  # no longer listed: no new requests; those in flight finish, then stop
@@ -436,6 +488,8 @@ class TwinEngines(CanaryMixin):
             row.update(
                 state=snap["state"], engine_pid=snap["engine_pid"], restarts=snap["restarts"], url=snap["engine_url"]
             )
+            if "remote" in snap:  # its health, the method it reports, the hop's latency (specops.serve.remote)
+                row["remote"] = snap["remote"]
         if self.canary is not None:
             engines[-1]["canary"] = True
         now = time.monotonic()
@@ -480,6 +534,9 @@ class _RoutingCollector:
         yield up
         yield routed
         yield from canary_metrics(t)
+        yield from remote_metrics(
+            [(names[h.position], s) for h, s in zip(t._handles, t.supervisors) if isinstance(s, RemoteEngine)]
+        )
         if t.classes is None:
             return
         acc = GaugeMetricFamily("specops_class_acceptance", "Acceptance of a request class's window", labels=["cls"])

@@ -30,6 +30,7 @@ from specops.run.lock import acquire, release
 from specops.run.reload import ProfileReloader, ReloadMetrics
 from specops.run.start import free_port
 from specops.run.supervise import ReloadOrder, Supervisor
+from specops.serve.remote import remote_keys
 from specops.urls import http_url
 from specops.watch.decide import FallbackDecider
 from specops.watch.policy import Policy
@@ -76,6 +77,7 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
     engine_host, engine_port = _engine_address(loaded.profile)
     # what no method can fix (the target model, a taken port) stops here, before anything is launched
     check_before_launch(loaded, _addresses(loaded.profile, engine_host, engine_port), twins=True)
+    remote_keys(loaded, os.environ)  # a remote twin's key named but not exported: refused before anything starts
     as_written = loaded
     loaded, refused = resolve_for_launch(loaded, opts.offline, console.say)
     profile = loaded.profile
@@ -464,6 +466,7 @@ def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[
         raise SpecopsError(
             "routing.twins: this specops up started without twins; a reload cannot add them: restart specops up"
         )
+    remote_keys(loaded, os.environ)
     host, port = up.engine_at.rsplit(":", 1)
     render = _step_renderer(loaded, registry, up.engine, host, int(port))
     render(0)
