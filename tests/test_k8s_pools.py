@@ -107,8 +107,8 @@ def test_two_pools_render_validate_and_build(tmp_path):
 
 def test_the_speculating_pods_route_to_the_plain_pools_service(tmp_path):
     """The speculating pods' profile: the local `none` twin became a remote twin at the plain pool's Service (its
-    name and port, the same key variable); the plain pods run the model without speculation or routing, and the real
-    loader accepts their profile."""
+    name and port, the same key variable); the plain pods run the model without speculation or routing; the real
+    loader accepts both pods' profiles."""
     from specops.config.profile import load_profile
 
     code, out, err = _render(PROFILE)
@@ -129,6 +129,11 @@ def test_the_speculating_pods_route_to_the_plain_pools_service(tmp_path):
     path.write_text(yaml.safe_dump(plain))
     loaded = load_profile(path, env={"SPECOPS_API_KEY": "k"})
     assert loaded.profile.speculative.method.value == "none" and not loaded.profile.routing.twins
+    # and the speculating pods' profile, with its remote twin
+    path = tmp_path / "speculating.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    (twin,) = load_profile(path, env={"SPECOPS_API_KEY": "k"}).profile.routing.twins
+    assert (twin.url, twin.api_key_env, twin.method.value) == (f"http://{PLAIN}:{port}", "SPECOPS_API_KEY", "none")
     # one engine per pod now: the GPU is the speculating engine's alone (no share), the twin is another pod
     deployment = _by(objs, "Deployment", SPEC)["spec"]["template"]["spec"]["containers"][0]
     assert deployment["resources"]["limits"]["nvidia.com/gpu"] == "1"
