@@ -75,17 +75,33 @@ def _rows(model: type[BaseModel], prefix: str, out: list[str], sections: list[tu
         path = f"{prefix}{name}"
         annotation = field.annotation
         sub = _submodel(annotation)
-        if sub is not None and get_origin(annotation) is None:
+        if sub is not None:  # a section that is always there: its fields are its rows
             sections.append((path, sub))
             continue
         desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
         out.append(f"| `{path}` | {_type_name(annotation, list(field.metadata))} | {_default(field)} | {desc} |")
+        # an optional section (`X | None`) or a list of entries (`list[X]`, `list[str | X]`): the field has its
+        # row, and the entry's own fields a section of their own (`path[]` for a list's entries)
+        for inner, suffix in _inner_models(annotation):
+            sections.append((path + suffix, inner))
 
 
 def _submodel(annotation):
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     return None
+
+
+def _inner_models(annotation, suffix: str = "") -> list[tuple[type[BaseModel], str]]:
+    """The models inside an optional or list annotation (``X | None``, ``list[X] | None``, ``list[str | X]``),
+    each with the suffix its section's path takes (``[]`` inside a list)."""
+    if get_origin(annotation) in (list, tuple):
+        suffix = "[]"
+    found: list[tuple[type[BaseModel], str]] = []
+    for arg in get_args(annotation):
+        model = _submodel(arg)
+        found += [(model, suffix)] if model is not None else _inner_models(arg, suffix)
+    return list(dict.fromkeys(found))
 
 
 def profile_reference() -> str:
