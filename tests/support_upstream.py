@@ -8,11 +8,18 @@ speculative counters, updated when a request finishes), llama-server ``timings``
 totals). It notices client disconnects (the handler is cancelled, or a write fails) and counts them, so a
 test can check that a disconnect reached the engine.
 
+It continues a text as a real engine would: a completions prompt ending in the stand-in's own text
+`` t0 t1 ... t{k-1}``, or a chat ending in an assistant message holding it with ``continue_final_message: true``,
+is answered from `` t{k}`` on (:func:`continued_from`), so a stream continued on another engine reads as one.
+
 Test-only controls, never sent by real clients:
 
 - request headers ``X-Test-Token-Delay`` (seconds per token), ``X-Test-First-Delay`` (seconds before the
   first token), ``X-Test-Status`` (answer with this status and an OpenAI error body),
   ``X-Test-Die-After`` (drop the connection abruptly after this many streamed tokens),
+  ``X-Test-Exit-After: NAME:N`` (the stand-in named NAME exits at once, as a SIGKILLed engine does, after N
+  streamed tokens: every connection it holds breaks; any other stand-in ignores it, so a continuation sent
+  elsewhere carries the header harmlessly),
   ``X-Test-Close-After`` (close the keep-alive connection this many seconds after answering, without a
   ``Connection: close`` header, as llama-server does after a stream and any server does at its keep-alive
   timeout);
@@ -29,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -42,9 +50,33 @@ from support_procs import stop_group
 HERE = Path(__file__).resolve().parent
 
 
-def expected_text(n: int) -> str:
-    """The text the stand-in generates for ``max_tokens=n`` (the same for completions and chat)."""
-    return "".join(f" t{i}" for i in range(n))
+def expected_text(n: int, start: int = 0) -> str:
+    """The text the stand-in generates for ``max_tokens=n`` (the same for completions and chat), from token
+    ``start`` on (a continuation: :func:`continued_from`)."""
+    return "".join(f" t{i}" for i in range(start, start + n))
+
+
+_OWN_TEXT = re.compile(r"(?: t\d+)+$")
+
+
+def continued_from(body: dict, chat: bool) -> int:
+    """Where a request continues the stand-in's own text: ``k`` when the prompt (or, with
+    ``continue_final_message``, the last assistant message) ends in ``expected_text(k)``, else 0."""
+    if chat:
+        last = body["messages"][-1]
+        if not (
+            body.get("continue_final_message") is True and isinstance(last, dict) and last.get("role") == "assistant"
+        ):
+            return 0
+        text = last.get("content")
+    else:
+        prompt = body.get("prompt")
+        text = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+    m = _OWN_TEXT.search(text) if isinstance(text, str) else None
+    if m is None:
+        return 0
+    k = m.group(0).count(" t")
+    return k if m.group(0) == expected_text(k) else 0
 
 
 # --------------------------------------------------------------------------------------------- server side
@@ -71,7 +103,9 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
         td = float(h.get("X-Test-Token-Delay", body.get("x_token_delay", token_delay)))
         fd = float(h.get("X-Test-First-Delay", "0"))
         die = h.get("X-Test-Die-After")
-        return td, fd, (int(die) if die is not None else None)
+        exit_name, _, exit_after = h.get("X-Test-Exit-After", "").rpartition(":")
+        exits = int(exit_after) if exit_name == name else None
+        return td, fd, (int(die) if die is not None else None), exits
 
     def timings(n_prompt: int, n: int, elapsed: float) -> dict:
         t = {
@@ -120,7 +154,8 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
                     return error(400, "prompt is required")
                 n_prompt = len(str(body["prompt"]).split())
             n = int(body.get("max_tokens", 16))
-            td, fd, die = delays(request, body)
+            start = continued_from(body, chat)
+            td, fd, die, exits = delays(request, body)
             stream = bool(body.get("stream"))
             per_token = bool(body.get("timings_per_token"))
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{name}-{stats['started']}"
@@ -133,7 +168,7 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
                 if td:
                     for _ in range(n):  # token by token, so a disconnect cancels mid-generation
                         await asyncio.sleep(td)
-                text = expected_text(n)
+                text = expected_text(n, start)
                 choice = (
                     {
                         "index": 0,
@@ -203,7 +238,9 @@ def build_app(name: str, token_delay: float, acceptance: float | None, draft_per
                         stats["died"] += 1
                         request.transport.abort()  # crash mid-stream: no terminating chunk
                         return resp
-                    await resp.write(chunk(f" t{i}", None, i + 1))
+                    if exits is not None and i >= exits:
+                        os._exit(1)  # the engine dies: every stream it serves breaks at once
+                    await resp.write(chunk(f" t{start + i}", None, i + 1))
                 await resp.write(chunk(None, "length", n))
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()

@@ -5,7 +5,10 @@ Guarantees, in order of strength:
 
 - A request that has not received a response byte when its engine fails (connection refused, engine
   died, drain timeout) is retried once on the next engine; the client only sees a longer wait.
-- A stream that breaks after it started ends with an explicit SSE error event and no ``[DONE]`` (see
+- A completions or chat stream whose engine fails after it started is continued on the next live engine
+  from the text already sent (a twin at once, else the restarted engine, waited for in the queue), and the
+  client's stream goes on to its ``[DONE]`` (:mod:`specops.proxy.resume`); where that is impossible, and for
+  any other stream, it ends with an explicit SSE error event and no ``[DONE]`` (see
   :mod:`specops.proxy.forward`).
 - Past ``queue_size`` waiting requests, or after ``queue_timeout`` in the queue, the answer is 503 with
   ``Retry-After``.
@@ -33,7 +36,7 @@ from aiohttp import web
 from yarl import URL
 
 from .bodies import HeldBody, read_body
-from .errors import ClientError, Rejected, Unstarted, error_body, shown
+from .errors import Broken, ClientError, Rejected, Unstarted, error_body, shown
 from .forward import Flight, Generation, ask_timings_per_token, request_headers
 from .limits import UNAUTHENTICATED, cancel_header_deadline, check_key, check_target
 from .router import RouteRefused
@@ -178,7 +181,8 @@ class RequestPath:
 
     async def _forward(self, request: web.BaseRequest, body: HeldBody, routed: bool = True) -> web.StreamResponse:
         """Send to the engine, waiting in the queue when none serves; reconnect or retry once after a
-        failure before any byte (see the module docstring). ``body`` is released once the answer starts.
+        failure before any byte, continue a started stream after a failure (see the module docstring).
+        ``body`` is released once the answer starts, unless the stream keeps it to be continued.
         With twins the router picks the engine, unless not ``routed``: then the default route does."""
         c = self._c
         loop = asyncio.get_running_loop()
@@ -186,6 +190,8 @@ class RequestPath:
             body.data = ask_timings_per_token(body.data)
         headers = request_headers(request, body.data)
         retried = reconnected = False
+        broken: Broken | None = None  # a started stream that lost its engine: continued on the next one
+        continuation: bytes | None = None  # the request that continues it
         deadline = loop.time() + self.queue_timeout
         route = None
         if self.routes is not None and not routed:
@@ -205,6 +211,8 @@ class RequestPath:
                 )
             except Rejected as rej:
                 c["rejected_" + rej.kind] += 1
+                if broken is not None:
+                    return await self._forwarder.give_up(request, broken, "no_engine", str(rej))
                 if retried:
                     c["upstream_errors"] += 1
                 return self._reject(503, "specops_" + rej.kind, "specops: " + str(rej))
@@ -213,58 +221,76 @@ class RequestPath:
                 flight.window = self.routes.in_effect(gen)
                 if self.on_timings is None and self.routes.reads_counters(route):
                     flight.tail = b""  # a stream's usage chunk carries vLLM's per-request counters (routes.py)
-            if self.capture is not None:  # decided before sending: a streamed answer is copied only if kept
+            if broken is not None:
+                flight.resume = broken.stream
+            elif self.capture is not None:  # decided before sending: a streamed answer is copied only if kept
                 flight.tap = self.capture.tap(request.method, request.raw_path, body.data, route and route.key)
-            resp, failure = await self._attempt(request, body, headers, flight)
-            if failure is None:
-                c["completed"] += 1
-                if retried:
-                    c["retried_ok"] += 1
-                if route is not None:
-                    self.routes.finished(route, flight, True, resp)
-                if self.sampler is not None and type(resp) is web.Response:  # live spot checks (sample.py)
-                    self.sampler.offer(
-                        request.method, request.raw_path, request.headers, body.data, resp.status, resp.body
-                    )
-                if flight.tap is not None:  # training data for `specops adapt` (specops.proxy.capture)
-                    self.capture.offer(flight.tap, resp.status, resp.body if type(resp) is web.Response else None)
-                return resp
+            resp, failure = await self._attempt(request, body, headers, flight, continuation)
             alive = None
-            if (
-                failure.stale
-                and not reconnected
-                and flight.cut_reason is None
-                and ((gen is self._gen and self._state is SERVING) or (route is not None and self.routes.serving(gen)))
-            ):
-                alive = await self._reachable(gen.url)
-                if alive:  # a pooled connection the engine had closed: just reconnect
-                    reconnected = True
-                    c["reconnects"] += 1
+            if isinstance(failure, Unstarted):
+                if (
+                    failure.stale
+                    and not reconnected
+                    and flight.cut_reason is None
+                    and (
+                        (gen is self._gen and self._state is SERVING)
+                        or (route is not None and self.routes.serving(gen))
+                    )
+                ):
+                    alive = await self._reachable(gen.url)
+                    if alive:  # a pooled connection the engine had closed: just reconnect
+                        reconnected = True
+                        c["reconnects"] += 1
+                        continue
+                if broken is None:
+                    if retried or not self.retry_unstarted or self._state is STOPPED:
+                        c["upstream_errors"] += 1
+                        status = 503 if self._state is STOPPED else 502
+                        return self._reject(
+                            status,
+                            "specops_upstream_error",
+                            f"specops: the engine failed before answering: {failure.reason}",
+                        )
+                    retried = True
+                    c["retried"] += 1
+                    if route is not None and gen is not self._gen:  # a twin failed: route the retry elsewhere
+                        await self.routes.unstarted(gen)
+                    log.info("proxy: retrying %s %s after: %s", request.method, shown(request.raw_path), failure.reason)
+                    await self._after_engine_failure(flight, failure.reason, alive)
+                    deadline = loop.time() + self.queue_timeout
                     continue
-            if retried or not self.retry_unstarted or self._state is STOPPED:
-                c["upstream_errors"] += 1
-                status = 503 if self._state is STOPPED else 502
-                return self._reject(
-                    status, "specops_upstream_error", f"specops: the engine failed before answering: {failure.reason}"
-                )
-            retried = True
-            c["retried"] += 1
-            if route is not None and gen is not self._gen:  # a twin failed: route the retry elsewhere
-                await self.routes.unstarted(gen)
-            log.info("proxy: retrying %s %s after: %s", request.method, shown(request.raw_path), failure.reason)
-            await self._after_unstarted_failure(flight, failure.reason, alive)
-            deadline = loop.time() + self.queue_timeout
+            if failure is not None:  # a started stream lost its engine (or its continuation failed before a byte)
+                broken = failure if isinstance(failure, Broken) else broken
+                if route is not None and gen is not self._gen:  # a twin failed: continue elsewhere
+                    await self.routes.unstarted(gen)
+                await self._after_engine_failure(flight, failure.reason, alive)
+                resp, continuation = await self._continuation(request, broken)
+                if resp is None:  # sent on the next live engine: a twin at once, else after a wait in the queue
+                    deadline = loop.time() + self.queue_timeout
+                    continue
+            elif broken is not None:
+                c["continued_streams"] += 1
+            c["completed"] += 1
+            if retried:
+                c["retried_ok"] += 1
+            if route is not None:
+                self.routes.finished(route, flight, True, resp)
+            if self.sampler is not None and type(resp) is web.Response:  # live spot checks (sample.py)
+                self.sampler.offer(request.method, request.raw_path, request.headers, body.data, resp.status, resp.body)
+            if flight.tap is not None:  # training data for `specops adapt` (specops.proxy.capture)
+                self.capture.offer(flight.tap, resp.status, resp.body if type(resp) is web.Response else None)
+            return resp
 
     async def _attempt(
-        self, request: web.BaseRequest, body: HeldBody, headers, flight: Flight
-    ) -> tuple[web.StreamResponse | None, Unstarted | None]:
+        self, request: web.BaseRequest, body: HeldBody, headers, flight: Flight, data: bytes | None = None
+    ) -> tuple[web.StreamResponse | None, Unstarted | Broken | None]:
         """One exchange, counted in flight on its generation (so drain can wait for it or cut it)."""
         gen = flight.gen
         gen.inflight.add(flight)
         self._inflight += 1
         try:
-            return await self._forwarder.exchange(request, body, headers, flight), None
-        except Unstarted as exc:
+            return await self._forwarder.exchange(request, body, headers, flight, data), None
+        except (Unstarted, Broken) as exc:
             return None, exc
         finally:
             self._inflight -= 1
@@ -312,8 +338,32 @@ class RequestPath:
 
     # ------------------------------------------------------------------------------ engine failures
 
-    async def _after_unstarted_failure(self, flight: Flight, reason: str, alive: bool | None) -> None:
-        """Decide where the retry goes: the same engine if it is alive, else wait for the next one."""
+    async def _continuation(self, request: web.BaseRequest, broken: Broken) -> tuple[web.StreamResponse | None, bytes]:
+        """What follows a started stream's failure: the request that continues it (and no response yet), or the
+        stream ended here: with no engine when nothing was left to generate, else with an error event saying why
+        it could not be continued (:mod:`specops.proxy.resume`)."""
+        stream = broken.stream
+        stream.settle()
+        last = stream.ending()
+        if last is not None:
+            self._c["continued_streams"] += 1
+            return await self._forwarder.end_stream(stream, last), b""
+        refusal = (
+            ("refused", "the engine refused it")
+            if broken.cause == "refused"
+            else ("no_engine", "specops is shutting down")
+            if self._state is STOPPED
+            else stream.obstacle()
+        )
+        if refusal is not None:
+            log.info("proxy: a stream on %s not continued: %s", shown(request.raw_path), refusal[1])
+            return await self._forwarder.give_up(request, broken, *refusal), b""
+        self._c["stream_continuations"] += 1
+        log.info("proxy: continuing a stream (%d tokens sent) after: %s", stream.tokens_sent, broken.reason)
+        return None, stream.request_body()
+
+    async def _after_engine_failure(self, flight: Flight, reason: str, alive: bool | None) -> None:
+        """Decide where the retry (or continuation) goes: the same engine if it is alive, else wait for the next."""
         gen = flight.gen
         if flight.cut_reason is not None or gen is not self._gen or self._state is not SERVING:
             return  # a switch/failure is already being handled: _acquire waits

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["ClientError", "Rejected", "Unstarted", "brief", "describe", "error_body", "shown"]
+__all__ = ["Broken", "ClientError", "Rejected", "Unstarted", "brief", "describe", "error_body", "shown"]
 
 
 class ClientError(Exception):
@@ -38,6 +38,21 @@ class Unstarted(Exception):
         super().__init__(reason)
         self.reason = reason
         self.stale = stale
+
+
+class Broken(Exception):
+    """A started stream lost its engine and may be continued on another (:mod:`specops.proxy.resume`).
+
+    ``stream``: the :class:`~specops.proxy.resume.Resumable`; ``cause``: ``engine`` (the connection broke or ended
+    before ``[DONE]``), ``drain`` (cut by a drain or ``upstream_failed``) or ``refused`` (the engine answered a
+    continuation with an error: not tried again).
+    """
+
+    def __init__(self, reason: str, stream, cause: str):
+        super().__init__(reason)
+        self.reason = reason
+        self.stream = stream
+        self.cause = cause
 
 
 def error_body(status: int, kind: str, message: str) -> bytes:

@@ -13,9 +13,12 @@ llama-server treat as an abort).
   saw (the ``Host`` header, ``http``); the client's ``Forwarded``, ``X-Forwarded-Port`` and ``X-Real-IP``
   are dropped, so none of them can be spoofed past the proxy (:func:`request_headers`).
 - A failure before the client received a byte raises :class:`~specops.proxy.errors.Unstarted`: the caller
-  may retry (:mod:`specops.proxy.dispatch`). A stream that breaks after it started ends with an explicit
-  SSE error event (``data: {"error": {...}}``) and no ``[DONE]``; a non-SSE body that breaks is cut at the
-  transport so the client sees an incomplete body, never a silently short one (:meth:`Forwarder.end_broken`).
+  may retry (:mod:`specops.proxy.dispatch`). A completions or chat stream that breaks after it started (the
+  connection breaks, or ends before ``[DONE]``, or is cut) raises :class:`~specops.proxy.errors.Broken`: the
+  caller continues it on a live engine (:mod:`specops.proxy.resume`), whose answer is written on into the same
+  client response. Any other stream that breaks ends with an explicit SSE error event
+  (``data: {"error": {...}}``) and no ``[DONE]``; a non-SSE body that breaks is cut at the transport so the client
+  sees an incomplete body, never a silently short one (:meth:`Forwarder.end_broken`).
 
 The hot path is lean: no JSON parsing unless ``on_timings`` is set (llama.cpp live acceptance), and then
 only bodies/lines that contain ``"timings"`` (:class:`Timings`). Small non-streamed bodies
@@ -39,8 +42,9 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from .bodies import BufferBudget, HeldBody
-from .errors import Unstarted, describe, error_body
+from .errors import Broken, Unstarted, describe, error_body
 from .limits import MAX_FIELD_SIZE
+from .resume import CONTINUABLE_PATHS, Resumable
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -139,7 +143,7 @@ class Generation:
 class Flight:
     """One request on one generation, so drain/upstream_failed can cut it."""
 
-    __slots__ = ("cm", "cut_reason", "gen", "predicted", "started", "tail", "tap", "totals", "window")
+    __slots__ = ("cm", "cut_reason", "gen", "predicted", "resume", "started", "tail", "tap", "totals", "window")
 
     def __init__(self, gen: Generation):
         self.gen = gen
@@ -150,6 +154,7 @@ class Flight:
         self.predicted: dict | None = None  # timings predicted_n (tokens generated) per choice index
         self.tap = None  # a specops.proxy.capture.Tap: the streamed answer is copied into it (capture: on)
         self.tail: bytes | None = None  # b"" asks for a stream's last STREAM_TAIL bytes (its usage chunk)
+        self.resume: Resumable | None = None  # a continuation: the client's stream its answer goes on in
         # whether its timings feed the fallback window (on_timings): only answers of the engine of the step in
         # effect do; a twin's or a canary's measure another draft
         self.window = True
@@ -238,8 +243,9 @@ def _response_headers(up: aiohttp.ClientResponse) -> CIMultiDict:
 class Forwarder:
     """Sends one request to one engine and passes the answer back (:meth:`exchange`).
 
-    ``counters`` is the proxy's counter dict (``client_disconnects``, ``broken_streams``, ``cut_streams``
-    and the timings totals are counted here); ``budget`` also holds the small answers read whole.
+    ``counters`` is the proxy's counter dict (``client_disconnects``, ``broken_streams``, ``cut_streams``,
+    ``uncontinued_*`` and the timings totals are counted here); ``budget`` also holds the small answers read
+    whole, and the bodies continuable streams keep.
     """
 
     def __init__(
@@ -252,19 +258,21 @@ class Forwarder:
         self.timings = Timings(counters, on_timings)
 
     async def exchange(
-        self, request: web.BaseRequest, body: HeldBody, headers: CIMultiDict, flight: Flight
+        self, request: web.BaseRequest, body: HeldBody, headers: CIMultiDict, flight: Flight, data: bytes | None = None
     ) -> web.StreamResponse:
-        """One attempt against one engine. Raises :class:`Unstarted` when nothing reached the client.
+        """One attempt against one engine. Raises :class:`Unstarted` when nothing reached the client, and
+        :class:`Broken` when a continuable stream broke after it started.
 
-        ``body`` is released (its budget given back, the bytes dropped) once the answer to the client has
-        started: no retry can send it again after that."""
+        ``data``: what to send instead of ``body`` (a continuation of ``flight.resume``). ``body`` is released
+        (its budget given back, the bytes dropped) once the answer to the client has started, unless the
+        stream keeps it to be continued (:mod:`specops.proxy.resume`)."""
         if flight.cut_reason is not None:
             raise Unstarted(flight.cut_reason)
         ex = _Exchange(request, flight, body)
         try:
             async with _timeout(None) as cm:
                 flight.cm = cm
-                ex.up = await self._send(request, body.data, headers, flight)
+                ex.up = await self._send(request, body.data if data is None else data, headers, flight)
                 answer = await self._answer(ex)
                 if answer is not None:
                     return answer
@@ -273,9 +281,7 @@ class Forwarder:
                 raise
             if not flight.started:
                 raise Unstarted(flight.cut_reason) from None
-            self.counters["cut_streams"] += 1
-            await self.end_broken(request, ex.resp, ex.sse, "specops: " + flight.cut_reason)
-            return ex.resp
+            ex.broken, ex.cause = "specops: " + flight.cut_reason, "drain"
         except asyncio.CancelledError:
             self.counters["client_disconnects"] += 1
             raise
@@ -318,6 +324,8 @@ class Forwarder:
         if up.status in _REMOTE_UNAVAILABLE and ex.flight.gen.remote:  # it could not serve it: the local engine will
             raise Unstarted(f"the remote twin answered {up.status} {up.reason or ''}".rstrip())
         ex.sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
+        if ex.flight.resume is not None:
+            return await self._answer_continuation(ex)
         clen = up.content_length
         out_headers = _response_headers(up)
         if (
@@ -335,7 +343,22 @@ class Forwarder:
             self.counters["client_disconnects"] += 1
             return resp  # closing the engine response (finally) cancels its request
         ex.flight.started = True
-        ex.body.release()  # no retry from here on: the client's body is not needed any more
+        continuable = ex.sse and up.status == 200 and request.method == "POST" and request.path in CONTINUABLE_PATHS
+        if continuable and self.budget.held <= self.budget.limit // 2:  # else new requests come first
+            ex.resume = Resumable(request.path, ex.body, resp)  # kept: a continuation resends it (resume.py)
+        else:
+            ex.unkept = continuable
+            ex.body.release()  # no retry from here on: the client's body is not needed any more
+        return await self._stream(ex)
+
+    async def _answer_continuation(self, ex: _Exchange) -> web.StreamResponse | None:
+        """A continuation's answer, written on into the client's stream (rewritten: :meth:`Resumable.rewrite`)."""
+        ex.resume = resume = ex.flight.resume
+        up = ex.up
+        if up.status != 200 or not ex.sse:
+            raise Broken(f"the engine answered the continuation with HTTP {up.status}", resume, "refused")
+        ex.flight.started = True
+        ex.resp = resume.resp
         return await self._stream(ex)
 
     async def _answer_whole(self, ex: _Exchange, clen: int, out_headers: CIMultiDict) -> web.Response:
@@ -361,6 +384,10 @@ class Forwarder:
         tail = b""
         tap = flight.tap.feed if flight.tap is not None else None
         keep_tail = flight.tail is not None
+        resume = ex.resume
+        record = rewrite = None
+        if resume is not None:  # a continuable stream: what the client gets is recorded, a continuation rewritten
+            rewrite, record = (resume.rewrite, None) if flight.resume is not None else (None, resume.feed)
         read = ex.up.content.readany
         write = ex.resp.write
         while True:
@@ -371,7 +398,15 @@ class Forwarder:
                 return None
             if not chunk:
                 ex.complete = True
+                if resume is not None and not resume.ended():
+                    ex.broken = "the engine ended the stream before [DONE]"
                 return None
+            if rewrite is not None:
+                chunk = rewrite(chunk)  # recorded as sent there
+                if not chunk:
+                    continue
+            elif record is not None:
+                record(chunk)
             try:
                 await write(chunk)
             except _CLIENT_GONE:
@@ -385,9 +420,14 @@ class Forwarder:
                 flight.tail = (flight.tail + chunk)[-STREAM_TAIL:]
 
     async def _finish(self, ex: _Exchange) -> web.StreamResponse:
-        """End a streamed answer: its last chunk, or an error event when the engine broke off."""
+        """End a streamed answer: its last chunk, or an error event when the engine broke off (a continuable
+        stream raises :class:`Broken` instead: the caller continues it)."""
         if ex.broken is not None:
-            self.counters["broken_streams"] += 1
+            if ex.resume is not None:
+                raise Broken(ex.broken, ex.resume, ex.cause)
+            self.counters["cut_streams" if ex.cause == "drain" else "broken_streams"] += 1
+            if ex.unkept:
+                self.counters["uncontinued_not_kept"] += 1
             await self.end_broken(ex.request, ex.resp, ex.sse, ex.broken)
             return ex.resp
         try:
@@ -395,6 +435,24 @@ class Forwarder:
         except _CLIENT_GONE:
             self.counters["client_disconnects"] += 1
         return ex.resp
+
+    async def give_up(self, request: web.BaseRequest, broken: Broken, reason: str, why: str) -> web.StreamResponse:
+        """End a stream that cannot be continued with an error event, counted by what broke it and ``reason``
+        (``uncontinued_<reason>``: see :mod:`specops.proxy.resume`)."""
+        self.counters["cut_streams" if broken.cause == "drain" else "broken_streams"] += 1
+        self.counters["uncontinued_" + reason] += 1
+        await self.end_broken(request, broken.stream.resp, True, f"{broken.reason}; not continued: {why}")
+        return broken.stream.resp
+
+    async def end_stream(self, resume: Resumable, last: bytes) -> web.StreamResponse:
+        """End a broken stream that had nothing left to generate with ``last`` (:meth:`Resumable.ending`)."""
+        try:
+            if last:
+                await resume.resp.write(last)
+            await resume.resp.write_eof()
+        except _CLIENT_GONE:
+            self.counters["client_disconnects"] += 1
+        return resume.resp
 
     @staticmethod
     async def end_broken(request: web.BaseRequest, resp: web.StreamResponse, sse: bool, message: str) -> None:
@@ -415,7 +473,7 @@ class Forwarder:
 class _Exchange:
     """Where one exchange stands (what the ``finally`` of :meth:`Forwarder.exchange` must clean up)."""
 
-    __slots__ = ("body", "broken", "complete", "flight", "request", "resp", "sse", "up")
+    __slots__ = ("body", "broken", "cause", "complete", "flight", "request", "resp", "resume", "sse", "unkept", "up")
 
     def __init__(self, request: web.BaseRequest, flight: Flight, body: HeldBody):
         self.request = request
@@ -426,6 +484,9 @@ class _Exchange:
         self.sse = False
         self.complete = False  # the engine's answer was read to its end
         self.broken: str | None = None  # why a started stream could not complete
+        self.cause = "engine"  # what broke it: the engine, or a cut ("drain": drain or upstream_failed)
+        self.resume: Resumable | None = None  # the stream is continuable (resume.py)
+        self.unkept = False  # it would be, but its body was not kept (the budget was over half full)
 
 
 class Timings:

@@ -184,6 +184,22 @@ class ProxyCollector:
             labels=["cause"],
         )
         yield _counter(
+            "specops_proxy_continued_streams",
+            "Started streams whose engine failed, completed on a live engine from the text already sent.",
+            c["continued_streams"],
+        )
+        yield _counter(
+            "specops_proxy_stream_continuations",
+            "Continuation requests sent for started streams whose engine failed.",
+            c["stream_continuations"],
+        )
+        yield _counter(
+            "specops_proxy_uncontinued_streams",
+            "Started streams whose engine failed that could not be continued (ended with an error event), by why.",
+            [([r], c["uncontinued_" + r]) for r in ("options", "not_kept", "no_engine", "refused", "limit")],
+            labels=["reason"],
+        )
+        yield _counter(
             "specops_proxy_client_disconnects",
             "Clients that went away before their response completed (the engine request was cancelled).",
             c["client_disconnects"],
