@@ -33,6 +33,30 @@ LLAMA = {
 }
 
 
+#: Qwen2's config fields where they differ from Llama's: grouped KV heads, its rope base, tied embeddings
+QWEN2 = {
+    "model_type": "qwen2",
+    "architectures": ["Qwen2ForCausalLM"],
+    "num_key_value_heads": 1,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "tie_word_embeddings": True,
+}
+#: A tiny Qwen2 target made with the vLLM venv's transformers: biases on q/k/v (random, as a trained model's
+#: are not zero) and tied embeddings, what a real Qwen2.5 checkpoint has and a Llama's has not
+TINY_QWEN2 = """
+import json, sys, torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+fields = json.loads(sys.argv[2])
+torch.manual_seed(0)
+model = Qwen2ForCausalLM(Qwen2Config(**fields))
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.normal_(0, 0.5)
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+"""
+
+
 def _capture(folder: Path, n: int) -> None:
     folder.mkdir(parents=True)
     rng = random.Random(5)
@@ -114,6 +138,19 @@ def test_a_bad_target_config_is_located(tmp_path):
         read_target_config(folder)
     with pytest.raises(SpecopsError, match="cannot read the target's config"):
         read_target_config(tmp_path / "nowhere")
+
+
+def test_a_qwen2_target_gets_a_llama_head_with_its_rope_and_grouped_kv_heads(tmp_path):
+    from specops.adapt.eagle3 import Eagle3Options, read_target_config, speculators_config
+
+    folder = _target(tmp_path, **QWEN2)
+    doc = speculators_config(folder, read_target_config(folder), [0, 1, 2], Eagle3Options(intermediate_size=96))
+    layer = doc["transformer_layer_config"]
+    # vLLM maps the head to Eagle3LlamaForCausalLM whatever the target: its layer is a Llama layer
+    assert layer["model_type"] == "llama" and layer["architectures"] == ["LlamaForCausalLM"]
+    assert layer["rope_parameters"]["rope_theta"] == 1000000.0 and layer["num_key_value_heads"] == 1
+    assert layer["intermediate_size"] == 96 and layer["hidden_size"] == 64
+    assert doc["speculators_config"]["verifier"]["architectures"] == ["Qwen2ForCausalLM"]
 
 
 def test_aux_layers_follow_vllm_and_the_head_in_service(tmp_path):
@@ -254,3 +291,35 @@ def test_an_interrupted_eagle3_training_resumes_from_its_checkpoint(tmp_path):
     )
     assert events[0] == {"resumed": 4} and again.result["steps"] == 6
     assert [e["step"] for e in events if "step" in e] == [5, 6]
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(600)
+def test_a_head_is_trained_for_a_qwen2_target_from_the_command_line(tmp_path):
+    python = need_vllm_python()
+    target = tmp_path / "qwen2"
+    fields = {k: v for k, v in {**LLAMA, **QWEN2}.items() if k not in ("model_type", "architectures")}
+    fields["rope_theta"] = fields.pop("rope_parameters")["rope_theta"]
+    made = subprocess.run(
+        [str(python), "-c", TINY_QWEN2, str(target), json.dumps(fields)], capture_output=True, text=True, timeout=300
+    )
+    assert made.returncode == 0, made.stderr
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # hf-target's tokenizer: 380 ids, as vocab_size
+        (target / name).write_bytes((tiny_model("hf-target") / name).read_bytes())
+    _capture(tmp_path / "cap", 40)
+    path = _profile(tmp_path, target, "org/a-hub-head")
+    res = run_subprocess(
+        "adapt", "train", path, "--out", tmp_path / "work", "--steps", "20", "--batch", "8", "--lr", "3e-3",
+        "--answers", "captured", "--head-intermediate", "32", "--json", timeout=500,
+    )  # fmt: skip
+    assert res.code == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["last_loss"] < doc["first_loss"], doc
+    config = json.loads((Path(doc["draft"]) / "config.json").read_text())
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["intermediate_size"] == 32 and layer["num_key_value_heads"] == 1
+    assert config["speculators_config"]["verifier"]["architectures"] == ["Qwen2ForCausalLM"]
+    table = _safetensors_header(Path(doc["draft"]) / "model.safetensors")
+    assert table["layers.0.mlp.gate_proj.weight"]["shape"] == [32, 64]
+    assert table["layers.0.self_attn.k_proj.weight"]["shape"] == [32, 128]  # one KV head of 32, from 2 x 64
+    assert not any(name.endswith("bias") for name in table)  # Qwen2's biases stay in the target

@@ -2,7 +2,10 @@
 ``speculators`` checkpoint layout that ``vllm serve`` loads as a Hub head (``config.json`` with
 ``speculators_config`` + ``model.safetensors``).
 
-The profile's target must be a local Hugging Face Llama checkpoint (a folder with ``config.json``). The
+The profile's target must be a local Hugging Face checkpoint (a folder with ``config.json``) of an architecture
+whose vLLM model hands an EAGLE-3 head its hidden states (``SupportsEagle3``): Llama or Qwen2. The head itself
+is a Llama layer for either (vLLM maps it to ``Eagle3LlamaForCausalLM`` whatever the target): Qwen2's biases
+on q/k/v stay in the target, and a tied output layer is read as the embeddings. The
 training runs in a subprocess with torch and transformers (the vLLM venv's interpreter, or ``--python``):
 :mod:`specops.adapt.eagle3_worker`, which runs the target on the captured prompts and answers, builds the
 draft vocabulary (d2t/t2d) from the captured tokens and trains the head with a training-time test. This module
@@ -35,6 +38,8 @@ from specops.errors import SpecopsError
 SPECULATORS_VERSION = "0.9.0"
 #: Architectures the head's layer is written for (vLLM maps model_type llama → Eagle3LlamaForCausalLM).
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
+#: Target model types whose vLLM 0.32 model implements SupportsEagle3 and whose config the head is built from.
+TARGET_MODEL_TYPES = ("llama", "qwen2")
 
 
 @dataclass
@@ -47,6 +52,7 @@ class Eagle3Options:
     ttt_decay: float = 0.8
     speculative_tokens: int = 3  # written into speculators_config.proposal_methods
     answers: str = "target"  # target: the target's greedy continuation of each prompt; captured: the captured text
+    intermediate_size: int | None = None  # the head's MLP width; None: the target's
 
 
 def read_target_config(target: Path) -> dict:
@@ -67,9 +73,10 @@ def read_target_config(target: Path) -> dict:
         ) from None
     if not isinstance(cfg, dict):
         raise SpecopsError(f"{path}: not a JSON object")
-    if cfg.get("model_type") != "llama":
+    if cfg.get("model_type") not in TARGET_MODEL_TYPES:
         raise SpecopsError(
-            f"{path}: field `model_type` is {cfg.get('model_type')!r}: the EAGLE-3 head is trained for Llama targets"
+            f"{path}: field `model_type` is {cfg.get('model_type')!r}: the EAGLE-3 head is trained for "
+            f"{' and '.join(TARGET_MODEL_TYPES)} targets (vLLM hands their hidden states to a head)"
         )
     for name in (
         "hidden_size",
@@ -123,7 +130,7 @@ def speculators_config(target: Path, tcfg: dict, aux: list[int], e3: Eagle3Optio
         "num_hidden_layers": 1,
         "hidden_act": tcfg.get("hidden_act", "silu"),
         "hidden_size": H,
-        "intermediate_size": tcfg["intermediate_size"],
+        "intermediate_size": e3.intermediate_size or tcfg["intermediate_size"],
         "num_attention_heads": tcfg["num_attention_heads"],
         "num_key_value_heads": tcfg.get("num_key_value_heads", tcfg["num_attention_heads"]),
         "head_dim": tcfg.get("head_dim") or H // tcfg["num_attention_heads"],
@@ -154,17 +161,22 @@ def speculators_config(target: Path, tcfg: dict, aux: list[int], e3: Eagle3Optio
     }
 
 
-def memory_estimate(tcfg: dict, n_aux: int, opts: TrainOptions, e3: Eagle3Options) -> int:
-    """Bytes at most: the target (float32, no gradient), the head with gradients and two AdamW moments, and
-    the activations of one batch (the target's and every unrolled draft step's)."""
+def memory_estimate(tcfg: dict, n_aux: int, opts: TrainOptions, e3: Eagle3Options, tokens: int = 0) -> int:
+    """Bytes at most: the target (in its checkpoint's dtype, as the worker loads it; no gradient), the head with gradients and two AdamW moments, the
+    activations of one batch (one target layer's and its logits: the target runs without gradient, so its
+    layers' activations do not outlive the layer; every unrolled draft step's), and the aux states of the
+    ``tokens`` tokens of all examples, which the worker keeps for the whole run."""
     H, FF, L, V = tcfg["hidden_size"], tcfg["intermediate_size"], tcfg["num_hidden_layers"], tcfg["vocab_size"]
     heads = tcfg["num_attention_heads"]
     target = 2 * V * H + L * (4 * H * H + 3 * H * FF + 2 * H)
     dv = min(e3.draft_vocab or 32000, V)
-    head = n_aux * H * H + 2 * H * 3 * H + H * H + 3 * H * FF + dv * H + 4 * H
+    head_ff = e3.intermediate_size or FF
+    head = n_aux * H * H + 2 * H * 3 * H + H * H + 3 * H * head_ff + dv * H + 4 * H
     B, T = opts.batch, opts.seq
-    acts = B * T * (L * (8 * H + 2 * FF + heads * T) + V + e3.ttt_steps * (16 * H + 3 * FF + 2 * heads * T + 2 * dv))
-    return 4 * (target + 4 * head + 2 * acts) + (512 << 20)  # + the interpreter, torch and transformers
+    acts = B * T * (8 * H + 2 * FF + heads * T + V + e3.ttt_steps * (16 * H + 3 * head_ff + 2 * heads * T + 2 * dv))
+    weight = 2 if (tcfg.get("dtype") or tcfg.get("torch_dtype")) in ("bfloat16", "float16") else 4
+    kept = tokens * (weight * n_aux * H + 8)
+    return weight * target + 4 * (4 * head + 2 * acts) + kept + (512 << 20)  # + the interpreter, torch, transformers
 
 
 def train_vllm_eagle3(
@@ -205,7 +217,9 @@ def train_vllm_eagle3(
             f"{capture}: no captured example to train on"
             + (f" of class {opts.only_class!r}" if opts.only_class else "")
         )
-    need = memory_estimate(tcfg, len(aux), opts, e3)
+    # at most seq tokens an example; a token is at least a character of its text
+    tokens = sum(min(opts.seq, len(e["prompt"]) + len(e["output"])) for e in train + held)
+    need = memory_estimate(tcfg, len(aux), opts, e3, tokens)
     out, examples_text = prepare_run(out, train, held, need, opts)
     job = {
         "kind": "eagle3",

@@ -4,11 +4,14 @@
 whose torch, transformers and safetensors it uses). It imports nothing of specops; the job file is written by
 :mod:`specops.adapt.eagle3`, which also reads this worker's output back. Why each part is the way it is:
 
-- Features: the Hugging Face target itself runs on every batch (no gradient). Forward pre-hooks keep the
-  residual stream *entering* each decoder layer in ``aux_layer_ids`` (id ``n`` = the last layer's output, the
-  input of the final norm): exactly what vLLM 0.32's ``_maybe_add_hidden_state`` hands the drafter
-  (``hidden_states + residual``), concatenated in layer order. The target's greedy token at each position is
-  the label: a drafted token is accepted exactly when it is the target's greedy choice.
+- Features: the Hugging Face target runs once over every example (no gradient), in its checkpoint's dtype
+  (a bfloat16 target as vLLM serves it), and its outputs are kept for the whole run: the target is frozen, so
+  running it again at each step would recompute the same tensors, and on a CPU that pass is most of a step
+  (a 1.5B target against a one-layer head). Forward pre-hooks keep the residual stream *entering* each
+  decoder layer in ``aux_layer_ids`` (id ``n`` = the last layer's output, the input of the final norm):
+  exactly what vLLM 0.32's ``_maybe_add_hidden_state`` hands the drafter (``hidden_states + residual``),
+  concatenated in layer order. The target's greedy token at each position is the label: a drafted token is
+  accepted exactly when it is the target's greedy choice.
 - The head is vLLM's ``Eagle3LlamaForCausalLM`` (``llama_eagle3.py``) written out in torch: ``fc`` over the aux
   states, one layer whose q/k/v read ``cat(input_layernorm(embed), hidden_norm(h))`` with the residual taken
   before ``hidden_norm`` (``norm_before_residual: false``), fused residual norms, final ``norm``, ``lm_head`` over
@@ -58,7 +61,7 @@ class Target:
     def __init__(self, path: str, aux_ids: list[int]):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval().requires_grad_(False)
         inner = self.model.model
         self.layers = inner.layers
         self.aux_ids = sorted(set(aux_ids))
@@ -98,6 +101,15 @@ class Target:
         self._kept.clear()
         logits = self.model(input_ids=ids, attention_mask=attn).logits
         return torch.cat([self._kept[i] for i in self.aux_ids], dim=-1), logits.argmax(-1)
+
+    def examples(self, examples: list[list[int]], batch: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """(ids, aux states: T, n_aux*H in the target's dtype, greedy tokens: T) of every example, computed once."""
+        out = []
+        for s in range(0, len(examples), batch):
+            group = examples[s : s + batch]
+            feats, greedy = self.features(*_pad(group))
+            out += [(seq, feats[r, : len(seq)].clone(), greedy[r, : len(seq)].clone()) for r, seq in enumerate(group)]
+        return out
 
 
 def encode_examples(job: dict, tokenizer, target: Target | None = None, key: str = "examples") -> list[list[int]]:
@@ -265,12 +277,16 @@ class Eagle3Head(torch.nn.Module):
 # ------------------------------------------------------------------------------------------- training
 
 
-def _loss(head, embed, target, group, d_of_t, job, stats=None) -> torch.Tensor:
-    """The TTT loss of one batch: cross-entropy against the target's greedy token at each draft step."""
-    ids, attn = _pad(group)
-    feats, greedy = target.features(ids, attn)
-    lengths = attn.sum(1)
+def _loss(head, embed, group, d_of_t, job, stats=None) -> torch.Tensor:
+    """The TTT loss of one batch of :meth:`Target.examples`: cross-entropy against the target's greedy token at
+    each draft step."""
+    ids, attn = _pad([seq for seq, _, _ in group])
     B, T = ids.shape
+    feats = torch.zeros((B, T, group[0][1].shape[-1]))
+    greedy = torch.zeros((B, T), dtype=torch.long)
+    for r, (seq, f, g) in enumerate(group):
+        feats[r, : len(seq)], greedy[r, : len(seq)] = f, g
+    lengths = attn.sum(1)
     h = head.fc(feats)
     cache: list = []
     total, weights = torch.zeros(()), 0.0
@@ -280,7 +296,7 @@ def _loss(head, embed, target, group, d_of_t, job, stats=None) -> torch.Tensor:
         valid = (tpos[None, :] + 1 + k) <= (lengths[:, None] - 1)
         if not valid.any():
             break
-        emb = embed(ids[:, src])
+        emb = embed(ids[:, src]).float()
         logits, h = head.step(emb, h, k, cache)
         label = d_of_t[greedy[:, src]]  # -1: the target's choice is outside the draft vocabulary
         label = torch.where(valid & (label >= 0), label, torch.full_like(label, -100))
@@ -296,14 +312,14 @@ def _loss(head, embed, target, group, d_of_t, job, stats=None) -> torch.Tensor:
     return total / max(weights, 1e-9)  # a weighted mean: comparable across ttt_steps
 
 
-def _mean(head, embed, target, examples, d_of_t, job) -> tuple[float, list[float]]:
+def _mean(head, embed, examples, d_of_t, job) -> tuple[float, list[float]]:
     """Mean loss and greedy agreement per draft step over ``examples`` (no gradient)."""
     stats: dict = {}
     total = 0.0
     with torch.no_grad():
         for s in range(0, len(examples), job["batch"]):
             g = examples[s : s + job["batch"]]
-            total += float(_loss(head, embed, target, g, d_of_t, job, stats)) * len(g)
+            total += float(_loss(head, embed, g, d_of_t, job, stats)) * len(g)
     return total / len(examples), [round(hit / max(1, n), 4) for _, (hit, n) in sorted(stats.items())]
 
 
@@ -335,17 +351,19 @@ def run(job_path: Path) -> int:
     if not examples:
         _say(error="no example is long enough to learn from (3 tokens at least)")
         return 2
+    t_features = time.monotonic()
+    examples = target.examples(examples, job["batch"])
+    heldout = encode_examples(job, tokenizer, target, "heldout") if job.get("heldout") else []
+    heldout = target.examples(heldout, job["batch"])
+    features_s = round(time.monotonic() - t_features, 1)
     embed = target.model.get_input_embeddings()
     config = job["config"]
     layer = config["transformer_layer_config"]
     vocab = layer["vocab_size"]
     counts: Counter = Counter()
-    for s in range(0, len(examples), job["batch"]):
-        g = examples[s : s + job["batch"]]
-        ids, attn = _pad(g)
-        _, greedy = target.features(ids, attn)
-        counts.update(ids[attn.bool()].tolist())
-        counts.update(greedy[attn.bool()].tolist())
+    for seq, _, greedy in examples:
+        counts.update(seq)
+        counts.update(greedy.tolist())
     dv = draft_vocab_size(counts, vocab, job["draft_vocab"], job["coverage"])
     draft_ids, d2t, t2d = vocab_maps(counts, vocab, dv)
     d_of_t = torch.full((vocab,), -1, dtype=torch.long)
@@ -366,11 +384,10 @@ def run(job_path: Path) -> int:
             opt.load_state_dict(state["opt"])
             step, first, rng_state = state["step"], state["first"], state["rng"]
             _say(resumed=step)
-    heldout = encode_examples(job, tokenizer, target, "heldout") if job.get("heldout") else []
     if first is None:
-        first = _mean(head, embed, target, examples, d_of_t, job)
+        first = _mean(head, embed, examples, d_of_t, job)
         if heldout:
-            first = (*first, _mean(head, embed, target, heldout, d_of_t, job)[1])
+            first = (*first, _mean(head, embed, heldout, d_of_t, job)[1])
         _say(step=0, of=job["steps"], loss=round(first[0], 4))
     rng = np.random.default_rng(job["seed"])
     if rng_state is not None:
@@ -382,7 +399,7 @@ def run(job_path: Path) -> int:
         for s in range(0, len(order), job["batch"]):
             if step >= steps:
                 break
-            loss = _loss(head, embed, target, [examples[j] for j in order[s : s + job["batch"]]], d_of_t, job)
+            loss = _loss(head, embed, [examples[j] for j in order[s : s + job["batch"]]], d_of_t, job)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -404,9 +421,9 @@ def run(job_path: Path) -> int:
                 }
                 torch.save(state, folder / "checkpoint.pt.tmp")
                 os.replace(folder / "checkpoint.pt.tmp", ckpt)
-    last = _mean(head, embed, target, examples, d_of_t, job)
+    last = _mean(head, embed, examples, d_of_t, job)
     if heldout:
-        last = (*last, _mean(head, embed, target, heldout, d_of_t, job)[1])
+        last = (*last, _mean(head, embed, heldout, d_of_t, job)[1])
     config = {**config, "draft_vocab_size": dv}
     path = _write_head(folder, config, head.tensors(d2t, t2d))
     result = {
@@ -423,6 +440,7 @@ def run(job_path: Path) -> int:
         "draft_vocab_coverage": round(sum(counts[i] for i in draft_ids.tolist()) / max(1, sum(counts.values())), 4),
         "head": str(path),
         "seconds": round(time.monotonic() - t0, 1),
+        "features_seconds": features_s,  # the target's one pass over the examples, before the steps
     }
     (folder / "result.json").write_text(json.dumps(result), encoding="utf-8")
     _say(done=True, **result)

@@ -108,6 +108,21 @@ def capture_stats(profile, from_path, as_json):
     help="llama.cpp: refuse to train when the target, run by the trainer on the captured text, chooses fewer "
     "of the captured answers' tokens than this (the capture would not be what the engine saw). 0: no check.",
 )
+@click.option(
+    "--answers",
+    type=click.Choice(["target", "captured"]),
+    default="target",
+    show_default=True,
+    help="vLLM (EAGLE-3): what follows each prompt in training. target: the target's greedy continuation, "
+    "generated again by the trainer in token space (exact, but a full pass per token: slow for a large target on "
+    "a CPU); captured: the captured answer, tokenized (what the engine answered, when its text round-trips).",
+)
+@click.option(
+    "--head-intermediate",
+    type=click.IntRange(16, 1 << 20),
+    help="vLLM (EAGLE-3): the head's MLP width (default: the target's intermediate_size). A narrower head "
+    "trains faster on a CPU and costs less per draft step.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--python",
@@ -117,7 +132,22 @@ def capture_stats(profile, from_path, as_json):
 )
 @json_option
 def train(
-    profile, from_path, out, steps, lr, batch, seq, init, layers, only_class, min_agreement, seed, python, as_json
+    profile,
+    from_path,
+    out,
+    steps,
+    lr,
+    batch,
+    seq,
+    init,
+    layers,
+    only_class,
+    min_agreement,
+    answers,
+    head_intermediate,
+    seed,
+    python,
+    as_json,
 ):
     """Train a new draft for PROFILE on the captured traffic (llama.cpp: a GGUF draft for `-md`).
 
@@ -172,9 +202,14 @@ def train(
             click.echo(line, err=True)
 
     if hf:  # an EAGLE-3 head in the speculators layout, trained on the target's hidden states
-        from specops.adapt.eagle3 import train_vllm_eagle3
+        from specops.adapt.eagle3 import Eagle3Options, train_vllm_eagle3
 
-        outcome = train_vllm_eagle3(prof, folder, work, opts, python=_train_python(python), on_progress=show)
+        e3 = Eagle3Options(
+            speculative_tokens=prof.speculative.num_speculative_tokens or 3,
+            answers=answers,
+            intermediate_size=head_intermediate,
+        )
+        outcome = train_vllm_eagle3(prof, folder, work, opts, python=_train_python(python), on_progress=show, e3=e3)
     else:
         outcome = train_llamacpp(target, draft, folder, work, opts, python=_train_python(python), on_progress=show)
     doc = {
