@@ -385,9 +385,9 @@ class Forwarder:
         tap = flight.tap.feed if flight.tap is not None else None
         keep_tail = flight.tail is not None
         resume = ex.resume
-        record = rewrite = None
-        if resume is not None:  # a continuable stream: what the client gets is recorded, a continuation rewritten
-            rewrite, record = (resume.rewrite, None) if flight.resume is not None else (None, resume.feed)
+        rewrite = None
+        if resume is not None:  # a continuable stream: whole events recorded as sent, a continuation's rewritten
+            rewrite = resume.rewrite if flight.resume is not None else resume.hold
         read = ex.up.content.readany
         write = ex.resp.write
         while True:
@@ -405,8 +405,6 @@ class Forwarder:
                 chunk = rewrite(chunk)  # recorded as sent there
                 if not chunk:
                     continue
-            elif record is not None:
-                record(chunk)
             try:
                 await write(chunk)
             except _CLIENT_GONE:

@@ -81,6 +81,7 @@ class Resumable:
         "done",
         "finished",
         "head",
+        "held",
         "obstacle_seen",
         "offset",
         "partial",
@@ -111,18 +112,35 @@ class Resumable:
         self.offset = 0  # tokens sent before the continuation running now
         self.skip_role = False
         self.unread = b""  # the continuation's bytes not yet a complete event
+        self.held = b""  # the engine's bytes not yet a complete event (not sent to the client yet)
 
     # ------------------------------------------------------------------------------------------ what was sent
 
+    def hold(self, chunk: bytes) -> bytes:
+        """What of the engine's ``chunk`` goes to the client now: its complete events (the hot path: one
+        ``rfind`` when the chunk ends an event, as the engines' chunks do). An event's start waits for its end,
+        so a continuation never follows half an event; past :data:`FOLD_AT` without an end it goes as it is."""
+        data = self.held + chunk if self.held else chunk
+        end = max(data.rfind(b"\n\n") + 2, data.rfind(b"\r\n\r\n") + 4)
+        if end < 4 and len(data) <= FOLD_AT:  # no event ends in it yet
+            self.held = data
+            return b""
+        if end < 4:
+            end = len(data)
+        self.held = data[end:]
+        out = data[:end] if self.held else data
+        self.feed(out)
+        return out
+
     def feed(self, chunk: bytes) -> None:
-        """Bytes the client received (the hot path: kept raw, parsed past :data:`FOLD_AT`)."""
+        """Bytes the client received (kept raw, parsed past :data:`FOLD_AT`)."""
         self.pending.append(chunk)
         self.pending_size += len(chunk)
         if self.pending_size > FOLD_AT:
             self._fold()
 
     def _fold(self) -> None:
-        data = self.partial + b"".join(self.pending)
+        data = (self.partial + b"".join(self.pending)).replace(b"\r\n", b"\n")
         self.pending, self.pending_size = [], 0
         events = data.split(b"\n\n")
         self.partial = events.pop()
@@ -302,7 +320,7 @@ class Resumable:
     def rewrite(self, chunk: bytes) -> bytes:
         """A continuation's bytes as the client's stream says them: complete events rewritten (the rest waits
         for the next chunk); every rewritten event is also recorded as sent (:meth:`feed`)."""
-        data = self.unread + chunk
+        data = (self.unread + chunk).replace(b"\r\n", b"\n")
         events = data.split(b"\n\n")
         self.unread = events.pop()
         out = []
