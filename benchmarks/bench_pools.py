@@ -126,7 +126,7 @@ class PodUp:
         self._kill_engines()
 
 
-def profiles(spec_port: int, plain_port: int) -> tuple[dict, dict]:
+def profiles(spec_port: int, plain_port: int, min_acceptance: float | None = None) -> tuple[dict, dict]:
     demo = yaml.safe_load(DEMO.read_text())
     demo["server"]["extra_args"] = [*demo["server"]["extra_args"], "-t", "1"]
     demo["proxy"] = {"enabled": True}
@@ -139,6 +139,8 @@ def profiles(spec_port: int, plain_port: int) -> tuple[dict, dict]:
     spec["name"] = "gemma-spec"
     spec["server"].update(host="127.0.0.1", port=spec_port)
     spec["fallback"] = {**demo["fallback"], "enabled": False}  # the classes decide; no whole-deployment switch
+    if min_acceptance is not None:  # the classes' threshold (the demo's 0.5 keeps creative text, at ~0.5, on)
+        spec["fallback"]["min_acceptance"] = min_acceptance
     spec["routing"] = {
         "twins": [{"url": f"http://{PLAIN_HOST}:{plain_port}", "api_key_env": KEY_VAR, "method": "none"}],
         "classes": {"key": "header", "header": "X-Task", "min_draft_tokens": 60, "window": "5m", "explore": 0},
@@ -186,6 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48, help="per request in the tokens/s phase")
     ap.add_argument("--rounds", type=int, default=2, help="passes over each class's 8 prompts per deployment")
     ap.add_argument("--hop-requests", type=int, default=32, help="requests per path and client count (hop phase)")
+    ap.add_argument("--min-acceptance", type=float, help="the classes' threshold (default: the demo profile's)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     load_before = os.getloadavg()
@@ -195,7 +198,8 @@ def main(argv=None) -> int:
         hosts = work / "hosts"
         hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 gemma-spec\n{PLAIN_IP} {PLAIN_HOST}\n")
         spec_port, plain_port = free_port(), free_port()
-        spec_doc, plain_doc = profiles(spec_port, plain_port)
+        spec_doc, plain_doc = profiles(spec_port, plain_port, a.min_acceptance)
+        figures["min_acceptance"] = spec_doc["fallback"]["min_acceptance"]
         plain = PodUp(work, "gemma-plain", plain_doc, hosts).start()
         spec = PodUp(work, "gemma-spec", spec_doc, hosts).start()
         spec_url, plain_url = f"http://127.0.0.1:{spec_port}", f"http://{PLAIN_IP}:{plain_port}"
