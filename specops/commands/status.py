@@ -18,6 +18,7 @@ from specops.errors import SpecopsError
 from specops.run.identity import owner_problem, signal_process, specops_up_problem
 from specops.run.instance import InstancePaths, StateError, find_instances, read_state
 from specops.run.lock import lock_holder_problem, remove_stale_state
+from specops.terminal import one_line
 from specops.urls import http_url
 
 #: The most of /specops/status read from a live instance.
@@ -163,7 +164,7 @@ def status(name, state_dir, as_json, fleet_url=None, by="pod", selector=None, wi
         try:
             _print(st)
         except Exception as exc:  # a state file of odd shape: one line for it, and on with the others
-            click.echo(f"{_text(st.get('name'))}: unreadable ({type(exc).__name__} while showing its state)")
+            click.echo(f"{one_line(st.get('name'))}: unreadable ({type(exc).__name__} while showing its state)")
 
 
 def _fleet(name, url, by, selector, window, as_json) -> None:
@@ -205,21 +206,6 @@ def _num(value) -> float | None:
     return None
 
 
-def _text(value, limit: int = 200) -> str:
-    text = (
-        value
-        if isinstance(value, str)
-        else str(value)
-        if type(value) in (int, float, bool) or value is None
-        else type(value).__name__
-    )
-    text = " ".join(text.split())  # one line, whatever the file holds
-    text = text if len(text) <= limit else text[: limit - 3] + "..."
-    # what clients sent (class keys, reasons quoting them) reaches the terminal escaped: no control sequence
-    # (C0, C1 such as U+009B) or bidi override (U+202E) can move the cursor or reorder the line
-    return text if text.isprintable() else "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-
-
 #: Rules of a window that got no verdict, in words (see specops.watch.policy).
 _NO_VERDICT = {
     "window-filling": "the window is still filling",
@@ -251,7 +237,7 @@ def verdict_line(st: dict) -> str | None:
     streak = round(_num(policy.get("streak")) or 0)
     need = round(_num(policy.get("consecutive_windows")) or 1)
     thr = _num(policy.get("min_acceptance"))
-    mode = _text(policy.get("mode") or "threshold", 40)
+    mode = one_line(policy.get("mode") or "threshold", 40)
     model = mode == "model"
     if mode == "threshold":
         bound = f"below {thr:g}" if thr is not None else "below the threshold"
@@ -273,51 +259,51 @@ def verdict_line(st: dict) -> str | None:
         out = f"not {bound}: 0 of {need} windows{shown}"
     else:
         out = f"no verdict yet (falls back after {need} windows {bound})"
-    why = _NO_VERDICT.get(_text(window.get("rule")))
+    why = _NO_VERDICT.get(one_line(window.get("rule")))
     if why and window.get("rule") != "not-fresh":
         if window.get("rule") == "min-draft-tokens":
-            why += f" (min_draft_tokens {_text(policy.get('min_draft_tokens'))})"
+            why += f" (min_draft_tokens {one_line(policy.get('min_draft_tokens'))})"
         out += f"; latest window: {why}"
     return out
 
 
 def _print(st: dict) -> None:
-    name = _text(st.get("name"))
+    name = one_line(st.get("name"))
     if st.get("problem"):
-        click.echo(f"{name}: {st['state']}: {_text(st['problem'], 400)}")
+        click.echo(f"{name}: {st['state']}: {one_line(st['problem'], 400)}")
         return
-    state = _text(st.get("state", "?"))
+    state = one_line(st.get("state", "?"))
     if st.get("stale"):
-        state += f" (stale: {_text(st.get('stale_reason') or 'specops is not running', 300)})"
+        state += f" (stale: {one_line(st.get('stale_reason') or 'specops is not running', 300)})"
     uptime = ""
     since = _num(st.get("ready_since"))
     if since is not None and st.get("running"):
         uptime = f", ready for {format_duration(max(0, round(time.time() - since)))}"
     click.echo(f"{name}: {state}{uptime}")
     click.echo(
-        f"  url        {_text(st.get('url'))}  (engine {_text(st.get('engine_url'))}, "
-        f"{_text(st.get('backend'))} {_text(st.get('engine_version'))})"
+        f"  url        {one_line(st.get('url'))}  (engine {one_line(st.get('engine_url'))}, "
+        f"{one_line(st.get('backend'))} {one_line(st.get('engine_version'))})"
     )
     chain = st.get("chain") if isinstance(st.get("chain"), list) else []
-    click.echo(f"  method     {_text(st.get('method'))}  (chain {' → '.join(_text(c, 40) for c in chain[:20])})")
+    click.echo(f"  method     {one_line(st.get('method'))}  (chain {' → '.join(one_line(c, 40) for c in chain[:20])})")
     acc = st.get("acceptance")
     drafts = _drafts_line(st.get("draft_length"), acc)
     if drafts:
         click.echo(f"  drafts     {drafts}")
     if isinstance(acc, dict):
         a, mal = _num(acc.get("acceptance")), _num(acc.get("mean_acceptance_length"))
-        data = _text(acc.get("status", ""))
+        data = one_line(acc.get("status", ""))
         # the window's data state is not a verdict: say it only when the window has no usable data
-        data_note = "" if data in ("ok", "") else f", {data}: {_text(acc.get('reason'), 200)}"
+        data_note = "" if data in ("ok", "") else f", {data}: {one_line(acc.get('reason'), 200)}"
         click.echo(
-            f"  acceptance {f'{a:.3f}' if a is not None else 'no data'} over {_text(acc.get('window_s'))}s "
+            f"  acceptance {f'{a:.3f}' if a is not None else 'no data'} over {one_line(acc.get('window_s'))}s "
             f"(mean length {f'{mal:.2f}' if mal is not None else '-'}, "
             f"{_num(acc.get('draft_tokens')) or 0:.0f} drafted{data_note})"
         )
     policy = st.get("policy") if isinstance(st.get("policy"), dict) else {}
     rule = policy.get("rule")
     if isinstance(rule, dict) and rule.get("line"):  # which rule decides the fallback, and why (specops.watch.rule)
-        click.echo(f"  rule       {_text(rule['line'], 400)}")
+        click.echo(f"  rule       {one_line(rule['line'], 400)}")
     verdict = verdict_line(st)
     if verdict:
         click.echo(f"  verdict    {verdict}")
@@ -325,15 +311,15 @@ def _print(st: dict) -> None:
     if tps is not None:
         click.echo(f"  tokens/s   {tps:.1f}")
     click.echo(
-        f"  restarts   {_text(st.get('restarts', 0))}, switches {_text(st.get('switches', 0))}, "
-        f"pid {_text(st.get('pid'))}, engine pid {_text(st.get('engine_pid'))}"
+        f"  restarts   {one_line(st.get('restarts', 0))}, switches {one_line(st.get('switches', 0))}, "
+        f"pid {one_line(st.get('pid'))}, engine pid {one_line(st.get('engine_pid'))}"
     )
     d = st.get("last_decision")
     if isinstance(d, dict):
-        to = f" → {_text(d['to'])}" if d.get("to") else ""
+        to = f" → {one_line(d['to'])}" if d.get("to") else ""
         click.echo(
-            f"  decision   {_text(d.get('action', 'switch'))} {_text(d.get('from', ''))}{to}: "
-            f"{_text(d.get('reason'), 300)}"
+            f"  decision   {one_line(d.get('action', 'switch'))} {one_line(d.get('from', ''))}{to}: "
+            f"{one_line(d.get('reason'), 300)}"
         )
     print_goodput(st)
     _print_twins(st)
@@ -342,8 +328,8 @@ def _print(st: dict) -> None:
     _print_spot(st.get("spot_check"))
     _print_fleet_slot(st.get("fleet"))
     if st.get("live_problem"):
-        click.echo(f"  live       {_text(st['live_problem'], 300)}")
-    click.echo(f"  logs       {_text(st.get('engine_log'), 400)}  events {_text(st.get('events'), 400)}")
+        click.echo(f"  live       {one_line(st['live_problem'], 300)}")
+    click.echo(f"  logs       {one_line(st.get('engine_log'), 400)}  events {one_line(st.get('events'), 400)}")
 
 
 def _drafts_line(length, acc) -> str | None:
@@ -351,11 +337,11 @@ def _drafts_line(length, acc) -> str | None:
     ignores), and the mean it drafted over the window (Δdrafted / Δdrafts) where it counts drafts."""
     if not isinstance(length, dict):
         return None
-    out = _text(length.get("text"), 200)
+    out = one_line(length.get("text"), 200)
     acc = acc if isinstance(acc, dict) else {}
     drafted, drafts = _num(acc.get("draft_tokens")), _num(acc.get("drafts"))
     if drafted is not None and drafts:
-        out += f"; measured mean {drafted / drafts:.1f} tokens per draft over {_text(acc.get('window_s'))}s"
+        out += f"; measured mean {drafted / drafts:.1f} tokens per draft over {one_line(acc.get('window_s'))}s"
     return out
 
 
@@ -367,11 +353,11 @@ def _print_twins(st: dict) -> None:
             continue
         mark = " (default route)" if e.get("current") else ""
         click.echo(
-            f"  engine {_text(e.get('engine'), 4)}   {_text(e.get('method'), 40)}: "
-            f"{'live' if e.get('live') else 'not live'}{mark}, {_text(e.get('routed', 0), 20)} routed, "
-            f"{_text(e.get('in_flight', 0), 20)} in flight"
+            f"  engine {one_line(e.get('engine'), 4)}   {one_line(e.get('method'), 40)}: "
+            f"{'live' if e.get('live') else 'not live'}{mark}, {one_line(e.get('routed', 0), 20)} routed, "
+            f"{one_line(e.get('in_flight', 0), 20)} in flight"
             + (
-                f", restarts {_text(e.get('restarts'), 20)}, pid {_text(e.get('engine_pid'), 20)}"
+                f", restarts {one_line(e.get('restarts'), 20)}, pid {one_line(e.get('engine_pid'), 20)}"
                 if "state" in e and not isinstance(e.get("remote"), dict)
                 else ""
             )
@@ -381,11 +367,11 @@ def _print_twins(st: dict) -> None:
     classes = routing.get("classes") if isinstance(routing.get("classes"), list) else []
     aliases = routing.get("aliases") if isinstance(routing.get("aliases"), dict) else {}
     if aliases:
-        shown = ", ".join(f"{_text(k, 64)} → {_text(v, 8)}" for k, v in list(aliases.items())[:20])
+        shown = ", ".join(f"{one_line(k, 64)} → {one_line(v, 8)}" for k, v in list(aliases.items())[:20])
         click.echo(f"  aliases    {shown}")
     if classes:
         click.echo(
-            f"  classes    by {_text(routing.get('class_key'), 20)}: class, verdict, acceptance, mean acceptance "
+            f"  classes    by {one_line(routing.get('class_key'), 20)}: class, verdict, acceptance, mean acceptance "
             "length, served on/off, tok/s on/off"
         )
     for row in classes[-20:]:
@@ -397,9 +383,9 @@ def _print_twins(st: dict) -> None:
         a, mal = _num(row.get("acceptance")), _num(row.get("mean_acceptance_length"))
         on, off = _num(row.get("tokens_per_s_on")), _num(row.get("tokens_per_s_off"))
         click.echo(
-            f"    {_text(row.get('class'), 64)}: {verdict}, acceptance {f'{a:.3f}' if a is not None else '-'}, "
+            f"    {one_line(row.get('class'), 64)}: {verdict}, acceptance {f'{a:.3f}' if a is not None else '-'}, "
             f"length {f'{mal:.2f}' if mal is not None else '-'}, "
-            f"{_text(row.get('served_on'), 20)}/{_text(row.get('served_off'), 20)}, "
+            f"{one_line(row.get('served_on'), 20)}/{one_line(row.get('served_off'), 20)}, "
             f"{f'{on:.1f}' if on is not None else '-'}/{f'{off:.1f}' if off is not None else '-'} tok/s"
         )
 
@@ -410,11 +396,11 @@ def _print_remote(r) -> None:
         return
     reported = r.get("reported_method")
     click.echo(
-        f"    remote   {_text(r.get('url'), 200)}: stands for {_text(r.get('method'), 40)}"
-        + (f" (reports {_text(reported, 40)})" if reported else " (not a specops proxy: /health)")
+        f"    remote   {one_line(r.get('url'), 200)}: stands for {one_line(r.get('method'), 40)}"
+        + (f" (reports {one_line(reported, 40)})" if reported else " (not a specops proxy: /health)")
         + f", health check {_ms(r.get('health_rtt_ms'))} (max {_ms(r.get('health_rtt_max_ms'))}), "
-        f"{_text(r.get('requests'), 20)} answered in {_ms(r.get('request_p50_ms'))} p50 / "
-        f"{_ms(r.get('request_p99_ms'))} p99, {_text(r.get('outages'), 20)} outages: {_text(r.get('reason'), 300)}"
+        f"{one_line(r.get('requests'), 20)} answered in {_ms(r.get('request_p50_ms'))} p50 / "
+        f"{_ms(r.get('request_p99_ms'))} p99, {one_line(r.get('outages'), 20)} outages: {one_line(r.get('reason'), 300)}"
     )
 
 
@@ -432,11 +418,11 @@ def _print_canary(canary) -> None:
         if not isinstance(c, dict):
             continue
         a, b = _num(c.get("canary_acceptance")), _num(c.get("current_acceptance"))
-        state = _text(c.get("state") or c.get("outcome"), 20)
+        state = one_line(c.get("state") or c.get("outcome"), 20)
         click.echo(
-            f"  canary     {what}: {_text(c.get('draft'), 200)} {state}, live acceptance "
+            f"  canary     {what}: {one_line(c.get('draft'), 200)} {state}, live acceptance "
             f"{f'{a:.3f}' if a is not None else '-'} against {f'{b:.3f}' if b is not None else '-'} "
-            f"(current draft): {_text(c.get('reason'), 300)}"
+            f"(current draft): {one_line(c.get('reason'), 300)}"
         )
         return
 
@@ -454,32 +440,34 @@ def print_goodput(st: dict) -> None:
     live = _num(last.get("live_tokens_per_s"))
     click.echo(
         f"  goodput    concurrency {'no reading yet' if conc is None else f'{conc:.2f}'}"
-        + (f" ({_text(last.get('concurrency_source'), 60)})" if last.get("concurrency_source") else "")
+        + (f" ({one_line(last.get('concurrency_source'), 60)})" if last.get("concurrency_source") else "")
         + (f", live {live:.1f} tok/s" if live is not None else "")
     )
     pred = last.get("predicted") if isinstance(last.get("predicted"), dict) else {}
-    shown = [f"{_text(k, 60)} {v:.1f}" for k, v in list(pred.items())[:20] if _num(v) is not None]
+    shown = [f"{one_line(k, 60)} {v:.1f}" for k, v in list(pred.items())[:20] if _num(v) is not None]
     if shown:
-        best = f" (best: {_text(last.get('best'), 60)})" if last.get("best") else ""
+        best = f" (best: {one_line(last.get('best'), 60)})" if last.get("best") else ""
         click.echo(f"  predicted  {', '.join(shown)} tok/s{best}")
     if last.get("reason"):
-        click.echo(f"  why        [{_text(last.get('rule'), 40)}] {_text(last.get('reason'), 400)}")
+        click.echo(f"  why        [{one_line(last.get('rule'), 40)}] {one_line(last.get('reason'), 400)}")
     aged = last.get("aged_acceptance") if isinstance(last.get("aged_acceptance"), dict) else {}
     for label, a in list(aged.items())[:10]:
         if isinstance(a, dict):
             click.echo(
-                f"  aged       {_text(label, 60)}: live acceptance {_text(a.get('age_s'), 20)}s old (weight "
-                f"{_text(a.get('weight'), 20)}, half-life {_text(a.get('half_life_s'), 20)}s), expected mean "
-                f"acceptance length {_text(a.get('expected_tau'), 20)}"
+                f"  aged       {one_line(label, 60)}: live acceptance {one_line(a.get('age_s'), 20)}s old (weight "
+                f"{one_line(a.get('weight'), 20)}, half-life {one_line(a.get('half_life_s'), 20)}s), expected mean "
+                f"acceptance length {one_line(a.get('expected_tau'), 20)}"
             )
     cost = _num((g or {}).get("switch_cost_s"))
     surface = (g or {}).get("surface") if isinstance((g or {}).get("surface"), dict) else None
     cross = surface.get("crossover") if surface and isinstance(surface.get("crossover"), dict) else {}
-    parts = [f"switch cost {cost:g}s ({_text((g or {}).get('switch_cost_basis'), 30)})"] if cost is not None else []
-    parts += [f"{_text(k, 60)} stops paying at c={_text(v, 20)}" for k, v in list(cross.items())[:10] if v is not None]
-    parts += [f"{_text(k, 60)} pays at every measured level" for k, v in list(cross.items())[:10] if v is None]
+    parts = [f"switch cost {cost:g}s ({one_line((g or {}).get('switch_cost_basis'), 30)})"] if cost is not None else []
+    parts += [
+        f"{one_line(k, 60)} stops paying at c={one_line(v, 20)}" for k, v in list(cross.items())[:10] if v is not None
+    ]
+    parts += [f"{one_line(k, 60)} pays at every measured level" for k, v in list(cross.items())[:10] if v is None]
     if surface is not None:
-        parts.append(f"surface of {_text(surface.get('date') or 'an unknown date', 40)}")
+        parts.append(f"surface of {one_line(surface.get('date') or 'an unknown date', 40)}")
     elif g is not None:
         parts.append("no surface: learned online")
     if parts:
@@ -491,12 +479,12 @@ def _print_reload(rel) -> None:
     if not isinstance(rel, dict):
         return
     click.echo(
-        f"  profile    sha256 {_text(rel.get('running_sha256'))[:16]}, {_text(rel.get('applied', 0))} reloads applied"
+        f"  profile    sha256 {one_line(rel.get('running_sha256'))[:16]}, {one_line(rel.get('applied', 0))} reloads applied"
     )
     rejected = rel.get("rejected")
     if isinstance(rejected, dict):
         click.echo(
-            f"  reload     profile reload rejected, keeps running the old config: {_text(rejected.get('message'), 600)}"
+            f"  reload     profile reload rejected, keeps running the old config: {one_line(rejected.get('message'), 600)}"
         )
 
 
@@ -506,18 +494,18 @@ def _print_fleet_slot(fleet) -> None:
         return
     since = _num(fleet.get("waiting_since"))
     if fleet.get("slot"):
-        now = f"holds {_text(fleet['slot'], 120)}" + (" (switching)" if fleet.get("switching") else "")
+        now = f"holds {one_line(fleet['slot'], 120)}" + (" (switching)" if fleet.get("switching") else "")
     elif since is not None:
         wait = format_duration(max(0, round(time.time() - since)))
-        now = f"waiting {wait} for a switch slot to go to {_text(fleet.get('wants'), 60)}"
+        now = f"waiting {wait} for a switch slot to go to {one_line(fleet.get('wants'), 60)}"
     else:
         now = "no switch pending"
     holders = fleet.get("holders") if isinstance(fleet.get("holders"), list) else []
-    held = f"; held by {', '.join(_text(h, 80) for h in holders[:10])}" if holders else ""
-    error = f"; error: {_text(fleet.get('error'), 300)}" if fleet.get("error") else ""
+    held = f"; held by {', '.join(one_line(h, 80) for h in holders[:10])}" if holders else ""
+    error = f"; error: {one_line(fleet.get('error'), 300)}" if fleet.get("error") else ""
     click.echo(
-        f"  fleet      {now} ({_text(fleet.get('coordination'))}, at most {_text(fleet.get('max_switching'))} "
-        f"switching, as {_text(fleet.get('identity'), 80)}){held}{error}"
+        f"  fleet      {now} ({one_line(fleet.get('coordination'))}, at most {one_line(fleet.get('max_switching'))} "
+        f"switching, as {one_line(fleet.get('identity'), 80)}){held}{error}"
     )
 
 
@@ -527,25 +515,25 @@ def _print_spot(spot) -> None:
         return
     last = spot.get("last") if isinstance(spot.get("last"), dict) else None
     if last is None:
-        seen = f"no check yet ({_text(spot.get('waiting') or 'waiting for the first interval', 300)})"
+        seen = f"no check yet ({one_line(spot.get('waiting') or 'waiting for the first interval', 300)})"
     else:
-        seen = f"last {_text(last.get('verdict'))}: " + ", ".join(
-            f"{_text(last.get(k, 0))} {k}" for k in ("identical", "tolerated", "diverged", "failed")
+        seen = f"last {one_line(last.get('verdict'))}: " + ", ".join(
+            f"{one_line(last.get(k, 0))} {k}" for k in ("identical", "tolerated", "diverged", "failed")
         )
     click.echo(
-        f"  spot       {seen}; {_text(spot.get('checks', 0))} checks, {_text(spot.get('skipped', 0))} skipped "
-        f"(vs {_text(spot.get('reference'), 200)})"
+        f"  spot       {seen}; {one_line(spot.get('checks', 0))} checks, {one_line(spot.get('skipped', 0))} skipped "
+        f"(vs {one_line(spot.get('reference'), 200)})"
     )
     div = spot.get("last_divergence")
     if isinstance(div, dict):
         ids = (  # where, not what: a divergence carries no text of the client's answer
-            f": token id {_text(div.get('spec_token_id'))} vs reference {_text(div.get('base_token_id'))}"
+            f": token id {one_line(div.get('spec_token_id'))} vs reference {one_line(div.get('base_token_id'))}"
             if "spec_token_id" in div
             else ""
         )
         click.echo(
-            f"  diverged   {_text(div.get('source'))} at {_text(div.get('unit'))} {_text(div.get('position'))}{ids}"
-            + (f" (text in {_text(spot.get('text_file'), 300)})" if spot.get("text_file") else "")
+            f"  diverged   {one_line(div.get('source'))} at {one_line(div.get('unit'))} {one_line(div.get('position'))}{ids}"
+            + (f" (text in {one_line(spot.get('text_file'), 300)})" if spot.get("text_file") else "")
         )
 
 
