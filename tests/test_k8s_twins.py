@@ -79,6 +79,23 @@ def test_twins_are_refused_in_a_multi_node_group(tmp_path):
     assert f"{path}:17:" in res.stderr and "routing.twins: a nnodes group runs one engine across 2 pods" in res.stderr
 
 
+def test_remote_twins_render_in_a_multi_node_group(tmp_path):
+    """A remote twin is another deployment: nothing of it runs in the group's pods, so the group renders (validated)
+    with the twin in its profile, and no note says engines share the pod."""
+    src = (ROOT / "tests/k8s_profiles/vllm-nnodes.yaml").read_text()
+    path = tmp_path / "group.yaml"
+    twin = {"url": "http://qwen3-plain:8000", "method": "none", "api_key_env": "SPECOPS_API_KEY"}
+    path.write_text(src + "fallback: {chain: [none]}\nrouting: {twins: [" + json.dumps(twin) + "]}\n")
+    res = _render(str(path))
+    assert res.code == 0, res.stderr
+    kinds = {o["kind"]: o for o in objects(res.stdout)}
+    assert "LeaderWorkerSet" in kinds
+    for obj in objects(res.stdout):
+        assert validate(obj) == [], obj["kind"]
+    assert yaml.safe_load(kinds["ConfigMap"]["data"]["profile.yaml"])["routing"]["twins"] == [twin]
+    assert "run in each pod's container" not in res.stderr
+
+
 def _tiny_gguf(dst: Path) -> Path:
     """A llama GGUF with the layer-skip fixture's attention shape (48 KiB of f16 KV cache a token), 4 MiB of
     weights."""

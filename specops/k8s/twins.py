@@ -6,6 +6,8 @@ and its memory limit. What the render checks and says about that:
 
 - a multi-node group (LeaderWorkerSet) runs one distributed engine whose worker pods follow the leader's method:
   a twin beside it has no ranks to run on, so the render refuses it;
+- a remote twin (another deployment, ``routing.twins`` entry with ``url``) runs nowhere in the pod: none of these
+  checks or notes concern it, so a profile whose twins are all remote renders as one without twins;
 - with ``deploy.resources.memory`` set and the model files local (sizes known), the twins' memory floor must fit
   the container's limit (an OOM kill restarts the whole pod, every engine at once);
 - a note says how many engines share the container, its GPUs and its memory, and what the readiness probe
@@ -49,7 +51,7 @@ def quantity_bytes(quantity: str) -> int | None:
 def twin_problems(loaded: LoadedProfile, mode: str | None) -> list[Problem]:
     """What stops a profile's twins from running in the rendered pod, each located at the field to change."""
     p = loaded.profile
-    if not p.routing.twins:
+    if not p.routing.local_twins:
         return []
     if mode is not None:
         return [
@@ -79,8 +81,8 @@ def twin_problems(loaded: LoadedProfile, mode: str | None) -> list[Problem]:
 
 
 def twin_notes(p) -> list[str]:
-    """What the render says about a pod with twins (nothing without them)."""
-    if not p.routing.twins:
+    """What the render says about a pod with twins running in it (nothing without them)."""
+    if not p.routing.local_twins:
         return []
     from specops.config.engines import gpu_shares, splits_gpu_by_share
 
