@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import ast
 import json
+import re
+import subprocess
+
+import pytest
 
 from specops.backends.render import render_plan
 from specops.config.profile import load_profile
@@ -82,8 +86,6 @@ def test_llamacpp_spec_type_generation_enables_a_draft_model_with_md_alone(tmp_p
 
 def test_a_malformed_version_is_refused_naming_where_it_came_from(tmp_path):
     """``--backend-version`` is refused by either backend; the profile's own field already by the loader, located."""
-    import pytest
-
     from specops.errors import SpecopsError
 
     llama = "name: m\nbackend: llamacpp\nmodel: {id: t.gguf}\nspeculative: {method: ngram}\n"
@@ -94,3 +96,29 @@ def test_a_malformed_version_is_refused_naming_where_it_came_from(tmp_path):
     path.write_text(EAGLE + "}\nengine: {version: '0.8.2; rm'}\n", encoding="utf-8")
     with pytest.raises(SpecopsError, match=r"v\.yaml:5:19: engine\.version: not a version"):
         load_profile(path, env={})
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(120)
+def test_llama_server_extra_args_take_either_spelling_its_help_lists(tmp_path):
+    """llama-server's --help pads a short alias to a column (``-t,    --threads N``): both spellings are options
+    of the build, so `specops render` against the probed binary takes ``--threads`` as it takes ``-t``."""
+    from support_cli import run
+    from support_engines import need_llama_server
+
+    from specops.backends.llamacpp import parse_help
+
+    exe = need_llama_server()
+    helptext = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60).stdout
+    flags, _ = parse_help(helptext)
+    pairs = re.findall(r"^(-[a-zA-Z][a-zA-Z-]*),\s+(--[a-z][a-z0-9-]*)", helptext, re.M)
+    assert ("-t", "--threads") in pairs
+    assert [p for p in pairs if not set(p) <= flags] == []
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "name: m\nbackend: llamacpp\nmodel: {id: /m/x.gguf}\nspeculative: {method: ngram}\ngpus: {devices: []}\n"
+        f"engine: {{executable: {json.dumps(str(exe))}}}\nserver: {{extra_args: [--threads, '1', -tb, '1']}}\n"
+    )
+    res = run("render", path)
+    assert res.code == 0, res.stderr
+    assert "--threads 1 -tb 1" in res.stdout

@@ -492,13 +492,14 @@ def probe_llama_server(exe: str) -> EngineInfo:
 def parse_help(text: str) -> tuple[set[str], set[str]]:
     """Flags a llama-server ``--help`` lists (each alias), minus removed ones, and the --spec-type values.
 
-    An entry is a line starting with ``-`` (aliases separated by ``, ``, then the value name) plus its
-    indented continuation lines; entries whose text says "has been removed" do not count.
+    An entry is a line starting with ``-`` (aliases separated by a comma and padding, ``-t,    --threads N``, then
+    the value name) plus its indented continuation lines; the description starts at the first run of spaces that
+    does not follow a comma. Entries whose text says "has been removed" do not count.
     """
     flags: set[str] = set()
     entries: list[tuple[list[str], str]] = []
     for line in text.splitlines():
-        m = re.match(r"^(-[^\s].*?)(?:\s{2,}(.*))?$", line)
+        m = re.match(r"^(-[^\s].*?)(?<![,\s])(?:\s{2,}(.*))?$", line)
         if m:
             names = [tok.split("=")[0] for tok in re.split(r",\s*", m.group(1))]
             names = [n.split()[0] for n in names if n.startswith("-")]
