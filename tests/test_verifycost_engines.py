@@ -1,18 +1,19 @@
-"""The verification-cost probe on a real llama-server (the tiny GGUF target): ``specops bench --probe-verify``
-measures a curve, stores it for this engine, model and machine, and ``advise`` and ``init`` then use it."""
+"""The verification-cost probe on a real llama-server (the tiny GGUF target and draft): ``specops bench
+--probe-verify`` times real speculative steps (prompt-lookup drafts of fixed sizes) at one request and at the
+profile's ``server.parallel``, and the draft model's own step, stores the record for this engine, model and
+machine, and ``advise`` and ``init`` then use it."""
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from specops.perf.verifycost import SIZES, curve_of
+from specops.perf.verifycost import SIZES, STEPS, curve_of, model_identity
 
 SPECOPS = Path(sys.executable).with_name("specops")
 
@@ -32,26 +33,30 @@ def specops(*args, env: dict, timeout: float = 180) -> subprocess.CompletedProce
 @pytest.mark.engines
 @pytest.mark.timeout(300)
 def test_probed_curve_is_stored_and_used_by_advise_and_init(tmp_path, tiny_gguf_models):
-    target = tiny_gguf_models / "gguf-target.gguf"
+    target = tiny_gguf_models / "gguf-cycle.gguf"  # its greedy answer cycles: lookups find drafts in it
     env = {"SPECOPS_STATE": str(tmp_path / "state"), "CUDA_VISIBLE_DEVICES": None}
+    draft = tiny_gguf_models / "gguf-draft-same.gguf"
     profile = tmp_path / "p.yaml"
     profile.write_text(
         f"name: probe\nbackend: llamacpp\nmodel:\n  id: {target}\n  max_model_len: 2048\n"
-        "speculative:\n  method: ngram\ngpus:\n  devices: []\nsupervisor:\n  stop_timeout: 10\n"
+        f"speculative:\n  method: draft_model\n  draft: {draft}\n  num_speculative_tokens: 4\n"
+        "gpus:\n  devices: []\nserver:\n  parallel: 2\nsupervisor:\n  stop_timeout: 10\n"
     )
     r = specops("bench", profile, "--probe-verify", "--json", "-q", env=env)
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)
-    rel = {int(n): v for n, v in rec["relative"].items()}
-    assert sorted(rel) == list(SIZES) and rec["t_step_ms"] > 0
-    assert rec["how"]["discarded"] <= len(SIZES)  # nearly every pass processed exactly its n new tokens
-    assert rec["device"].startswith("CPU: ") and rec["model"].startswith(str(target))
-    # the cost grows with the tokens verified (not strictly: one timed pass is a few tenths of a ms here)
-    assert rel[64] > rel[1]
-    assert statistics.median([rel[16], rel[32], rel[64]]) > statistics.median([rel[1], rel[2], rel[4]])
-    curve = curve_of(rec)
-    assert curve.at(1) + curve.per_token == pytest.approx(1.0)  # a step without speculation costs one step
+    assert rec["probe"] == STEPS and rec["device"].startswith("CPU: ") and rec["model"].startswith(str(target))
+    assert set(rec["batches"]) == {"1", "2"}  # one request, and server.parallel at once
+    for batch in rec["batches"].values():
+        timed = {int(n) for n in batch["relative"]}
+        assert timed | set(rec["skipped_sizes"]) == {*SIZES, 5} and batch["relative"]["1"] == 1.0  # 5: its k + 1
+        assert all(share >= 0.5 for share in batch["steps_that_drafted"].values())  # steps that really drafted
+        assert batch["t_step_ms"] > 0
+    assert rec["relative"] == rec["batches"]["1"]["relative"]  # the curve older readers read
+    ratio = rec["drafts"][model_identity(str(draft))]["ratio"]
+    assert set(ratio) == {"1", "2"} and all(v >= 0 for v in ratio.values())  # from the pair's own steps
     assert Path(rec["file"]).parent == tmp_path / "state" / "verify-cost"
+    assert "speculative steps at batch 2" in curve_of(rec, 2).source
 
     a = specops("advise", profile, "--alpha", "0.9", "-k", "4", "--json", env=env)
     assert a.returncode == 0, a.stderr

@@ -134,7 +134,8 @@ Examples:
 @click.option(
     "--draft-cost",
     type=float,
-    help="c for the model speedup column (default: the profile's fallback.draft_cost_ratio, else 0.05).",
+    help="c for the model speedup column (default: the profile's fallback.draft_cost_ratio, else the probed one: "
+    "0 for prompt lookup, a draft model's step over the target's; else 0.05).",
 )
 @click.option(
     "--busy-cores",
@@ -170,14 +171,15 @@ Examples:
 @click.option(
     "--probe-verify",
     is_flag=True,
-    help="Only probe the verification cost: launch the engine without speculation, time passes over "
-    "1..64 new tokens against a decode step, store the curve for advise/init/tune, print it (no bench).",
+    help="Only probe the verification cost: time the target's decode step, its speculative steps with "
+    "prompt-lookup drafts of fixed sizes (short launches, at one request and at server.parallel) and a draft "
+    "model's own step; store the curve for advise/init/tune/bench, print it (no bench).",
 )
 @click.option(
     "--no-probe",
     is_flag=True,
-    help="Never probe the verification cost during the bench: without a stored curve the model column assumes "
-    "verifying k+1 tokens costs one step, and says so (for quick runs; the probe adds a few dozen requests).",
+    help="Never probe the verification cost during the bench: the model column uses a stored curve as it is, "
+    "without one it assumes verifying k+1 tokens costs one step, and says so (the probe adds a few launches).",
 )
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output on stderr.")

@@ -37,9 +37,8 @@ from specops.methods import Method
 from specops.perf import cpuload
 from specops.perf.bench_flags import FlagThresholds
 from specops.perf.bench_report import BASE, SPEC, summarize
-from specops.perf.verifycost import CurveKey, cpu_model, load_record, probe_engine, usable_cores
+from specops.perf.verifycost import CurveKey, covers, cpu_model, load_record, probe_profile, save_curve, usable_cores
 from specops.perf.workload import BUILTIN_SETS, Prompt, load_prompts
-from specops.speedup import DEFAULT_DRAFT_COST
 
 DEFAULT_LEVELS = (1, 2, 4, 8)
 
@@ -137,6 +136,7 @@ async def run_bench(
     cfg.check()
     bench = _Bench(loaded, registry, cfg, say, progress or _Progress())
     started = time.time()
+    await bench.probe_verify_cost()
     for rnd in range(cfg.rounds):
         order = (SPEC, BASE) if rnd % 2 == 0 else (BASE, SPEC)
         if cfg.interleave:
@@ -249,28 +249,28 @@ class _Bench:
             }
         )
         await _warmup(eng, self.sets, self.cfg, self.extra)
-        if mode == BASE and self.verify_cost is None:
-            await self.probe_verify_cost(eng)
 
-    async def probe_verify_cost(self, eng) -> None:
-        """The verification-cost curve for the model column: the one stored for this engine, model and machine
-        (``specops bench --probe-verify`` re-measures it), else probed once on the baseline engine and stored
-        (for advise, init and tune); a probe that fails leaves c_verify ≡ 1, said in the report."""
+    async def probe_verify_cost(self) -> None:
+        """The verification-cost record for the model column, before the rounds: the one stored for this engine,
+        model and machine when it has timed speculative steps (and the draft model's step, where there is one;
+        ``specops bench --probe-verify`` re-measures it), else probed now (:func:`probe_profile`: a few short
+        launches) and stored for advise, init and tune. With --no-probe an older record is used as it is; without
+        any, or when the probe fails, c_verify ≡ 1, said in the report."""
         key = CurveKey.of(self.profiles[BASE], self.engine.version)
         stored = load_record(key)
-        if stored is not None:
-            self.verify_cost = {**stored, "probed": False}
+        if covers(stored, self.profiles[SPEC]) or (stored is not None and not self.cfg.probe):
+            self.verify_cost = {**stored, "file": str(key.path()), "probed": False}
             self.say(f"verification cost: the curve measured {stored.get('date')} ({key.path()})")
             return
         if not self.cfg.probe:
             self.verify_cost = {"probed": False, "error": "not probed (--no-probe)"}
             self.say("verification cost not probed (--no-probe): the model column assumes c_verify ≡ 1")
             return
+        loaded = LoadedProfile(self.profiles[SPEC], self.loaded.document, self.loaded.path)
         try:
-            protocol = self.registry.backend(self.profiles[BASE].backend).verify_probe
-            record, path = await probe_engine(eng, key, protocol)
+            record, path = save_curve(key, await probe_profile(loaded, self.registry, self.engine, say=self.say))
             self.verify_cost = {**record, "file": str(path), "probed": True}
-            self.say(f"verification cost probed: {record['relative']} (steps per pass over n tokens)")
+            self.say(f"verification cost probed: {record['relative']} (steps per speculative step over n tokens)")
         except SpecopsError as exc:
             self.verify_cost = {"probed": False, "error": str(exc)}
             self.say(f"verification cost not probed ({exc}): the model column assumes c_verify ≡ 1")
@@ -334,12 +334,10 @@ class _Bench:
         }
 
 
-def _draft_cost(cfg: BenchConfig, profile) -> float:
-    """The draft cost ratio c of the model speedup: --draft-cost, else the profile's, else the default."""
-    for c in (cfg.draft_cost, profile.fallback.draft_cost_ratio):
-        if c is not None:
-            return c
-    return DEFAULT_DRAFT_COST
+def _draft_cost(cfg: BenchConfig, profile) -> float | None:
+    """The draft cost ratio c of the model speedup when one is given (--draft-cost, else the profile's); None:
+    the report uses the probed one, else :data:`~specops.speedup.DEFAULT_DRAFT_COST` (and says which)."""
+    return cfg.draft_cost if cfg.draft_cost is not None else profile.fallback.draft_cost_ratio
 
 
 async def _warmup(eng, sets: dict[str, list[Prompt]], cfg: BenchConfig, extra) -> None:

@@ -9,13 +9,15 @@ without an engine.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from specops.methods import Method
 from specops.perf.bench_flags import FlagThresholds, cell_flags
 from specops.perf.plots import plot
 from specops.perf.stats import median, present
-from specops.perf.verifycost import curve_of
-from specops.speedup import VerifyCost, cost_basis, speedup_from_length
+from specops.perf.verifycost import STEPS, curve_of, draft_ratio
+from specops.speedup import DEFAULT_DRAFT_COST, VerifyCost, cost_basis, speedup_from_length
 
 SPEC, BASE = "spec", "base"
 
@@ -32,13 +34,12 @@ def summarize(cells: list[dict], meta: dict) -> dict:
     tokens lets one stalled cell carry it. The overall speedup needs two rounds or more (one round cannot tell
     a busy machine or a stall from the engine). Each cell carries its flags (:mod:`specops.perf.bench_flags`).
     """
-    c = meta.get("settings", {}).get("draft_cost_ratio")
-    curve = _verify_curve(meta)
-    meta = {**meta, "model_basis": cost_basis(curve)}
+    model = _Model.of(meta)
+    meta = {**meta, "model_basis": model.basis()}
     sets = list(dict.fromkeys(cell["set"] for cell in cells))
     levels = sorted({cell["concurrency"] for cell in cells})
     rows = [
-        _speedup_row([x for x in cells if x["set"] == s and x["concurrency"] == lv], s, lv, c, curve)
+        _speedup_row([x for x in cells if x["set"] == s and x["concurrency"] == lv], s, lv, model)
         for s in sets
         for lv in levels
     ]
@@ -122,16 +123,66 @@ def _drafting(cells: list[dict]) -> dict:
     }
 
 
-def _verify_curve(meta: dict) -> VerifyCost | None:
-    """The verification-cost curve the bench probed (or found stored), or None: the model assumes c_verify ≡ 1."""
-    record = meta.get("verify_cost")
-    try:
-        return curve_of(record) if isinstance(record, dict) and record.get("relative") else None
-    except ValueError:
-        return None
+@dataclass(frozen=True)
+class _Model:
+    """What the model column prices a cell with: the verification-cost record the bench probed (or found stored;
+    None: c_verify ≡ 1), c as given (``--draft-cost``, the profile's ``fallback.draft_cost_ratio``) else measured,
+    and the batch the engine decodes at a concurrency (at most ``server.parallel`` requests at once)."""
+
+    record: dict | None
+    given_c: float | None
+    method: str | None
+    draft: str | None
+    parallel: int | None
+
+    @classmethod
+    def of(cls, meta: dict) -> _Model:
+        record = meta.get("verify_cost")
+        try:
+            record = record if isinstance(record, dict) and record.get("relative") and curve_of(record) else None
+        except ValueError:
+            record = None
+        profile = meta.get("profile") or {}
+        return cls(
+            record,
+            (meta.get("settings") or {}).get("draft_cost_ratio"),
+            profile.get("method"),
+            profile.get("draft"),
+            profile.get("parallel"),
+        )
+
+    def batch(self, level: int) -> int:
+        return min(level, self.parallel) if self.parallel else level
+
+    def curve(self, level: int) -> VerifyCost | None:
+        return None if self.record is None else curve_of(self.record, self.batch(level))
+
+    def draft_cost(self, level: int) -> tuple[float, str]:
+        """c at ``level`` and where it came from."""
+        if self.given_c is not None:
+            return self.given_c, "given"
+        if self.record is not None and self.record.get("probe") == STEPS:
+            if self.method in (Method.NGRAM.value, Method.SUFFIX.value):
+                return 0.0, "in the measured steps (prompt lookup)"
+            measured = draft_ratio(self.record, self.draft, self.batch(level))
+            if measured is not None:
+                return measured, "measured (the draft's own decode step)"
+        return DEFAULT_DRAFT_COST, "assumed (the default; not measured)"
+
+    def basis(self) -> str:
+        c, how = self.draft_cost(1)
+        return f"{cost_basis(self.curve(1))}; c {how}"
+
+    def predict(self, mal: float, draft_len: float, level: int) -> dict:
+        c, how = self.draft_cost(level)
+        return {
+            "model_speedup": speedup_from_length(max(mal, 1.0), draft_len, c, self.curve(level)),
+            "model_batch": self.batch(level),
+            "model_draft_cost": c,
+        }
 
 
-def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None, curve: VerifyCost | None) -> dict:
+def _speedup_row(cells: list[dict], set_name: str, level: int, model: _Model) -> dict:
     """One (set, level): medians over rounds on each side, and their ratio; beside them the model's prediction
     from the measured mean acceptance and draft lengths, with the probed verification cost when there is one."""
 
@@ -140,9 +191,9 @@ def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None, 
     base_tps = median([x["tokens_per_s"] for x in bs])
     drafting = _drafting(cells)
     mal, draft_len = drafting["mean_acceptance_length"], drafting["mean_draft_length"]
-    model = None
-    if mal is not None and draft_len is not None and c is not None:
-        model = speedup_from_length(max(mal, 1.0), draft_len, c, curve)
+    predicted = {"model_speedup": None}
+    if mal is not None and draft_len is not None:
+        predicted = model.predict(mal, draft_len, level)
     row = {
         "set": set_name,
         "concurrency": level,
@@ -150,7 +201,7 @@ def _speedup_row(cells: list[dict], set_name: str, level: int, c: float | None, 
         "base_tokens_per_s": base_tps,
         "speedup": _ratio(spec_tps, base_tps),
         **drafting,
-        "model_speedup": model,
+        **predicted,
     }
     for name in ("ttft", "itl", "tpot"):
         row[f"spec_{name}_ms"] = median([x[f"{name}_ms"]["median"] for x in sp])
@@ -211,7 +262,7 @@ def _md_header(report: dict) -> list[str]:
         + "; medians over rounds",
         f"- speedup = tokens/s with speculation ÷ tokens/s without, same engine and model, one run; "
         f"model speedup = measured mean acceptance length / (k·c + c_verify(k+1)), k the measured mean draft "
-        f"length, c = {s['draft_cost_ratio']}, {report.get('model_basis') or cost_basis(None)}",
+        f"length, c the draft's cost, {report.get('model_basis') or cost_basis(None)}",
         "",
     ]
 

@@ -1,24 +1,32 @@
-"""The verification-cost curve of a running engine, probed on the machine it runs on, and kept per machine.
+"""The verification-cost curve of an engine, probed on the machine it runs on from real speculative steps, and
+kept per machine.
 
-The speedup model (:mod:`specops.speedup`) needs c_verify(n): what one target pass over n new tokens (on top of
-a cached context) costs, in target decode steps. On a GPU at batch 1 it is nearly 1 until the pass is
-compute-bound; on a CPU it grows with n. :func:`probe` measures it at n = 1, 2, 4, … 64, against a decode step:
+The speedup model (:mod:`specops.speedup`) needs c_verify(n): what one speculative step whose target pass covers
+n = k + 1 tokens (k drafted) costs, in target decode steps, and c: what one draft step costs. A prompt pass is no
+stand-in for the first: it computes the output layer for its last position only, verification for every drafted
+one (on Gemma 3's 262,144 × 640 output layer that doubled a step's cost). So :func:`probe_profile` times the
+steps the engine really takes:
 
-- **llama-server** (all measured, by the engine's own clock): a ``/completion`` whose prompt is a cached prefix
-  (``cache_prompt: true``, pinned to slot 0) plus n new tokens, ``n_predict: 1``; its ``timings.prompt_ms``
-  (requests whose ``timings.prompt_n`` is not exactly n are discarded). Before each, a primer request (the
-  prefix + 5 other tokens): a model with sliding-window attention (Gemma 3) reuses its cache only up to a
-  checkpoint 5 tokens before the previous prompt's end, so without it a pass would redo the prefix's tail.
-  t_step is ``timings.predicted_per_token_ms`` of a short decode on the same prefix.
-- **vLLM** (OpenAI API, prefix caching on): the time to first token (TTFT, measured here) of the cached prefix
-  plus n tokens, and the inter-token time of a streamed decode (measured). t_verify(n) is *inferred* as
-  t_step + max(0, TTFT(n) − TTFT(1)): what n tokens add to a pass over one.
+- **a decode step** (t_step, measured): the target launched without speculation decodes a text, ``batch``
+  requests at once; llama-server's ``timings.predicted_ms`` over its steps, vLLM's time between streamed chunks.
+- **a speculative step of k drafts** (measured): the target relaunched with prompt-lookup drafts of exactly k
+  tokens (llama-server: ngram-mod with ``--spec-ngram-mod-n-min`` = ``-n-max`` = k; vLLM: ngram with
+  ``num_speculative_tokens`` k) decodes a prompt that repeats one sentence, so every step finds a draft and the
+  target (greedy) accepts nearly all of it. A request's decode time and its steps come from the engine
+  (llama-server: ``predicted_n - 1 - draft_n_accepted`` steps in ``predicted_ms``; vLLM: one streamed chunk a
+  step); its drafts from ``draft_n`` (llama-server) or the spec-decode counters (vLLM). Steps without a draft are
+  priced at t_step; c_verify(k + 1) = the rest per draft / t_step. It includes the lookup (what prompt-lookup
+  drafting costs) and the sampling of every kept token, as the engine pays them.
+- **batches**: both at one request and at the profile's ``server.parallel`` requests at once (what the engine
+  batches at four clients); the model reads the curve of a cell's batch, interpolated between the two.
+- **a draft model's cost** (measured from real steps, c inferred): the profile itself, drafting exactly its k
+  tokens by its draft model, decodes the same prompt (the draft copies it too); c = (its step − prompt lookup's
+  step at the same k, at the same batch) / (k · t_step): the draft's k steps, its catch-up pass over the kept
+  tokens, and how the engine schedules them for a batch, as the engine pays them.
 
-Each point is the median of ``repeats`` requests, sizes interleaved so drift hits all alike. The relative cost
-is t_verify(n) / t_step; below 1 at n = 1 it says how much of a decode step is paid per token outside the
-forward pass (sampling over the vocabulary, …), which speculation does not amortize (:class:`VerifyCost`). One caveat, said in every curve: an engine's prompt pass computes the output layer
-for its last position only, verification for all n; the curve is a lower bound where the output layer is a
-large share of the model (Gemma 3: a 262,144 × 640 layer, most of its per-token compute).
+n = 1 is a plain decode step: exactly 1. On llama-server every n of :data:`SIZES` is probed (a launch takes
+seconds); on vLLM (a launch takes a minute on 2 cores) n = 1 and the profile's own k + 1. What the model does not
+see: prefill (a draft model re-reads every prompt) and requests that end early at high concurrency.
 
 The curve is stored as a small JSON in the state folder (``verify-cost/``: a measurement of this machine, like
 an instance's state; ``$SPECOPS_STATE``), keyed by engine, engine version, model and device (CPU model and
@@ -40,26 +48,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specops.errors import SpecopsError
+from specops.methods import Method
 from specops.paths import private_dir, state_dir
 from specops.speedup import VerifyCost
 
-#: The draft lengths + 1 probed (n new tokens per pass).
+#: Tokens per target pass probed, n = k + 1 (n = 1: a plain decode step).
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-#: Tokens of cached context every probed pass sits on.
-PREFIX_TOKENS = 128
-REPEATS = 5
-#: Tokens after the prefix in the primer request (llama-server checkpoints an SWA cache this far before the end).
-PRIMER_TOKENS = 5
-#: Tokens decoded to time one step.
-DECODE_TOKENS = 16
-CAVEAT = (
-    "a prompt pass computes the output layer for its last position only, verification for every position: "
-    "a lower bound where the output layer is a large share of the model"
-)
-#: Words the probe's text is made of (any text does: only token counts matter).
+#: The probe's prompt: one sentence of this many tokens, repeated, so every step finds a draft to look up.
+CYCLE_TOKENS = 32
+CYCLE_REPEATS = 6
+#: Tokens of the target's own greedy answer appended to it (see :func:`with_own_continuation`).
+CONTINUATION_TOKENS = 64
+#: Speculative steps a request makes (all drafts accepted); a plain decode makes DECODE_TOKENS steps.
+STEPS_PER_REQUEST = 8
+DECODE_TOKENS = 48
+REPEATS = 3
+#: What :func:`probe_profile` writes in ``probe`` (a record without it timed prompt passes: a lower bound).
+STEPS = "speculative-steps"
 #: The probe's two ways to talk to an engine (a backend's ``verify_probe``).
 LLAMA_SERVER, OPENAI = "llama-server", "openai"
-
+#: Words the probe's text is made of (any text does: only token counts matter).
 _WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wizards quietly boxed jam pots under "
     "bright harbour lamps and every sailor counted ropes beside old wooden crates of spice"
@@ -161,20 +169,73 @@ def curves_dir() -> Path:
 
 
 def save_curve(key: CurveKey, record: dict, root: Path | None = None) -> tuple[dict, Path]:
-    """Write the probe's ``record`` (see :func:`probe`) for ``key``; returns it with the key, and the file."""
+    """Write the probe's ``record`` (see :func:`probe_profile`) for ``key``; returns it with the key, and the file.
+    Draft costs stored earlier for the same key and kind of probe are kept beside the new ones."""
     path = key.path(root)
     private_dir(path.parent)
+    old = load_record(key, root)
+    drafts = (old or {}).get("drafts") if (old or {}).get("probe") == record.get("probe") else None
     data = {"engine": key.engine, "version": key.version, "model": key.model, "device": key.device, **record}
+    if drafts:
+        data["drafts"] = {**drafts, **(record.get("drafts") or {})}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     tmp.replace(path)
     return data, path
 
 
-def curve_of(record: dict) -> VerifyCost:
-    """The :class:`VerifyCost` of a stored or fresh record; ValueError when it holds none."""
+def _batches(record: dict) -> dict[int, dict]:
+    """The record's curves by batch size: ``batches``, or its one curve (``relative``) at batch 1."""
+    out = {}
+    for b, curve in (record.get("batches") or {}).items():
+        if isinstance(curve, dict) and str(b).isdigit() and int(b) >= 1 and curve.get("relative"):
+            out[int(b)] = curve["relative"]
+    return out or {1: record.get("relative") or {}}
+
+
+def _between(by_batch: dict[int, dict], batch: int) -> tuple[dict, str]:
+    """The relative costs at ``batch``: a measured batch's, else linear between the two around it (at the sizes
+    both have), else the nearest one's; and which batches it came from."""
+    sizes = sorted(by_batch)
+    lo = max((b for b in sizes if b <= batch), default=sizes[0])
+    hi = min((b for b in sizes if b >= batch), default=sizes[-1])
+    if lo == hi:
+        return by_batch[lo], f"batch {lo}"
+    w = (batch - lo) / (hi - lo)
+    common = [n for n in by_batch[lo] if n in by_batch[hi]]
+    mixed = {n: float(by_batch[lo][n]) + w * (float(by_batch[hi][n]) - float(by_batch[lo][n])) for n in common}
+    return mixed, f"batch {batch} between {lo} and {hi}"
+
+
+def curve_of(record: dict, batch: int = 1) -> VerifyCost:
+    """The :class:`VerifyCost` of a stored or fresh record at ``batch`` requests decoded at once; ValueError when
+    it holds none."""
+    costs, which = _between(_batches(record), max(1, int(batch)))
     source = f"{record.get('engine')} {record.get('version')} on {record.get('device')}, {record.get('date')}"
-    return VerifyCost.from_mapping(record.get("relative") or {}, source)
+    if record.get("probe") == STEPS:
+        source += f", speculative steps at {which}"
+    return VerifyCost.from_mapping(costs, source)
+
+
+def draft_ratio(record: dict, draft: str | None, batch: int = 1) -> float | None:
+    """c: the measured cost of a step of the draft model ``draft`` in target steps at ``batch`` (interpolated as
+    the curve is), or None when the record has not measured that draft."""
+    drafts = record.get("drafts") or {}
+    entry = drafts.get(model_identity(draft)) if draft else None
+    entry = entry or next((d for d in drafts.values() if draft and d.get("path") == draft), None)
+    ratios = {int(b): {"c": v} for b, v in ((entry or {}).get("ratio") or {}).items() if str(b).isdigit()}
+    if not ratios:
+        return None
+    return float(_between(ratios, max(1, int(batch)))[0]["c"])
+
+
+def covers(record: dict | None, profile) -> bool:
+    """Whether ``record`` holds what the model needs for ``profile``: speculative steps, and the cost of its
+    draft model when it has one."""
+    if not record or record.get("probe") != STEPS:
+        return False
+    spec = profile.speculative
+    return spec.method is not Method.DRAFT_MODEL or draft_ratio(record, spec.draft) is not None
 
 
 def load_record(key: CurveKey, root: Path | None = None) -> dict | None:
@@ -187,7 +248,7 @@ def load_record(key: CurveKey, root: Path | None = None) -> dict | None:
             return None
         curve_of(data)
         return data
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError, TypeError, AttributeError):
         return None
 
 
@@ -244,69 +305,64 @@ def _text(words: int) -> str:
     return " ".join(_WORDS[(i * 7 + i // len(_WORDS)) % len(_WORDS)] for i in range(words))
 
 
-def _tokens(http: _Http, protocol: str, model: str, need: int) -> list[int]:
-    """At least ``need`` token ids of the probe's text, by the engine's own tokenizer."""
-    words = need * 2
-    body = {"content": _text(words)} if protocol == LLAMA_SERVER else {"model": model, "prompt": _text(words)}
+def cycle_prompt(http: _Http, protocol: str, model: str) -> list[int]:
+    """The probe's prompt, by the engine's own tokenizer: one sentence of :data:`CYCLE_TOKENS` tokens, repeated."""
+    return _tokenize(http, protocol, model, _text(CYCLE_TOKENS))[:CYCLE_TOKENS] * CYCLE_REPEATS
+
+
+def _tokenize(http: _Http, protocol: str, model: str, text: str) -> list[int]:
+    if protocol == LLAMA_SERVER:
+        body: dict = {"content": text}
+    else:
+        body = {"model": model, "prompt": text, "add_special_tokens": False}
     out = http.post("/tokenize", body)
     ids = out.get("tokens") if isinstance(out, dict) else None
-    if not isinstance(ids, list) or len(ids) < need:
-        raise SpecopsError(f"{http.base}/tokenize gave {len(ids or [])} tokens for {words} words; {need} needed")
+    if not isinstance(ids, list) or len(ids) < min(CYCLE_TOKENS, len(text.split())):
+        raise SpecopsError(f"{http.base}/tokenize gave {len(ids or [])} tokens for {len(text.split())} words")
     return [int(t) for t in ids]
 
 
-def _suffix(ids: list[int], rnd: int, n: int) -> list[int]:
-    """n new tokens, a different slice every request (so nothing after the prefix is cached)."""
-    start = PREFIX_TOKENS + (rnd * 13 + n * 5) % (len(ids) - PREFIX_TOKENS - n)
-    return ids[start : start + n]
+def with_own_continuation(http: _Http, protocol: str, model: str, prompt: list[int]) -> list[int]:
+    """``prompt`` and what the target decodes after it (greedy): a real model copies the repeated sentence, a
+    model that does not still repeats its own answer, so lookups find drafts either way."""
+    if protocol == LLAMA_SERVER:
+        body = {"prompt": prompt, "n_predict": CONTINUATION_TOKENS, "temperature": 0.0, "return_tokens": True}
+        out = http.post("/completion", body)
+        ids = out.get("tokens")
+        text = out.get("content") or ""
+    else:
+        body = {"model": model, "prompt": prompt, "max_tokens": CONTINUATION_TOKENS, "temperature": 0.0}
+        ids, text = None, ((http.post("/v1/completions", body).get("choices") or [{}])[0].get("text") or "")
+    if not (isinstance(ids, list) and ids):
+        ids = _tokenize(http, protocol, model, text) if text.strip() else []
+    return prompt + [int(t) for t in ids]
 
 
-def _probe_llamacpp(http: _Http, ids: list[int], sizes, repeats: int) -> tuple[dict, float, dict]:
-    prefix = ids[:PREFIX_TOKENS]
-    common = {"cache_prompt": True, "id_slot": 0, "temperature": 0.0}
-    http.post("/completion", {**common, "prompt": prefix, "n_predict": 1})  # the prefix, cached from now on
-    http.post("/completion", {**common, "prompt": prefix + _suffix(ids, repeats, max(sizes)), "n_predict": 4})  # warm
-    steps, times = [], {n: [] for n in sizes}
-    discarded = 0
-    primer = prefix + ids[-PRIMER_TOKENS:]
-    for rnd in range(repeats):
-        for n in sizes:
-            http.post("/completion", {**common, "prompt": primer, "n_predict": 1})
-            t = http.post("/completion", {**common, "prompt": prefix + _suffix(ids, rnd, n), "n_predict": 1})
-            tm = t.get("timings") or {}
-            if tm.get("prompt_n") == n and tm.get("prompt_ms"):
-                times[n].append(float(tm["prompt_ms"]))
-            else:
-                discarded += 1
-        body = {**common, "prompt": prefix, "n_predict": DECODE_TOKENS, "ignore_eos": True}
-        tm = http.post("/completion", body).get("timings") or {}
-        if tm.get("predicted_n", 0) >= 2 and tm.get("predicted_per_token_ms"):
-            steps.append(float(tm["predicted_per_token_ms"]))
-    if not steps:
-        raise SpecopsError(f"{http.base}: no decode reported timings.predicted_per_token_ms")
-    t_step = statistics.median(steps)
-    verify = {n: statistics.median(v) for n, v in times.items() if v}
-    how = {
-        "measured": "t_verify(n): timings.prompt_ms of n new tokens on a cached prefix; t_step: "
-        "timings.predicted_per_token_ms of a decode",
-        "inferred": "nothing",
-        "discarded": discarded,
-    }
-    return verify, t_step, how
+@dataclass(frozen=True)
+class _Decode:
+    """What one request of the probe took: ``wall_ms`` for ``steps`` decode steps after its first token, of which
+    ``drafted`` tokens were drafted (None where the engine says so only in its counters)."""
+
+    wall_ms: float
+    steps: int
+    drafted: int | None
 
 
-def _stream(http: _Http, model: str, prompt: list[int], max_tokens: int) -> list[float]:
-    """Seconds from sending to each streamed chunk that carries text."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    t0 = time.perf_counter()
-    stamps = []
+def _llama_decode(http: _Http, model: str, prompt: list[int], tokens: int) -> _Decode:
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0.0, "ignore_eos": True, "cache_prompt": True}
+    tm = http.post("/completion", body).get("timings") or {}
+    n, ms = tm.get("predicted_n"), tm.get("predicted_ms")
+    if not isinstance(n, int) or not isinstance(ms, (int, float)) or n < 2:
+        raise SpecopsError(f"{http.base}/completion reported no timings.predicted_n/predicted_ms")
+    accepted = int(tm.get("draft_n_accepted") or 0)
+    return _Decode(float(ms), n - 1 - accepted, int(tm.get("draft_n") or 0))
+
+
+def _openai_decode(http: _Http, model: str, prompt: list[int], tokens: int) -> _Decode:
+    """A streamed completion: vLLM sends one chunk a step (every token that step kept)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True}
+    body["ignore_eos"] = True
+    t0, stamps = time.perf_counter(), []
     with http.open("/v1/completions", body) as resp:
         for raw in resp:
             line = raw.strip()
@@ -318,119 +374,230 @@ def _stream(http: _Http, model: str, prompt: list[int], max_tokens: int) -> list
                 continue
             if choice.get("text"):
                 stamps.append(time.perf_counter() - t0)
-    return stamps
+    if len(stamps) < 3:
+        raise SpecopsError(f"{http.base}: the engine streamed too few chunks to time a step")
+    return _Decode((stamps[-1] - stamps[0]) * 1000, len(stamps) - 1, None)
 
 
-def _probe_vllm(http: _Http, model: str, ids: list[int], sizes, repeats: int) -> tuple[dict, float, dict]:
-    prefix = ids[:PREFIX_TOKENS]
-    _stream(http, model, prefix + ids[PREFIX_TOKENS : PREFIX_TOKENS + 1], 1)  # the prefix, cached from now on
-    ttft, itl = {n: [] for n in sizes}, []
-    for rnd in range(repeats):
-        for n in sizes:
-            stamps = _stream(http, model, prefix + _suffix(ids, rnd, n), 1)
-            if stamps:
-                ttft[n].append(stamps[0] * 1000)
-        stamps = _stream(http, model, prefix, DECODE_TOKENS)
-        if len(stamps) >= 3:
-            itl.append((stamps[-1] - stamps[0]) * 1000 / (len(stamps) - 1))
-    if not itl or not ttft[1]:
-        raise SpecopsError(f"{http.base}: the engine streamed too few tokens to time a step")
-    t_step, base = statistics.median(itl), statistics.median(ttft[1])
-    verify = {n: t_step + max(0.0, statistics.median(v) - base) for n, v in ttft.items() if v}
-    how = {
-        "measured": "TTFT of a cached prefix + n new tokens (max_tokens 1); t_step: the inter-token time of a "
-        "streamed decode",
-        "inferred": "t_verify(n) = t_step + max(0, TTFT(n) - TTFT(1))",
-        "discarded": 0,
-    }
-    return verify, t_step, how
+def _burst(http: _Http, protocol: str, model: str, prompt: list[int], tokens: int, batch: int) -> list[_Decode]:
+    """``batch`` identical requests at once (the engine decodes them as one batch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    decode = _llama_decode if protocol == LLAMA_SERVER else _openai_decode
+    with ThreadPoolExecutor(batch) as pool:
+        return list(pool.map(lambda _: decode(http, model, prompt, tokens), range(batch)))
 
 
-def probe(
-    base_url: str,
-    protocol: str,
-    model: str,
-    *,
-    api_key: str | None = None,
-    sizes=SIZES,
-    repeats: int = REPEATS,
-    timeout: float = 120.0,
-) -> dict:
-    """Probe the running engine at ``base_url`` (``protocol``: its backend's ``verify_probe``, ``llama-server`` or
-    ``openai``; ``model``: the name it serves) and return the record: milliseconds per size, t_step, ``relative`` (n → t_verify(n) / t_step), how
-    each was obtained, and when. Raises SpecopsError when the engine does not answer as expected."""
+async def _decodes(eng, http: _Http, protocol: str, prompt: list[int], tokens: int, batch: int, repeats: int):
+    """``repeats`` bursts, after one unmeasured; the requests, and the drafts the engine's counters saw."""
+    import asyncio
+
+    await asyncio.to_thread(_burst, http, protocol, eng.model_name, prompt, min(tokens, 8), batch)
+    counted = eng.k and protocol == OPENAI  # llama-server says each request's drafts in its timings
+    before = await eng.counters() if counted else None
+    out: list[_Decode] = []
+    for _ in range(repeats):
+        out += await asyncio.to_thread(_burst, http, protocol, eng.model_name, prompt, tokens, batch)
+    drafts = (await eng.acceptance_since(before)).drafts if counted else None
+    return out, drafts
+
+
+def _step_ms(decodes: list[_Decode]) -> float:
+    return statistics.median(d.wall_ms / d.steps for d in decodes if d.steps > 0)
+
+
+def _spec_step_ms(decodes: list[_Decode], k: int, counted_drafts: float | None, t_step: float) -> tuple[float, float]:
+    """The time of one speculative step with a k-token draft, and the share of steps that drafted: the requests'
+    decode time, less their draft-less steps at ``t_step``, over their drafts (from ``draft_n`` / k, rounded up
+    for a last draft cut short by the request's end, else the counters)."""
+    steps = sum(d.steps for d in decodes)
+    if all(d.drafted is not None for d in decodes):
+        drafts = float(sum(-(-(d.drafted or 0) // k) for d in decodes))
+    else:
+        drafts = float(counted_drafts or 0.0)
+    drafts = min(drafts, float(steps))
+    if steps <= 0 or drafts < steps / 2:
+        raise SpecopsError(f"drafts of {k} tokens were found in {drafts:.0f} of {steps} steps: too few to time one")
+    wall = sum(d.wall_ms for d in decodes)
+    return (wall - (steps - drafts) * t_step) / drafts, drafts / steps
+
+
+def fixed_ngram(profile, k: int, protocol: str):
+    """``profile`` drafting by prompt lookup exactly ``k`` tokens a step (the probe's speculative engine)."""
+    spec = profile.speculative.model_copy(
+        update={"method": Method.NGRAM, "draft": None, "draft_file": None, "num_speculative_tokens": k}
+    )
+    server = profile.server
+    if protocol == LLAMA_SERVER:
+        spec = spec.model_copy(update={"ngram": spec.ngram.model_copy(update={"type": "ngram-mod"})})
+        args, skip = [], False
+        for arg in server.extra_args:  # the profile's own n-gram sizes give way to the probe's
+            if skip:
+                skip = False
+                continue
+            if arg.startswith("--spec-ngram-mod-"):
+                skip = "=" not in arg
+                continue
+            args.append(arg)
+        args += ["--spec-ngram-mod-n-match", "4", "--spec-ngram-mod-n-min", str(k), "--spec-ngram-mod-n-max", str(k)]
+        server = server.model_copy(update={"extra_args": args})
+    return profile.model_copy(update={"speculative": spec, "server": server})
+
+
+def fixed_draft(profile, k: int, protocol: str):
+    """``profile`` (a draft model) drafting exactly ``k`` tokens a step, as the engine runs it."""
+    update: dict = {"num_speculative_tokens": k}
+    if protocol == LLAMA_SERVER:
+        update["num_speculative_tokens_min"] = k  # llama-server drafts fewer when the draft is unsure
+    return profile.model_copy(update={"speculative": profile.speculative.model_copy(update=update)})
+
+
+def probe_plan(profile, protocol: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The sizes n (tokens per pass) and the batches the probe times for ``profile``: every size on llama-server,
+    1 and the profile's k + 1 on an engine slow to launch (and k + 1 wherever a draft model drafts k); batch 1
+    and ``server.parallel`` (when above 1)."""
+    parallel = profile.server.parallel or 1
+    batches = (1, parallel) if parallel > 1 else (1,)
+    own = max(1, profile.speculative.k) + 1
+    if protocol != LLAMA_SERVER:
+        return (1, own), batches
+    return tuple(sorted(set(SIZES) | ({own} if _drafts_by_model(profile) else set()))), batches
+
+
+def _drafts_by_model(profile) -> bool:
+    return profile.speculative.method is Method.DRAFT_MODEL and bool(profile.speculative.draft)
+
+
+def _fits(profile, n: int, batch: int) -> bool:
+    """Whether ``batch`` requests of the probe's prompt and its drafts of n - 1 tokens fit the context."""
+    need = CYCLE_TOKENS * CYCLE_REPEATS + CONTINUATION_TOKENS + 1 + STEPS_PER_REQUEST * n
+    per_slot = profile.model.max_model_len // (profile.server.parallel or 1) if profile.model.max_model_len else need
+    return need <= per_slot and batch >= 1
+
+
+async def probe_profile(loaded, registry, engine, *, repeats: int = REPEATS, say=lambda m: None) -> dict:
+    """Time ``loaded``'s target on ``engine`` (decode steps, and speculative steps at each size of
+    :func:`probe_plan`) and its draft model's decode step when it has one; returns the record (see the module)."""
+    from specops.perf.launch import launched, without_speculation
+
+    profile = loaded.profile
+    base = without_speculation(profile)
+    protocol = registry.backend(base.backend).verify_probe
     if protocol not in (LLAMA_SERVER, OPENAI):
         raise SpecopsError(f"no verification-cost probe for this engine (its backend's verify_probe is {protocol!r})")
-    if repeats < 1 or not sizes or 1 not in sizes:
-        raise SpecopsError("the probe needs repeats >= 1 and sizes that include 1")
-    http = _Http(base_url, api_key, timeout)
-    need = PREFIX_TOKENS + 2 * max(sizes) + 13 * repeats
-    ids = _tokens(http, protocol, model, need)
+    sizes, batches = probe_plan(profile, protocol)
     started = time.time()
-    if protocol == LLAMA_SERVER:
-        verify, t_step, how = _probe_llamacpp(http, ids, sizes, repeats)
-    else:
-        verify, t_step, how = _probe_vllm(http, model, ids, sizes, repeats)
-    if 1 not in verify:
-        raise SpecopsError(f"{base_url}: no pass over one new token was timed")
+
+    async with launched(loaded, registry, profile=base, engine=engine) as eng:
+        http = _Http(eng.base_url, eng.api_key, 600.0)
+        served = eng.model_name
+        prompt = with_own_continuation(http, protocol, served, cycle_prompt(http, protocol, served))
+        say(f"the target without speculation: ready in {eng.ready_s:.1f}s; decode steps at batch {batches}")
+        t_step = {
+            b: _step_ms((await _decodes(eng, http, protocol, prompt, DECODE_TOKENS + 1, b, repeats))[0])
+            for b in batches
+        }
+    curves: dict[int, dict] = {
+        b: {"t_step_ms": t_step[b], "t_verify_ms": {1: t_step[b]}, "drafting": {}} for b in batches
+    }
+    skipped = []
+    for n in sizes[1:]:
+        k, fit = n - 1, [b for b in batches if _fits(profile, n, b)]
+        if not fit:
+            skipped.append(n)
+            continue
+        async with launched(loaded, registry, profile=fixed_ngram(base, k, protocol), engine=engine) as eng:
+            http = _Http(eng.base_url, eng.api_key, 600.0)
+            say(f"drafts of {k}: ready in {eng.ready_s:.1f}s")
+            for b in fit:
+                decodes, drafts = await _decodes(eng, http, protocol, prompt, 1 + STEPS_PER_REQUEST * n, b, repeats)
+                ms, share = _spec_step_ms(decodes, k, drafts, t_step[b])
+                curves[b]["t_verify_ms"][n], curves[b]["drafting"][n] = ms, share
+    record_drafts = {}
+    if _drafts_by_model(profile):  # c = what the profile's own steps cost beyond prompt lookup's, per draft token
+        k = profile.speculative.k
+        t_own: dict[int, float] = {}
+        async with launched(loaded, registry, profile=fixed_draft(profile, k, protocol), engine=engine) as eng:
+            http = _Http(eng.base_url, eng.api_key, 600.0)
+            say(f"the draft model, drafts of {k}: ready in {eng.ready_s:.1f}s")
+            for b in batches:
+                if k + 1 in curves[b]["t_verify_ms"]:
+                    decodes, drafts = await _decodes(
+                        eng, http, protocol, prompt, 1 + STEPS_PER_REQUEST * (k + 1), b, repeats
+                    )
+                    t_own[b] = _spec_step_ms(decodes, k, drafts, t_step[b])[0]
+        record_drafts[model_identity(profile.speculative.draft)] = {
+            "path": profile.speculative.draft,
+            "k": k,
+            "t_spec_ms": {str(b): round(t, 4) for b, t in t_own.items()},
+            "ratio": {
+                str(b): round(max(0.0, t - curves[b]["t_verify_ms"][k + 1]) / (k * t_step[b]), 4)
+                for b, t in t_own.items()
+            },
+        }
+    by_batch = {
+        str(b): {
+            "t_step_ms": round(c["t_step_ms"], 4),
+            "t_verify_ms": {str(n): round(v, 4) for n, v in sorted(c["t_verify_ms"].items())},
+            "relative": {str(n): round(v / c["t_step_ms"], 4) for n, v in sorted(c["t_verify_ms"].items())},
+            "steps_that_drafted": {str(n): round(v, 3) for n, v in sorted(c["drafting"].items())},
+        }
+        for b, c in curves.items()
+    }
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.time() - started, 1),
-        "served_model": model,
-        "prefix_tokens": PREFIX_TOKENS,
+        "probe": STEPS,
+        "served_model": served,
+        "prompt_tokens": len(prompt),
         "repeats": repeats,
-        "t_step_ms": round(t_step, 4),
-        "t_verify_ms": {str(n): round(v, 4) for n, v in sorted(verify.items())},
-        "relative": {str(n): round(v / t_step, 4) for n, v in sorted(verify.items())},
-        "how": how,
-        "caveat": CAVEAT,
+        **{key: by_batch["1"][key] for key in ("t_step_ms", "t_verify_ms", "relative")},
+        "batches": by_batch,
+        "drafts": record_drafts,
+        "skipped_sizes": skipped,
+        "how": {
+            "measured": "t_step: decode steps of the target alone; t_verify(n): speculative steps with prompt-lookup "
+            "drafts of n - 1 tokens on a repeated sentence (their lookup and sampling included), draft-less steps "
+            "priced at t_step; a draft model's decode step alone; at each batch",
+            "inferred": "the cost at other n and batches (linear between the points); a draft model's c: its "
+            "profile's steps less prompt lookup's at the same k, per draft token",
+        },
     }
 
 
-async def probe_engine(
-    eng, key: CurveKey, protocol: str, *, repeats: int = REPEATS, root: Path | None = None
-) -> tuple[dict, Path]:
-    """Probe a launched engine (:class:`specops.perf.launch.LaunchedEngine`, running without speculation; its
-    backend's ``verify_probe`` is ``protocol``) in a thread, and store the curve under ``key``; returns the record
-    and its file."""
+def probe_launched(loaded, registry, backend_version: str | None = None, *, say=lambda m: None) -> tuple[dict, Path]:
+    """Probe ``loaded``'s engine, model and draft (:func:`probe_profile`) and store the curve; the record and its
+    file."""
     import asyncio
 
-    record = await asyncio.to_thread(
-        probe, eng.base_url, protocol, eng.model_name, api_key=eng.api_key, repeats=repeats
-    )
-    return save_curve(key, record, root)
+    from specops.perf.launch import without_speculation
+
+    base = without_speculation(loaded.profile)
+    engine = registry.backend(base.backend).engine_info(base, backend_version, probe=True)
+    record = asyncio.run(probe_profile(loaded, registry, engine, say=say))
+    return save_curve(CurveKey.of(base, engine.version), record)
 
 
 def format_curve(record: dict) -> str:
     """The curve as a person reads it."""
     lines = [
         f"verification cost of {record.get('engine')} {record.get('version')} on {record.get('device')}",
-        f"model {record.get('model')}; measured {record.get('date')}, {record.get('repeats')} repeats, "
-        f"{record.get('prefix_tokens')} cached tokens; t_step {record.get('t_step_ms')} ms",
-        "   n   t_verify ms   cost (steps)",
+        f"model {record.get('model')}; measured {record.get('date')} ({record.get('probe') or 'prompt passes'}), "
+        f"{record.get('repeats')} repeats",
     ]
-    for n, rel in (record.get("relative") or {}).items():
-        lines.append(f"  {int(n):2d}   {record['t_verify_ms'][n]:11.2f}   {rel:12.2f}")
+    for b, c in sorted(_record_batches(record).items()):
+        lines.append(f"batch {b}: a decode step takes {c.get('t_step_ms')} ms")
+        lines.append("   n   t_step+verify ms   cost (steps)")
+        for n, rel in (c.get("relative") or {}).items():
+            lines.append(f"  {int(n):2d}   {c['t_verify_ms'][n]:16.2f}   {rel:12.2f}")
+    for draft in (record.get("drafts") or {}).values():
+        ratio = ", ".join(f"{v} at batch {b}" for b, v in (draft.get("ratio") or {}).items())
+        lines.append(f"draft {draft.get('path')}: a step costs {ratio} target steps")
     how = record.get("how") or {}
     lines.append(f"measured: {how.get('measured')}; inferred: {how.get('inferred')}")
-    lines.append(f"caveat: {record.get('caveat')}")
     return "\n".join(lines) + "\n"
 
 
-def probe_launched(loaded, registry, backend_version: str | None = None, *, say=lambda m: None) -> tuple[dict, Path]:
-    """Launch ``loaded``'s engine without speculation, probe it, store the curve; the record and its file."""
-    import asyncio
-
-    from specops.perf.launch import launched, without_speculation
-
-    base = without_speculation(loaded.profile)
-    backend = registry.backend(base.backend)
-    engine = backend.engine_info(base, backend_version, probe=True)
-    key = CurveKey.of(base, engine.version)
-
-    async def run():
-        async with launched(loaded, registry, profile=base, engine=engine, say=say) as eng:
-            say(f"{base.backend} {engine.version} ready in {eng.ready_s:.1f}s; probing {len(SIZES)} sizes × {REPEATS}")
-            return await probe_engine(eng, key, backend.verify_probe)
-
-    return asyncio.run(run())
+def _record_batches(record: dict) -> dict[int, dict]:
+    batches = {int(b): c for b, c in (record.get("batches") or {}).items() if str(b).isdigit()}
+    return batches or {1: record}
