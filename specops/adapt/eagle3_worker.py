@@ -344,7 +344,8 @@ def run(job_path: Path) -> int:
     job = json.loads(job_path.read_text(encoding="utf-8"))
     folder = job_path.parent
     torch.manual_seed(job["seed"])
-    torch.set_num_threads(max(1, int(job.get("threads") or os.cpu_count() or 1)))
+    # the cores this process may run on (`taskset`), not the machine's: two threads on one core only contend for it
+    torch.set_num_threads(max(1, int(job.get("threads") or len(os.sched_getaffinity(0)))))
     tokenizer = AutoTokenizer.from_pretrained(job["target"])
     target = Target(job["target"], job["aux_layer_ids"])
     examples = encode_examples(job, tokenizer, target)
@@ -405,7 +406,7 @@ def run(job_path: Path) -> int:
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
             step += 1
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             per = (time.monotonic() - t0) / (step - at_start)
             if step % max(1, steps // 50) == 0 or step == steps:
                 recent = sum(losses[-20:]) / len(losses[-20:])

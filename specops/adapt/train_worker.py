@@ -262,7 +262,8 @@ def run(job_path: Path) -> int:
     job = json.loads(job_path.read_text(encoding="utf-8"))
     folder = job_path.parent
     torch.manual_seed(job["seed"])
-    torch.set_num_threads(max(1, int(job.get("threads") or os.cpu_count() or 1)))
+    # the cores this process may run on (`taskset`), not the machine's: two threads on one core only contend for it
+    torch.set_num_threads(max(1, int(job.get("threads") or len(os.sched_getaffinity(0)))))
     tok = spm_tokenizer(job["vocab"])
     examples = encode_examples(job, tok)
     if not examples:
