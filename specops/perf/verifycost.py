@@ -558,7 +558,7 @@ async def probe_profile(loaded, registry, engine, *, repeats: int = REPEATS, say
         "how": {
             "measured": "t_step: decode steps of the target alone; t_verify(n): speculative steps with prompt-lookup "
             "drafts of n - 1 tokens on a repeated sentence (their lookup and sampling included), draft-less steps "
-            "priced at t_step; a draft model's decode step alone; at each batch",
+            "priced at t_step; the profile's own steps at its k where a draft model drafts; at each batch",
             "inferred": "the cost at other n and batches (linear between the points); a draft model's c: its "
             "profile's steps less prompt lookup's at the same k, per draft token",
         },
