@@ -287,6 +287,7 @@ def test_bench_vllm_interleaved_with_user_prompts(tmp_path, tiny_models):
         "1",
         "--rounds",
         "1",
+        "--no-probe",  # each probe launch is a vLLM start (a minute here); the probe has its own engine test
         timeout=560,
     )
     check_report(rep, out, {"py", "prose"}, [1, 2], rounds=1)
