@@ -94,6 +94,23 @@ def test_remote_twins_render_in_a_multi_node_group(tmp_path):
         assert validate(obj) == [], obj["kind"]
     assert yaml.safe_load(kinds["ConfigMap"]["data"]["profile.yaml"])["routing"]["twins"] == [twin]
     assert "run in each pod's container" not in res.stderr
+    # the pods may reach the twin's port, and the render says what the policy allows
+    egress = kinds["NetworkPolicy"]["spec"]["egress"]
+    assert any({"port": 8000, "protocol": "TCP"} in rule.get("ports", []) and "to" not in rule for rule in egress)
+    assert "http://qwen3-plain:8000 is another deployment" in res.stderr
+    assert "the pods get no $SPECOPS_API_KEY" not in res.stderr  # the server's key, from deploy.secrets.api_key
+
+
+def test_a_remote_twin_key_the_pods_are_not_given_is_named(tmp_path):
+    src = (ROOT / "tests/k8s_profiles/vllm-nnodes.yaml").read_text()
+    path = tmp_path / "group.yaml"
+    twin = {"url": "https://plain.llm.svc:9443", "api_key_env": "PLAIN_KEY"}
+    path.write_text(src + "fallback: {chain: [none]}\nrouting: {twins: [" + json.dumps(twin) + "]}\n")
+    res = _render(str(path))
+    assert res.code == 0, res.stderr
+    egress = {o["kind"]: o for o in objects(res.stdout)}["NetworkPolicy"]["spec"]["egress"]
+    assert any({"port": 9443, "protocol": "TCP"} in rule.get("ports", []) for rule in egress)
+    assert "the pods get no $PLAIN_KEY (its api_key_env)" in res.stderr
 
 
 def _tiny_gguf(dst: Path) -> Path:

@@ -42,7 +42,7 @@ from specops.k8s.layout import (
 )
 from specops.k8s.names import k8s_name
 from specops.k8s.source import content_hash, dump, env_reference, merged_source
-from specops.k8s.twins import twin_notes
+from specops.k8s.twins import remote_twin_notes, twin_notes
 from specops.methods import Method
 
 #: Where the pods find their profile (the ConfigMap is mounted here).
@@ -423,6 +423,8 @@ def build(p: Profile, doc: dict, key_var: str | None, lock_text: str | None, sou
     if gated:
         out.notes.append(gated)
     out.notes += twin_notes(p)
+    given = {key_var} if key_var and p.deploy.secrets.api_key is not None else set()
+    out.notes += remote_twin_notes(p, given | set(p.server.env))
     return out
 
 
@@ -659,8 +661,9 @@ def _networkpolicy(p: Profile, name: str, mode: str | None) -> dict:
     from anywhere for a NodePort/LoadBalancer one (its load balancer's addresses are not known here); the
     kubelet's probes always pass. Out: DNS (53), HTTPS (443: the Hugging Face Hub, the API server's
     Service), 6443 with Leases (the API server's own port, after the Service's address translation), the
-    spot checks' reference and Prometheus (``monitor.prometheus_url``) on their ports; a multi-node group's
-    pods also reach each other on any port (Ray, torch.distributed/NCCL, llama.cpp RPC).
+    spot checks' reference, Prometheus (``monitor.prometheus_url``) and remote twins (``routing.twins[].url``)
+    on their ports; a multi-node group's pods also reach each other on any port (Ray, torch.distributed/NCCL,
+    llama.cpp RPC).
     """
     anyone_in_cluster = [{"namespaceSelector": {}}]
     public: dict[str, Any] = {"ports": _tcp(p.server.port)}
@@ -675,7 +678,11 @@ def _networkpolicy(p: Profile, name: str, mode: str | None) -> dict:
     outbound = {443}
     if rbac.uses_leases(p):
         outbound.add(6443)
-    for url in (p.certify.spot_check.reference, p.monitor.prometheus_url if p.monitor.source == "promql" else None):
+    for url in (
+        p.certify.spot_check.reference,
+        p.monitor.prometheus_url if p.monitor.source == "promql" else None,
+        *(t.url for t in p.routing.remote_twins),
+    ):
         port = _url_port(url)
         if port is not None:
             outbound.add(port)

@@ -107,3 +107,22 @@ def twin_notes(p) -> list[str]:
         f"proxy and share {gpu} and {memory}; a pod stays ready while one of them serves (`specops doctor` on a "
         "node counts their memory)"
     ]
+
+
+def remote_twin_notes(p, pod_env: set[str]) -> list[str]:
+    """What the render says about twins that are other deployments: the NetworkPolicy lets the pods reach each
+    one's port at any address (a policy cannot name a host; `deploy.pools` renders a plain pool and opens only
+    the path to it), and a key variable the pods are not given (``pod_env``) stops `specops up` at start."""
+    out = []
+    for twin in p.routing.remote_twins:
+        line = (
+            f"{p.name}: routing.twins: {twin.url} is another deployment; the NetworkPolicy lets the pods reach "
+            "its port at any address (narrow it with a patch, or use deploy.pools)"
+        )
+        if twin.api_key_env and twin.api_key_env not in pod_env:
+            line += (
+                f"; the pods get no ${twin.api_key_env} (its api_key_env), without which `specops up` does not "
+                "start: add it from a Secret with a kustomize patch"
+            )
+        out.append(line)
+    return out
