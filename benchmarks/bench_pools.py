@@ -32,8 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,8 +47,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _harness import write_report  # noqa: E402
 from support_load import Load  # noqa: E402
+from support_up import SPECOPS, UpProcess, write_profile  # noqa: E402
 
-from specops.run.process import group_members  # noqa: E402
 from specops.run.start import free_port  # noqa: E402
 
 DEMO = ROOT / "examples" / "llamacpp-cpu-gemma.yaml"
@@ -64,71 +62,27 @@ def prompts(name: str) -> list[dict]:
     return [json.loads(line) for line in (PROMPTS / f"{name}.jsonl").read_text().splitlines() if line.strip()]
 
 
-class PodUp:
+class PodUp(UpProcess):
     """One `specops up` in a pod namespace of its own (its /etc/hosts bound over the machine's)."""
 
+    wait_timeout, poll_s, stop_timeout = 300.0, 0.2, 60.0  # the real Gemma on a shared machine
+    failure = RuntimeError
+
     def __init__(self, work: Path, name: str, profile: dict, hosts: Path):
-        self.work, self.name = work / name, name
+        self.work = work / name
         self.work.mkdir(parents=True)
-        self.profile = self.work / f"{name}.yaml"
-        self.profile.write_text(yaml.safe_dump(profile, sort_keys=False))
-        self.hosts = hosts
-        self.proc: subprocess.Popen | None = None
-        self.engines: set[int] = set()
-        self.starts = 0
-
-    def start(self) -> PodUp:
-        self.starts += 1
-        log = open(self.work / f"up-{self.starts}.log", "w")
-        argv = ["unshare", "-rm", sys.executable, "-m", "specops.devenv.podns", str(self.hosts), "--"]
-        argv += [sys.executable, "-m", "specops.cli", "up", str(self.profile), "--quiet-engine"]
         env = {**os.environ, "SPECOPS_STATE": str(self.work / "state"), KEY_VAR: KEY, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        return self
+        super().__init__(name, self.work / "state", env)
+        self.profile = write_profile(self.work / f"{name}.yaml", profile)
+        self.hosts = hosts
 
-    def state(self) -> dict:
-        try:
-            st = json.loads((self.work / "state" / self.name / "state.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return {}
-        if st.get("engine_pid"):
-            self.engines.add(st["engine_pid"])
-        return st
+    def argv(self) -> list[str]:
+        pod = ["unshare", "-rm", sys.executable, "-m", "specops.devenv.podns", str(self.hosts), "--"]
+        return [*pod, *SPECOPS, "up", str(self.profile), "--quiet-engine"]
 
-    def wait(self, pred, what: str, timeout: float = 300.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = self.state()
-            if st and pred(st):
-                return st
-            if self.proc.poll() is not None:
-                log = (self.work / f"up-{self.starts}.log").read_text()[-3000:]
-                raise RuntimeError(f"{self.name}: specops up exited waiting for {what}:\n{log}")
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name}: timed out waiting for {what}: {self.state()}")
-
-    def kill(self) -> None:
-        self.state()
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        self._kill_engines()
-
-    def _kill_engines(self) -> None:
-        for pgid in self.engines:
-            for pid in group_members(pgid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self._kill_engines()
+    @property
+    def log_path(self) -> Path:
+        return self.work / f"up-{self.starts}.log"  # one per start: the restarted pod's own
 
 
 def profiles(spec_port: int, plain_port: int, min_acceptance: float | None = None) -> tuple[dict, dict]:

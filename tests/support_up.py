@@ -64,6 +64,101 @@ def standin_up(tmp_path: Path, profile: Path, script: str) -> subprocess.Popen:
         )
 
 
+def kill_groups(pgids) -> None:
+    """SIGKILL every process left in these process groups (engines lead groups of their own, so a supervisor
+    killed or stopped before them can leave them running, holding a port and a core)."""
+    for pgid in pgids:
+        for pid in group_members(pgid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class UpProcess:
+    """A `specops up` run as a subprocess leading its own process group, with its state folder: read from outside
+    (``state``, ``events``), waited on, SIGKILLed whole or stopped as `specops down` does, its engines ended after
+    it either way. A subclass says how it starts (``argv``, ``env``) and where its output goes (``log_path``)."""
+
+    #: ``wait``'s default timeout and poll interval, and how long ``stop`` waits after SIGTERM
+    wait_timeout, poll_s, stop_timeout = 30.0, 0.05, 30.0
+    #: what ``wait`` raises when the run exits or the time is up
+    failure: type[Exception] = AssertionError
+
+    def __init__(self, name: str, state_dir: Path, env: dict):
+        self.name, self.state_dir, self.env = name, state_dir, env
+        self.proc: subprocess.Popen | None = None
+        self.engines: set[int] = set()  # the engine process groups seen in its state, killed after it
+        self.starts = 0
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def log_path(self) -> Path:
+        raise NotImplementedError
+
+    def start(self) -> UpProcess:
+        self.starts += 1
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                self.argv(), stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        return self
+
+    def output(self) -> str:
+        return self.log_path.read_text()[-3000:]
+
+    def state(self) -> dict:
+        try:
+            st = json.loads((self.state_dir / self.name / "state.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+        for pid in [st.get("engine_pid")] + [e.get("engine_pid") for e in st.get("engines", [])]:
+            if pid:
+                self.engines.add(pid)
+        return st
+
+    def wait(self, pred, what: str, timeout: float | None = None, tick=None) -> dict:
+        """The first state ``pred`` accepts, calling ``tick`` (e.g. a request that feeds it) between looks."""
+        deadline = time.monotonic() + (self.wait_timeout if timeout is None else timeout)
+        while time.monotonic() < deadline:
+            st = self.state()
+            if st and pred(st):
+                return st
+            if self.proc.poll() is not None:
+                raise self.failure(f"{self.name}: specops up exited waiting for {what}:\n{self.output()}")
+            if tick is not None:
+                tick()
+            time.sleep(self.poll_s)
+        raise self.failure(f"{self.name}: timed out waiting for {what}: {self.state()}")
+
+    def events(self, kind: str) -> list[dict]:
+        lines = (self.state_dir / self.name / "events.jsonl").read_text().splitlines()
+        return [e for e in map(json.loads, filter(None, lines)) if e["event"] == kind]
+
+    def kill(self) -> None:
+        """SIGKILL the whole `specops up` (its engines, in groups of their own, are killed after it)."""
+        self.state()
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        kill_groups(self.engines)
+
+    def stop(self) -> int | None:
+        """SIGTERM (as `specops down` does), then whatever is left in its group and its engines killed; → its exit
+        code (None when it did not exit within ``stop_timeout`` or never started)."""
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        try:
+            rc = self.proc.wait(timeout=self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        stop_group(self.proc, timeout=5)
+        kill_groups(self.engines)
+        return rc
+
+
 class UpRun:
     """`specops up PROFILE` on a real engine, in the background (the test is marked ``engines``); always stopped
     (and checked for orphans) on exit."""
@@ -99,12 +194,7 @@ class UpRun:
             self.stop(check=False)
         if self.proc:
             stop_group(self.proc, 5)  # whatever specops up left in its own group
-        for pgid in self.engine_groups:  # never leave an engine behind, even when a test failed
-            for pid in group_members(pgid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        kill_groups(self.engine_groups)  # never leave an engine behind, even when a test failed
         self._log.close()
 
     def stop(self, timeout: float = 90.0, check: bool = True) -> int:

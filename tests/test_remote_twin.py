@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,10 +21,7 @@ from pathlib import Path
 import pytest
 from support_load import Load
 from support_ports import free_port
-from support_procs import stop_group
-from support_up import SPECOPS, write_profile
-
-from specops.run.process import group_members
+from support_up import SPECOPS, UpProcess, write_profile
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,14 +31,14 @@ SPEC_KEY, PLAIN_KEY = "client-key-1", "plain-deployment-key-2"
 _FINGERPRINT = re.compile(r'"system_fingerprint":\s*"(\w+)"')
 
 
-class Deployment:
+class Deployment(UpProcess):
     """One `specops up` of the stand-in, in its own folder and process group."""
 
     def __init__(self, root: Path, name: str, port: int, extra: dict, env: dict):
-        self.root, self.name, self.port = root, name, port
+        self.root, self.port = root, port
         root.mkdir()
+        super().__init__(name, root / "state", {**os.environ, **env})
         (root / "target.gguf").write_bytes(b"GGUF")  # the stand-in reads no weights; the launch check wants a file
-        self.state_dir = root / "state"
         self.profile = write_profile(
             root / f"{name}.yaml",
             {
@@ -58,77 +53,16 @@ class Deployment:
                 **extra,
             },
         )
-        self.env = {**os.environ, **env}
-        self.proc: subprocess.Popen | None = None
-        self.engines: set[int] = set()
+        self.entry = root / "bin" / "specops"  # `specops up PROFILE`'s command line
+        self.entry.parent.mkdir()
+        self.entry.symlink_to(HERE / "support_standin.py")
 
-    def start(self) -> Deployment:
-        entry = self.root / "bin" / "specops"  # `specops up PROFILE`'s command line
-        entry.parent.mkdir(exist_ok=True)
-        if not entry.exists():
-            entry.symlink_to(HERE / "support_standin.py")
-        with open(self.root / "up.log", "a") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(entry), "up", str(self.profile)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=self.env,
-            )
-        return self
+    def argv(self) -> list[str]:
+        return [sys.executable, str(self.entry), "up", str(self.profile)]
 
-    def state(self) -> dict:
-        try:
-            st = json.loads((self.state_dir / self.name / "state.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return {}
-        for pid in [st.get("engine_pid")] + [e.get("engine_pid") for e in st.get("engines", [])]:
-            if pid:
-                self.engines.add(pid)
-        return st
-
-    def wait(self, pred, what: str, timeout: float = 30, tick=None) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = self.state()
-            if st and pred(st):
-                return st
-            assert self.proc.poll() is None, f"{self.name} exited:\n" + (self.root / "up.log").read_text()[-3000:]
-            if tick is not None:
-                tick()
-            time.sleep(0.05)
-        raise AssertionError(f"{self.name}: timed out waiting for {what}: {self.state()}")
-
-    def events(self, kind: str) -> list[dict]:
-        lines = (self.state_dir / self.name / "events.jsonl").read_text().splitlines()
-        return [e for e in map(json.loads, filter(None, lines)) if e["event"] == kind]
-
-    def kill(self) -> None:
-        """SIGKILL the whole `specops up` (its engine, in a group of its own, is killed after it)."""
-        self.state()
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        self._kill_engines()
-
-    def _kill_engines(self) -> None:
-        for pgid in self.engines:
-            for pid in group_members(pgid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        self.proc.terminate()
-        try:
-            rc = self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            rc = None
-        stop_group(self.proc, timeout=5)
-        self._kill_engines()
-        return rc
+    @property
+    def log_path(self) -> Path:
+        return self.root / "up.log"
 
 
 def ask(port: int, headers: dict | None = None, path: str = "/v1/completions", key: str = SPEC_KEY) -> tuple[int, dict]:
