@@ -40,28 +40,14 @@ from bench_pools import PLAIN_HOST, PLAIN_IP, PodUp  # noqa: E402
 from bench_pools import profiles as pool_profiles  # noqa: E402
 from support_load import Load  # noqa: E402
 
+from specops.proxy.server import COUNTERS  # noqa: E402
 from specops.run.process import group_members  # noqa: E402
 from specops.run.start import free_port  # noqa: E402
 
 DEMO = ROOT / "examples" / "llamacpp-cpu-gemma.yaml"
 MODELS = Path.home() / ".cache" / "specops" / "models" / "real-v1"
-#: The proxy's counters the report keeps (specops/proxy/server.py COUNTERS).
-KEPT = (
-    "requests",
-    "completed",
-    "retried",
-    "retried_ok",
-    "upstream_errors",
-    "broken_streams",
-    "cut_streams",
-    "stream_continuations",
-    "continued_streams",
-    "uncontinued_options",
-    "uncontinued_not_kept",
-    "uncontinued_no_engine",
-    "uncontinued_refused",
-    "uncontinued_limit",
-)
+#: The proxy's counters the report keeps: what happened to the requests (its rejections and timings are not it).
+KEPT = tuple(c for c in COUNTERS if not c.startswith(("rejected_", "timings_", "reconnects", "client_")))
 
 
 def local_profile(port: int) -> dict:
