@@ -173,11 +173,12 @@ def pool_target_labels() -> set[str]:
 def test_the_pools_dashboard_reads_series_and_labels_that_exist():
     """Every metric is specops' or an engine's (the two the speculating pool's autoscaler reads); every label it
     groups or filters by is on those series or copied onto them by the pools' PodMonitors (specops_dev_pool)."""
-    from specops.k8s.pools import ENGINE_RUNNING
+    from specops.plugins import get_registry
 
+    running = {b.running_requests_metric for b in get_registry().backends.values() if b.running_requests_metric}
     doc = json.loads(POOLS_DASHBOARD.read_text())
     assert doc["uid"] == "specops-pools" and len({p["id"] for p in doc["panels"]}) == len(doc["panels"])
-    known = {**specops_series(), **engine_series(), **{series: set() for series, _ in ENGINE_RUNNING.values()}}
+    known = {**specops_series(), **engine_series(), **{series: set() for series in running}}
     targets = pool_target_labels()
     assert "specops_dev_pool" in targets
     exprs = queries(POOLS_DASHBOARD)

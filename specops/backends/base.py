@@ -248,6 +248,9 @@ class Backend:
     install_hint: str = ""
     #: Prefix of the engine's Prometheus series (``vllm:``, ``llamacpp:``).
     metric_prefix: str = ""
+    #: The engine's own gauge of the requests it runs now (an autoscaler of a speculating pool reads it); empty:
+    #: none, and specops' proxy in-flight gauge stands in.
+    running_requests_metric: str = ""
     #: True when responses carry per-request speculative ``timings`` the proxy can add up live (llama.cpp),
     #: so the window stays current during long generations; False: acceptance only from the engine's metrics.
     live_timings: bool = False

@@ -111,6 +111,7 @@ class LlamaCppBackend(Backend):
     methods = frozenset({Method.DRAFT_MODEL, Method.EAGLE3, Method.MTP, Method.NGRAM, Method.NONE})
     parallel_layout = False  # -dev takes any number of GPUs; -sm/-ts decide how layers are split
     metric_prefix = "llamacpp:"
+    running_requests_metric = "llamacpp:requests_processing"
     display_name = "llama.cpp"
     model_format = "gguf"
     engine_only_methods = {

@@ -94,6 +94,7 @@ class VllmBackend(Backend):
     name = "vllm"
     methods = frozenset(m for m in Method if m is not Method.AUTO)
     metric_prefix = "vllm:"
+    running_requests_metric = "vllm:num_requests_running"
     verify_probe = "openai"
     display_name = "vLLM"
     model_name_label = True  # every series carries model_name

@@ -41,12 +41,6 @@ SPECULATING, PLAIN = "speculating", "plain"
 POOL_LABEL = "specops.dev/pool"
 #: On the speculating pods: the plain pool they may reach (its NetworkPolicy admits pods with this label).
 PLAIN_POOL_LABEL = "specops.dev/plain-pool"
-#: The engine's own gauge of requests it runs now, by backend, and the name the HPA reads it under (the custom
-#: metrics API takes no ``:``; a prometheus-adapter rule renames it, see docs/pools.md).
-ENGINE_RUNNING = {
-    "vllm": ("vllm:num_requests_running", "vllm_num_requests_running"),
-    "llamacpp": ("llamacpp:requests_processing", "llamacpp_requests_processing"),
-}
 #: specops' gauge of the requests its proxy forwards now (every one is on the plain pool's own engine).
 PROXY_IN_FLIGHT = "specops_proxy_in_flight"
 #: The plain pool's target: the lowest concurrency where ``none`` reaches this share of its best tokens/s.
@@ -317,7 +311,8 @@ def render_pools(loaded: LoadedProfile, lock_text: str | None, source_name: str 
     _admit(shared, plain, from_cluster=gateway is not None)
     backend = backend_of(p)
     if pools.autoscale is not None and wanted.speculating is not None:
-        series, metric = ENGINE_RUNNING.get(p.backend, (PROXY_IN_FLIGHT, PROXY_IN_FLIGHT))
+        series = getattr(backend, "running_requests_metric", "") or PROXY_IN_FLIGHT
+        metric = series.replace(":", "_")  # the custom metrics API takes no `:`: a prometheus-adapter rule renames it
         _autoscale(spec, pools.autoscale, metric, wanted.speculating)
         spec.notes.append(
             f"{p.name}: the speculating pool's autoscaler holds {series} (the speculating engine's own requests; "
