@@ -99,6 +99,7 @@ def test_an_api_server_that_trickles_bytes_meets_the_call_deadline(kube):
     with pytest.raises(GateError, match=r"within 1s"):
         g.try_enter()
     kube.trickle = None
+    g.deadline_s = 30.0  # the recovery is not a race with the clock: a loaded machine can take over 1 s to connect
     assert g.renew(slot) is True  # the client recovers: the cut connections are not reused
     kube.stop()
     assert kube.trickle_cut >= 1  # the client hung up on the trickled answers (the server did not finish them)
