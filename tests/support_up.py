@@ -238,6 +238,22 @@ class UpRun:
         except FileNotFoundError:
             return ""
 
+    def wait_line(self, needle: str, timeout: float = 30.0) -> str:
+        """The first line of the whole log holding ``needle`` (:meth:`output` keeps only its tail, which an
+        engine's own lines can push a line out of), waited for: the state file can say ready before the line."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                text = self.log_path.read_text()
+            except FileNotFoundError:
+                text = ""
+            found = next((line for line in text.splitlines() if needle in line), None)
+            if found is not None:
+                return found
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no line with {needle!r} in the log after {timeout}s\n{self.output()}")
+            time.sleep(0.2)
+
     def wait_for(self, predicate, timeout: float, what: str) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

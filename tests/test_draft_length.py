@@ -146,7 +146,7 @@ def test_up_and_status_show_ngram_mods_draft_length(tmp_path, tiny_gguf_models):
     with UpRun(profile, tmp_path / "state", "ngramlen") as up:
         st = up.wait_ready(120)
         assert st["draft_length"]["most"] == 64
-        ready = next(ln for ln in up.output().splitlines() if "ready in" in ln)
+        ready = up.wait_line("ready in")
         assert "draft length up to 64 (ngram-mod --spec-ngram-mod-n-max, llama-server default)" in ready
         assert "k=" not in ready
         out = subprocess.run(SPECOPS + ["status", "ngramlen"], capture_output=True, text=True, env=up.env, timeout=30)
