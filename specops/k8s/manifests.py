@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from specops import __version__
 from specops.config.profile import LoadedProfile
@@ -41,6 +40,7 @@ from specops.k8s.layout import (
     profile_problems,
 )
 from specops.k8s.names import k8s_name
+from specops.k8s.network import metrics_port, networkpolicy, relays_metrics
 from specops.k8s.source import content_hash, dump, env_reference, merged_source
 from specops.k8s.twins import remote_twin_notes, twin_notes
 from specops.methods import Method
@@ -55,8 +55,6 @@ STATE_DIR = "/var/lib/specops"
 #: The image's home directory (deploy/docker/Dockerfile.*); an emptyDir there holds the engines' caches
 #: (~/.cache: vLLM, Triton, torch), since the root file system is read-only.
 HOME_DIR = "/home/specops"
-#: The metrics sidecar's port (the next free one when the profile uses it).
-METRICS_PORT = 9464
 METRICS_CONTAINER = "metrics"
 #: The image's non-root user (deploy/docker/Dockerfile.*: ``useradd --uid 1000``).
 UID = 1000
@@ -405,7 +403,7 @@ def build(p: Profile, doc: dict, key_var: str | None, lock_text: str | None, sou
         out.objects.append(("podmonitor.yaml", _podmonitor(p, name, lws=mode is not None)))
     elif p.deploy.monitor == "servicemonitor":
         out.objects.append(("servicemonitor.yaml", _servicemonitor(p, name)))
-    out.objects.append(("networkpolicy.yaml", _networkpolicy(p, name, mode)))
+    out.objects.append(("networkpolicy.yaml", networkpolicy(p, _meta(p, name), labels(p), mode)))
     out.objects += rbac.objects(p, name, _meta)
     if lock_text is None and (p.speculative.method is Method.AUTO or p.speculative.draft == "auto"):
         out.notes.append(
@@ -559,21 +557,6 @@ def _pdb(p: Profile, name: str) -> dict:
     }
 
 
-def relays_metrics(p: Profile) -> bool:
-    """The pods get the metrics sidecar: the public port asks for the API key, and something scrapes."""
-    return p.deploy.monitor != "none" and p.deploy.secrets.api_key is not None
-
-
-def metrics_port(p: Profile) -> int:
-    """:data:`METRICS_PORT`, or the next port the pod does not use already."""
-    mn = p.deploy.multi_node
-    taken = {p.server.port, p.proxy.engine_port, mn.ray_port, mn.master_port, mn.rpc_port}
-    port = METRICS_PORT
-    while port in taken:
-        port += 1
-    return port
-
-
 def _relay_containers(p: Profile, key_var: str | None) -> list[dict]:
     """The metrics sidecar (:func:`specops.k8s.pod.metrics_relay`): GET of the two metrics paths, on their own
     port, answered with the key added on loopback; the key stays in the pod."""
@@ -635,71 +618,5 @@ def _servicemonitor(p: Profile, name: str) -> dict:
             "selector": {"matchLabels": labels(p)},
             "targetLabels": ["app.kubernetes.io/instance"],
             "endpoints": _scrape_endpoints(p, "port"),
-        },
-    }
-
-
-def _tcp(*ports: int) -> list[dict]:
-    return [{"port": port, "protocol": "TCP"} for port in sorted(set(ports))]
-
-
-def _url_port(url: str | None) -> int | None:
-    if not url:
-        return None
-    parts = urlsplit(url)
-    try:
-        return parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        return None
-
-
-def _networkpolicy(p: Profile, name: str, mode: str | None) -> dict:
-    """Who may reach the pods, and what they may reach.
-
-    In: the proxy port (the engine's is on loopback and listed nowhere) and the metrics sidecar's, from the
-    pods of the cluster (any namespace: clients, an ingress controller, Prometheus) for a ClusterIP Service,
-    from anywhere for a NodePort/LoadBalancer one (its load balancer's addresses are not known here); the
-    kubelet's probes always pass. Out: DNS (53), HTTPS (443: the Hugging Face Hub, the API server's
-    Service), 6443 with Leases (the API server's own port, after the Service's address translation), the
-    spot checks' reference, Prometheus (``monitor.prometheus_url``) and remote twins (``routing.twins[].url``)
-    on their ports; a multi-node group's pods also reach each other on any port (Ray, torch.distributed/NCCL,
-    llama.cpp RPC).
-    """
-    anyone_in_cluster = [{"namespaceSelector": {}}]
-    public: dict[str, Any] = {"ports": _tcp(p.server.port)}
-    if p.deploy.service.type == "ClusterIP":
-        public["from"] = anyone_in_cluster
-    ingress: list[dict] = [public]
-    if relays_metrics(p):
-        ingress.append({"from": anyone_in_cluster, "ports": _tcp(metrics_port(p))})
-    group = [{"podSelector": {"matchLabels": labels(p)}}]
-    if mode is not None:
-        ingress.append({"from": group})
-    outbound = {443}
-    if rbac.uses_leases(p):
-        outbound.add(6443)
-    for url in (
-        p.certify.spot_check.reference,
-        p.monitor.prometheus_url if p.monitor.source == "promql" else None,
-        *(t.url for t in p.routing.remote_twins),
-    ):
-        port = _url_port(url)
-        if port is not None:
-            outbound.add(port)
-    egress: list[dict] = [
-        {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]},
-        {"ports": _tcp(*outbound)},
-    ]
-    if mode is not None:
-        egress.append({"to": group})
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(p, name),
-        "spec": {
-            "podSelector": {"matchLabels": labels(p)},
-            "policyTypes": ["Ingress", "Egress"],
-            "ingress": ingress,
-            "egress": egress,
         },
     }
