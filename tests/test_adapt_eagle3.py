@@ -178,12 +178,12 @@ def test_a_run_that_would_not_fit_is_refused_before_it_starts(tmp_path):
     assert not (tmp_path / "work").exists()  # nothing started, nothing written
 
 
-def test_the_cli_trains_eagle3_only_for_vllm_profiles_with_method_eagle3(tmp_path):
+def test_the_cli_trains_only_the_methods_it_can_for_vllm_profiles(tmp_path):
     _capture(tmp_path / "cap", 10)
-    path = _profile(tmp_path, _target(tmp_path), tmp_path / "target", method="draft_model")
+    path = _profile(tmp_path, _target(tmp_path), tmp_path / "target", method="medusa")
     res = run_subprocess("adapt", "train", path, "--out", tmp_path / "work")
     assert res.code != 0 and "Traceback" not in res.stderr
-    assert "EAGLE-3 heads (vLLM, method eagle3); backend 'vllm' with method draft_model" in res.stdout + res.stderr
+    assert "methods eagle3 and draft_model); backend 'vllm' with method medusa is not" in res.stdout + res.stderr
 
 
 # ------------------------------------------------------------------------------------ real engine

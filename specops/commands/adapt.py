@@ -97,7 +97,8 @@ def capture_stats(profile, from_path, as_json):
     type=click.IntRange(1, 1000),
     default=1,
     show_default=True,
-    help="Blocks of the new draft (auto/target/scratch).",
+    help="Blocks of the new draft (llama.cpp: auto/target/scratch). vLLM draft_model: the draft's last blocks "
+    "that are trained (the rest stay frozen, run once over the examples).",
 )
 @click.option("--class", "only_class", help="Train on one request class only.")
 @click.option(
@@ -149,7 +150,8 @@ def train(
     python,
     as_json,
 ):
-    """Train a new draft for PROFILE on the captured traffic (llama.cpp: a GGUF draft for `-md`).
+    """Train a new draft for PROFILE on the captured traffic (llama.cpp: a GGUF draft for `-md`; vLLM: an
+    EAGLE-3 head for method eagle3, the draft in service fine-tuned for method draft_model).
 
     \b
     By default the draft starts from the target's own first --layers (read from its GGUF) and is distilled on
@@ -161,6 +163,7 @@ def train(
     Examples:
       specops adapt train profiles/llama.yaml
       specops adapt train profiles/llama.yaml --steps 600 --out adapt/run1 --class code
+      specops adapt train profiles/vllm-pair.yaml --layers 4 --lr 2e-5 --steps 100   # a draft model, fine-tuned
     """
     import sys
 
@@ -174,10 +177,11 @@ def train(
     folder = Path(from_path) if from_path else capture_dir(prof)
     work = Path(out) if out else folder.parent / "adapt"
     hf = get_registry().backend(prof.backend).model_format != "gguf"
-    if hf and str(prof.speculative.method) != "eagle3":
+    if hf and str(prof.speculative.method) not in ("eagle3", "draft_model"):
         raise SpecopsError(
-            f"{profile}: `specops adapt train` trains GGUF drafts (llama.cpp) and EAGLE-3 heads (vLLM, method "
-            f"eagle3); backend {prof.backend!r} with method {prof.speculative.method} is not trained yet"
+            f"{profile}: `specops adapt train` trains GGUF drafts (llama.cpp), EAGLE-3 heads and draft models (vLLM, "
+            f"methods eagle3 and draft_model); backend {prof.backend!r} with method {prof.speculative.method} is not "
+            "trained yet"
         )
     target = Path(prof.model.id)
     if not hf and not target.is_file():
@@ -201,7 +205,11 @@ def train(
         if line and not as_json:
             click.echo(line, err=True)
 
-    if hf:  # an EAGLE-3 head in the speculators layout, trained on the target's hidden states
+    if hf and str(prof.speculative.method) == "draft_model":  # the draft in service, fine-tuned
+        from specops.adapt.distill import train_vllm_draft
+
+        outcome = train_vllm_draft(prof, folder, work, opts, python=_train_python(python), on_progress=show)
+    elif hf:  # an EAGLE-3 head in the speculators layout, trained on the target's hidden states
         from specops.adapt.eagle3 import Eagle3Options, train_vllm_eagle3
 
         e3 = Eagle3Options(

