@@ -29,7 +29,7 @@ from specops.doctor.base import OK as CHECK_OK
 from specops.doctor.base import Context
 from specops.doctor.profile import check_fallback
 from specops.methods import Method
-from specops.perf.verifycost import CurveKey, decision_curve, save_curve
+from specops.perf.verifycost import CurveKey, decision_curve, decision_draft_cost, save_curve
 from specops.run.events import EngineReady
 from specops.run.instance import InstancePaths, write_state
 from specops.watch.classes import ClassTable
@@ -207,6 +207,41 @@ def test_a_stored_curve_makes_the_model_decide_on_the_windows_measured_lengths(t
     assert n["verify_cost"] == f"curve {path}"
     assert f"measured k=16, c=0.05, curve {path}; acceptance 1.000" in d.reason
     assert decider.snapshot()["last_verdict"]["verify_cost"] == f"curve {path}"
+
+
+def test_the_model_prices_a_draft_model_at_its_measured_cost_unless_the_profile_sets_one(tmp_path):
+    """The real 0.5B draft of Qwen2.5-Coder 1.5B on llama-server: accepted 0.815 (τ 4.24 on drafts of 4) at 0.81x
+    of no speculation. Its steps, probed on this machine, cost 0.75 of a target step a draft token: 4.24 / (4 ×
+    0.75 + 2.358) = 0.79 → fall back; with the default c of 0.05 the same window predicted 4.24 / 2.558 = 1.66."""
+    f = tmp_path / "pair.yaml"
+    f.write_text(
+        "name: real\nbackend: vllm\nmodel: {id: /m/qwen-1.5b}\n"
+        "speculative: {method: draft_model, draft: /m/qwen-0.5b, num_speculative_tokens: 4}\n",
+        encoding="utf-8",
+    )
+    loaded = load_profile(f, env={})
+    record = {"probe": "speculative-steps", "relative": {"1": 1.0, "5": 2.358}, "date": "2026-12-06T23:39:54+00:00",
+              "t_step_ms": 93.4, "drafts": {"/m/qwen-0.5b": {"path": "/m/qwen-0.5b", "k": 4, "ratio": {"1": 0.752}}}}  # fmt: skip
+    save_curve(CurveKey.of(loaded.profile, VERSION), record)
+    window = Case(k=4, drafts=90, drafted=360, accepted=293, ratio=0.81)
+    curve = decision_curve(loaded.profile, VERSION)
+    measured = decision_draft_cost(loaded.profile, VERSION)
+    assert measured == 0.752
+
+    def last_verdict(loaded, draft_cost):
+        decider = FallbackDecider.from_profile(
+            loaded, curve=curve, draft_cost=draft_cost, events=Events(), say=lambda m: None, clock=lambda: 0.0,
+            wall=lambda: 1e9,
+        )  # fmt: skip
+        decider.on_event(EngineReady(0, Method.DRAFT_MODEL, None, 2.0))
+        return [x for x in _replay(decider, window, 150) if x.numbers.get("predicted_speedup") is not None][-1]
+
+    d = last_verdict(loaded, measured)
+    assert d.numbers["predicted_speedup"] == pytest.approx(4.2556 / (4 * 0.752 + 2.358), rel=1e-3)
+    assert d.action == SWITCH and "c=0.752" in d.reason
+    assert last_verdict(loaded, None).action == KEEP  # the default c: 1.66x predicted, it keeps the draft
+    f.write_text(f.read_text() + "fallback: {draft_cost_ratio: 0.05}\n", encoding="utf-8")
+    assert last_verdict(load_profile(f, env={}), measured).action == KEEP  # the profile's own c wins
 
 
 def test_the_model_without_a_curve_says_flat(tmp_path):

@@ -240,7 +240,7 @@ def _cells(level: int, mal: float, k: float) -> list[dict]:
     drafts = 10
     return [
         {"set": "code", "concurrency": level, "mode": mode, "round": 1, "tokens_per_s": 10.0, "errors": 0,
-         "output_tokens": 100, "wall_s": 1.0,
+         "output_tokens": int(mal * drafts), "wall_s": 1.0,  # every token from a drafting step
          "draft_tokens": k * drafts if mode == "spec" else None,
          "accepted": (mal - 1) * drafts if mode == "spec" else None,
          "drafts": drafts if mode == "spec" else None,
@@ -287,6 +287,34 @@ def test_bench_model_prices_each_cell_at_its_batch_and_the_measured_draft_cost()
     assert "speculative steps" in report["model_basis"] and "prompt lookup" in report["model_basis"]
 
 
+def test_the_model_prices_whole_requests_their_prompt_passes_and_draftless_steps():
+    from specops.perf.bench_report import summarize
+
+    # two requests, 42 tokens: 2 from the prompt passes, 5 drafting steps of 4 drafts yielding 4 each (20),
+    # 20 steps that found no draft; a prompt pass takes 100 ms = 5 steps of 20 ms (the base's first token)
+    cells = [
+        {"set": "code", "concurrency": 1, "mode": mode, "round": 1, "tokens_per_s": 10.0, "errors": 0, "ok": 2,
+         "output_tokens": 42, "wall_s": 1.0, "draft_tokens": 20 if mode == "spec" else None,
+         "accepted": 15 if mode == "spec" else None, "drafts": 5 if mode == "spec" else None,
+         "ttft_ms": {"median": 100.0 if mode == "base" else 900.0}, "itl_ms": {"median": 1.0},
+         "tpot_ms": {"median": 1.0}}
+        for mode in ("spec", "base")
+    ]  # fmt: skip
+
+    def model(method, draft=None):
+        meta = {"settings": {}, "profile": {"method": method, "draft": draft}, "verify_cost": STEPS_RECORD}
+        report = summarize(cells, meta)
+        return report["speedup"][0]["model_speedup"], report["model_basis"]
+
+    # without speculation 2 x 5 + 40 steps; with it 2 x 5 + 5 x c_verify(5) = 2 + 20 plain steps
+    ngram, basis = model("ngram")
+    assert ngram == pytest.approx(50 / (10 + 5 * 2.0 + 20)) and "whole requests" in basis
+    # a draft model also reads each prompt (its c of a prompt pass) and pays k x c a drafting step
+    assert model("draft_model", "/m/draft.gguf")[0] == pytest.approx(50 / (10 * 1.3 + 5 * (4 * 0.3 + 2.0) + 20))
+    # the drafting steps alone would have said 4 / 2.0
+    assert ngram < 2.0
+
+
 def test_a_speculative_step_is_the_requests_time_less_their_draftless_steps():
     from specops.errors import SpecopsError
     from specops.perf.verifycost import _Decode, _spec_step_ms
@@ -319,3 +347,18 @@ def test_a_record_keeps_the_draft_costs_measured_before(tmp_path):
     assert covers(record, profile(Method.NGRAM)) and covers(record, profile(Method.DRAFT_MODEL, "/m/d2.gguf"))
     assert not covers(record, profile(Method.DRAFT_MODEL, "/m/d3.gguf"))  # its draft not measured: probe again
     assert not covers(RECORD, profile(Method.NGRAM))  # prompt passes only: probe again
+
+
+def test_the_probe_counts_the_load_of_processes_outside_its_tree():
+    import time
+
+    from specops.perf.verifycost import _OtherLoad
+
+    assert _OtherLoad().cores is None  # nothing measured yet
+    # a process outside our tree (its parent exits at once: init reaps it) spins one core for 2 s, then stops
+    spin = "import time; t = time.time() + 2.0\nwhile time.time() < t: pass"
+    subprocess.run(["sh", "-c", f'"{sys.executable}" -c "{spin}" >/dev/null 2>&1 &'], check=True, timeout=10)
+    busy = _OtherLoad()
+    with busy.during():
+        time.sleep(1.0)
+    assert busy.cores > 0.3, busy.cores

@@ -16,8 +16,8 @@ from specops.methods import Method
 from specops.perf.bench_flags import FlagThresholds, cell_flags
 from specops.perf.plots import plot
 from specops.perf.stats import median, present
-from specops.perf.verifycost import STEPS, curve_of, draft_ratio
-from specops.speedup import DEFAULT_DRAFT_COST, VerifyCost, cost_basis, speedup_from_length
+from specops.perf.verifycost import STEPS, curve_of, draft_ratio, step_ms
+from specops.speedup import DEFAULT_DRAFT_COST, VerifyCost, cost_basis, speedup_from_length, workload_speedup
 
 SPEC, BASE = "spec", "base"
 
@@ -39,7 +39,9 @@ def summarize(cells: list[dict], meta: dict) -> dict:
     sets = list(dict.fromkeys(cell["set"] for cell in cells))
     levels = sorted({cell["concurrency"] for cell in cells})
     rows = [
-        _speedup_row([x for x in cells if x["set"] == s and x["concurrency"] == lv], s, lv, model)
+        _speedup_row(
+            [x for x in cells if x["set"] == s and x["concurrency"] == lv], s, lv, model, _prefill_ms(cells, s)
+        )
         for s in sets
         for lv in levels
     ]
@@ -110,6 +112,16 @@ def _of_mode(cells: list[dict], mode: str) -> list[dict]:
     return [x for x in cells if x["mode"] == mode]
 
 
+def _counted(spec: list[dict]) -> dict:
+    """What the speculative cells generated and drafted, added over rounds."""
+    return {
+        "tokens": sum(x.get("output_tokens") or 0 for x in spec),
+        "requests": sum(x.get("ok") or 0 for x in spec),
+        "drafts": sum(x.get("drafts") or 0 for x in spec),
+        "accepted": sum(x.get("accepted") or 0 for x in spec),
+    }
+
+
 def _drafting(cells: list[dict]) -> dict:
     """Acceptance, mean acceptance length and mean draft length from the speculative cells' counters."""
     spec = _of_mode(cells, SPEC)
@@ -171,18 +183,44 @@ class _Model:
 
     def basis(self) -> str:
         c, how = self.draft_cost(1)
-        return f"{cost_basis(self.curve(1))}; c {how}"
+        whole = " whole requests (prompt passes, steps without a draft);" if self._step_ms(1) else ""
+        return f"{cost_basis(self.curve(1))};{whole} c {how}"
 
-    def predict(self, mal: float, draft_len: float, level: int) -> dict:
-        c, how = self.draft_cost(level)
-        return {
-            "model_speedup": speedup_from_length(max(mal, 1.0), draft_len, c, self.curve(level)),
-            "model_batch": self.batch(level),
-            "model_draft_cost": c,
-        }
+    def _step_ms(self, level: int) -> float | None:
+        return None if self.record is None else step_ms(self.record, self.batch(level))
+
+    def predict(self, counters: dict, level: int, prefill_ms: float | None) -> dict:
+        """The model's speedup for a row's measured counters: the whole workload where the probed step time
+        prices its prompt passes (:func:`workload_speedup`), else its drafting steps only."""
+        c, _ = self.draft_cost(level)
+        mal, k, curve, t = (
+            counters["mean_acceptance_length"],
+            counters["mean_draft_length"],
+            self.curve(level),
+            self._step_ms(level),
+        )
+        if curve is not None and t and prefill_ms is not None and counters["drafts"]:
+            model = workload_speedup(
+                counters["tokens"], counters["requests"], counters["drafts"], counters["accepted"], k, c, curve,
+                batch=self.batch(level), prefill_steps=prefill_ms / t,
+                draft_prefill=0.0 if self.method in (Method.NGRAM.value, Method.SUFFIX.value) else c,
+            )  # fmt: skip
+        else:
+            model = speedup_from_length(max(mal, 1.0), k, c, curve)
+        return {"model_speedup": model, "model_batch": self.batch(level), "model_draft_cost": c}
 
 
-def _speedup_row(cells: list[dict], set_name: str, level: int, model: _Model) -> dict:
+def _prefill_ms(cells: list[dict], set_name: str) -> float | None:
+    """A prompt pass of ``set_name`` without speculation: the median time to first token at its lowest
+    concurrency (where no request waits for another's)."""
+    base = [x for x in _of_mode(cells, BASE) if x["set"] == set_name and x.get("ttft_ms")]
+    if not base:
+        return None
+    low = min(x["concurrency"] for x in base)
+    return median([x["ttft_ms"]["median"] for x in base if x["concurrency"] == low])
+
+
+def _speedup_row(cells: list[dict], set_name: str, level: int, model: _Model, prefill_ms: float | None = None) -> dict:
     """One (set, level): medians over rounds on each side, and their ratio; beside them the model's prediction
     from the measured mean acceptance and draft lengths, with the probed verification cost when there is one."""
 
@@ -193,7 +231,8 @@ def _speedup_row(cells: list[dict], set_name: str, level: int, model: _Model) ->
     mal, draft_len = drafting["mean_acceptance_length"], drafting["mean_draft_length"]
     predicted = {"model_speedup": None}
     if mal is not None and draft_len is not None:
-        predicted = model.predict(mal, draft_len, level)
+        counters = {**drafting, **_counted(sp)}
+        predicted = model.predict(counters, level, prefill_ms)
     row = {
         "set": set_name,
         "concurrency": level,

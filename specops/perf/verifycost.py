@@ -25,8 +25,10 @@ steps the engine really takes:
   tokens, and how the engine schedules them for a batch, as the engine pays them.
 
 n = 1 is a plain decode step: exactly 1. On llama-server every n of :data:`SIZES` is probed (a launch takes
-seconds); on vLLM (a launch takes a minute on 2 cores) n = 1 and the profile's own k + 1. What the model does not
-see: prefill (a draft model re-reads every prompt) and requests that end early at high concurrency.
+seconds); on vLLM (a launch takes a minute on 2 cores) n = 1 and the profile's own k + 1. With t_step in ms,
+bench's model prices whole requests (:func:`specops.speedup.workload_speedup`): their prompt passes (the
+baseline's time to first token; a draft model reads each prompt too, at its c) and their steps that found no
+draft, beside the drafting steps.
 
 The curve is stored as a small JSON in the state folder (``verify-cost/``: a measurement of this machine, like
 an instance's state; ``$SPECOPS_STATE``), keyed by engine, engine version, model and device (CPU model and
@@ -35,6 +37,7 @@ cores, or GPU names), so another machine or model never reuses it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -50,6 +53,8 @@ from pathlib import Path
 from specops.errors import SpecopsError
 from specops.methods import Method
 from specops.paths import private_dir, state_dir
+from specops.perf import cpuload
+from specops.perf.bench_flags import FlagThresholds
 from specops.speedup import VerifyCost
 
 #: Tokens per target pass probed, n = k + 1 (n = 1: a plain decode step).
@@ -65,6 +70,8 @@ DECODE_TOKENS = 48
 REPEATS = 3
 #: What :func:`probe_profile` writes in ``probe`` (a record without it timed prompt passes: a lower bound).
 STEPS = "speculative-steps"
+#: Other processes' cores above which a probe is marked busy (the bench flags its cells at the same load).
+BUSY_CORES = FlagThresholds().busy_cores
 #: The probe's two ways to talk to an engine (a backend's ``verify_probe``).
 LLAMA_SERVER, OPENAI = "llama-server", "openai"
 #: Words the probe's text is made of (any text does: only token counts matter).
@@ -217,6 +224,15 @@ def curve_of(record: dict, batch: int = 1) -> VerifyCost:
     return VerifyCost.from_mapping(costs, source)
 
 
+def step_ms(record: dict, batch: int = 1) -> float | None:
+    """The target's decode step in ms at ``batch`` (interpolated as the curve is), or None in a record without it."""
+    steps = {int(b): {"t": c["t_step_ms"]} for b, c in (record.get("batches") or {}).items()
+             if str(b).isdigit() and isinstance(c, dict) and c.get("t_step_ms")}  # fmt: skip
+    if not steps and record.get("t_step_ms"):
+        steps = {1: {"t": record["t_step_ms"]}}
+    return float(_between(steps, max(1, int(batch)))[0]["t"]) if steps else None
+
+
 def draft_ratio(record: dict, draft: str | None, batch: int = 1) -> float | None:
     """c: the measured cost of a step of the draft model ``draft`` in target steps at ``batch`` (interpolated as
     the curve is), or None when the record has not measured that draft."""
@@ -269,6 +285,18 @@ def decision_curve(profile, engine_version: str | None) -> VerifyCost | None:
     key = CurveKey.of(profile, engine_version)
     curve = load_curve(key)
     return None if curve is None else VerifyCost(curve.points, str(key.path()))
+
+
+def decision_draft_cost(profile, engine_version: str | None) -> float | None:
+    """c as the stored record of ``profile``'s engine, model and machine measured it, for the fallback's model:
+    0 for prompt lookup (its lookup is inside the speculative steps the record timed), the draft model's own
+    steps for a draft model the record timed; None where the record has no speculative steps or that draft."""
+    record = load_record(CurveKey.of(profile, engine_version))
+    if record is None or record.get("probe") != STEPS:
+        return None
+    if profile.speculative.method in (Method.NGRAM, Method.SUFFIX):
+        return 0.0
+    return draft_ratio(record, profile.speculative.draft) if _drafts_by_model(profile) else None
 
 
 # ----------------------------------------------------------------------------------------------- probing
@@ -475,6 +503,29 @@ def _fits(profile, n: int, batch: int) -> bool:
     return need <= per_slot and batch >= 1
 
 
+class _OtherLoad:
+    """Cores other processes kept busy while the probe's engines ran, time-weighted over its launches. Only while
+    an engine runs: one stopped can leave its children to be reaped by init (vLLM's engine core), and their CPU
+    time would then count as another process's."""
+
+    def __init__(self) -> None:
+        self.busy = self.span = 0.0
+
+    @contextlib.contextmanager
+    def during(self):
+        before = cpuload.sample()
+        yield
+        after = cpuload.sample()
+        other = cpuload.other_cores(before, after)
+        if other is not None and after is not None and before is not None:
+            self.busy += other * (after.at - before.at)
+            self.span += after.at - before.at
+
+    @property
+    def cores(self) -> float | None:
+        return self.busy / self.span if self.span else None
+
+
 async def probe_profile(loaded, registry, engine, *, repeats: int = REPEATS, say=lambda m: None) -> dict:
     """Time ``loaded``'s target on ``engine`` (decode steps, and speculative steps at each size of
     :func:`probe_plan`) and its draft model's decode step when it has one; returns the record (see the module)."""
@@ -486,17 +537,18 @@ async def probe_profile(loaded, registry, engine, *, repeats: int = REPEATS, say
     if protocol not in (LLAMA_SERVER, OPENAI):
         raise SpecopsError(f"no verification-cost probe for this engine (its backend's verify_probe is {protocol!r})")
     sizes, batches = probe_plan(profile, protocol)
-    started = time.time()
+    started, load = time.time(), _OtherLoad()
 
     async with launched(loaded, registry, profile=base, engine=engine) as eng:
-        http = _Http(eng.base_url, eng.api_key, 600.0)
-        served = eng.model_name
-        prompt = with_own_continuation(http, protocol, served, cycle_prompt(http, protocol, served))
-        say(f"the target without speculation: ready in {eng.ready_s:.1f}s; decode steps at batch {batches}")
-        t_step = {
-            b: _step_ms((await _decodes(eng, http, protocol, prompt, DECODE_TOKENS + 1, b, repeats))[0])
-            for b in batches
-        }
+        with load.during():
+            http = _Http(eng.base_url, eng.api_key, 600.0)
+            served = eng.model_name
+            prompt = with_own_continuation(http, protocol, served, cycle_prompt(http, protocol, served))
+            say(f"the target without speculation: ready in {eng.ready_s:.1f}s; decode steps at batch {batches}")
+            t_step = {
+                b: _step_ms((await _decodes(eng, http, protocol, prompt, DECODE_TOKENS + 1, b, repeats))[0])
+                for b in batches
+            }
     curves: dict[int, dict] = {
         b: {"t_step_ms": t_step[b], "t_verify_ms": {1: t_step[b]}, "drafting": {}} for b in batches
     }
@@ -507,25 +559,27 @@ async def probe_profile(loaded, registry, engine, *, repeats: int = REPEATS, say
             skipped.append(n)
             continue
         async with launched(loaded, registry, profile=fixed_ngram(base, k, protocol), engine=engine) as eng:
-            http = _Http(eng.base_url, eng.api_key, 600.0)
-            say(f"drafts of {k}: ready in {eng.ready_s:.1f}s")
-            for b in fit:
-                decodes, drafts = await _decodes(eng, http, protocol, prompt, 1 + STEPS_PER_REQUEST * n, b, repeats)
-                ms, share = _spec_step_ms(decodes, k, drafts, t_step[b])
-                curves[b]["t_verify_ms"][n], curves[b]["drafting"][n] = ms, share
+            with load.during():
+                http = _Http(eng.base_url, eng.api_key, 600.0)
+                say(f"drafts of {k}: ready in {eng.ready_s:.1f}s")
+                for b in fit:
+                    decodes, drafts = await _decodes(eng, http, protocol, prompt, 1 + STEPS_PER_REQUEST * n, b, repeats)
+                    ms, share = _spec_step_ms(decodes, k, drafts, t_step[b])
+                    curves[b]["t_verify_ms"][n], curves[b]["drafting"][n] = ms, share
     record_drafts = {}
     if _drafts_by_model(profile):  # c = what the profile's own steps cost beyond prompt lookup's, per draft token
         k = profile.speculative.k
         t_own: dict[int, float] = {}
         async with launched(loaded, registry, profile=fixed_draft(profile, k, protocol), engine=engine) as eng:
-            http = _Http(eng.base_url, eng.api_key, 600.0)
-            say(f"the draft model, drafts of {k}: ready in {eng.ready_s:.1f}s")
-            for b in batches:
-                if k + 1 in curves[b]["t_verify_ms"]:
-                    decodes, drafts = await _decodes(
-                        eng, http, protocol, prompt, 1 + STEPS_PER_REQUEST * (k + 1), b, repeats
-                    )
-                    t_own[b] = _spec_step_ms(decodes, k, drafts, t_step[b])[0]
+            with load.during():
+                http = _Http(eng.base_url, eng.api_key, 600.0)
+                say(f"the draft model, drafts of {k}: ready in {eng.ready_s:.1f}s")
+                for b in batches:
+                    if k + 1 in curves[b]["t_verify_ms"]:
+                        decodes, drafts = await _decodes(
+                            eng, http, protocol, prompt, 1 + STEPS_PER_REQUEST * (k + 1), b, repeats
+                        )
+                        t_own[b] = _spec_step_ms(decodes, k, drafts, t_step[b])[0]
         record_drafts[model_identity(profile.speculative.draft)] = {
             "path": profile.speculative.draft,
             "k": k,
@@ -544,9 +598,13 @@ async def probe_profile(loaded, registry, engine, *, repeats: int = REPEATS, say
         }
         for b, c in curves.items()
     }
+    other = load.cores
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.time() - started, 1),
+        # cores other processes kept busy while its engines ran: a probe on a shared machine times its neighbours too
+        "other_cores": None if other is None else round(other, 2),
+        "busy": bool(other is not None and other > BUSY_CORES),
         "probe": STEPS,
         "served_model": served,
         "prompt_tokens": len(prompt),
@@ -595,6 +653,11 @@ def format_curve(record: dict) -> str:
         lines.append(f"draft {draft.get('path')}: a step costs {ratio} target steps")
     how = record.get("how") or {}
     lines.append(f"measured: {how.get('measured')}; inferred: {how.get('inferred')}")
+    if record.get("busy"):
+        lines.append(
+            f"⚠ busy machine: other processes kept {record.get('other_cores')} cores busy during the probe, so these "
+            "costs include theirs; probe again when the machine is quiet (specops bench PROFILE --probe-verify)"
+        )
     return "\n".join(lines) + "\n"
 
 

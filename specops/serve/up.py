@@ -22,7 +22,7 @@ from specops.backends.render import render_plan
 from specops.config.engines import CANARY, PRIMARY, splits_gpu_by_share, with_gpu_share
 from specops.config.profile import LoadedProfile
 from specops.errors import SpecopsError
-from specops.perf.verifycost import decision_curve
+from specops.perf.verifycost import decision_curve, decision_draft_cost
 from specops.resolve.prelaunch import Address, check_before_launch, resolve_for_launch
 from specops.run.events import EngineLine, SwitchOrder
 from specops.run.instance import EventLog, InstancePaths, write_state
@@ -99,7 +99,11 @@ async def run_up(loaded: LoadedProfile, registry, opts: UpOptions, console: Cons
         console,
         f"{engine_host}:{engine_port}",
         decider=FallbackDecider.from_profile(  # surface: the profile's folder; mode model: this machine's curve
-            loaded, curve=decision_curve(profile, engine.version), events=events, say=console.say
+            loaded,
+            curve=decision_curve(profile, engine.version),
+            draft_cost=decision_draft_cost(profile, engine.version),
+            events=events,
+            say=console.say,
         ),
     )
     metrics = SpecopsMetrics()
@@ -471,7 +475,11 @@ def _apply_reload(up: _Instance, registry, loaded: LoadedProfile, changes: list[
     render = _step_renderer(loaded, registry, up.engine, host, int(port))
     render(0)
     # a relative surface: from the reloaded profile's folder; mode model: the curve stored for its engine and model
-    policy = Policy.from_profile(loaded, curve=decision_curve(loaded.profile, up.engine.version))
+    policy = Policy.from_profile(
+        loaded,
+        curve=decision_curve(loaded.profile, up.engine.version),
+        draft_cost=decision_draft_cost(loaded.profile, up.engine.version),
+    )
     if up.twins is not None:  # a new draft is measured on live traffic first (routing.canary, specops.serve.twins)
         if up.twins.abort_canary("a newer profile file was reloaded before the canary concluded"):
             if loaded.profile == up.loaded.profile:  # back to what the primary runs: nothing to restart

@@ -75,13 +75,15 @@ class FallbackDecider:
         *,
         surface: Surface | None = None,
         curve: VerifyCost | None = None,
+        draft_cost: float | None = None,
         **kwargs: Any,
     ) -> FallbackDecider:
         """The decider for ``profile``, on the rule :meth:`Policy.from_profile` gives it (``curve``: the
-        verification-cost curve stored for its engine, model and machine); says that rule in one line. Mode goodput
+        verification-cost curve stored for its engine, model and machine; ``draft_cost``: c measured there); says
+        that rule in one line. Mode goodput
         reads ``fallback.goodput.surface`` unless ``surface`` is given (raises SpecopsError when that file holds
         no surface)."""
-        decider = cls(Policy.from_profile(profile, surface=surface, curve=curve), **kwargs)
+        decider = cls(Policy.from_profile(profile, surface=surface, curve=curve, draft_cost=draft_cost), **kwargs)
         decider.say(decider.policy.rule.line())
         return decider
 

@@ -122,21 +122,26 @@ class Policy:
         *,
         surface: Surface | None = None,
         curve: VerifyCost | None = None,
+        draft_cost: float | None = None,
     ) -> Policy:
         """The policy of ``profile``, deciding by the rule :func:`~specops.watch.rule.rule_for` gives it: its
         ``fallback.mode``, or unset, on tokens/s where known (``curve``: the verification-cost curve stored for its
         engine, model and machine). Mode goodput reads ``fallback.goodput.surface`` (once, here) unless ``surface`` is
         given (raises SpecopsError when that file holds no surface). Given the loaded profile (``LoadedProfile``), a
         relative surface path is read from the profile's folder and errors are located; given the bare model, from
-        the current folder."""
+        the current folder. ``draft_cost``: c as measured on this machine
+        (:func:`specops.perf.verifycost.decision_draft_cost`), used where ``fallback.draft_cost_ratio`` is unset."""
         loaded = profile if hasattr(profile, "document") else None  # a LoadedProfile
         profile = loaded.profile if loaded is not None else profile
         fb = profile.fallback
         rule = rule_for(fb, curve)
         if rule.mode == GOODPUT and surface is None and fb.goodput.surface:
             surface = profile_surface(loaded) if loaded is not None else load_surface(fb.goodput.surface)
+        config = PolicyConfig.from_profile(profile, rule.mode)
+        if fb.draft_cost_ratio is None and draft_cost is not None:
+            config = replace(config, draft_cost_ratio=draft_cost)
         return cls(
-            PolicyConfig.from_profile(profile, rule.mode),
+            config,
             profile.steps,
             current,
             surface=surface,
