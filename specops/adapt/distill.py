@@ -22,8 +22,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from specops.adapt.dataset import read_examples
-from specops.adapt.train import TrainOptions, TrainOutcome, _digest, _write, prepare_run, run_worker
+from specops.adapt.train import TrainOptions, TrainOutcome, prepare_run, run_job, split_examples
 from specops.errors import SpecopsError
 
 #: config.json fields the fine-tuning reads; a checkpoint without them is not a decoder transformers builds.
@@ -104,16 +103,7 @@ def train_vllm_draft(
         )
     target, draft = target.resolve(), draft.resolve()
     _, dcfg = check_pair(target, draft, opts.layers)
-    train, held = [], []
-    for ex in read_examples(capture):
-        if opts.only_class is not None and ex.cls != opts.only_class:
-            continue
-        (held if ex.held_out else train).append({"prompt": ex.prompt, "output": ex.output, "class": ex.cls})
-    if not train:
-        raise SpecopsError(
-            f"{capture}: no captured example to train on"
-            + (f" of class {opts.only_class!r}" if opts.only_class else "")
-        )
+    train, held = split_examples(capture, opts.only_class)
     tokens = sum(min(opts.seq, len(e["prompt"]) + len(e["output"])) for e in train + held)
     need = memory_estimate(dcfg, opts, tokens)
     out, examples_text = prepare_run(out, train, held, need, opts)
@@ -125,21 +115,9 @@ def train_vllm_draft(
         "heldout": str(out / "heldout.jsonl") if held else None,
         "answers": "captured",
         "layers": opts.layers,
-        "steps": opts.steps,
-        "lr": opts.lr,
-        "batch": opts.batch,
-        "seq": opts.seq,
-        "seed": opts.seed,
-        "checkpoint_every": opts.checkpoint_every,
-        "threads": opts.threads,
+        **opts.loop(),
     }
-    weights = sorted(p.name + str(p.stat().st_size) + str(p.stat().st_mtime_ns) for p in draft.glob("*.safetensors"))
-    job["id"] = _digest(
-        examples_text.encode(), {k: v for k, v in job.items() if k not in ("threads", "steps")}, weights
-    )
-    _write(out / "job.json", json.dumps(job))
-    result = run_worker(python, out, on_progress, module="specops.adapt.distill_worker")
     info = {"target": str(target), "train_examples": len(train), "heldout_examples": len(held), "memory_estimate": need}
-    _write(out / "train-info.json", json.dumps({**info, **result}, indent=1))
+    result = run_job(python, out, job, examples_text, draft, info, "specops.adapt.distill_worker", on_progress)
     init = f"the draft in service ({draft.name}), its last {opts.layers} blocks trained"
     return TrainOutcome(Path(result["draft"]), out, result, len(train), len(held), init, need)

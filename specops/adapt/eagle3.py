@@ -23,15 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specops.adapt.dataset import read_examples
-from specops.adapt.train import (
-    TrainOptions,
-    TrainOutcome,
-    _digest,
-    _write,
-    prepare_run,
-    run_worker,
-)
+from specops.adapt.train import TrainOptions, TrainOutcome, prepare_run, run_job, split_examples
 from specops.errors import SpecopsError
 
 #: The ``speculators`` release whose Eagle3SpeculatorConfig fields the written config follows.
@@ -207,16 +199,7 @@ def train_vllm_eagle3(
             f"{prof.speculative.draft}/config.json: field `eagle_aux_hidden_state_layer_ids` names {bad}, "
             f"outside the target's 0..{tcfg['num_hidden_layers']}"
         )
-    train, held = [], []
-    for ex in read_examples(capture):
-        if opts.only_class is not None and ex.cls != opts.only_class:
-            continue
-        (held if ex.held_out else train).append({"prompt": ex.prompt, "output": ex.output, "class": ex.cls})
-    if not train:
-        raise SpecopsError(
-            f"{capture}: no captured example to train on"
-            + (f" of class {opts.only_class!r}" if opts.only_class else "")
-        )
+    train, held = split_examples(capture, opts.only_class)
     # at most seq tokens an example; a token is at least a character of its text
     tokens = sum(min(opts.seq, len(e["prompt"]) + len(e["output"])) for e in train + held)
     need = memory_estimate(tcfg, len(aux), opts, e3, tokens)
@@ -233,22 +216,10 @@ def train_vllm_eagle3(
         "answers": e3.answers,
         "ttt_steps": e3.ttt_steps,
         "ttt_decay": e3.ttt_decay,
-        "steps": opts.steps,
-        "lr": opts.lr,
-        "batch": opts.batch,
-        "seq": opts.seq,
-        "seed": opts.seed,
-        "checkpoint_every": opts.checkpoint_every,
-        "threads": opts.threads,
+        **opts.loop(),
     }
-    weights = sorted(p.name + str(p.stat().st_size) + str(p.stat().st_mtime_ns) for p in target.glob("*.safetensors"))
-    job["id"] = _digest(
-        examples_text.encode(), {k: v for k, v in job.items() if k not in ("threads", "steps")}, weights
-    )
-    _write(out / "job.json", json.dumps(job))
-    result = run_worker(python, out, on_progress, module="specops.adapt.eagle3_worker")
     info = {"target": str(target), "train_examples": len(train), "heldout_examples": len(held), "memory_estimate": need}
-    _write(out / "train-info.json", json.dumps({**info, **result}, indent=1))
+    result = run_job(python, out, job, examples_text, target, info, "specops.adapt.eagle3_worker", on_progress)
     return TrainOutcome(
         Path(result["head"]), out, result, len(train), len(held), "a new head (lm_head from the target's)", need
     )

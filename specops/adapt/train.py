@@ -47,6 +47,11 @@ class TrainOptions:
     only_class: str | None = None
     min_agreement: float = 0.9  # of the captured answer tokens the target must choose again (0: no check)
 
+    def loop(self) -> dict:
+        """The fields of a worker's job that drive its training loop (the vLLM workers read them by these names)."""
+        return {"steps": self.steps, "lr": self.lr, "batch": self.batch, "seq": self.seq, "seed": self.seed,
+                "checkpoint_every": self.checkpoint_every, "threads": self.threads}  # fmt: skip
+
 
 @dataclass
 class TrainOutcome:
@@ -249,6 +254,35 @@ def prepare_run(out: Path, train: list, held: list, need: int, opts: TrainOption
     return out, examples_text
 
 
+def split_examples(capture: Path, only_class: str | None) -> tuple[list[dict], list[dict]]:
+    """The captured examples to train on and the held-out ones (one in ten, by prompt), of ``only_class`` when
+    given; SpecopsError when none is left to train on."""
+    train, held = [], []
+    for ex in read_examples(capture):
+        if only_class is not None and ex.cls != only_class:
+            continue
+        (held if ex.held_out else train).append({"prompt": ex.prompt, "output": ex.output, "class": ex.cls})
+    if not train:
+        raise SpecopsError(
+            f"{capture}: no captured example to train on" + (f" of class {only_class!r}" if only_class else "")
+        )
+    return train, held
+
+
+def run_job(
+    python: Path, out: Path, job: dict, examples_text: str, weights: Path, info: dict, module: str, on_progress
+) -> dict:
+    """Write ``job`` into ``out`` under an id of what it trains on (the examples, its settings but ``threads`` and
+    ``steps``, and the sizes and times of the ``*.safetensors`` in ``weights``: a run of the same id resumes), run
+    the worker ``module`` on it, and keep its result with ``info`` in ``train-info.json``."""
+    files = sorted(p.name + str(p.stat().st_size) + str(p.stat().st_mtime_ns) for p in weights.glob("*.safetensors"))
+    job["id"] = _digest(examples_text.encode(), {k: v for k, v in job.items() if k not in ("threads", "steps")}, files)
+    _write(out / "job.json", json.dumps(job))
+    result = run_worker(python, out, on_progress, module=module)
+    _write(out / "train-info.json", json.dumps({**info, **result}, indent=1))
+    return result
+
+
 def available_memory() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as fh:
@@ -282,16 +316,7 @@ def train_llamacpp(
 ) -> TrainOutcome:
     """Train a GGUF draft into ``out`` (resuming a run of the same job there). See the module docstring."""
 
-    train, held = [], []
-    for ex in read_examples(capture):
-        if opts.only_class is not None and ex.cls != opts.only_class:
-            continue
-        (held if ex.held_out else train).append({"prompt": ex.prompt, "output": ex.output, "class": ex.cls})
-    if not train:
-        raise SpecopsError(
-            f"{capture}: no captured example to train on"
-            + (f" of class {opts.only_class!r}" if opts.only_class else "")
-        )
+    train, held = split_examples(capture, opts.only_class)
     dims, tensors, vocab, init_from = initial_draft(target, draft, opts)
     need = memory_estimate(dims, len(vocab["tokens"]), opts)
     out, examples_text = prepare_run(out, train, held, need, opts)
