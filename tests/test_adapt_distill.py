@@ -147,6 +147,7 @@ def test_a_draft_model_fine_tuned_on_captured_answers_agrees_more_and_serves_in_
     doc = json.loads(res.stdout)
     assert doc["heldout_examples"] > 0 and doc["last_loss"] < doc["first_loss"], doc
     assert doc["heldout_last_agreement"] > doc["heldout_first_agreement"] + 0.3, doc
+    assert doc["best_step"] > 0 and doc["heldout_best_agreement"] >= doc["heldout_last_agreement"], doc
     new = Path(doc["draft"])
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in new.iterdir()}
     changed = subprocess.run(
@@ -165,3 +166,38 @@ def test_a_draft_model_fine_tuned_on_captured_answers_agrees_more_and_serves_in_
     # served, it is accepted where the draft it came from never was (the captured text of this byte-level
     # target does not always tokenize back to the tokens it chose, so less than the agreement above)
     assert before.acceptance < 0.05 and after.acceptance > before.acceptance + 0.1, (before, after)
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(600)
+def test_a_run_no_step_of_which_agrees_more_on_held_out_answers_writes_the_draft_as_it_came(tmp_path):
+    python = need_vllm_python()
+    target, draft = tiny_model("hf-cycle"), tiny_model("hf-draft-other")
+    (tmp_path / "cap").mkdir()
+    rng = random.Random(7)
+    records = [
+        {
+            "v": 1,
+            "at": 1.0 + i,
+            "path": "/v1/completions",
+            "class": "-",
+            "stream": False,
+            "prompt": " ".join(rng.choice(WORDS) for _ in range(5)),
+            "output": " " + " ".join(rng.sample(WORDS, 6)),
+        }
+        for i in range(40)
+    ]  # fmt: skip  (answers drawn at random: nothing in them carries over to held-out prompts)
+    (tmp_path / "cap" / "capture-00000000000000000001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = _profile(tmp_path, target, draft)
+    res = run_subprocess(
+        "adapt", "train", path, "--from", tmp_path / "cap", "--out", tmp_path / "work", "--steps", "10",
+        "--batch", "8", "--lr", "1e-7", "--layers", "1", "--json", timeout=300,
+    )  # fmt: skip
+    assert res.code == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["heldout_examples"] > 0 and doc["best_step"] == 0, doc
+    changed = subprocess.run(
+        [str(python), "-c", READ_BLOCKS, str(draft / "model.safetensors"), str(Path(doc["draft"]) / "model.safetensors")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert changed.returncode == 0 and json.loads(changed.stdout) == [], changed.stdout + changed.stderr

@@ -35,7 +35,10 @@ for stage in "$@"; do
     $PY -m specops.cli adapt promote "$PROFILE" "$ADAPTED" --heldout "$HELDOUT" --limit 6 --max-tokens 64 \
       --json > "$WORK/distill-promote.json" || true ;;
   bench)
-    for p in "$PROFILE:adapted" benchmarks/real/vllm-qwen-pair.yaml:untrained benchmarks/real/vllm-qwen-ngram.yaml:ngram; do
+    # the fine-tuned draft is benched whether or not promote took it
+    sed "s#^  draft: .*#  draft: $ADAPTED#" "$PROFILE" > "$WORK/vllm-qwen-pair-tuned.yaml"
+    for p in "$WORK/vllm-qwen-pair-tuned.yaml:adapted" benchmarks/real/vllm-qwen-pair.yaml:untrained \
+      benchmarks/real/vllm-qwen-ngram.yaml:ngram; do
       $PY -m specops.cli bench "${p%%:*}" -p "$HELDOUT" -c 1 -n 6 --max-tokens 64 --rounds 3 --no-plots --json \
         -o "$WORK/bench-${p##*:}"
     done ;;

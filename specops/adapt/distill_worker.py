@@ -18,6 +18,11 @@ transformers): never imported by specops.
   template files copied), written to a temporary folder and renamed to ``draft/``: a folder vLLM serves as
   ``speculative.draft``. Agreement (the share of answer positions where the draft's greedy token is the
   label) is reported on the training and held-out examples before and after.
+- Early stopping: with held-out examples, their agreement is measured every ``eval_every`` steps (a tenth of
+  the run by default) and the draft written is the one that agreed most, the draft as it came (step 0)
+  included: a few hundred captured answers are memorized long before the run ends (measured on the real 0.5B:
+  agreement 0.85 → 0.99 on what it trained on, 0.875 → 0.863 held out), and a draft that only agrees more on
+  its own training data must not replace the one in service.
 
 Every ``checkpoint_every`` steps the trained modules, the optimizer and the data order go to ``checkpoint.pt``
 (atomic); a run that finds one for the same job resumes after its last step. Progress is one JSON object per
@@ -128,6 +133,11 @@ def _mean(trained: Trained, examples: list) -> tuple[float, float]:
     return total / max(1, n), agree / max(1, n)
 
 
+def _trainable(trained: Trained) -> dict:
+    """A copy of what training changes (not the frozen output layer)."""
+    return {k: v.detach().clone() for k, v in trained.state_dict().items() if not k.startswith("lm_head")}
+
+
 def _write_draft(folder: Path, model, trained: Trained, first: int, source: Path) -> Path:
     with torch.no_grad():
         for block, tuned in zip(model.model.layers[first:], trained.blocks):
@@ -174,17 +184,20 @@ def run(job_path: Path) -> int:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=job["lr"], weight_decay=0.0)
     ckpt = folder / "checkpoint.pt"
-    step, first_eval, rng_state = 0, None, None
+    step, first_eval, rng_state, best = 0, None, None, None
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
         if state.get("job") == job["id"]:
             trained.load_state_dict(state["model"], strict=False)
             opt.load_state_dict(state["opt"])
-            step, first_eval, rng_state = state["step"], state["first"], state["rng"]
+            step, first_eval, rng_state, best = state["step"], state["first"], state["rng"], state.get("best")
             _say(resumed=step)
     if first_eval is None:
         first_eval = (*_mean(trained, examples), _mean(trained, heldout)[1] if heldout else None)
         _say(step=0, of=job["steps"], loss=round(first_eval[0], 4))
+    if best is None and heldout:  # the draft as it came: kept unless a step agrees more on held-out answers
+        best = {"step": 0, "agreement": first_eval[2], "model": _trainable(trained)}
+    every = max(1, int(job.get("eval_every") or 0) or job["steps"] // 10)
     rng = np.random.default_rng(job["seed"])
     if rng_state is not None:
         rng.bit_generator.state = rng_state
@@ -211,13 +224,19 @@ def run(job_path: Path) -> int:
             if step % max(1, steps // 50) == 0 or step == steps:
                 recent = sum(losses[-20:]) / len(losses[-20:])
                 _say(step=step, of=steps, loss=round(recent, 4), eta_s=round(per * (steps - step), 1))
+            if best is not None and (step % every == 0 or step == steps):
+                agreement = _mean(trained, heldout)[1]
+                _say(step=step, of=steps, heldout_agreement=round(agreement, 4))
+                if agreement > best["agreement"]:
+                    best = {"step": step, "agreement": agreement, "model": _trainable(trained)}
             if step % job["checkpoint_every"] == 0 or step == steps:
-                trainable = {k: v for k, v in trained.state_dict().items() if not k.startswith("lm_head")}
-                state = {"job": job["id"], "model": trainable, "opt": opt.state_dict(), "step": step,
-                         "first": first_eval, "rng": rng.bit_generator.state}  # fmt: skip
+                state = {"job": job["id"], "model": _trainable(trained), "opt": opt.state_dict(), "step": step,
+                         "first": first_eval, "rng": rng.bit_generator.state, "best": best}  # fmt: skip
                 torch.save(state, folder / "checkpoint.pt.tmp")
                 os.replace(folder / "checkpoint.pt.tmp", ckpt)
     last = (*_mean(trained, examples), _mean(trained, heldout)[1] if heldout else None)
+    if best is not None:  # the written draft is the one that agreed most on the held-out answers
+        trained.load_state_dict(best["model"], strict=False)
     path = _write_draft(folder, model, trained, first, Path(job["draft"]))
     result = {
         "steps": step,
@@ -230,6 +249,10 @@ def run(job_path: Path) -> int:
         "heldout_examples": len(heldout),
         "heldout_first_agreement": first_eval[2],
         "heldout_last_agreement": last[2],
+        # the step whose draft was written (0: no step agreed more on the held-out answers than the draft as it
+        # came), and its held-out agreement; None without held-out examples (the last step is written)
+        "best_step": best["step"] if best else None,
+        "heldout_best_agreement": best["agreement"] if best else None,
         "draft": str(path),
         "seconds": round(time.monotonic() - t0, 1),
         "frozen_seconds": frozen_s,  # the frozen blocks' one pass over the examples, before the steps

@@ -420,6 +420,8 @@ def progress_line(event: dict, started: float) -> str | None:
     """One line for a worker event: step, loss, ETA."""
     if "resumed" in event:
         return f"resuming after step {event['resumed']}"
+    if "heldout_agreement" in event:
+        return f"step {event['step']}/{event['of']}: held-out agreement {event['heldout_agreement']:.3f}"
     if "step" in event:
         eta = event.get("eta_s")
         left = f", ETA {int(eta // 60)}:{int(eta % 60):02d}" if eta is not None else ""

@@ -237,6 +237,12 @@ def train(
         f"trained from {outcome.init_from} on {outcome.train_examples} examples ({outcome.heldout_examples} held out): "
         f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f} in {r['steps']} steps, {r['seconds']}s"
     )
+    if r.get("best_step") is not None:
+        click.echo(
+            f"held-out agreement {r['heldout_first_agreement']:.3f} -> {r['heldout_best_agreement']:.3f}: the draft "
+            f"written is step {r['best_step']}'s"
+            + (" (no step beat the draft as it came)" if r["best_step"] == 0 else "")
+        )
     click.echo(f"draft: {outcome.draft}")
     click.echo(f"next: specops adapt promote {profile} {outcome.draft}", file=sys.stderr)
 
