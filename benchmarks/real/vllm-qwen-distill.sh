@@ -50,14 +50,14 @@ import real_models_dir as m; print(b(), m() / 'qwen2.5-coder-1.5b-instruct-q4_k_
     "$LLAMA" -m "$GGUF" --host 127.0.0.1 --port 8394 --no-repack -c 4096 -t 2 > "$WORK/twin-llama.log" 2>&1 &
     twin=$!
     sed -e "s#^extends: .*#extends: $PROFILE#" benchmarks/real/vllm-qwen-pair-canary.yaml > "$WORK/canary.yaml"
-    echo 'speculative: {draft: ${SPECOPS_REAL_MODELS}/hf/qwen2.5-coder-0.5b-instruct-q4_k_m}' >> "$WORK/canary.yaml"
+    echo 'speculative: {draft: "${SPECOPS_REAL_MODELS}/hf/qwen2.5-coder-0.5b-instruct-q4_k_m"}' >> "$WORK/canary.yaml"
     $PY -m specops.cli up "$WORK/canary.yaml" --quiet-engine > "$WORK/up-canary.log" 2>&1 &
     wait_for "$WORK/up-canary.log" "ready in" 900
     (while true; do $PY benchmarks/real/adapt_prompts.py send "$HELDOUT" --url http://127.0.0.1:8393 -c 2; done) \
       > "$WORK/canary-traffic.log" 2>&1 &
     traffic=$!
     sleep 60
-    sed -i "s#^speculative: .*#speculative: {draft: $ADAPTED}#" "$WORK/canary.yaml"
+    sed -i "s#^speculative: .*#speculative: {draft: \"$ADAPTED\"}#" "$WORK/canary.yaml"
     events=$SPECOPS_STATE/vllm-qwen-pair-canary/events.jsonl
     for _ in $(seq 1500); do grep -qE 'canary_passed|canary_rolled_back' "$events" 2>/dev/null && break; sleep 1; done
     sleep 30
