@@ -390,7 +390,12 @@ class Fallback(Section):
     cooldown: Duration = Field(600.0, description="No further switch for this long after one.")
     max_switches_per_hour: int = Field(4, ge=1, le=3600, description="Flap guard: past this, hold the method and warn.")
     draft_cost_ratio: float | None = Field(
-        None, ge=0, le=1, description="Model mode: cost of one draft step relative to a target step (c). Unset: 0.05."
+        None,
+        ge=0,
+        le=1,
+        description="Model mode: cost of one draft step relative to a target step (c). Unset: as measured on this "
+        "machine where `specops bench --probe-verify` stored the engine's speculative steps (0 for n-gram and "
+        "suffix, whose lookup is inside them; the draft model's own steps), else 0.05.",
     )
     retry: Retry = Field(default_factory=Retry)
     goodput: Goodput = Field(default_factory=Goodput)
