@@ -6,10 +6,16 @@ starts a completion. Modules are split before prompts are cut, so no held-out pr
 training prompt came from: ``train.jsonl`` (captured, trained on) and ``heldout.jsonl`` (benched only), in
 the JSON Lines format ``specops bench -p`` reads.
 
+``--style instruct`` writes requests in words instead: "Write a Python function ``name(args)`` that ..." with
+the first sentence of the function's docstring, in Qwen2.5's chat template (the model's own turn markers, as its
+``tokenizer_config.json`` renders one user turn), so the answer is new code the prompt does not contain: the
+workload where prompt lookup has little to copy.
+
 ``send`` posts every prompt of a file to a proxy (``specops up`` with ``capture:`` on) as greedy completions,
 ``-c`` at a time: the capture is what ``specops adapt train`` learns from.
 
     .venv/bin/python benchmarks/real/adapt_prompts.py write OUT --train 160 --heldout 24
+    .venv/bin/python benchmarks/real/adapt_prompts.py write OUT --style instruct --max-tokens 96
     .venv/bin/python benchmarks/real/adapt_prompts.py send OUT/train.jsonl --url http://127.0.0.1:8080 -c 8
 """
 
@@ -43,13 +49,35 @@ def functions(path: Path) -> list[list[str]]:
     return out
 
 
+QWEN_TURN = (
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def instruction(body: list[str]) -> str | None:
+    """A request in words for the function ``body``: its signature and its docstring's first sentence."""
+    try:
+        node = ast.parse("\n".join(body)).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    doc = ast.get_docstring(node) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    if not doc:
+        return None
+    summary = " ".join(doc.split("\n\n")[0].split())
+    if not 20 <= len(summary) <= 300:
+        return None
+    args = ast.unparse(node.args)
+    return QWEN_TURN.format(f"Write a Python function `{node.name}({args})`. {summary}")
+
+
 def cut(body: list[str], rng: random.Random) -> str:
     """The function from its ``def`` to 30-60 % of its lines (at least three), ending with a newline."""
     n = max(3, int(len(body) * rng.uniform(0.3, 0.6)))
     return "\n".join(body[:n]) + "\n"
 
 
-def write(out: Path, n_train: int, n_heldout: int, max_tokens: int, seed: int) -> None:
+def write(out: Path, n_train: int, n_heldout: int, max_tokens: int, seed: int, style: str = "complete") -> None:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     modules = sorted(p for p in stdlib.glob("*.py") if not p.name.startswith("_"))
     rng = random.Random(seed)
@@ -59,12 +87,17 @@ def write(out: Path, n_train: int, n_heldout: int, max_tokens: int, seed: int) -
     for mod in modules:
         fns = functions(mod)
         rng.shuffle(fns)
-        pools["heldout" if mod in held_modules else "train"] += [cut(f, rng) for f in fns[:3]]
+        if style == "instruct":
+            made = [t for t in map(instruction, fns) if t][:3]
+        else:
+            made = [cut(f, rng) for f in fns[:3]]
+        pools["heldout" if mod in held_modules else "train"] += made
     out.mkdir(parents=True, exist_ok=True)
     for name, n in (("train", n_train), ("heldout", n_heldout)):
         pool = pools[name]
         rng.shuffle(pool)
-        rows = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "set": f"stdlib-{name}"} for p in pool[:n]]
+        label = f"stdlib-{name}" if style == "complete" else f"stdlib-{style}-{name}"
+        rows = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "set": label} for p in pool[:n]]
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         print(f"{out / f'{name}.jsonl'}: {len(rows)} prompts")
 
@@ -106,13 +139,14 @@ def main() -> int:
     w.add_argument("--heldout", type=int, default=24)
     w.add_argument("--max-tokens", type=int, default=64)
     w.add_argument("--seed", type=int, default=39)
+    w.add_argument("--style", choices=("complete", "instruct"), default="complete")
     s = sub.add_parser("send")
     s.add_argument("file", type=Path)
     s.add_argument("--url", default="http://127.0.0.1:8080")
     s.add_argument("-c", type=int, default=4)
     args = ap.parse_args()
     if args.cmd == "write":
-        write(args.out, args.train, args.heldout, args.max_tokens, args.seed)
+        write(args.out, args.train, args.heldout, args.max_tokens, args.seed, args.style)
     else:
         asyncio.run(send(args.file, args.url, args.c))
     return 0
