@@ -7,6 +7,8 @@
 #   benchmarks/real/vllm-qwen-distill.sh WORK STAGE...    stages: train promote bench canary
 #
 # WORK holds the prompts and the capture of benchmarks/real/vllm-qwen-adapt.sh (its stages `prompts capture`).
+# CAPTURE (default WORK/capture) is what `train` learns from; DISTILL (default WORK/distill) its work folder, whose
+# draft the later stages measure.
 # Training runs under `nice -n 19`; run the measuring stages in one hold of the machine's lock:
 #   flock /tmp/brief/bench.lock benchmarks/real/vllm-qwen-distill.sh WORK promote bench canary
 set -euo pipefail
@@ -16,7 +18,9 @@ export SPECOPS_STATE=$WORK/state
 export SPECOPS_PROFILE_ROOT=$PWD/benchmarks/real  # the copies in WORK extend the profiles here
 PY=.venv/bin/python
 HELDOUT=$WORK/prompts/heldout.jsonl
-ADAPTED=$WORK/distill/draft
+CAPTURE=$(realpath -m "${CAPTURE:-$WORK/capture}")
+DISTILL=$(realpath -m "${DISTILL:-$WORK/distill}")
+ADAPTED=$DISTILL/draft
 PROFILE=$WORK/vllm-qwen-pair-adapt.yaml  # promote writes into this copy, not into the committed profile
 
 wait_for() {  # wait_for FILE PATTERN SECONDS
@@ -29,18 +33,22 @@ wait_for() {  # wait_for FILE PATTERN SECONDS
 for stage in "$@"; do
   case $stage in
   train)  # the last 4 of the 0.5B's 24 blocks, on the captured answers (one in ten prompts held out)
-    nice -n 19 $PY -m specops.cli adapt train "$PROFILE" --from "$WORK/capture" --out "$WORK/distill" \
-      --layers 4 --steps 100 --batch 8 --lr 2e-5 --json > "$WORK/distill-train.json" ;;
+    nice -n 19 $PY -m specops.cli adapt train "$PROFILE" --from "$CAPTURE" --out "$DISTILL" \
+      --layers 4 --steps 100 --batch 8 --lr 2e-5 --json > "$DISTILL-train.json" ;;
   promote)  # the untrained 0.5B (in service) against the fine-tuned one on the held-out prompts
     $PY -m specops.cli adapt promote "$PROFILE" "$ADAPTED" --heldout "$HELDOUT" --limit 6 --max-tokens 64 \
-      --json > "$WORK/distill-promote.json" || true ;;
+      --json > "$DISTILL-promote.json" || true ;;
   bench)
     # the fine-tuned draft is benched whether or not promote took it
     sed "s#^  draft: .*#  draft: $ADAPTED#" "$PROFILE" > "$WORK/vllm-qwen-pair-tuned.yaml"
-    for p in "$WORK/vllm-qwen-pair-tuned.yaml:adapted" benchmarks/real/vllm-qwen-pair.yaml:untrained \
-      benchmarks/real/vllm-qwen-ngram.yaml:ngram; do
-      $PY -m specops.cli bench "${p%%:*}" -p "$HELDOUT" -c 1 -n 6 --max-tokens 64 --rounds 3 --no-plots --json \
-        -o "$WORK/bench-${p##*:}"
+    for name in ${BENCH:-adapted untrained ngram}; do  # BENCH: which of the three (the adapted one to DISTILL-bench)
+      case $name in
+      adapted) p=$WORK/vllm-qwen-pair-tuned.yaml out=$DISTILL-bench ;;
+      untrained) p=benchmarks/real/vllm-qwen-pair.yaml out=$WORK/bench-untrained ;;
+      ngram) p=benchmarks/real/vllm-qwen-ngram.yaml out=$WORK/bench-ngram ;;
+      *) echo "unknown draft $name" >&2; exit 2 ;;
+      esac
+      $PY -m specops.cli bench "$p" -p "$HELDOUT" -c 1 -n 6 --max-tokens 64 --rounds 3 --no-plots --json -o "$out"
     done ;;
   canary)  # the live `up` serves the untrained draft; the profile then names the fine-tuned one, and the canary decides
     # the twin without speculation is another deployment: llama-server on the same model's GGUF (two engines of
