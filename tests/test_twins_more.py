@@ -390,6 +390,9 @@ def test_vllm_per_request_spec_metrics_are_rendered_when_classes_need_them(tmp_p
     assert "--per-request-spec-decode-metrics" not in _vllm_argv(tmp_path, "", "0.32.0")
     assert "--per-request-spec-decode-metrics" not in _vllm_argv(tmp_path, classes, "0.32.0", step=1)
     assert "--per-request-spec-decode-metrics" not in _vllm_argv(tmp_path, classes, "0.27.1")
+    # a canary's acceptance is the sum of its answers' own counters: it needs them without classes too
+    canary = _vllm_argv(tmp_path, "  canary: {enabled: true}\n", "0.32.0")
+    assert canary[canary.index("--per-request-spec-decode-metrics") + 1] == "summary"
     # the operator's own choice stays
     mine = _vllm_argv(
         tmp_path, classes + "server: {extra_args: [--per-request-spec-decode-metrics=detailed]}\n", "0.32.0"
@@ -400,7 +403,7 @@ def test_vllm_per_request_spec_metrics_are_rendered_when_classes_need_them(tmp_p
 def test_vllm_engines_side_by_side_are_not_pinned_to_the_same_cores(tmp_path):
     """vLLM-CPU's default thread binding puts every engine on the same cores: with twins each engine is rendered
     unbound (from the version that has the setting), unless the operator chose a binding; a remote twin shares no
-    cores, so it changes nothing."""
+    cores, so it changes nothing; a canary does."""
     from specops.backends.render import render_plan
     from specops.config.profile import LoadedProfile
     from specops.plugins import get_registry
@@ -424,6 +427,14 @@ def test_vllm_engines_side_by_side_are_not_pinned_to_the_same_cores(tmp_path):
         "", "0.32.0", 0, base=VLLM.replace("twins: [none]", 'twins: [{url: "http://v-plain:8000", method: none}]')
     )
     assert "VLLM_CPU_OMP_THREADS_BIND" not in remote and "OMP_WAIT_POLICY" not in remote
+    # ... but a canary runs here beside its primary, whatever the twins
+    canary = env(
+        "  canary: {enabled: true}\n",
+        "0.32.0",
+        0,
+        base=VLLM.replace("twins: [none]", 'twins: [{url: "http://v-plain:8000", method: none}]'),
+    )
+    assert (canary["VLLM_CPU_OMP_THREADS_BIND"], canary["OMP_WAIT_POLICY"]) == ("nobind", "PASSIVE")
     mine = env("server: {env: {VLLM_CPU_OMP_THREADS_BIND: '0|1', OMP_WAIT_POLICY: ACTIVE}}\n", "0.32.0", 0)
     assert (mine["VLLM_CPU_OMP_THREADS_BIND"], mine["OMP_WAIT_POLICY"]) == ("0|1", "ACTIVE")
 

@@ -285,7 +285,9 @@ class VllmBackend(Backend):
         env = dict(spec_env)
         if g.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in g.devices)
-        if p.routing.local_twins:  # engines side by side on one host's CPUs (a remote twin runs elsewhere)
+        # engines side by side on one host's CPUs: local twins, or a canary beside its primary (a remote twin runs
+        # elsewhere); pinned to the same core, a canary's engine waited there for minutes under traffic (2 cores)
+        if p.routing.local_twins or p.routing.canary.enabled:
             if version >= VLLM_CPU_NOBIND:  # vLLM-CPU must not pin them to the same cores (CUDA builds ignore it)
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             env["OMP_WAIT_POLICY"] = "PASSIVE"  # ... and their OpenMP threads must not spin while the other works
@@ -495,10 +497,11 @@ def specops_backends():
 
 def per_request_metrics_args(profile, version: Version) -> list[str]:
     """``--per-request-spec-decode-metrics summary`` when the profile routes by class (each answer's own draft
-    counters feed its class's window), the engine speculates (vLLM refuses the flag without speculation) and the
-    version has the flag; nothing otherwise, or when ``server.extra_args`` already sets it."""
+    counters feed its class's window) or may run a canary (each side's acceptance is the sum of its answers'
+    counters), the engine speculates (vLLM refuses the flag without speculation) and the version has the flag;
+    nothing otherwise, or when ``server.extra_args`` already sets it."""
     if (
-        profile.routing.classes.key == "none"
+        (profile.routing.classes.key == "none" and not profile.routing.canary.enabled)
         or profile.speculative.method.value == "none"
         or version < VLLM_PER_REQUEST_SPEC_METRICS
         or any(a.split("=")[0] == "--per-request-spec-decode-metrics" for a in profile.server.extra_args)
