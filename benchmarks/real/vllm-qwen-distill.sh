@@ -69,7 +69,7 @@ import real_models_dir as m; print(b(), m() / 'qwen2.5-coder-1.5b-instruct-q4_k_
     events=$SPECOPS_STATE/vllm-qwen-pair-canary/events.jsonl
     for _ in $(seq 1500); do grep -qE 'canary_passed|canary_rolled_back' "$events" 2>/dev/null && break; sleep 1; done
     sleep 30
-    kill $traffic
+    kill $traffic; pkill -f "adapt_prompts.py send $HELDOUT" || true  # the loop, then the client it was running
     $PY -m specops.cli status vllm-qwen-pair-canary --json > "$WORK/status-canary.json" || true
     $PY -m specops.cli down vllm-qwen-pair-canary
     kill $twin
