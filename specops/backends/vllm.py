@@ -41,6 +41,7 @@ from specops.backends.versions import (
     vllm_field_problem,
     vllm_method_problem,
 )
+from specops.config.engines import engine_names
 from specops.errors import SpecopsError
 from specops.hookspecs import hookimpl
 from specops.methods import Method
@@ -285,9 +286,9 @@ class VllmBackend(Backend):
         env = dict(spec_env)
         if g.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in g.devices)
-        # engines side by side on one host's CPUs: local twins, or a canary beside its primary (a remote twin runs
-        # elsewhere); pinned to the same core, a canary's engine waited there for minutes under traffic (2 cores)
-        if p.routing.local_twins or p.routing.canary.enabled:
+        # engines side by side on one host's CPUs (local twins, a canary; a remote twin runs elsewhere): pinned to the
+        # same core, a canary's engine waited there for minutes under traffic (2 cores)
+        if len(engine_names(p)) > 1:
             if version >= VLLM_CPU_NOBIND:  # vLLM-CPU must not pin them to the same cores (CUDA builds ignore it)
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             env["OMP_WAIT_POLICY"] = "PASSIVE"  # ... and their OpenMP threads must not spin while the other works
