@@ -83,8 +83,8 @@ def _check_stream(text: str, n: int) -> dict:
     return final.get("timings", {})
 
 
-def _session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60))
+def _session(total: float = 60) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=total))
 
 
 def switch_request(i: int, n: int) -> tuple[str, dict]:
@@ -180,7 +180,8 @@ def test_real_engine_sigkilled_mid_stream(tmp_path):
         doomed = LlamaServer(common, tmp_path / "doomed.log")
         rescue = None
         try:
-            async with _session() as s:
+            # a stream lives through the kill and the rescue's start: the test's own limit bounds it
+            async with _session(total=110) as s:
                 await doomed.ready(s)
                 async with running_proxy(doomed.url, queue_timeout=60, recover_interval=30) as proxy:
                     first = [asyncio.Event() for _ in range(4)]
@@ -189,7 +190,7 @@ def test_real_engine_sigkilled_mid_stream(tmp_path):
                         text = b""
                         async with s.post(
                             proxy.url + "/v1/completions",
-                            json={"prompt": f"stream {i}", "max_tokens": 2000, "ignore_eos": True, "stream": True},
+                            json={"prompt": f"stream {i}", "max_tokens": 1000, "ignore_eos": True, "stream": True},
                         ) as r:
                             async for piece in r.content.iter_any():
                                 text += piece
@@ -204,7 +205,7 @@ def test_real_engine_sigkilled_mid_stream(tmp_path):
 
                     streams = [asyncio.ensure_future(streaming(i)) for i in range(4)]
                     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 30)
-                    started = [asyncio.ensure_future(plain(1000)) for _ in range(4)]  # no byte until the end
+                    started = [asyncio.ensure_future(plain(600)) for _ in range(4)]  # no byte until the end
                     await asyncio.sleep(0.1)
                     assert proxy.stats()["in_flight"] == 8
                     doomed.kill()
