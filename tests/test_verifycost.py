@@ -313,11 +313,32 @@ def test_the_model_prices_whole_requests_their_prompt_passes_and_draftless_steps
     assert model("draft_model", "/m/draft.gguf")[0] == pytest.approx(50 / (10 * 1.3 + 5 * (4 * 0.3 + 2.0) + 20))
     # the drafting steps alone would have said 4 / 2.0
     assert ngram < 2.0
+    # an engine whose speculative path costs on steps that draft nothing (measured: idle) prices those too,
+    # at the cell's batch, interpolated between the batches probed
+    idle = {**STEPS_RECORD, "batches": {"1": {**STEPS_RECORD["batches"]["1"], "idle": 1.2},
+                                        "4": {**STEPS_RECORD["batches"]["4"], "idle": 1.5}}}  # fmt: skip
+    meta = {"settings": {}, "profile": {"method": "ngram", "parallel": 4}, "verify_cost": idle}
+    assert summarize(cells, meta)["speedup"][0]["model_speedup"] == pytest.approx(50 / (10 + 5 * 2.0 + 20 * 1.2))
+    from specops.perf.verifycost import idle_of
+
+    assert idle_of(idle, 2) == pytest.approx(1.2 + (1.5 - 1.2) / 3) and idle_of(STEPS_RECORD, 4) == 1.0
+
+
+def test_a_draftless_step_is_timed_apart_from_the_few_steps_that_drafted():
+    from specops.perf.verifyprobe import _Decode, _idle_step_ms
+    from specops.speedup import VerifyCost
+
+    # 20 steps in 1100 ms, one of them a draft of 4 (rejected) at its speculative step's 100 ms
+    assert _idle_step_ms([_Decode(600.0, 10, 4), _Decode(500.0, 10, 0)], 4, None, 100.0) == pytest.approx(1000 / 19)
+    assert _idle_step_ms([_Decode(500.0, 10, None)], 4, 0, 100.0) == pytest.approx(50.0)  # counters (vLLM)
+    assert _idle_step_ms([_Decode(1000.0, 10, 12)], 4, None, 100.0) is None  # 3 of 10 steps drafted: too many
+    with pytest.raises(ValueError, match="draftless step"):
+        VerifyCost(((1, 1.0),), idle=0.0)
 
 
 def test_a_speculative_step_is_the_requests_time_less_their_draftless_steps():
     from specops.errors import SpecopsError
-    from specops.perf.verifycost import _Decode, _spec_step_ms
+    from specops.perf.verifyprobe import _Decode, _spec_step_ms
 
     # two requests of 10 steps; drafts of 4: 32 and 30 tokens drafted (the last draft cut short by the end)
     decodes = [_Decode(1000.0, 10, 32), _Decode(1000.0, 10, 30)]
@@ -352,7 +373,7 @@ def test_a_record_keeps_the_draft_costs_measured_before(tmp_path):
 def test_the_probe_counts_the_load_of_processes_outside_its_tree():
     import time
 
-    from specops.perf.verifycost import _OtherLoad
+    from specops.perf.verifyprobe import _OtherLoad
 
     assert _OtherLoad().cores is None  # nothing measured yet
     # a process outside our tree (its parent exits at once: init reaps it) spins one core for 2 s, then stops

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from specops.perf.verifycost import SIZES, STEPS, curve_of, model_identity
+from specops.perf.verifycost import STEPS, curve_of, model_identity
+from specops.perf.verifyprobe import SIZES
 
 SPECOPS = Path(sys.executable).with_name("specops")
 
@@ -53,6 +54,10 @@ def test_probed_curve_is_stored_and_used_by_advise_and_init(tmp_path, tiny_gguf_
         assert all(share >= 0.5 for share in batch["steps_that_drafted"].values())  # steps that really drafted
         assert batch["t_step_ms"] > 0
     assert rec["relative"] == rec["batches"]["1"]["relative"]  # the curve older readers read
+    for batch in rec["batches"].values():  # a step that drafted nothing, beside the target alone's on the same text
+        assert batch["t_idle_ms"] > 0 and batch["t_sampled_ms"] > 0
+        assert batch["idle"] == pytest.approx(batch["t_idle_ms"] / batch["t_sampled_ms"], rel=1e-3)
+    assert curve_of(rec, 2).idle == rec["batches"]["2"]["idle"]
     ratio = rec["drafts"][model_identity(str(draft))]["ratio"]
     assert set(ratio) == {"1", "2"} and all(v >= 0 for v in ratio.values())  # from the pair's own steps
     assert Path(rec["file"]).parent == tmp_path / "state" / "verify-cost"

@@ -259,7 +259,7 @@ class Backend:
     log_acceptance: bool = False
     #: The engine's name in messages (``vLLM``, ``llama.cpp``); empty: the backend's ``name``.
     display_name: str = ""
-    #: How :mod:`specops.perf.verifycost` times a pass over n new tokens on this engine: ``"llama-server"``
+    #: How :mod:`specops.perf.verifyprobe` times a pass over n new tokens on this engine: ``"llama-server"``
     #: (``/tokenize`` with ``content``, the engine's own ``timings.prompt_ms``), ``"openai"`` (``/tokenize`` with
     #: ``prompt``, time to first token over the OpenAI API: inferred, vLLM); empty: no probe.
     verify_probe: str = ""

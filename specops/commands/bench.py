@@ -253,7 +253,8 @@ def bench(
 
 def _probe_verify(loaded, backend_version: str | None, quiet: bool, as_json: bool) -> None:
     """``--probe-verify``: the verification-cost curve of the profile's engine and model on this machine."""
-    from specops.perf.verifycost import format_curve, probe_launched
+    from specops.perf.verifycost import format_curve
+    from specops.perf.verifyprobe import probe_launched
     from specops.plugins import get_registry
 
     say = (lambda m: None) if quiet else (lambda m: click.echo(f"specops: {m}", err=True))

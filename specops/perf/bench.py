@@ -37,7 +37,8 @@ from specops.methods import Method
 from specops.perf import cpuload
 from specops.perf.bench_flags import FlagThresholds
 from specops.perf.bench_report import BASE, SPEC, summarize
-from specops.perf.verifycost import CurveKey, covers, cpu_model, load_record, probe_profile, save_curve, usable_cores
+from specops.perf.verifycost import CurveKey, covers, cpu_model, load_record, save_curve, usable_cores
+from specops.perf.verifyprobe import probe_profile
 from specops.perf.workload import BUILTIN_SETS, Prompt, load_prompts
 
 DEFAULT_LEVELS = (1, 2, 4, 8)
