@@ -122,6 +122,31 @@ def test_rounds_that_disagree_name_the_round_far_from_the_others():
     assert [(f["kind"], f["round"]) for f in flags] == [("rounds-disagree", 2)] and "TPOT" in flags[0]["text"]
 
 
+def test_a_single_wave_whose_requests_went_at_unequal_speeds_is_flagged(tmp_path):
+    spread = {"median": 33.0, "p90": 49.0}  # Gemma's summarize at four clients on vLLM-CPU, four requests
+
+    def cell(level, mode=SPEC):  # each run: 4 requests
+        return [x for x in steady(3) if x["set"] == "code" and x["concurrency"] == level and x["mode"] == mode]
+
+    def flags(runs, **changes):
+        return cell_flags([{**x, **changes} for x in runs], FlagThresholds())
+
+    wave = cell(4)
+    [flag] = flags(wave, tpot_ms=spread)
+    assert (flag["kind"], flag["mode"], flag["round"]) == ("one-wave", SPEC, None)
+    assert flag["value"] == pytest.approx(49 / 33) and "4 requests at concurrency 4" in flag["text"]
+    assert flags(wave, tpot_ms=spread, requests=16) == []  # clients that send again keep the batch full
+    assert flags(cell(1), tpot_ms=spread) == []  # one client: its requests follow each other
+    assert flags(wave, tpot_ms={"median": 33.0, "p90": 40.0}) == []  # speeds alike within --max-spread
+    assert flags(cell(4, BASE), tpot_ms=spread) == []  # only speculation makes the speeds differ
+    cells = steady(3)
+    for rnd in (1, 2, 3):
+        replace(cells, "chat", 4, SPEC, rnd, tpot_ms=spread)
+    report = summarize(cells, meta(3))
+    assert [f["kind"] for r in report["speedup"] for f in r["flags"]] == ["one-wave"]
+    assert "- chat c=4, with speculation, every round: one-wave: one wave: 4 requests" in markdown(report)
+
+
 def test_one_round_prints_cells_but_no_headline(tmp_path):
     rep = summarize(steady(1), meta(1))
     assert rep["overall"]["speedup"] is None and "one round is not a measurement" in rep["overall"]["no_headline"]

