@@ -63,8 +63,9 @@ tokens/s, TTFT, inter-token latency, acceptance and mean acceptance length, and 
 (tokens/s ratio) per level and per prompt set: results.json, summary.md and PNG plots.
 
 The overall speedup is the median of the cells' speedups, printed from two rounds on. A cell is
-flagged when other processes kept the cores busy (--busy-cores), a request stalled (--stall-after)
-or its rounds disagree (--max-spread).
+flagged when other processes kept the cores busy (--busy-cores), a request stalled (--stall-after),
+its rounds disagree (--max-spread), or each client sent one request at speeds that differ by more than
+--max-spread (one wave: the slowest request sets the wall; send -n of twice the concurrency or more).
 
 \b
 The built-in sets exercise where speculation helps and where it hurts:
@@ -150,7 +151,8 @@ Examples:
     type=float,
     default=FlagThresholds.max_spread,
     show_default=True,
-    help="Flag a cell whose rounds differ by more than this factor (max/min of tokens/s or of median TPOT).",
+    help="Flag a cell whose rounds differ by more than this factor (max/min of tokens/s or of median TPOT), "
+    "or one wave of requests whose TPOTs do (p90/median).",
 )
 @click.option(
     "--stall-after",
