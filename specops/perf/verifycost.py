@@ -24,7 +24,8 @@ from specops.methods import Method
 from specops.paths import private_dir, state_dir
 from specops.speedup import VerifyCost
 
-#: What :func:`specops.perf.verifyprobe.probe_profile` writes in ``probe`` (a record without it timed prompt passes: a lower bound).
+#: What :func:`specops.perf.verifyprobe.probe_profile` writes in ``probe`` (a record without it timed prompt
+#: passes: a lower bound).
 STEPS = "speculative-steps"
 
 
@@ -201,6 +202,7 @@ def draft_ratio(record: dict, draft: str | None, batch: int = 1) -> float | None
 
 
 def drafts_by_model(profile) -> bool:
+    """Whether ``profile`` drafts by a draft model of its own (the probe then times its steps; c is measured)."""
     return profile.speculative.method is Method.DRAFT_MODEL and bool(profile.speculative.draft)
 
 
