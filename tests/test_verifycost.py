@@ -319,6 +319,8 @@ def test_the_model_prices_whole_requests_their_prompt_passes_and_draftless_steps
                                         "4": {**STEPS_RECORD["batches"]["4"], "idle": 1.5}}}  # fmt: skip
     meta = {"settings": {}, "profile": {"method": "ngram", "parallel": 4}, "verify_cost": idle}
     assert summarize(cells, meta)["speedup"][0]["model_speedup"] == pytest.approx(50 / (10 + 5 * 2.0 + 20 * 1.2))
+    assert "steps without a draft at the draftless step measured" in summarize(cells, meta)["model_basis"]
+    assert "steps without a draft at one step" in basis  # a record probed before the draftless step was
     from specops.perf.verifycost import idle_of
 
     assert idle_of(idle, 2) == pytest.approx(1.2 + (1.5 - 1.2) / 3) and idle_of(STEPS_RECORD, 4) == 1.0

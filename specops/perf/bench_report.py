@@ -16,7 +16,7 @@ from specops.methods import Method
 from specops.perf.bench_flags import FlagThresholds, cell_flags
 from specops.perf.plots import plot
 from specops.perf.stats import median, present
-from specops.perf.verifycost import STEPS, curve_of, draft_ratio, step_ms
+from specops.perf.verifycost import STEPS, curve_of, draft_ratio, idle_measured, step_ms
 from specops.speedup import DEFAULT_DRAFT_COST, VerifyCost, cost_basis, speedup_from_length, workload_speedup
 
 SPEC, BASE = "spec", "base"
@@ -183,7 +183,8 @@ class _Model:
 
     def basis(self) -> str:
         c, how = self.draft_cost(1)
-        whole = " whole requests (prompt passes, steps without a draft);" if self._step_ms(1) else ""
+        idle = "at the draftless step measured" if self.curve(1) and idle_measured(self.record) else "at one step"
+        whole = f" whole requests (prompt passes, steps without a draft {idle});" if self._step_ms(1) else ""
         return f"{cost_basis(self.curve(1))};{whole} c {how}"
 
     def _step_ms(self, level: int) -> float | None:

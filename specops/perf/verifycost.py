@@ -172,6 +172,11 @@ def curve_of(record: dict, batch: int = 1) -> VerifyCost:
     return VerifyCost.from_mapping(costs, source, idle_of(record, batch))
 
 
+def idle_measured(record: dict | None) -> bool:
+    """Whether ``record`` timed the speculative engine's draftless step (records probed before it did not)."""
+    return bool(record) and any(isinstance(c, dict) and "idle" in c for c in (record.get("batches") or {}).values())
+
+
 def idle_of(record: dict, batch: int = 1) -> float:
     """A draftless step of the speculative engine at ``batch``, in decode steps (interpolated as the curve is);
     1 in a record that did not time it."""
