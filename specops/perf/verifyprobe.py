@@ -18,7 +18,8 @@ steps the engine really takes:
   drafting costs) and the sampling of every kept token, as the engine pays them.
 - **batches**: both at one request and at the profile's ``server.parallel`` requests at once (what the engine
   batches at four clients); the model reads the curve of a cell's batch, interpolated between the two.
-- **a step that found no draft** (measured): the target alone and the speculative engine each decode a text
+- **a step that found no draft** (measured): the target alone and the speculative engine (the prompt-lookup one
+  of the size nearest the profile's k + 1) each decode a text
   without repeats, sampled at :data:`IDLE_TEMPERATURE`, so lookups find (almost) nothing; idle = the speculative
   engine's step over the target's on that text (its few drafting steps priced at its speculative step): what the
   engine's proposer and speculative bookkeeping cost on every step.
@@ -351,7 +352,7 @@ async def probe_profile(loaded, registry, engine, *, repeats: int = REPEATS, say
     }
     skipped = []
     own = max(1, profile.speculative.k) + 1
-    idle_n = min(sizes[1:], key=lambda n: (abs(n - own), n), default=None)  # the draftless step beside the own k's
+    idle_n = min(sizes[1:], key=lambda n: (abs(n - own), n), default=None)  # draftless steps: nearest the own k
     for n in sizes[1:]:
         k, fit = n - 1, [b for b in batches if _fits(profile, n, b)]
         if not fit:
