@@ -217,15 +217,20 @@ def _step_ms(decodes: list[_Decode]) -> float:
     return statistics.median(d.wall_ms / d.steps for d in decodes if d.steps > 0)
 
 
+def _steps_and_drafts(decodes: list[_Decode], k: int, counted_drafts: float | None) -> tuple[int, float]:
+    """The requests' decode steps and how many of them drafted: ``draft_n`` / k per request, rounded up for a last
+    draft cut short by the request's end (llama-server), else the engine's counters (vLLM)."""
+    steps = sum(d.steps for d in decodes)
+    if all(d.drafted is not None for d in decodes):
+        return steps, float(sum(-(-(d.drafted or 0) // k) for d in decodes))
+    return steps, float(counted_drafts or 0.0)
+
+
 def _spec_step_ms(decodes: list[_Decode], k: int, counted_drafts: float | None, t_step: float) -> tuple[float, float]:
     """The time of one speculative step with a k-token draft, and the share of steps that drafted: the requests'
     decode time, less their draft-less steps at ``t_step``, over their drafts (from ``draft_n`` / k, rounded up
     for a last draft cut short by the request's end, else the counters)."""
-    steps = sum(d.steps for d in decodes)
-    if all(d.drafted is not None for d in decodes):
-        drafts = float(sum(-(-(d.drafted or 0) // k) for d in decodes))
-    else:
-        drafts = float(counted_drafts or 0.0)
+    steps, drafts = _steps_and_drafts(decodes, k, counted_drafts)
     drafts = min(drafts, float(steps))
     if steps <= 0 or drafts < steps / 2:
         raise SpecopsError(f"drafts of {k} tokens were found in {drafts:.0f} of {steps} steps: too few to time one")
@@ -237,11 +242,7 @@ def _idle_step_ms(decodes: list[_Decode], k: int, counted_drafts: float | None, 
     """The time of one step of the speculative engine that found no draft: the requests' decode time, less their
     few drafting steps at ``t_spec``, over the rest; None where more than a quarter of the steps drafted (the
     text gave the lookup too much to copy to time its absence)."""
-    steps = sum(d.steps for d in decodes)
-    if all(d.drafted is not None for d in decodes):
-        drafts = float(sum(-(-(d.drafted or 0) // k) for d in decodes))
-    else:
-        drafts = float(counted_drafts or 0.0)
+    steps, drafts = _steps_and_drafts(decodes, k, counted_drafts)
     if steps <= 0 or drafts > steps / 4:
         return None
     return (sum(d.wall_ms for d in decodes) - drafts * t_spec) / (steps - drafts)
