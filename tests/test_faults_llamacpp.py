@@ -87,7 +87,7 @@ def test_metrics_endpoint_down_means_no_switch_then_recovery(tmp_path, models):
 
 def test_engine_restart_mid_window_is_not_a_verdict(tmp_path, models):
     """Counters restart from zero with the engine: the window treats it as a reset, not as negative work,
-    and a window that spans the restart never decides on its own."""
+    and a window that spans the restart never decides."""
     profile = noisy_profile(tmp_path, models, "reset")
     with UpRun(profile, tmp_path / "state", "reset") as run:
         st = run.wait_ready(timeout=60)
@@ -99,7 +99,10 @@ def test_engine_restart_mid_window_is_not_a_verdict(tmp_path, models):
         assert load.lost == 0 and load.ok > 0, load.failures[:3]  # the proxy held the requests over the restart
         switch = [d for d in run.events("decision") if d.get("action") == "switch"][0]
         restarted = [e for e in run.events("ready")][1]["ts"]
-        # windows only count once they start after the (new) engine was ready: two fresh windows after it
-        assert switch["ts"] - restarted >= 2 * WINDOW - 0.5
+        # the deciding window starts after the new engine was ready (its reader attaches then): a whole window
+        # after it, and no reset inside; a low window counted before the crash may complete the streak (the same
+        # method and draft, disjoint evidence), so the switch can come one window after the restart, not two
+        assert switch["ts"] - restarted >= WINDOW - 0.5
         assert switch["numbers"]["acceptance"] < 0.6 and switch["window"]["resets"] == 0
+        assert switch["numbers"]["streak"] == 2, switch["numbers"]
         assert run.stop() == 0
