@@ -38,10 +38,13 @@ def counters(engine_url: str) -> dict[str, float]:
     return out
 
 
-def drafted_k(url: str, engine_url: str, model: str, concurrency: int, seconds: float) -> tuple[float, int]:
+def drafted_k(
+    url: str, engine_url: str, model: str, concurrency: int, seconds: float, max_tokens: int = 32
+) -> tuple[float, int]:
     """Mean tokens drafted per draft while ``concurrency`` greedy clients run for ``seconds``, and the requests."""
     before = counters(engine_url)
-    prompts = [Prompt(t, 32, 0.0, "k") for t in ("the quick brown fox", "def hello world", "it is the and of to")]
+    texts = ("the quick brown fox", "def hello world", "it is the and of to")
+    prompts = [Prompt(t, max_tokens, 0.0, "k") for t in texts]
     res = asyncio.run(
         run_workload(url, model, prompts, concurrency=concurrency, duration=seconds, extra_body={"ignore_eos": True})
     )
@@ -97,10 +100,12 @@ def test_a_per_batch_schedule_is_followed_on_both_sides_of_its_threshold(tmp_pat
         argv = " ".join(run.events("start")[0]["argv"])
         assert '"num_speculative_tokens_per_batch_size":[[1,2,3],[3,16,1]]' in argv
         k1, n1 = drafted_k(st["url"], st["engine_url"], target, 1, 8.0)
-        k6, n6 = drafted_k(st["url"], st["engine_url"], target, 6, 8.0)
+        k6, n6 = drafted_k(st["url"], st["engine_url"], target, 6, 8.0, max_tokens=128)
         # one client: batch 1 → k 3 every step; six: batch 3..6 most of the time → k 1 (a step with fewer
         # requests, while one finishes and the next is admitted, drafts 3: how many depends on the machine's
-        # load — a fresh-clone run measured 1.52 — so the bound says "mostly k 1", not a timing)
+        # load — a fresh-clone run measured 1.52 — so the bound says "mostly k 1", not a timing). Six clients
+        # ask for long answers: with short ones on a loaded machine, the clients' own turnaround once kept the
+        # batch at two or less (k6 3.0)
         assert 2.9 <= k1 <= 3.0, k1
         assert 1.0 <= k6 <= 2.0, k6
         assert n1 > 0 and n6 > 0
