@@ -385,3 +385,32 @@ def test_the_probe_counts_the_load_of_processes_outside_its_tree():
     with busy.during():
         time.sleep(1.0)
     assert busy.cores > 0.3, busy.cores
+
+
+def test_a_draft_of_a_measured_drafts_shape_costs_what_it_measured(tmp_path):
+    """A fine-tuned copy of a measured draft (the same config.json shape, other weights) is priced at the measured
+    draft's step, from the shape the record stored or, for an older record, from the measured folder itself; a
+    draft of another shape (fewer layers, another dtype) is not."""
+    from specops.perf.verifycost import draft_ratio, draft_shape
+
+    config = {"model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896, "intermediate_size": 4864,
+              "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "dtype": "bfloat16",
+              "_name_or_path": "base"}  # fmt: skip
+
+    def folder(name, **changes):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**config, **changes}))
+        return str(path)
+
+    base, tuned = folder("base"), folder("tuned", _name_or_path="tuned", architectures=["Qwen2ForCausalLM"])
+    shallow, fp32 = folder("shallow", num_hidden_layers=12), folder("fp32", dtype="float32")
+    entry = {"path": base, "k": 4, "ratio": {"1": 0.38, "4": 0.42}}
+    stored = {"drafts": {base: {**entry, "shape": draft_shape(base)}}}
+    older = {"drafts": {base: entry}}  # no stored shape: read from the measured folder
+    for record in (stored, older):
+        assert draft_ratio(record, tuned) == 0.38 and draft_ratio(record, tuned, 4) == 0.42
+        assert draft_ratio(record, shallow) is None and draft_ratio(record, fp32) is None
+    (tmp_path / "base" / "config.json").unlink()  # the measured folder gone: only a stored shape still matches
+    assert draft_ratio(stored, tuned) == 0.38 and draft_ratio(older, tuned) is None
+    assert draft_shape(str(tmp_path / "gone")) is None and draft_shape("/m/draft.gguf") is None

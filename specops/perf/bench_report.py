@@ -178,7 +178,7 @@ class _Model:
                 return 0.0, "in the measured steps (prompt lookup)"
             measured = draft_ratio(self.record, self.draft, self.batch(level))
             if measured is not None:
-                return measured, "measured (the draft's own decode step)"
+                return measured, "measured (a decode step of the draft or of a draft of its shape)"
         return DEFAULT_DRAFT_COST, "assumed (the default; not measured)"
 
     def basis(self) -> str:

@@ -194,12 +194,45 @@ def step_ms(record: dict, batch: int = 1) -> float | None:
     return float(_between(steps, max(1, int(batch)))[0]["t"]) if steps else None
 
 
+#: The fields of a Hugging Face ``config.json`` that set what one forward pass computes: two drafts that agree
+#: on all of them cost the same step, whatever their weights (a fine-tuned copy of a measured draft).
+SHAPE_FIELDS = (
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "tie_word_embeddings",
+    "torch_dtype",
+    "dtype",
+    "quantization_config",
+)
+
+
+def draft_shape(draft: str | None) -> str | None:
+    """What a step of the draft model in folder ``draft`` computes, as its ``config.json``'s
+    :data:`SHAPE_FIELDS` (a canonical JSON string); None for anything else (a GGUF file, a Hub id, no config)."""
+    try:
+        config = json.loads((Path(draft).expanduser() / "config.json").read_text(encoding="utf-8")) if draft else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        return None
+    return json.dumps({k: config.get(k) for k in SHAPE_FIELDS}, sort_keys=True, default=str)
+
+
 def draft_ratio(record: dict, draft: str | None, batch: int = 1) -> float | None:
     """c: the measured cost of a step of the draft model ``draft`` in target steps at ``batch`` (interpolated as
-    the curve is), or None when the record has not measured that draft."""
+    the curve is), or None when the record has measured neither that draft nor one of its shape
+    (:func:`draft_shape`: the entry's stored shape, else its folder's if it is still there)."""
     drafts = record.get("drafts") or {}
     entry = drafts.get(model_identity(draft)) if draft else None
     entry = entry or next((d for d in drafts.values() if draft and d.get("path") == draft), None)
+    shape = draft_shape(draft) if entry is None else None
+    if shape is not None:
+        entry = next((d for d in drafts.values() if (d.get("shape") or draft_shape(d.get("path"))) == shape), None)
     ratios = {int(b): {"c": v} for b, v in ((entry or {}).get("ratio") or {}).items() if str(b).isdigit()}
     if not ratios:
         return None

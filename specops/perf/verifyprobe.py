@@ -53,7 +53,7 @@ from specops.errors import SpecopsError
 from specops.methods import Method
 from specops.perf import cpuload
 from specops.perf.bench_flags import FlagThresholds
-from specops.perf.verifycost import STEPS, CurveKey, drafts_by_model, model_identity, save_curve
+from specops.perf.verifycost import STEPS, CurveKey, draft_shape, drafts_by_model, model_identity, save_curve
 
 #: Tokens per target pass probed, n = k + 1 (n = 1: a plain decode step).
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -388,6 +388,7 @@ async def probe_profile(loaded, registry, engine, *, repeats: int = REPEATS, say
                         t_own[b] = _spec_step_ms(decodes, k, drafts, t_step[b])[0]
         record_drafts[model_identity(profile.speculative.draft)] = {
             "path": profile.speculative.draft,
+            "shape": draft_shape(profile.speculative.draft),
             "k": k,
             "t_spec_ms": {str(b): round(t, 4) for b, t in t_own.items()},
             "ratio": {
