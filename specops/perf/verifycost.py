@@ -180,18 +180,29 @@ def idle_measured(record: dict | None) -> bool:
 def idle_of(record: dict, batch: int = 1) -> float:
     """A draftless step of the speculative engine at ``batch``, in decode steps (interpolated as the curve is);
     1 in a record that did not time it."""
-    idle = {int(b): {"idle": c["idle"]} for b, c in (record.get("batches") or {}).items()
-            if str(b).isdigit() and isinstance(c, dict) and isinstance(c.get("idle"), (int, float))}  # fmt: skip
-    return float(_between(idle, max(1, int(batch)))[0]["idle"]) if idle else 1.0
+    idle = _at_batch(_per_batch(record, "idle"), batch)
+    return 1.0 if idle is None else idle
 
 
 def step_ms(record: dict, batch: int = 1) -> float | None:
     """The target's decode step in ms at ``batch`` (interpolated as the curve is), or None in a record without it."""
-    steps = {int(b): {"t": c["t_step_ms"]} for b, c in (record.get("batches") or {}).items()
-             if str(b).isdigit() and isinstance(c, dict) and c.get("t_step_ms")}  # fmt: skip
-    if not steps and record.get("t_step_ms"):
-        steps = {1: {"t": record["t_step_ms"]}}
-    return float(_between(steps, max(1, int(batch)))[0]["t"]) if steps else None
+    steps = _per_batch(record, "t_step_ms")
+    if not steps and isinstance(record.get("t_step_ms"), (int, float)) and record["t_step_ms"] > 0:
+        steps = {1: float(record["t_step_ms"])}
+    return _at_batch(steps, batch)
+
+
+def _per_batch(record: dict, key: str) -> dict[int, float]:
+    """The positive number ``key`` of each batch the record measured it at."""
+    return {int(b): float(c[key]) for b, c in (record.get("batches") or {}).items()
+            if str(b).isdigit() and isinstance(c, dict) and isinstance(c.get(key), (int, float)) and c[key] > 0}  # fmt: skip
+
+
+def _at_batch(values: dict[int, float], batch: int) -> float | None:
+    """One number measured per batch, at ``batch`` (interpolated as the curve is); None where none was."""
+    if not values:
+        return None
+    return float(_between({b: {"v": v} for b, v in values.items()}, max(1, int(batch)))[0]["v"])
 
 
 #: The fields of a Hugging Face ``config.json`` that set what one forward pass computes: two drafts that agree
@@ -233,10 +244,8 @@ def draft_ratio(record: dict, draft: str | None, batch: int = 1) -> float | None
     shape = draft_shape(draft) if entry is None else None
     if shape is not None:
         entry = next((d for d in drafts.values() if (d.get("shape") or draft_shape(d.get("path"))) == shape), None)
-    ratios = {int(b): {"c": v} for b, v in ((entry or {}).get("ratio") or {}).items() if str(b).isdigit()}
-    if not ratios:
-        return None
-    return float(_between(ratios, max(1, int(batch)))[0]["c"])
+    ratios = {int(b): v for b, v in ((entry or {}).get("ratio") or {}).items() if str(b).isdigit()}
+    return _at_batch(ratios, batch)
 
 
 def drafts_by_model(profile) -> bool:
