@@ -100,14 +100,16 @@ def test_a_per_batch_schedule_is_followed_on_both_sides_of_its_threshold(tmp_pat
         argv = " ".join(run.events("start")[0]["argv"])
         assert '"num_speculative_tokens_per_batch_size":[[1,2,3],[3,16,1]]' in argv
         k1, n1 = drafted_k(st["url"], st["engine_url"], target, 1, 8.0)
-        k6, n6 = drafted_k(st["url"], st["engine_url"], target, 6, 8.0, max_tokens=128)
+        k6, n6 = drafted_k(st["url"], st["engine_url"], target, 6, 8.0, max_tokens=400)
         # one client: batch 1 → k 3 every step; six: batch 3..6 most of the time → k 1 (a step with fewer
         # requests, while one finishes and the next is admitted, drafts 3: how many depends on the machine's
         # load — a fresh-clone run measured 1.52 — so the bound says "mostly k 1", not a timing). Six clients
-        # ask for long answers: with short ones on a loaded machine, the clients' own turnaround once kept the
-        # batch at two or less (k6 3.0)
+        # ask for long answers (400 tokens): the clients' own turnaround between answers leaves steps with two
+        # requests or fewer, and with short answers those steps were most of them (32 tokens: k6 3.0 on a loaded
+        # machine; 128: 1.39-2.23 on a quiet one; 400: 1.05-2.14). Without the schedule k6 would be 3.0: below
+        # 2.5, at least a quarter of the drafts were the schedule's k 1 at three requests or more
         assert 2.9 <= k1 <= 3.0, k1
-        assert 1.0 <= k6 <= 2.0, k6
+        assert 1.0 <= k6 <= 2.5, (k6, n6)
         assert n1 > 0 and n6 > 0
         assert len(run.events("start")) == 1  # no restart: the engine itself changed k with the batch
         # each answer's own counters, whole and streamed (the usage event, last): the draft is the target, so
