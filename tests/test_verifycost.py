@@ -414,3 +414,12 @@ def test_a_draft_of_a_measured_drafts_shape_costs_what_it_measured(tmp_path):
     (tmp_path / "base" / "config.json").unlink()  # the measured folder gone: only a stored shape still matches
     assert draft_ratio(stored, tuned) == 0.38 and draft_ratio(older, tuned) is None
     assert draft_shape(str(tmp_path / "gone")) is None and draft_shape("/m/draft.gguf") is None
+
+
+def test_a_hand_edited_record_reads_only_positive_numbers_per_batch():
+    from specops.perf.verifycost import idle_of, step_ms
+
+    record = {"batches": {"1": {"t_step_ms": True, "idle": 1.1}, "4": {"t_step_ms": 300.0, "idle": "x"}, "b": {}}}
+    assert step_ms(record, 1) == 300.0  # batch 1's true is no step: the one measured batch stands for all
+    assert idle_of(record, 4) == pytest.approx(1.1)
+    assert step_ms({"batches": {"1": {"t_step_ms": False}}}) is None and idle_of({"batches": []}) == 1.0

@@ -16,6 +16,8 @@ workload where prompt lookup has little to copy.
 
     .venv/bin/python benchmarks/real/adapt_prompts.py write OUT --train 160 --heldout 24
     .venv/bin/python benchmarks/real/adapt_prompts.py write OUT --style instruct --max-tokens 96
+    .venv/bin/python benchmarks/real/adapt_prompts.py write MORE --style instruct --per-module 100 --train 800 \
+        --skip OUT/train.jsonl           # more training prompts from the same modules, none captured before
     .venv/bin/python benchmarks/real/adapt_prompts.py send OUT/train.jsonl --url http://127.0.0.1:8080 -c 8
 """
 
@@ -77,7 +79,20 @@ def cut(body: list[str], rng: random.Random) -> str:
     return "\n".join(body[:n]) + "\n"
 
 
-def write(out: Path, n_train: int, n_heldout: int, max_tokens: int, seed: int, style: str = "complete") -> None:
+def write(
+    out: Path,
+    n_train: int,
+    n_heldout: int,
+    max_tokens: int,
+    seed: int,
+    style: str = "complete",
+    per_module: int = 3,
+    skip: Path | None = None,
+) -> None:
+    """Training and held-out prompts; ``skip`` names a prompt file whose prompts are left out (a capture's)."""
+    skipped = set()
+    if skip is not None:
+        skipped = {json.loads(ln)["prompt"] for ln in skip.read_text(encoding="utf-8").splitlines() if ln.strip()}
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     modules = sorted(p for p in stdlib.glob("*.py") if not p.name.startswith("_"))
     rng = random.Random(seed)
@@ -88,10 +103,10 @@ def write(out: Path, n_train: int, n_heldout: int, max_tokens: int, seed: int, s
         fns = functions(mod)
         rng.shuffle(fns)
         if style == "instruct":
-            made = [t for t in map(instruction, fns) if t][:3]
+            made = [t for t in map(instruction, fns) if t][:per_module]
         else:
-            made = [cut(f, rng) for f in fns[:3]]
-        pools["heldout" if mod in held_modules else "train"] += made
+            made = [cut(f, rng) for f in fns[:per_module]]
+        pools["heldout" if mod in held_modules else "train"] += [p for p in made if p not in skipped]
     out.mkdir(parents=True, exist_ok=True)
     for name, n in (("train", n_train), ("heldout", n_heldout)):
         pool = pools[name]
@@ -140,13 +155,17 @@ def main() -> int:
     w.add_argument("--max-tokens", type=int, default=64)
     w.add_argument("--seed", type=int, default=39)
     w.add_argument("--style", choices=("complete", "instruct"), default="complete")
+    w.add_argument("--per-module", type=int, default=3, help="functions taken from each module (default 3)")
+    w.add_argument("--skip", type=Path, help="a prompt file whose prompts are left out (what was captured before)")
     s = sub.add_parser("send")
     s.add_argument("file", type=Path)
     s.add_argument("--url", default="http://127.0.0.1:8080")
     s.add_argument("-c", type=int, default=4)
     args = ap.parse_args()
     if args.cmd == "write":
-        write(args.out, args.train, args.heldout, args.max_tokens, args.seed, args.style)
+        write(
+            args.out, args.train, args.heldout, args.max_tokens, args.seed, args.style, args.per_module, args.skip
+        )
     else:
         asyncio.run(send(args.file, args.url, args.c))
     return 0

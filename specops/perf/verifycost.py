@@ -193,9 +193,13 @@ def step_ms(record: dict, batch: int = 1) -> float | None:
 
 
 def _per_batch(record: dict, key: str) -> dict[int, float]:
-    """The positive number ``key`` of each batch the record measured it at."""
-    return {int(b): float(c[key]) for b, c in (record.get("batches") or {}).items()
-            if str(b).isdigit() and isinstance(c, dict) and isinstance(c.get(key), (int, float)) and c[key] > 0}  # fmt: skip
+    """The positive number ``key`` of each batch the record measured it at (a hand-edited true is no number)."""
+    out = {}
+    for batch, cell in (record.get("batches") or {}).items():
+        value = cell.get(key) if isinstance(cell, dict) else None
+        if str(batch).isdigit() and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            out[int(batch)] = float(value)
+    return out
 
 
 def _at_batch(values: dict[int, float], batch: int) -> float | None:

@@ -1,0 +1,145 @@
+"""Two drafts of one target compared request by request: both engines up, each prompt sent to one and then the other.
+
+`ab_drafts.py` alternates whole benches, 16 minutes apart; on 2 cores with nothing else running the target alone
+drifted 17 % between benches, more than a fine-tuned draft's gain. Here both profiles' engines are up at once (one
+serving while the other idles), every held-out prompt goes to A and to B seconds apart at one client, greedy, the
+order alternating from prompt to prompt and round to round, and what is compared is each pair of requests: the same
+prompt, the same answer (greedy speculation is lossless, so both produce the same tokens), the same minute.
+
+    SPECOPS_PROFILE_ROOT=benchmarks/real .venv/bin/python benchmarks/real/ab_interleaved.py A.yaml B.yaml \\
+        -p PROMPTS --rounds 3 --max-tokens 64 -o OUT.json
+
+OUT.json holds every request (tokens, seconds, drafted and accepted tokens from the engine's counters read before
+and after it) and the summary: each side's tokens/s (its tokens over its seconds) and acceptance; each pair's B/A
+ratio of tokens/s, their median, a bootstrap 90 % interval of that median, and how many pairs B won. It is
+rewritten after every round, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from pathlib import Path
+from statistics import median
+
+from specops.config.profile import load_profile
+from specops.perf.launch import launched
+from specops.perf.workload import Prompt, run_workload
+from specops.plugins import get_registry
+
+
+def prompts_from(path: Path, max_tokens: int) -> list[Prompt]:
+    rows = [json.loads(ln) for ln in path.read_text(encoding="utf-8").split("\n") if ln.strip()]
+    return [Prompt(r["prompt"], max_tokens=max_tokens, temperature=0.0, set=r.get("set", "heldout")) for r in rows]
+
+
+def order(round_index: int, prompt_index: int) -> tuple[str, str]:
+    """Which side goes first: alternating along the prompts, and shifted by one each round."""
+    return ("A", "B") if (round_index + prompt_index) % 2 == 0 else ("B", "A")
+
+
+async def one(eng, prompt: Prompt) -> dict:
+    """One request at one client, with the engine's draft counters read before and after it."""
+    before = await eng.settled_counters()
+    res = await run_workload(eng.base_url, eng.model_name, [prompt], concurrency=1, api_key=eng.api_key)
+    stats = await eng.acceptance_since(before)
+    req = res.requests[0]
+    return {
+        "ok": req.ok and req.output_tokens > 0,
+        "error": req.error,
+        "tokens": req.output_tokens,
+        "seconds": req.latency,
+        "ttft": req.ttft,
+        "drafted": getattr(stats, "draft_tokens", None),
+        "accepted": getattr(stats, "accepted", None),
+        "drafts": getattr(stats, "drafts", None),
+        "acceptance": getattr(stats, "acceptance", None),
+        "mean_acceptance_length": getattr(stats, "mean_acceptance_length", None),
+    }
+
+
+def summarize(rows: list[dict], seed: int = 39) -> dict:
+    """Each side's totals, and the pairs' B/A ratios of tokens/s (median, bootstrap 90 % interval, B's wins)."""
+    sides = {}
+    for side in ("A", "B"):
+        mine = [r[side] for r in rows if r[side]["ok"]]
+        drafted = sum(r["drafted"] or 0 for r in mine)
+        accepted = sum(r["accepted"] or 0 for r in mine)
+        drafts = sum(r["drafts"] or 0 for r in mine)
+        sides[side] = {
+            "requests": len(mine),
+            "tokens_per_s": sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine) if mine else None,
+            "median_request_tokens_per_s": median(r["tokens"] / r["seconds"] for r in mine) if mine else None,
+            "acceptance": accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "drafted": drafted,
+            "accepted": accepted,
+            "median_ttft_s": median(r["ttft"] for r in mine if r["ttft"] is not None) if mine else None,
+        }
+    pairs = [r for r in rows if r["A"]["ok"] and r["B"]["ok"]]
+    ratios = [(r["B"]["tokens"] / r["B"]["seconds"]) / (r["A"]["tokens"] / r["A"]["seconds"]) for r in pairs]
+    out = {
+        "sides": sides,
+        "pairs": len(ratios),
+        "same_tokens": sum(r["A"]["tokens"] == r["B"]["tokens"] for r in pairs),
+    }
+    if ratios:
+        rng = random.Random(seed)
+        boot = sorted(median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+        out |= {
+            "b_over_a_median": median(ratios),
+            "b_over_a_interval_90": [boot[100], boot[1899]],
+            "b_wins": sum(x > 1 for x in ratios),
+            "b_over_a_totals": sides["B"]["tokens_per_s"] / sides["A"]["tokens_per_s"],
+        }
+    return out
+
+
+async def compare(args) -> dict:
+    registry = get_registry()
+    loaded = {side: load_profile(p) for side, p in (("A", args.a), ("B", args.b))}
+    prompts = prompts_from(args.prompts, args.max_tokens)[: args.limit]
+    report = {"a": str(args.a), "b": str(args.b), "prompts": str(args.prompts), "rounds": args.rounds, "rows": []}
+    async with launched(loaded["A"], registry) as eng_a, launched(loaded["B"], registry) as eng_b:
+        engines = {"A": eng_a, "B": eng_b}
+        for eng in engines.values():  # warm-up, not counted
+            await run_workload(eng.base_url, eng.model_name, prompts[:2], concurrency=1, api_key=eng.api_key)
+        for r in range(args.rounds):
+            for i, prompt in enumerate(prompts):
+                row = {"round": r, "prompt": i, "first": order(r, i)[0]}
+                for side in order(r, i):
+                    row[side] = await one(engines[side], prompt)
+                report["rows"].append(row)
+                a, b = row["A"], row["B"]
+                said = (
+                    f"B/A {b['tokens'] / b['seconds'] / (a['tokens'] / a['seconds']):.3f}"
+                    if a["ok"] and b["ok"]
+                    else (f"failed: A {a['error']}, B {b['error']}")
+                )
+                print(f"round {r} prompt {i}: {said}", file=sys.stderr, flush=True)
+            report["summary"] = summarize(report["rows"])
+            args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("a", type=Path, help="profile A (e.g. the draft in service)")
+    ap.add_argument("b", type=Path, help="profile B (e.g. the fine-tuned draft)")
+    ap.add_argument("-p", "--prompts", type=Path, required=True, help="JSON Lines of prompts (bench's format)")
+    ap.add_argument("--rounds", type=int, default=3, help="passes over the prompts (default 3)")
+    ap.add_argument("--limit", type=int, default=None, help="the first N prompts only")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("-o", "--out", type=Path, required=True, help="the JSON written after every round")
+    args = ap.parse_args(argv)
+    report = asyncio.run(compare(args))
+    json.dump(report["summary"], sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
