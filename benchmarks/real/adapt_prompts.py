@@ -163,9 +163,7 @@ def main() -> int:
     s.add_argument("-c", type=int, default=4)
     args = ap.parse_args()
     if args.cmd == "write":
-        write(
-            args.out, args.train, args.heldout, args.max_tokens, args.seed, args.style, args.per_module, args.skip
-        )
+        write(args.out, args.train, args.heldout, args.max_tokens, args.seed, args.style, args.per_module, args.skip)
     else:
         asyncio.run(send(args.file, args.url, args.c))
     return 0
