@@ -8,7 +8,8 @@
 #
 # WORK holds the prompts and the capture of benchmarks/real/vllm-qwen-adapt.sh (its stages `prompts capture`).
 # CAPTURE (default WORK/capture) is what `train` learns from; DISTILL (default WORK/distill) its work folder, whose
-# draft the later stages measure.
+# draft the later stages measure; STEPS (default 100) how long `train` runs; CANARY_MIN (default 300) the drafted tokens
+# each side of the canary needs before it decides.
 # Training runs under `nice -n 19`; run the measuring stages in one hold of the machine's lock:
 #   flock /tmp/brief/bench.lock benchmarks/real/vllm-qwen-distill.sh WORK promote bench canary
 set -euo pipefail
@@ -34,7 +35,7 @@ for stage in "$@"; do
   case $stage in
   train)  # the last 4 of the 0.5B's 24 blocks, on the captured answers (one in ten prompts held out)
     nice -n 19 $PY -m specops.cli adapt train "$PROFILE" --from "$CAPTURE" --out "$DISTILL" \
-      --layers 4 --steps 100 --batch 8 --lr 2e-5 --json > "$DISTILL-train.json" ;;
+      --layers 4 --steps "${STEPS:-100}" --batch 8 --lr 2e-5 --json > "$DISTILL-train.json" ;;
   promote)  # the untrained 0.5B (in service) against the fine-tuned one on the held-out prompts
     $PY -m specops.cli adapt promote "$PROFILE" "$ADAPTED" --heldout "$HELDOUT" --limit 6 --max-tokens 64 \
       --json > "$DISTILL-promote.json" || true ;;
@@ -57,7 +58,8 @@ for stage in "$@"; do
 import real_models_dir as m; print(b(), m() / 'qwen2.5-coder-1.5b-instruct-q4_k_m.gguf')")
     "$LLAMA" -m "$GGUF" --host 127.0.0.1 --port 8394 --no-repack -c 4096 -t 2 > "$WORK/twin-llama.log" 2>&1 &
     twin=$!
-    sed -e "s#^extends: .*#extends: $PROFILE#" benchmarks/real/vllm-qwen-pair-canary.yaml > "$WORK/canary.yaml"
+    sed -e "s#^extends: .*#extends: $PROFILE#" -e "s#min_draft_tokens: 300#min_draft_tokens: ${CANARY_MIN:-300}#" \
+      benchmarks/real/vllm-qwen-pair-canary.yaml > "$WORK/canary.yaml"
     echo 'speculative: {draft: "${SPECOPS_REAL_MODELS}/hf/qwen2.5-coder-0.5b-instruct-q4_k_m"}' >> "$WORK/canary.yaml"
     $PY -m specops.cli up "$WORK/canary.yaml" --quiet-engine > "$WORK/up-canary.log" 2>&1 &
     wait_for "$WORK/up-canary.log" "ready in" 900
