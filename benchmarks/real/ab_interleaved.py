@@ -9,9 +9,10 @@ prompt, the same answer (greedy speculation is lossless, so both produce the sam
     SPECOPS_PROFILE_ROOT=benchmarks/real .venv/bin/python benchmarks/real/ab_interleaved.py A.yaml B.yaml \\
         -p PROMPTS --rounds 1 --max-tokens 64 --swap -o OUT.json
 
-Measured so on 2 cores, the engine launched second served the same requests 7-10 % slower than the one launched
-first, whichever draft it had: ``--swap`` runs the comparison twice, launching A first and then B first, and the
-summary's ``b_over_a`` is the geometric mean of the two launch orders' medians, in which that effect cancels.
+What is left is the launch: on 2 cores the same engine served the same requests up to 8 % faster or slower from one
+launch to the next (the first two runs had whichever engine was launched second 7 % slower, the third did not).
+``--swap`` runs the comparison twice, launching A first and then B first, and the summary's ``b_over_a`` is the
+geometric mean of the two launches' medians: a launch-order effect cancels, a launch's own luck halves in weight.
 
 OUT.json holds every request (tokens, seconds, drafted and accepted tokens from the engine's counters read before
 and after it) and the summary: each side's tokens/s (its tokens over its seconds) and acceptance; each pair's B/A
