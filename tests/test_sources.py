@@ -379,7 +379,13 @@ def test_promql_idle_and_target_down(world):
     ex, prom = world.b, world.prom
     labels = {"job": "engine", "instance": ex.address}
     sel = f'llamacpp:spec_decode_num_draft_tokens_total{{instance="{ex.address}"}}'
-    wait_until(lambda: (prom.value(f"count_over_time({sel}[1m])") or 0) >= 3, 60, "three scrapes of exporter b")
+    # three scrapes, the latest answered: under load one scrape can miss its 1 s timeout, and the target then reads down
+    up = f'up{{instance="{ex.address}"}}'
+    wait_until(
+        lambda: (prom.value(f"count_over_time({sel}[1m])") or 0) >= 3 and prom.value(up) == 1,
+        60,
+        "three scrapes of exporter b, the latest answered",
+    )
     src = PromQLSource(prom.url, "llamacpp:", labels, window_s=3, timeout=3)
     idle = src.read(now=100.0)
     assert idle.status == NO_DATA and "idle" in idle.reason  # counters unchanged: no data, never 0
@@ -388,7 +394,7 @@ def test_promql_idle_and_target_down(world):
     port = ex.port
     ex.stop()
     try:
-        wait_until(lambda: prom.value(f'up{{instance="{ex.address}"}}') == 0, 30, "Prometheus to see the target down")
+        wait_until(lambda: prom.value(up) == 0, 30, "Prometheus to see the target down")
         down = src.read(now=101.0)
         assert down.status == NO_DATA and "down" in down.reason
     finally:
