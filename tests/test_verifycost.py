@@ -423,3 +423,4 @@ def test_a_hand_edited_record_reads_only_positive_numbers_per_batch():
     assert step_ms(record, 1) == 300.0  # batch 1's true is no step: the one measured batch stands for all
     assert idle_of(record, 4) == pytest.approx(1.1)
     assert step_ms({"batches": {"1": {"t_step_ms": False}}}) is None and idle_of({"batches": []}) == 1.0
+    assert step_ms({"t_step_ms": True}) is None and step_ms({"t_step_ms": 250}) == 250.0  # an older record's one step

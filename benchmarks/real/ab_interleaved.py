@@ -9,10 +9,11 @@ prompt, the same answer (greedy speculation is lossless, so both produce the sam
     SPECOPS_PROFILE_ROOT=benchmarks/real .venv/bin/python benchmarks/real/ab_interleaved.py A.yaml B.yaml \\
         -p PROMPTS --rounds 1 --max-tokens 64 --swap -o OUT.json
 
-What is left is the launch: on 2 cores the same engine served the same requests up to 8 % faster or slower from one
-launch to the next (the first two runs had whichever engine was launched second 7 % slower, the third did not).
-``--swap`` runs the comparison twice, launching A first and then B first, and the summary's ``b_over_a`` is the
-geometric mean of the two launches' medians: a launch-order effect cancels, a launch's own luck halves in weight.
+What is left is the launch: on 2 cores one profile's engine served the same 12 requests at 4.06 to 4.72 tok/s over
+four launches, while the other's, up beside it each time, stayed within 4.30 to 4.41 (the committed runs of
+benchmarks/RESULTS.md). ``--swap`` runs the comparison twice, launching A first and then B first, and the summary's
+``b_over_a`` is the geometric mean of the two launches' medians: a launch-order effect cancels, a launch's own luck
+halves in weight.
 
 OUT.json holds every request (tokens, seconds, drafted and accepted tokens from the engine's counters read before
 and after it) and the summary: each side's tokens/s (its tokens over its seconds) and acceptance; each pair's B/A
@@ -31,15 +32,11 @@ import sys
 from pathlib import Path
 from statistics import median
 
+from specops.adapt.promote import heldout_prompts
 from specops.config.profile import load_profile
 from specops.perf.launch import launched
 from specops.perf.workload import Prompt, run_workload
 from specops.plugins import get_registry
-
-
-def prompts_from(path: Path, max_tokens: int) -> list[Prompt]:
-    rows = [json.loads(ln) for ln in path.read_text(encoding="utf-8").split("\n") if ln.strip()]
-    return [Prompt(r["prompt"], max_tokens=max_tokens, temperature=0.0, set=r.get("set", "heldout")) for r in rows]
 
 
 def order(round_index: int, prompt_index: int) -> tuple[str, str]:
@@ -59,12 +56,17 @@ async def one(eng, prompt: Prompt) -> dict:
         "tokens": req.output_tokens,
         "seconds": req.latency,
         "ttft": req.ttft,
-        "drafted": getattr(stats, "draft_tokens", None),
-        "accepted": getattr(stats, "accepted", None),
-        "drafts": getattr(stats, "drafts", None),
-        "acceptance": getattr(stats, "acceptance", None),
-        "mean_acceptance_length": getattr(stats, "mean_acceptance_length", None),
+        "drafted": stats.draft_tokens,
+        "accepted": stats.accepted,
+        "drafts": stats.drafts,
+        "acceptance": stats.acceptance,
+        "mean_acceptance_length": stats.mean_acceptance_length,
     }
+
+
+def rate(request: dict) -> float:
+    """One request's tokens per second."""
+    return request["tokens"] / request["seconds"]
 
 
 def summarize(rows: list[dict], seed: int = 39) -> dict:
@@ -78,7 +80,7 @@ def summarize(rows: list[dict], seed: int = 39) -> dict:
         sides[side] = {
             "requests": len(mine),
             "tokens_per_s": sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine) if mine else None,
-            "median_request_tokens_per_s": median(r["tokens"] / r["seconds"] for r in mine) if mine else None,
+            "median_request_tokens_per_s": median(map(rate, mine)) if mine else None,
             "acceptance": accepted / drafted if drafted else None,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "drafted": drafted,
@@ -86,7 +88,7 @@ def summarize(rows: list[dict], seed: int = 39) -> dict:
             "median_ttft_s": median(r["ttft"] for r in mine if r["ttft"] is not None) if mine else None,
         }
     pairs = [r for r in rows if r["A"]["ok"] and r["B"]["ok"]]
-    ratios = [(r["B"]["tokens"] / r["B"]["seconds"]) / (r["A"]["tokens"] / r["A"]["seconds"]) for r in pairs]
+    ratios = [rate(r["B"]) / rate(r["A"]) for r in pairs]
     out = {
         "sides": sides,
         "pairs": len(ratios),
@@ -107,7 +109,7 @@ def summarize(rows: list[dict], seed: int = 39) -> dict:
 async def compare(args) -> dict:
     registry = get_registry()
     loaded = {side: load_profile(p) for side, p in (("A", args.a), ("B", args.b))}
-    prompts = prompts_from(args.prompts, args.max_tokens)[: args.limit]
+    prompts = heldout_prompts(args.prompts, args.max_tokens, args.limit)
     report = {"a": str(args.a), "b": str(args.b), "prompts": str(args.prompts), "rounds": args.rounds, "halves": []}
     for launch in (("A", "B"), ("B", "A"))[: 2 if args.swap else 1]:
         half = {"launched_first": launch[0], "rows": []}
@@ -132,7 +134,7 @@ async def compare(args) -> dict:
 def said(row: dict) -> str:
     a, b = row["A"], row["B"]
     if a["ok"] and b["ok"]:
-        return f"B/A {b['tokens'] / b['seconds'] / (a['tokens'] / a['seconds']):.3f}"
+        return f"B/A {rate(b) / rate(a):.3f}"
     return f"failed: A {a['error']}, B {b['error']}"
 
 
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("b", type=Path, help="profile B (e.g. the fine-tuned draft)")
     ap.add_argument("-p", "--prompts", type=Path, required=True, help="JSON Lines of prompts (bench's format)")
     ap.add_argument("--rounds", type=int, default=3, help="passes over the prompts (default 3)")
-    ap.add_argument("--limit", type=int, default=None, help="the first N prompts only")
+    ap.add_argument("--limit", type=int, default=1_000_000, help="the first N prompts only")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--swap", action="store_true", help="measure again with B's engine launched first")
     ap.add_argument("-o", "--out", type=Path, required=True, help="the JSON written after every round")

@@ -187,19 +187,26 @@ def idle_of(record: dict, batch: int = 1) -> float:
 def step_ms(record: dict, batch: int = 1) -> float | None:
     """The target's decode step in ms at ``batch`` (interpolated as the curve is), or None in a record without it."""
     steps = _per_batch(record, "t_step_ms")
-    if not steps and isinstance(record.get("t_step_ms"), (int, float)) and record["t_step_ms"] > 0:
-        steps = {1: float(record["t_step_ms"])}
+    if not steps and (one := _positive(record.get("t_step_ms"))) is not None:
+        steps = {1: one}
     return _at_batch(steps, batch)
 
 
 def _per_batch(record: dict, key: str) -> dict[int, float]:
-    """The positive number ``key`` of each batch the record measured it at (a hand-edited true is no number)."""
+    """The positive number ``key`` of each batch the record measured it at."""
     out = {}
     for batch, cell in (record.get("batches") or {}).items():
-        value = cell.get(key) if isinstance(cell, dict) else None
-        if str(batch).isdigit() and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            out[int(batch)] = float(value)
+        value = _positive(cell.get(key)) if isinstance(cell, dict) else None
+        if str(batch).isdigit() and value is not None:
+            out[int(batch)] = value
     return out
+
+
+def _positive(value) -> float | None:
+    """``value`` as a float when it is a positive number (a hand-edited JSON true is no number), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
 
 
 def _at_batch(values: dict[int, float], batch: int) -> float | None:
